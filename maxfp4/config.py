@@ -1,0 +1,403 @@
+"""Typed, frozen run configuration loaded from YAML with dotted ``key=value`` overrides.
+
+Every key has a type and a default here; unknown keys, wrong types and impossible values raise
+:class:`ConfigError` with one line naming the key, the value and what was expected, before
+anything is compiled. ``include: [other.yaml, ...]`` at the top of a file merges presets (paths
+relative to the including file; the including file wins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from maxfp4.errors import UserError
+
+LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down", "mamba_in", "mamba_out", "lm_head")
+DATA_SOURCES = ("builtin", "text", "synthetic")
+MODEL_KINDS = ("dense",)
+REMAT_POLICIES = ("none", "full")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+
+class ConfigError(UserError):
+    """A configuration problem, reported as one line to the user."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "quickstart"  # run directory is <output_dir>/<name>; same name resumes
+    output_dir: str = "runs"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    d_state: int = 128
+    head_dim: int = 64
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    expand: int = 2
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "dense"
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    head_dim: int = 0  # 0: d_model // n_heads
+    d_ff: int = 768
+    vocab_size: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    attention: str = "auto"  # auto (cuDNN fused on GPU, XLA elsewhere), xla, cudnn
+    pattern: str = ""  # hybrid stacks only
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "builtin"
+    paths: tuple[str, ...] = ()
+    tokenizer: str = ""  # SentencePiece model; empty: train one on the data, kept in the run dir
+    seq_len: int = 256
+    global_batch: int = 16
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    log_every: int = 10
+    microbatches: int = 1  # gradient accumulation: global_batch is split into this many
+    remat: str = "none"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    warmup_steps: int = 100
+    schedule_steps: int = 0  # cosine horizon; 0 = train.steps
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0  # global-norm clipping; 0 = off
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    default: str = "bf16"
+    rules: tuple[dict, ...] = ()
+    recipes: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # 0: only at the end
+    keep: int = 3
+    async_: bool = field(default=True, metadata={"key": "async"})
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.run.output_dir, self.run.name)
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+    def replace(self, **sections: Any) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _yaml_key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _convert(value: Any, typ: Any, key: str) -> Any:
+    """Convert a YAML value to ``typ`` or raise a ConfigError naming ``key``."""
+    origin = typing.get_origin(typ)
+    if dataclasses.is_dataclass(typ):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: got {_describe(value)}, expected a mapping of {typ.__name__} keys")
+        return _build(typ, value, key + ".")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={_describe(value)}: expected true or false")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}={_describe(value)}: expected an integer")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={_describe(value)}: expected a number")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}={_describe(value)}: expected a string")
+    if typ is dict:
+        if value is None:
+            return {}
+        if isinstance(value, dict):
+            return value
+        raise ConfigError(f"{key}={_describe(value)}: expected a mapping")
+    if origin is tuple:
+        (item_type, _) = typing.get_args(typ)
+        if value is None:
+            return ()
+        if isinstance(value, (str, dict)):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={_describe(value)}: expected a list")
+        return tuple(_convert(v, item_type, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        raise AssertionError(f"union types are not used in the config ({key})")
+    raise AssertionError(f"unsupported config type {typ} for {key}")
+
+
+def _build(cls: type, raw: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown key; expected one of {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for yaml_key, f in fields.items():
+        if yaml_key in raw:
+            kwargs[f.name] = _convert(raw[yaml_key], hints[f.name], prefix + yaml_key)
+    return cls(**kwargs)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {_yaml_key(f): _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
+    path = os.path.abspath(path)
+    if path in seen:
+        raise ConfigError(f"include: {path} includes itself")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    includes = raw.pop("include", [])
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        inc_path = inc if os.path.isabs(inc) else os.path.join(os.path.dirname(path), inc)
+        merged = _deep_merge(merged, _read_yaml(inc_path, seen + (path,)))
+    return _deep_merge(merged, raw)
+
+
+def apply_override(raw: dict, override: str) -> dict:
+    """Apply one ``dotted.key=value`` override (value parsed as YAML) to a raw config dict."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected dotted.key=value")
+    key, text = override.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {override!r}: expected dotted.key=value")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    out = dict(raw)
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        child = dict(child) if isinstance(child, dict) else {}
+        node[part] = child
+        node = child
+    node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read ``path`` (None: all defaults), apply overrides, convert and validate."""
+    raw = _read_yaml(path) if path else {}
+    for ov in overrides:
+        raw = apply_override(raw, ov)
+    cfg = _build(Config, raw)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(raw: dict) -> Config:
+    cfg = _build(Config, raw)
+    validate(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={_describe(value)}: expected {expected}")
+
+
+def _positive(section: Any, prefix: str, *names: str) -> None:
+    for n in names:
+        v = getattr(section, n)
+        _require(v > 0, f"{prefix}.{n}", v, "a positive integer")
+
+
+def validate(cfg: Config) -> None:
+    from maxfp4.precision.policy import validate_precision  # late: precision imports config
+
+    r, m, d, t, o = cfg.run, cfg.model, cfg.data, cfg.train, cfg.optim
+    _require(bool(r.name) and "/" not in r.name and r.name not in (".", ".."), "run.name", r.name,
+             "a non-empty name without '/'")
+    _require(bool(r.output_dir), "run.output_dir", r.output_dir, "a directory path")
+
+    _require(m.kind in MODEL_KINDS, "model.kind", m.kind, f"one of {', '.join(MODEL_KINDS)}")
+    _positive(m, "model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
+    _require(m.head_dim >= 0, "model.head_dim", m.head_dim, "a positive integer (0: d_model // n_heads)")
+    _require(m.d_model % m.n_heads == 0, "model.n_heads", m.n_heads,
+             f"a divisor of model.d_model={m.d_model}")
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
+             f"a divisor of model.n_heads={m.n_heads}")
+    _require(m.resolved_head_dim % 2 == 0, "model.head_dim", m.resolved_head_dim,
+             "an even head dimension (RoPE rotates pairs)")
+    _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "a positive number")
+    _require(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "a positive number")
+    _require(m.attention in ATTENTION_IMPLS, "model.attention", m.attention,
+             f"one of {', '.join(ATTENTION_IMPLS)}")
+    _require(m.init_std > 0, "model.init_std", m.init_std, "a positive number")
+
+    _require(d.source in DATA_SOURCES, "data.source", d.source, f"one of {', '.join(DATA_SOURCES)}")
+    if d.source == "text":
+        _require(len(d.paths) > 0, "data.paths", list(d.paths), "at least one file or glob for data.source=text")
+    _positive(d, "data", "seq_len", "global_batch")
+    if d.tokenizer:
+        _require(os.path.isfile(d.tokenizer), "data.tokenizer", d.tokenizer, "an existing SentencePiece model file")
+
+    _require(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
+    _require(t.log_every >= 1, "train.log_every", t.log_every, "an integer >= 1")
+    _require(t.microbatches >= 1, "train.microbatches", t.microbatches, "an integer >= 1")
+    _require(d.global_batch % t.microbatches == 0, "train.microbatches", t.microbatches,
+             f"a divisor of data.global_batch={d.global_batch}")
+    _require(t.remat in REMAT_POLICIES, "train.remat", t.remat, f"one of {', '.join(REMAT_POLICIES)}")
+
+    _require(o.lr > 0, "optim.lr", o.lr, "a positive learning rate")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "an integer >= 0")
+    _require(o.schedule_steps >= 0, "optim.schedule_steps", o.schedule_steps, "an integer >= 0 (0: train.steps)")
+    horizon = o.schedule_steps or t.steps
+    _require(o.warmup_steps <= horizon, "optim.warmup_steps", o.warmup_steps,
+             f"at most the schedule length {horizon}")
+    _require(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", o.min_lr_ratio, "a number in [0, 1]")
+    _require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "a number >= 0")
+    _require(o.clip >= 0, "optim.clip", o.clip, "a number >= 0 (0: no clipping)")
+    _require(0 <= o.b1 < 1, "optim.b1", o.b1, "a number in [0, 1)")
+    _require(0 <= o.b2 < 1, "optim.b2", o.b2, "a number in [0, 1)")
+    _require(o.eps > 0, "optim.eps", o.eps, "a positive number")
+
+    for name in ("data", "fsdp", "tensor"):
+        v = getattr(cfg.mesh, name)
+        _require(v == -1 or v >= 1, f"mesh.{name}", v, "a positive integer or -1 (the remaining devices)")
+    _require([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh", cfg.to_dict()["mesh"],
+             "at most one axis of size -1")
+
+    dist = cfg.distributed
+    _require(dist.num_processes >= 0, "distributed.num_processes", dist.num_processes, "an integer >= 0")
+    if dist.coordinator:
+        _require(dist.num_processes >= 1, "distributed.num_processes", dist.num_processes,
+                 "the number of processes when distributed.coordinator is set")
+        _require(0 <= dist.process_id < dist.num_processes, "distributed.process_id", dist.process_id,
+                 f"an integer in [0, {dist.num_processes})")
+
+    ck = cfg.checkpoint
+    _require(ck.every >= 0, "checkpoint.every", ck.every, "an integer >= 0 (0: only at the end)")
+    _require(ck.keep >= 1, "checkpoint.keep", ck.keep, "an integer >= 1")
+
+    validate_precision(cfg.precision, n_layers=m.n_layers)

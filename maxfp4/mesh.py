@@ -1,0 +1,89 @@
+"""Device mesh (data, fsdp, tensor) and the one table that maps logical axis names to it.
+
+Layers name their axes logically (``batch``, ``embed``, ``heads`` ...); :data:`LOGICAL_RULES`
+is the only place that decides which mesh axes shard them. A mesh axis is used at most once per
+array: activations shard ``batch`` over data and fsdp, so their ``embed`` stays whole, while
+parameters (which have no batch) shard ``embed`` over fsdp - that is FSDP.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxfp4.config import ConfigError, MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "seq": (),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "layers": (),
+    "norm": (),
+}
+
+
+def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n_devices % known:
+            raise ConfigError(f"mesh={dict(zip(MESH_AXES, sizes))}: the fixed axes ({known} devices) "
+                              f"do not divide the {n_devices} devices")
+        sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) != n_devices:
+        raise ConfigError(f"mesh={dict(zip(MESH_AXES, sizes))}: expected axis sizes whose product is "
+                          f"the device count {n_devices}, got {math.prod(sizes)}")
+    return tuple(sizes)  # type: ignore[return-value]
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Auto axis types: shardings are given at the jit boundary and pinned on activations, and
+    XLA's propagation fills in the rest (the scanned blocks need no per-op annotations)."""
+    devices = list(devices if devices is not None else jax.devices())
+    shape = resolve_mesh_shape(cfg, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                         devices=devices)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+    """PartitionSpec for an array whose dims carry ``axes``; a dim that the mesh axes do not
+    divide stays whole rather than failing (small norms, odd vocabularies)."""
+    used: set[str] = set()
+    spec: list[Any] = []
+    for name, size in zip(axes, shape):
+        mesh_axes = [a for a in LOGICAL_RULES.get(name, ()) if name and a not in used and mesh.shape[a] > 1]
+        if mesh_axes and size % math.prod(mesh.shape[a] for a in mesh_axes) == 0:
+            used.update(mesh_axes)
+            spec.append(tuple(mesh_axes) if len(mesh_axes) > 1 else mesh_axes[0])
+        else:
+            spec.append(None)
+    return PartitionSpec(*spec)
+
+
+def tree_shardings(axes_tree: Any, shapes_tree: Any, mesh: Mesh) -> Any:
+    """NamedShardings for a pytree of arrays (or ShapeDtypeStructs) given a matching axes tree."""
+    return jax.tree.map(
+        lambda axes, x: NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh)),
+        axes_tree, shapes_tree, is_leaf=lambda a: isinstance(a, tuple))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"], *([None] * (ndim - 1))))
+
+
+def make_constrain(mesh: Mesh):
+    """``constrain(x, logical_axes)``: pin an activation's sharding inside jit."""
+    def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+        spec = logical_to_spec(axes, x.shape, mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return constrain

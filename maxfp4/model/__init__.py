@@ -1,0 +1,1 @@
+"""Models: every linear layer goes through ``maxfp4.precision.dot``."""

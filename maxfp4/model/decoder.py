@@ -1,0 +1,120 @@
+"""Llama-style decoder: embed -> scanned blocks (RMSNorm, GQA attention with RoPE, RMSNorm,
+SwiGLU) -> RMSNorm -> untied LM head.
+
+Parameters are a plain pytree of FP32 master weights. Block weights are stacked on a leading L
+axis; the forward pass scans each run of consecutive blocks that share a precision recipe
+(:meth:`PrecisionPolicy.block_groups`), so compile time does not grow with depth and the layout
+of the parameters does not depend on the precision policy.
+
+Dimension letters: B batch, T sequence, D d_model, N query heads, K kv heads, G = N/K, H head
+dim, F MLP hidden, V vocabulary, L blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from maxfp4 import precision
+from maxfp4.config import ModelConfig
+from maxfp4.model.attention import attention_block, resolve_implementation
+from maxfp4.model.layers import ACT_DTYPE, normal_init, rms_norm, swiglu_mlp
+from maxfp4.precision import PrecisionPolicy
+
+Params = dict[str, Any]
+
+# Logical axis names of every parameter; mesh.py maps them to mesh axes.
+BLOCK_AXES = {
+    "attn_norm": ("layers", "norm"),
+    "w_qkv": ("layers", "embed", "kv_heads", None, "head_dim"),
+    "w_o": ("layers", "heads", "embed"),
+    "mlp_norm": ("layers", "norm"),
+    "w_up": ("layers", "embed", "mlp", None),
+    "w_down": ("layers", "mlp", "embed"),
+}
+
+
+def param_axes(cfg: ModelConfig) -> Params:
+    del cfg
+    return {
+        "embed": ("vocab", "embed"),
+        "blocks": dict(BLOCK_AXES),
+        "final_norm": ("norm",),
+        "lm_head": ("embed", "vocab"),
+    }
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """FP32 master weights. Residual-branch outputs (w_o, w_down) start smaller by 1/sqrt(2L) so
+    the residual stream's variance does not grow with depth (GPT-2 practice)."""
+    d, L, f, v = cfg.d_model, cfg.n_layers, cfg.d_ff, cfg.vocab_size
+    h, n, k = cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
+    g = n // k
+    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * L)
+    keys = jax.random.split(key, 6)
+    return {
+        "embed": normal_init(keys[0], (v, d), std),
+        "blocks": {
+            "attn_norm": jnp.ones((L, d), jnp.float32),
+            "w_qkv": normal_init(keys[1], (L, d, k, g + 2, h), std),
+            "w_o": normal_init(keys[2], (L, n * h, d), out_std),
+            "mlp_norm": jnp.ones((L, d), jnp.float32),
+            "w_up": normal_init(keys[3], (L, d, f, 2), std),
+            "w_down": normal_init(keys[4], (L, f, d), out_std),
+        },
+        "final_norm": jnp.ones((d,), jnp.float32),
+        "lm_head": normal_init(keys[5], (d, v), std),
+    }
+
+
+def _block(x_BTD: jax.Array, p: Params, positions_BT: jax.Array, segment_ids_BT: jax.Array,
+           cfg: ModelConfig, layer_index: int, policy: PrecisionPolicy, attn_impl: str) -> jax.Array:
+    h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
+    x_BTD = x_BTD + attention_block(
+        h, p["w_qkv"], p["w_o"], positions_BT, segment_ids_BT, rope_theta=cfg.rope_theta,
+        implementation=attn_impl, layer_index=layer_index, policy=policy)
+    h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
+    return x_BTD + swiglu_mlp(h, p["w_up"], p["w_down"], layer_index, policy)
+
+
+def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
+            *, cfg: ModelConfig, policy: PrecisionPolicy, remat: str = "none",
+            constrain=lambda x, axes: x) -> jax.Array:
+    """Logits [B, T, V] in BF16. ``constrain(x, logical_axes)`` pins activation shardings."""
+    x_BTD = jnp.take(params["embed"], inputs_BT, axis=0).astype(ACT_DTYPE)
+    return forward_embedded(params, x_BTD, positions_BT, segment_ids_BT, cfg=cfg, policy=policy,
+                            remat=remat, constrain=constrain)
+
+
+def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
+                     segment_ids_BT: jax.Array, *, cfg: ModelConfig, policy: PrecisionPolicy,
+                     remat: str = "none", constrain=lambda x, axes: x) -> jax.Array:
+    """The model after the embedding lookup (separate so tests can differentiate by position)."""
+    attn_impl = resolve_implementation(cfg.attention)
+    x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
+    for start, end in policy.block_groups():
+        # One scan per run of blocks with identical recipes: the recipe is static inside it.
+        group = params["blocks"] if (start, end) == (0, cfg.n_layers) else jax.tree.map(
+            lambda a: a[start:end], params["blocks"])
+
+        def body(x, p, start=start):
+            y = _block(x, p, positions_BT, segment_ids_BT, cfg, start, policy, attn_impl)
+            return constrain(y, ("batch", "seq", "embed")), None
+
+        if remat == "full":
+            body = jax.checkpoint(body, prevent_cse=False)
+        x_BTD, _ = jax.lax.scan(body, x_BTD, group)
+    x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
+    logits_BTV = precision.dot(x_BTD, params["lm_head"], "lm_head", None, policy)
+    return constrain(logits_BTV, ("batch", "seq", "vocab"))
+
+
+def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Per-token cross entropy in FP32."""
+    logits = logits_BTV.astype(jnp.float32)
+    logz_BT = jax.nn.logsumexp(logits, axis=-1)
+    picked_BT = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+    return logz_BT - picked_BT

@@ -1,0 +1,50 @@
+"""Building blocks shared by the model families.
+
+Dimension letters: B batch, T sequence, D d_model, N query heads, K kv heads, G query heads per
+kv head (N = K*G), H head dim, F MLP hidden, V vocabulary, L blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from maxfp4 import precision
+from maxfp4.precision import PrecisionPolicy
+
+ACT_DTYPE = jnp.bfloat16
+
+
+def rms_norm(x_BTD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in FP32 (never quantized), returned in the activation dtype."""
+    x = x_BTD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (x * scale_D.astype(jnp.float32)).astype(ACT_DTYPE)
+
+
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half convention (Llama): pairs are (i, i + H/2)."""
+    h = x_BTNH.shape[-1]
+    inv_freq_h = 1.0 / (theta ** (jnp.arange(0, h // 2, dtype=jnp.float32) * 2.0 / h))
+    angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq_h
+    sin = jnp.sin(angles_BTh)[:, :, None, :]
+    cos = jnp.cos(angles_BTh)[:, :, None, :]
+    x = x_BTNH.astype(jnp.float32)
+    x1, x2 = x[..., : h // 2], x[..., h // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def swiglu_mlp(x_BTD: jax.Array, w_up_DF2: jax.Array, w_down_FD: jax.Array,
+               layer_index: int, policy: PrecisionPolicy) -> jax.Array:
+    """SwiGLU: gate and up share one GEMM; the weight is [D, F, 2] so that sharding F keeps
+    each device's gate and up columns together."""
+    d, f, _ = w_up_DF2.shape
+    gate_up_BTF2 = precision.dot(x_BTD, w_up_DF2.reshape(d, 2 * f), "mlp_up", layer_index, policy)
+    gate_up_BTF2 = gate_up_BTF2.reshape(*x_BTD.shape[:-1], f, 2)
+    h_BTF = jax.nn.silu(gate_up_BTF2[..., 0].astype(jnp.float32)) * gate_up_BTF2[..., 1].astype(jnp.float32)
+    return precision.dot(h_BTF.astype(ACT_DTYPE), w_down_FD, "mlp_down", layer_index, policy)
+
+
+def normal_init(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
+    return std * jax.random.normal(key, shape, jnp.float32)

@@ -1,0 +1,157 @@
+"""Precision policy: ordered rules resolved once into a (block index, layer class) -> recipe table.
+
+Rules are data (``precision.rules`` in YAML); the first rule that matches a (class, block) pair
+wins, otherwise ``precision.default``. ``layers`` is a Python slice string over block indices
+(``"-4:"``) or a list of indices (negatives count from the end). The LM head is not a block: only
+rules without ``layers`` apply to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from maxfp4.config import LAYER_CLASSES, ConfigError, PrecisionConfig
+from maxfp4.precision.recipes import RECIPES
+
+RULE_KEYS = ("classes", "layers", "recipe")
+BLOCK_CLASSES = tuple(c for c in LAYER_CLASSES if c != "lm_head")
+
+
+def _parse_layers(spec: Any, n_layers: int, key: str) -> frozenset[int]:
+    if isinstance(spec, str):
+        parts = spec.split(":")
+        if len(parts) not in (2, 3):
+            raise ConfigError(f"{key}={spec!r}: expected a Python slice like '-4:' or '0:8:2', or a list of indices")
+        try:
+            bounds = [int(p) if p.strip() else None for p in parts]
+        except ValueError:
+            raise ConfigError(f"{key}={spec!r}: expected integers in the slice") from None
+        if len(bounds) == 3 and bounds[2] == 0:
+            raise ConfigError(f"{key}={spec!r}: slice step must not be 0")
+        picked = range(n_layers)[slice(*bounds)]
+    elif isinstance(spec, int) and not isinstance(spec, bool):
+        picked = [spec]
+    elif isinstance(spec, (list, tuple)):
+        picked = []
+        for i in spec:
+            if not isinstance(i, int) or isinstance(i, bool) or not -n_layers <= i < n_layers:
+                raise ConfigError(f"{key}: index {i!r} out of range for {n_layers} blocks")
+            picked.append(i % n_layers)
+    else:
+        raise ConfigError(f"{key}={spec!r}: expected a slice string or a list of block indices")
+    chosen = frozenset(picked)
+    if not chosen:
+        raise ConfigError(f"{key}={spec!r}: selects no block of {n_layers}")
+    return chosen
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    classes: frozenset[str]
+    layers: frozenset[int] | None  # None: every block and the LM head
+    recipe: str
+
+
+def _parse_rule(raw: Any, i: int, n_layers: int) -> Rule:
+    key = f"precision.rules[{i}]"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}={raw!r}: expected a mapping with classes/layers/recipe")
+    unknown = sorted(set(raw) - set(RULE_KEYS))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}: unknown key; expected one of {', '.join(RULE_KEYS)}")
+    if "recipe" not in raw:
+        raise ConfigError(f"{key}: missing recipe; expected one of {', '.join(RECIPES)}")
+    recipe = raw["recipe"]
+    if recipe not in RECIPES:
+        raise ConfigError(f"{key}.recipe={recipe!r}: unknown recipe; expected one of {', '.join(RECIPES)}")
+    classes = raw.get("classes", list(LAYER_CLASSES))
+    if isinstance(classes, str):
+        classes = [classes]
+    for c in classes:
+        if c not in LAYER_CLASSES:
+            raise ConfigError(f"{key}.classes: unknown layer class {c!r}; expected one of {', '.join(LAYER_CLASSES)}")
+    layers = _parse_layers(raw["layers"], n_layers, key + ".layers") if "layers" in raw else None
+    return Rule(frozenset(classes), layers, recipe)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPolicy:
+    """The resolved table. Hashable, so it can be a static argument of jitted functions."""
+
+    n_layers: int
+    block_table: tuple[tuple[str, ...], ...]  # [block][class index in BLOCK_CLASSES] -> recipe
+    lm_head: str
+    options: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+
+    def recipe_for(self, layer_class: str, layer_index: int | None) -> str:
+        if layer_class == "lm_head" or layer_index is None:
+            return self.lm_head
+        return self.block_table[layer_index][BLOCK_CLASSES.index(layer_class)]
+
+    def options_for(self, recipe: str) -> dict:
+        return dict(dict(self.options).get(recipe, ()))
+
+    def block_groups(self) -> list[tuple[int, int]]:
+        """Half-open runs [start, end) of consecutive blocks with identical recipes: one scan each."""
+        groups: list[tuple[int, int]] = []
+        start = 0
+        for i in range(1, self.n_layers + 1):
+            if i == self.n_layers or self.block_table[i] != self.block_table[start]:
+                groups.append((start, i))
+                start = i
+        return groups
+
+    def format_table(self, classes: Sequence[str] = BLOCK_CLASSES) -> str:
+        width = max(len(c) for c in classes)
+        header = "block  " + "  ".join(c.ljust(max(width, 11)) for c in classes)
+        lines = [header]
+        for start, end in self.block_groups():
+            row = self.block_table[start]
+            label = f"{start}" if end - start == 1 else f"{start}-{end - 1}"
+            lines.append(label.ljust(7) + "  ".join(
+                row[BLOCK_CLASSES.index(c)].ljust(max(width, 11)) for c in classes))
+        lines.append(f"lm_head: {self.lm_head}")
+        return "\n".join(lines)
+
+
+def _resolve_options(cfg: PrecisionConfig) -> dict[str, dict]:
+    out = {}
+    for name, opts in cfg.recipes.items():
+        if name not in RECIPES:
+            raise ConfigError(f"precision.recipes.{name}: unknown recipe; expected one of {', '.join(RECIPES)}")
+        defaults = RECIPES[name][1]
+        if not isinstance(opts, dict):
+            raise ConfigError(f"precision.recipes.{name}={opts!r}: expected a mapping of options")
+        for k in opts:
+            if k not in defaults:
+                allowed = ", ".join(defaults) or "none"
+                raise ConfigError(f"precision.recipes.{name}.{k}: unknown option; expected one of {allowed}")
+        out[name] = {**defaults, **opts}
+    return out
+
+
+def resolve_policy(cfg: PrecisionConfig, n_layers: int) -> PrecisionPolicy:
+    if cfg.default not in RECIPES:
+        raise ConfigError(f"precision.default={cfg.default!r}: unknown recipe; expected one of {', '.join(RECIPES)}")
+    rules = [_parse_rule(r, i, n_layers) for i, r in enumerate(cfg.rules)]
+    options = _resolve_options(cfg)
+
+    def pick(layer_class: str, index: int | None) -> str:
+        for rule in rules:
+            if layer_class not in rule.classes:
+                continue
+            if rule.layers is not None and (index is None or index not in rule.layers):
+                continue
+            return rule.recipe
+        return cfg.default
+
+    table = tuple(tuple(pick(c, i) for c in BLOCK_CLASSES) for i in range(n_layers))
+    used = {r for row in table for r in row} | {pick("lm_head", None)}
+    all_options = {name: {**RECIPES[name][1], **options.get(name, {})} for name in used}
+    frozen = tuple(sorted((n, tuple(sorted(o.items()))) for n, o in all_options.items()))
+    return PrecisionPolicy(n_layers, table, pick("lm_head", None), frozen)
+
+
+def validate_precision(cfg: PrecisionConfig, n_layers: int) -> None:
+    resolve_policy(cfg, n_layers)

@@ -1,0 +1,194 @@
+"""``python -m maxfp4.train CONFIG [dotted.key=value ...]``: train a model from a YAML config.
+
+Writes ``<output_dir>/<name>/{config.yaml, precision_table.txt, metrics.jsonl, tensorboard/}``.
+Bad input is reported as one line and exit code 2, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from jax.sharding import NamedSharding, PartitionSpec
+
+from maxfp4 import distributed
+from maxfp4.config import Config, ConfigError, load_config
+from maxfp4.data import make_batches
+from maxfp4.errors import UserError
+from maxfp4.mesh import batch_sharding, make_constrain, make_mesh, tree_shardings
+from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
+from maxfp4.model.decoder import init_params, param_axes
+from maxfp4.optim import make_optimizer, make_schedule
+from maxfp4.precision import resolve_policy
+from maxfp4.state import TrainState
+from maxfp4.step import make_train_step
+
+
+def _say(msg: str) -> None:
+    prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
+    print(prefix + msg, flush=True)
+
+
+def _check_batch_fits_mesh(cfg: Config, mesh) -> None:
+    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.data.global_batch // cfg.train.microbatches
+    if micro % batch_devices:
+        raise ConfigError(
+            f"data.global_batch={cfg.data.global_batch}: expected a multiple of "
+            f"train.microbatches x mesh.data x mesh.fsdp = {cfg.train.microbatches * batch_devices}")
+
+
+def _write_run_files(cfg: Config, run_dir: str, table: str) -> None:
+    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
+        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+    with open(os.path.join(run_dir, "precision_table.txt"), "w", encoding="utf-8") as fh:
+        fh.write(table + "\n")
+
+
+def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation):
+    """Initialise the train state directly into its shardings (no full copy on one device)."""
+    axes = param_axes(cfg.model)
+    key = jax.random.key(cfg.run.seed)
+    param_shapes = jax.eval_shape(lambda k: init_params(cfg.model, k), key)
+    param_sh = tree_shardings(axes, param_shapes, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_sh,
+                                   transform_non_params=lambda _: replicated)
+    state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
+
+    def make(k):
+        params = init_params(cfg.model, k)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=optimizer.init(params), rng=jax.random.fold_in(k, 1))
+
+    state = jax.jit(make, out_shardings=state_sh)(key)
+    return state, state_sh
+
+
+def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=None) -> list[dict[str, Any]]:
+    """Run the training loop described by ``cfg``; returns the logged metric records."""
+    run_dir = cfg.run_dir
+    is_writer = jax.process_index() == 0
+    os.makedirs(run_dir, exist_ok=True)
+
+    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+    table = policy.format_table(("attn_qkv", "attn_out", "mlp_up", "mlp_down"))
+    mesh = make_mesh(cfg.mesh, devices)
+    _check_batch_fits_mesh(cfg, mesh)
+    data = make_batches(cfg, run_dir, process_index=jax.process_index(),
+                        process_count=jax.process_count())
+    if is_writer:
+        _write_run_files(cfg, run_dir, table)
+        _say(f"run directory {run_dir}")
+        _say("precision policy:\n" + table)
+        _say(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)")
+
+    optimizer = make_optimizer(cfg)
+    schedule = make_schedule(cfg)
+    state, state_sh = init_state(cfg, mesh, optimizer)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    if is_writer:
+        _say(f"model: {n_params / 1e6:.1f}M parameters, {cfg.model.n_layers} blocks")
+
+    constrain = make_constrain(mesh)
+    step_fn = make_train_step(cfg, policy, optimizer, schedule, constrain)
+    b_sh = batch_sharding(mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(step_fn, in_shardings=(state_sh, b_sh), out_shardings=(state_sh, replicated),
+                     donate_argnums=0)
+
+    tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+    step_flops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
+    n_devices = mesh.devices.size
+    peaks = device_peaks(mesh.devices.flat[0])
+    policy_peak = policy_peak_tflops(cfg.model, cfg.data.seq_len, policy, peaks) if peaks else None
+    logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, enabled=is_writer, stream=stream)
+
+    def to_global(local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.make_array_from_process_local_data(b_sh, v) for k, v in local.items()}
+
+    records: list[dict[str, Any]] = []
+    start_step = int(state.step)
+    pending: tuple[int, dict[str, jax.Array]] | None = None
+    last_time: float | None = None
+    step_times: list[float] = []
+    losses_since_log: list[float] = []
+
+    def flush(step: int, metrics: dict[str, jax.Array], final: bool) -> None:
+        """Fetch a finished step's metrics (the next step is already queued) and log them."""
+        nonlocal last_time
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        if last_time is not None:
+            step_times.append(now - last_time)
+        last_time = now
+        losses_since_log.append(values["loss"])
+        if not (step % cfg.train.log_every == 0 or final or step == start_step + 1):
+            return
+        recent = step_times[-cfg.train.log_every:]
+        # The logged loss is the mean since the last log line: one step's loss is too noisy.
+        mean_loss = sum(losses_since_log) / len(losses_since_log)
+        losses_since_log.clear()
+        step_time = sum(recent) / len(recent) if recent else math.nan  # first step: compile
+        tflops = step_flops / step_time / n_devices / 1e12 if recent else 0.0
+        record = {
+            "step": step,
+            "loss": mean_loss,
+            "grad_norm": values["grad_norm"],
+            "lr": values["lr"],
+            "tokens_per_s": tokens_per_step / step_time if recent else 0.0,
+            "tflops_per_device": tflops,
+            "mfu": tflops / peaks["bf16"] if peaks and recent else None,
+            "mfu_policy_peak": tflops / policy_peak if policy_peak and recent else None,
+            "step_time_s": step_time if recent else None,
+            "eta_s": (cfg.train.steps - step) * step_time if recent else None,
+        }
+        records.append(record)
+        logger.log(record)
+
+    try:
+        for step in range(start_step, cfg.train.steps):
+            batch = to_global(next(data))
+            state, metrics = jitted(state, batch)
+            if pending is not None:
+                flush(*pending, final=False)
+            pending = (step + 1, metrics)
+        if pending is not None:
+            flush(*pending, final=True)
+    finally:
+        logger.close()
+    return records
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m maxfp4.train", description="Train a language model from a YAML config.")
+    parser.add_argument("config", help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, values parsed as YAML")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        distributed.initialize(cfg.distributed)
+        train(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Test setup: 8 virtual CPU devices for mesh tests (must happen before JAX starts)."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+import pytest  # noqa: E402
+
+from maxfp4.config import load_config  # noqa: E402
+
+TINY = [
+    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.d_ff=128", "model.vocab_size=256", "data.seq_len=32", "data.global_batch=8",
+    "data.source=synthetic", "train.steps=4", "train.log_every=1", "optim.warmup_steps=1",
+]
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    def make(*overrides):
+        return load_config(None, TINY + [f"run.output_dir={tmp_path}"] + list(overrides))
+    return make
