@@ -98,7 +98,9 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     state, state_sh = init_state(cfg, mesh, optimizer)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     if is_writer:
-        _say(f"model: {n_params / 1e6:.1f}M parameters, {cfg.model.n_layers} blocks")
+        from maxfp4.model.attention import resolve_implementation
+        _say(f"model: {n_params / 1e6:.1f}M parameters, {cfg.model.n_layers} blocks, "
+             f"attention {resolve_implementation(cfg.model.attention)}, remat {cfg.train.remat}")
 
     constrain = make_constrain(mesh)
     step_fn = make_train_step(cfg, policy, optimizer, schedule, constrain)

@@ -20,7 +20,8 @@ from maxfp4.precision import PrecisionPolicy
 def resolve_implementation(name: str) -> str:
     """``auto`` picks cuDNN's fused kernel on GPU and XLA elsewhere."""
     if name == "auto":
-        return "cudnn" if jax.default_backend() == "gpu" else "xla"
+        # Device platform, not default_backend(): the latter names the plugin ("cuda").
+        return "cudnn" if jax.devices()[0].platform in ("gpu", "cuda") else "xla"
     return name
 
 

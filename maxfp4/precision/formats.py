@@ -1,0 +1,518 @@
+"""Low-precision number formats: quantize, dequantize and the transforms the recipes need.
+
+Everything here is pure ``jax.numpy``, jit-compatible and bitwise identical under ``jax.jit`` and
+eagerly, on CPU and GPU.
+
+FP8 (per-tensor scale, Transformer Engine semantics)
+    ``E4M3`` (``float8_e4m3fn``: 4 exponent bits, bias 7, 3 mantissa bits, max 448, no inf) and
+    ``E5M2`` (``float8_e5m2``: bias 15, 2 mantissa bits, max 57344). ``q = fp8(clip(x * scale))``,
+    ``x ~ q * (1 / scale)``. The clip comes before the cast because an ``e4m3fn`` cast of anything
+    beyond 464 is NaN.
+
+NVFP4 (NVIDIA, arXiv 2509.25149; Transformer Engine ``NVFP4BlockScaling``)
+    Elements are E2M1 (``float4_e2m1fn``): magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Blocks of 16
+    consecutive elements along the last axis (or 16x16 tiles over the last two axes) share one
+    E4M3 scale ``s``; the tensor has one FP32 scale::
+
+        S_enc = 448 * 6 / amax(x)          (1 if amax == 0),   S_dec = 1 / S_enc
+        s     = e4m3(min(block_amax * (S_enc * (1/6)), 448))   round to nearest even
+        q     = e2m1(clip(x * (1 / (f32(s) * S_dec)), -6, 6))  round to nearest even
+        x    ~= q * f32(s) * S_dec
+
+    A block whose scale rounds to 0 quantizes to (signed) 0. With a PRNG key the E2M1 rounding
+    is stochastic and unbiased: E[q] equals the clipped scaled value (to 2^-32 of a grid step).
+
+OCP MX (microscaling v1.0; comparison recipes only)
+    Blocks of 32 along the last axis share a power-of-two E8M0 scale
+    ``2**(floor(log2(block_amax)) - emax_elem)``; elements are E4M3, E5M2 or E2M1, clipped to the
+    element format's max and rounded to nearest even.
+
+Hadamard
+    ``hadamard16`` applies the fixed 16x16 orthonormal transform ``H16 @ diag(sign) / 4`` to every
+    group of 16 consecutive elements along one axis (NVFP4's random Hadamard transform for wgrad).
+
+Floating-point caveat: XLA on CPU flushes float32 subnormals (|x| < 1.18e-38) to zero, so a
+tensor whose magnitudes all lie below float32's smallest normal quantizes as an all-zero tensor
+there. Non-finite inputs give unspecified (but non-crashing) results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_E4M3 = jnp.float8_e4m3fn
+FP8_E5M2 = jnp.float8_e5m2
+FP4_E2M1 = jnp.float4_e2m1fn
+E8M0 = jnp.float8_e8m0fnu
+
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+E2M1_MAX = 6.0
+
+NVFP4_BLOCK = 16
+MX_BLOCK = 32
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+# --------------------------------------------------------------------------------------------
+# Correctly rounded float32 division
+# --------------------------------------------------------------------------------------------
+
+
+@jax.jit
+def div_rn(a, b) -> jax.Array:
+    """IEEE round-to-nearest-even float32 ``a / b``, identical on every backend.
+
+    XLA on GPU lowers float32 division to PTX ``div.full`` (up to 2 ulp off: on an H200 with
+    jax 0.11.2 about a quarter of random quotients differed from IEEE), and its algebraic
+    simplifier (on every backend) rewrites divisions
+    (``x / broadcast(s)`` -> ``x * (1/s)``, ``1 / (c / a)`` -> ``a * (1/c)``). Scale arithmetic
+    built on those would round differently per backend and per program. This computes the
+    quotient's 24-bit significand by integer long division instead, which no float rewrite
+    touches. Operands and results in float32's normal range take that path; zeros, infinities,
+    NaNs, subnormals and overflowing or subnormal results fall back to ``a / b``. Jitted, so
+    that eager callers do not dispatch the 24 unrolled steps one operation at a time.
+    """
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    a, b = jnp.broadcast_arrays(a, b)
+    a_bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    b_bits = jax.lax.bitcast_convert_type(b, jnp.uint32)
+    ea = ((a_bits >> 23) & 0xFF).astype(jnp.int32)
+    eb = ((b_bits >> 23) & 0xFF).astype(jnp.int32)
+    ma = (a_bits & 0x7FFFFF) | 0x800000  # significands in [2^23, 2^24)
+    mb = (b_bits & 0x7FFFFF) | 0x800000
+    # Pre-shift so the quotient lies in [1, 2): then r starts in [mb, 2 mb).
+    lt = ma < mb
+    r = jnp.where(lt, ma << 1, ma)
+    e = ea - eb + 127 - lt.astype(jnp.int32)  # biased exponent of the quotient
+    q = jnp.zeros_like(ma)
+    for _ in range(24):  # one quotient bit per step; r < 2 mb < 2^25 throughout
+        bit = r >= mb
+        q = (q << 1) | bit.astype(jnp.uint32)
+        r = jnp.where(bit, r - mb, r) << 1
+    # r is now twice the remainder: round up above half an ulp, ties to even.
+    up = (r > mb) | ((r == mb) & ((q & 1) == 1))
+    q = q + up.astype(jnp.uint32)
+    carry = q >> 24  # rounding overflowed to 2^24
+    q = q >> carry
+    e = e + carry.astype(jnp.int32)
+    sign = (a_bits ^ b_bits) & jnp.uint32(0x80000000)
+    bits = sign | (jnp.clip(e, 1, 254).astype(jnp.uint32) << 23) | (q & 0x7FFFFF)
+    exact = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    in_range = (ea > 0) & (ea < 255) & (eb > 0) & (eb < 255) & (e >= 1) & (e <= 254)
+    return jnp.where(in_range, exact, a / b)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 with per-tensor scales
+# --------------------------------------------------------------------------------------------
+
+
+def fp8_max(dtype) -> float:
+    """Largest finite value of a narrow float dtype: 448 for E4M3, 57344 for E5M2, 6 for E2M1."""
+    return float(jnp.finfo(dtype).max)
+
+
+def scale_from_amax(amax, fp8_dtype, margin=0, old_scale=None) -> jax.Array:
+    """Transformer Engine's scale update: ``(fp8_max / amax) / 2**margin`` as float32.
+
+    A zero, negative or non-finite ``amax`` keeps ``old_scale`` (1.0 when None), so an all-zero
+    or diverged step does not wreck the scale. An ``amax`` so small that the quotient overflows
+    gives float32's max instead of inf (as Transformer Engine does), so ``0 * scale`` stays 0.
+    Works elementwise on arrays of amaxes. ``margin`` is an integer (Python or traced).
+    """
+    amax = jnp.asarray(amax, jnp.float32)
+    old = jnp.ones_like(amax) if old_scale is None else jnp.asarray(old_scale, jnp.float32)
+    if isinstance(margin, (int, np.integer)):
+        pow2 = jnp.float32(2.0 ** -int(margin))
+    else:  # a traced integer margin: build 2**-margin from exponent bits (exp2 may be inexact)
+        pow2 = _exp2_int(-jnp.asarray(margin, jnp.int32))
+    new = div_rn(fp8_max(fp8_dtype), amax) * pow2
+    new = jnp.where(jnp.isinf(new), jnp.float32(_F32_MAX), new)
+    keep = ~(jnp.isfinite(amax) & (amax > 0))
+    return jnp.where(keep, old, new).astype(jnp.float32)
+
+
+def quantize_fp8(x: jax.Array, scale, dtype) -> jax.Array:
+    """``fp8(clip(x * scale, -max, max))``, round to nearest even; returns an array of ``dtype``.
+
+    The result is pinned with an optimization barrier: with ``xla_allow_excess_precision`` XLA may
+    otherwise fold a later ``f32 -> fp8 -> f32`` round trip into the identity.
+    """
+    m = fp8_max(dtype)
+    y = jnp.clip(x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32), -m, m)
+    return jax.lax.optimization_barrier(y.astype(dtype))
+
+
+def dequantize_fp8(q: jax.Array, scale, dtype=jnp.float32) -> jax.Array:
+    """``q / scale``, computed as ``q * (1 / scale)`` in float32 and returned as ``dtype``.
+
+    Transformer Engine's ``q * scale_inv``. The reciprocal is correctly rounded (:func:`div_rn`)
+    and the product is one float32 multiply, so the result is the same on every backend (a
+    plain ``q / scale`` is rewritten by XLA into a multiply by an approximate reciprocal anyway).
+    """
+    scale_inv = div_rn(1.0, scale)
+    return (q.astype(jnp.float32) * scale_inv).astype(dtype)
+
+
+def qdq_fp8(x: jax.Array, scale, dtype) -> jax.Array:
+    """Quantize to ``dtype`` with ``scale`` and dequantize again; float32 result."""
+    return dequantize_fp8(quantize_fp8(x, scale, dtype), scale, jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# E2M1 rounding (arithmetic on float32, then an exact cast)
+# --------------------------------------------------------------------------------------------
+
+
+def _round_e2m1(y: jax.Array, rand_bits: jax.Array | None = None) -> jax.Array:
+    """Round float32 ``y`` (already clipped to [-6, 6]) onto the E2M1 grid; float32 result.
+
+    The grid spacing is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so ``|y| / step`` is an exact
+    float32 and the E2M1 mantissa is even exactly when that integer is even: half-to-even
+    rounding of ``|y| / step`` is E2M1 round-to-nearest-even (0.25 -> 0, 0.75 -> 1, 1.75 -> 2,
+    2.5 -> 2, 5 -> 4).
+
+    With ``rand_bits`` (uniform uint32, same shape) it rounds stochastically: up with probability
+    ``ceil(frac * 2^32) / 2^32``, where ``frac = (|y| - lo) / step`` is the position between the
+    neighbours ``lo < |y| < lo + step``. So ``E[q] = y`` up to at most ``2^-32 * step`` (a 23-bit
+    uniform float would leave a bias of up to 2^-24 in absolute terms, large relative to tiny
+    gradients). Every operation here is exact, so the result does not depend on the backend.
+    """
+    a = jnp.abs(y)
+    step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0)).astype(jnp.float32)
+    inv_step = jnp.where(a < 2.0, 2.0, jnp.where(a < 4.0, 1.0, 0.5)).astype(jnp.float32)
+    k = a * inv_step  # exact: multiplying by a power of two (no division, whatever the backend)
+    if rand_bits is None:
+        k = jnp.round(k)  # half to even
+    else:
+        lo = jnp.floor(k)
+        # frac * 2^32 is exact (power-of-two scale) and below 2^32 - 255, so it fits a uint32.
+        threshold = jnp.ceil((k - lo) * jnp.float32(2.0**32)).astype(jnp.uint32)
+        k = lo + (rand_bits < threshold).astype(jnp.float32)
+    return jnp.copysign(k * step, y)
+
+
+# --------------------------------------------------------------------------------------------
+# NVFP4
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Array:
+    """An NVFP4-quantized tensor (a pytree; ``two_d`` is static).
+
+    elements:            float4_e2m1fn, the shape of the original tensor.
+    block_scales:        float8_e4m3fn; ``x.shape[:-1] + (cols // 16,)`` for 1D blocks,
+                         ``x.shape[:-2] + (rows // 16, cols // 16)`` for 16x16 tiles.
+    global_decode_scale: float32 scalar ``S_dec``.
+    two_d:               whether the blocks are 16x16 tiles over the last two axes.
+    """
+
+    elements: jax.Array
+    block_scales: jax.Array
+    global_decode_scale: jax.Array
+    two_d: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.elements.shape)
+
+    def block_dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """``q * f32(s)`` without the global scale. At most 6 significant bits with exponents in
+        [-10, 12], so exact in bfloat16: a BF16 GEMM of these with FP32 accumulation followed by
+        a multiply with both ``global_decode_scale``s is the NVFP4 GEMM up to summation order."""
+        q_blk = _to_blocks(self.elements.astype(jnp.float32), self.two_d)
+        s_blk = _expand_scales(self.block_scales.astype(jnp.float32), self.two_d)
+        return _from_blocks(q_blk * s_blk, self.two_d).astype(dtype)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """``q * f32(s) * S_dec`` in float32 (in that order), returned as ``dtype``."""
+        return (self.block_dequantize(jnp.float32) * self.global_decode_scale).astype(dtype)
+
+
+jax.tree_util.register_dataclass(
+    NVFP4Array,
+    data_fields=["elements", "block_scales", "global_decode_scale"],
+    meta_fields=["two_d"],
+)
+
+
+def _check_blockable(shape: tuple[int, ...], two_d: bool, block: int, what: str) -> None:
+    dims = 2 if two_d else 1
+    if len(shape) < dims:
+        raise ValueError(f"{what}: needs at least {dims} dimension(s), got shape {shape}")
+    for d in shape[-dims:]:
+        if d % block:
+            raise ValueError(
+                f"{what}: the blocked dimension(s) {shape[-dims:]} of shape {shape} must be "
+                f"divisible by {block}"
+            )
+
+
+def _to_blocks(x: jax.Array, two_d: bool, block: int = NVFP4_BLOCK) -> jax.Array:
+    """(..., C) -> (..., C/b, b), or (..., R, C) -> (..., R/b, b, C/b, b) for tiles."""
+    if two_d:
+        *lead, r, c = x.shape
+        return x.reshape(*lead, r // block, block, c // block, block)
+    *lead, c = x.shape
+    return x.reshape(*lead, c // block, block)
+
+
+def _from_blocks(x_blk: jax.Array, two_d: bool) -> jax.Array:
+    if two_d:
+        *lead, rb, b0, cb, b1 = x_blk.shape
+        return x_blk.reshape(*lead, rb * b0, cb * b1)
+    *lead, cb, b = x_blk.shape
+    return x_blk.reshape(*lead, cb * b)
+
+
+def _block_axes(two_d: bool) -> tuple[int, ...]:
+    return (-3, -1) if two_d else (-1,)
+
+
+def _expand_scales(scales: jax.Array, two_d: bool) -> jax.Array:
+    """Stored scales -> a shape that broadcasts against the blocked tensor."""
+    if two_d:
+        return scales[..., :, None, :, None]
+    return scales[..., None]
+
+
+def quantize_nvfp4(
+    x: jax.Array, *, two_d: bool = False, key: jax.Array | None = None
+) -> NVFP4Array:
+    """Quantize ``x`` to NVFP4 (see the module docstring for the exact arithmetic).
+
+    Args:
+      x: float array; the last axis (and with ``two_d`` the last two axes) divisible by 16.
+      two_d: one scale per 16x16 tile over the last two axes (weights: W and W^T then quantize
+        to the same values) instead of per 16 consecutive elements of the last axis.
+      key: a JAX PRNG key; when given, elements are rounded stochastically (unbiased) instead of
+        to nearest even. Scales do not depend on the key.
+
+    The amax, and so ``S_enc``, is taken over the whole array, leading dimensions included.
+    """
+    _check_blockable(tuple(x.shape), two_d, NVFP4_BLOCK, "quantize_nvfp4")
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x))
+    # Divisions are div_rn (IEEE on every backend): a 1-ulp difference in a scale can flip the
+    # rounding of an element or a block scale.
+    s_enc = div_rn(E4M3_MAX * E2M1_MAX, amax)
+    # amax == 0 and amax == inf (s_enc == 0) fall back to 1; a tiny amax must not give inf.
+    s_enc = jnp.where((amax == 0) | (s_enc == 0), jnp.float32(1.0), jnp.minimum(s_enc, _F32_MAX))
+    # The barrier keeps XLA's simplifier from reassociating block_amax * (s_enc * (1/6)) into
+    # (block_amax * s_enc) * (1/6), which rounds differently.
+    s_dec, block_enc = jax.lax.optimization_barrier(
+        (div_rn(1.0, s_enc), s_enc * jnp.float32(1.0 / E2M1_MAX))
+    )
+
+    x_blk = _to_blocks(x, two_d)
+    axes = _block_axes(two_d)
+    block_amax = jnp.max(jnp.abs(x_blk), axis=axes, keepdims=True)
+    s_f32 = jnp.minimum(block_amax * block_enc, jnp.float32(E4M3_MAX))
+    # The barrier keeps XLA from folding the f32 -> e4m3 -> f32 round trip below away.
+    s_e4m3 = jax.lax.optimization_barrier(s_f32.astype(FP8_E4M3))
+    s_dq = s_e4m3.astype(jnp.float32)
+
+    enc = jnp.minimum(div_rn(1.0, s_dq * s_dec), _F32_MAX)
+    enc = jnp.where(s_dq == 0, jnp.float32(0.0), enc)
+    y_blk = jnp.clip(x_blk * enc, -E2M1_MAX, E2M1_MAX)
+    rand_bits = None if key is None else jax.random.bits(key, y_blk.shape, jnp.uint32)
+    q_blk = _round_e2m1(y_blk, rand_bits)
+
+    scales = jnp.squeeze(s_e4m3, axis=axes)
+    return NVFP4Array(
+        elements=_from_blocks(q_blk, two_d).astype(FP4_E2M1),  # exact: values are on the grid
+        block_scales=scales,
+        global_decode_scale=s_dec.astype(jnp.float32),
+        two_d=two_d,
+    )
+
+
+def qdq_nvfp4(x: jax.Array, *, two_d: bool = False, key: jax.Array | None = None) -> jax.Array:
+    """``quantize_nvfp4(x, two_d=two_d, key=key).dequantize()``: float32, shape of ``x``."""
+    return quantize_nvfp4(x, two_d=two_d, key=key).dequantize(jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# 16-point Hadamard transform
+# --------------------------------------------------------------------------------------------
+
+HADAMARD16_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+def hadamard16_matrix() -> np.ndarray:
+    """The float64 16x16 matrix ``M = H16 @ diag(HADAMARD16_SIGNS) / 4`` (H16 Sylvester, +-1)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < 16:
+        h = np.block([[h, h], [h, -h]])
+    return h @ np.diag(np.asarray(HADAMARD16_SIGNS, np.float64)) / 4.0
+
+
+def _walsh16(v: jax.Array) -> jax.Array:
+    """``H16 @ g`` for every trailing group g of 16 (H16 Sylvester, unnormalised), by butterflies.
+
+    Sylvester's H16 is the Kronecker power H2 x H2 x H2 x H2, so viewing the group as a 2x2x2x2
+    array and applying ``(a, b) -> (a + b, a - b)`` along each of those axes is the product. Adds
+    only: no matmul, hence no TF32/bf16 matmul precision to worry about on GPU.
+    """
+    lead = v.shape[:-1]
+    t = v.reshape(*lead, 2, 2, 2, 2)
+    for ax in range(-4, 0):
+        a = jnp.take(t, 0, axis=ax)
+        b = jnp.take(t, 1, axis=ax)
+        t = jnp.stack([a + b, a - b], axis=ax)
+    return t.reshape(*lead, 16)
+
+
+def _grouped(x: jax.Array, axis: int, fn) -> jax.Array:
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if n % 16:
+        raise ValueError(f"hadamard16: axis {axis} of shape {x.shape} must be divisible by 16")
+    v = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+    lead = v.shape[:-1]
+    out = fn(v.reshape(*lead, n // 16, 16)).reshape(*lead, n)
+    return jnp.moveaxis(out, -1, axis)
+
+
+def hadamard16(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Apply ``M = H16 @ diag(sign) / 4`` to every group of 16 consecutive elements along ``axis``.
+
+    Convention: a group ``g`` (the 16 values ``x[..., 16*j : 16*j+16, ...]`` along ``axis``) is
+    treated as a column vector and becomes ``M @ g``, i.e. as a row vector ``g @ M.T`` =
+    ``g @ diag(sign) @ H16 / 4``: the signs are applied first, then the Hadamard transform.
+    ``M`` is orthonormal; :func:`hadamard16_inverse` applies ``M.T``. Computed in float32 and
+    returned as float32. ``sign = HADAMARD16_SIGNS``; :func:`hadamard16_matrix` returns ``M``.
+    """
+    signs = jnp.asarray(HADAMARD16_SIGNS, jnp.float32)
+    return _grouped(x, axis, lambda g: _walsh16(g * signs) * jnp.float32(0.25))
+
+
+def hadamard16_inverse(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Inverse of :func:`hadamard16`: every group ``g`` becomes ``M.T @ g``, i.e.
+    ``diag(sign) @ (H16 @ g) / 4`` (Hadamard first, then the signs)."""
+    signs = jnp.asarray(HADAMARD16_SIGNS, jnp.float32)
+    return _grouped(x, axis, lambda g: _walsh16(g) * jnp.float32(0.25) * signs)
+
+
+# --------------------------------------------------------------------------------------------
+# OCP MX formats
+# --------------------------------------------------------------------------------------------
+
+# element dtype -> (emax_elem, max_elem)
+_MX_ELEMENTS = {
+    np.dtype(FP8_E4M3): (8, E4M3_MAX),
+    np.dtype(FP8_E5M2): (15, E5M2_MAX),
+    np.dtype(FP4_E2M1): (2, E2M1_MAX),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MXArray:
+    """An MX-quantized tensor (a pytree).
+
+    elements:     the element dtype (float8_e4m3fn, float8_e5m2 or float4_e2m1fn), shape of x.
+    block_scales: float8_e8m0fnu, ``x.shape[:-1] + (cols // 32,)``: the power of two ``2**e``,
+                  ``e`` in [-127, 127] (biased exponent ``e + 127`` in the byte).
+    """
+
+    elements: jax.Array
+    block_scales: jax.Array
+
+    def scale_exponents(self) -> jax.Array:
+        """The unbiased int32 exponents ``e`` of the block scales."""
+        bits = jax.lax.bitcast_convert_type(self.block_scales, jnp.uint8)
+        return bits.astype(jnp.int32) - 127
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """``q * 2**e`` in float32, returned as ``dtype``."""
+        q_blk = _to_blocks(self.elements.astype(jnp.float32), False, MX_BLOCK)
+        # (q * 2**(e+1)) * 0.5: 2**(e+1) is a normal float32 for every e in [-127, 126], while
+        # 2**-127 itself is subnormal (flushed to zero by XLA on CPU). Both products are exact.
+        up = _exp2_int(self.scale_exponents() + 1)[..., None]
+        return _from_blocks((q_blk * up) * jnp.float32(0.5), False).astype(dtype)
+
+
+jax.tree_util.register_dataclass(MXArray, data_fields=["elements", "block_scales"], meta_fields=[])
+
+
+def _exp2_int(e: jax.Array) -> jax.Array:
+    """Exact float32 ``2**e`` for int32 ``e`` in [-126, 127], built from the exponent bits."""
+    bits = (e.astype(jnp.int32) + 127) << 23
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def quantize_mx(x: jax.Array, elem_dtype) -> MXArray:
+    """OCP MX quantization: blocks of 32 along the last axis with an E8M0 power-of-two scale.
+
+    ``e = clamp(floor(log2(block_amax)) - emax_elem, -127, 127)``, elements
+    ``cast(clip(x / 2**e, -max_elem, max_elem))`` rounded to nearest even. A block with
+    ``block_amax == 0`` (or below float32's smallest normal) gets ``e = -127`` and zero elements.
+    ``elem_dtype``: float8_e4m3fn (MXFP8), float8_e5m2, or float4_e2m1fn (MXFP4).
+    """
+    key = np.dtype(elem_dtype)
+    if key not in _MX_ELEMENTS:
+        raise ValueError(f"quantize_mx: unsupported element dtype {elem_dtype}")
+    emax, max_elem = _MX_ELEMENTS[key]
+    _check_blockable(tuple(x.shape), False, MX_BLOCK, "quantize_mx")
+
+    x_blk = _to_blocks(x.astype(jnp.float32), False, MX_BLOCK)
+    block_amax = jnp.max(jnp.abs(x_blk), axis=-1)
+    # floor(log2(amax)) is the unbiased exponent field of a normal float32: exact, unlike log2.
+    biased = (jax.lax.bitcast_convert_type(block_amax, jnp.int32) >> 23) & 0xFF
+    is_zero = biased == 0
+    e = jnp.clip(biased - 127 - emax, -127, 127)
+    e = jnp.where(is_zero, -127, e)
+
+    # x * 2**-e: exact (2**-e is a normal float32 for e in [-127, 126]); zero blocks stay zero.
+    y_blk = x_blk * jnp.where(is_zero, 0.0, _exp2_int(jnp.minimum(-e, 127)))[..., None]
+    y_blk = jnp.clip(y_blk, -max_elem, max_elem)
+    if key == np.dtype(FP4_E2M1):
+        q_blk = _round_e2m1(y_blk).astype(FP4_E2M1)
+    else:
+        q_blk = y_blk.astype(elem_dtype)
+    q_blk = jax.lax.optimization_barrier(q_blk)  # pin the rounding against cast folding
+
+    scales = jax.lax.bitcast_convert_type((e + 127).astype(jnp.uint8), E8M0)
+    return MXArray(elements=_from_blocks(q_blk, False), block_scales=scales)
+
+
+def qdq_mx(x: jax.Array, elem_dtype) -> jax.Array:
+    """``quantize_mx(x, elem_dtype).dequantize()``: float32, shape of ``x``."""
+    return quantize_mx(x, elem_dtype).dequantize(jnp.float32)
+
+
+__all__ = [
+    "FP8_E4M3",
+    "FP8_E5M2",
+    "FP4_E2M1",
+    "E8M0",
+    "E4M3_MAX",
+    "E5M2_MAX",
+    "E2M1_MAX",
+    "NVFP4_BLOCK",
+    "MX_BLOCK",
+    "HADAMARD16_SIGNS",
+    "div_rn",
+    "fp8_max",
+    "scale_from_amax",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "qdq_fp8",
+    "NVFP4Array",
+    "quantize_nvfp4",
+    "qdq_nvfp4",
+    "hadamard16",
+    "hadamard16_inverse",
+    "hadamard16_matrix",
+    "MXArray",
+    "quantize_mx",
+    "qdq_mx",
+]
