@@ -15,6 +15,7 @@ class TrainState:
     params: Any  # FP32 master weights
     opt_state: Any  # optimizer moments (FP32); never sees precision state
     rng: jax.Array  # base key; each step folds in its step number
+    precision: Any  # FP8 delayed-scaling state (maxfp4.precision.state); {} when unused
 
     def replace(self, **changes: Any) -> "TrainState":
         return dataclasses.replace(self, **changes)

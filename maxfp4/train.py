@@ -29,6 +29,7 @@ from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_
 from maxfp4.model.decoder import init_params, param_axes
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
+from maxfp4.precision.state import init_precision_state
 from maxfp4.state import TrainState
 from maxfp4.step import make_train_step
 
@@ -54,8 +55,9 @@ def _write_run_files(cfg: Config, run_dir: str, table: str) -> None:
         fh.write(table + "\n")
 
 
-def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation):
+def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation, policy=None):
     """Initialise the train state directly into its shardings (no full copy on one device)."""
+    policy = policy or resolve_policy(cfg.precision, cfg.model.n_layers)
     axes = param_axes(cfg.model)
     key = jax.random.key(cfg.run.seed)
     param_shapes = jax.eval_shape(lambda k: init_params(cfg.model, k), key)
@@ -64,12 +66,15 @@ def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation):
     opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_sh,
                                    transform_non_params=lambda _: replicated)
-    state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
+    prec_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_precision_state(policy)))
+    state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
+                          precision=prec_sh)
 
     def make(k):
         params = init_params(cfg.model, k)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=optimizer.init(params), rng=jax.random.fold_in(k, 1))
+                          opt_state=optimizer.init(params), rng=jax.random.fold_in(k, 1),
+                          precision=init_precision_state(policy))
 
     state = jax.jit(make, out_shardings=state_sh)(key)
     return state, state_sh
@@ -95,7 +100,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
 
     optimizer = make_optimizer(cfg)
     schedule = make_schedule(cfg)
-    state, state_sh = init_state(cfg, mesh, optimizer)
+    state, state_sh = init_state(cfg, mesh, optimizer, policy)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     if is_writer:
         from maxfp4.model.attention import resolve_implementation

@@ -32,7 +32,7 @@ def _one_step(cfg, devices):
     b_sh = batch_sharding(mesh)
     batch = {k: jax.device_put(v, b_sh) for k, v in _batch(cfg).items()}
     loss_fn = make_loss_fn(cfg, policy, make_constrain(mesh))
-    grads = jax.jit(jax.grad(lambda p, b: loss_fn(p, b)[0]))(state.params, batch)
+    grads = jax.jit(jax.grad(lambda p, b: loss_fn(p, {}, b, jax.random.key(0), 1.0)))(state.params, batch)
     new_state, metrics = jax.jit(step, in_shardings=(state_sh, b_sh), out_shardings=(state_sh, None))(state, batch)
     return before, new_state, jax.device_get(metrics), jax.device_get(grads)
 

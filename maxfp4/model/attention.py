@@ -12,9 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxfp4 import precision
 from maxfp4.model.layers import rope
-from maxfp4.precision import PrecisionPolicy
+from maxfp4.precision import LayerPrecision
 
 
 def resolve_implementation(name: str) -> str:
@@ -39,13 +38,13 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, segment_ids_
 
 def attention_block(x_BTD: jax.Array, w_qkv_DKGH: jax.Array, w_o_ND: jax.Array,
                     positions_BT: jax.Array, segment_ids_BT: jax.Array, *, rope_theta: float | None,
-                    implementation: str, layer_index: int, policy: PrecisionPolicy) -> jax.Array:
+                    implementation: str, lp: LayerPrecision) -> jax.Array:
     """``w_qkv`` is [D, K, G+2, H]: per kv head its G query heads, then its key and value, so that
     splitting K over devices keeps each head group's q, k and v together."""
     b, t, d = x_BTD.shape
     _, k, g2, h = w_qkv_DKGH.shape
     g = g2 - 2
-    qkv = precision.dot(x_BTD, w_qkv_DKGH.reshape(d, k * g2 * h), "attn_qkv", layer_index, policy)
+    qkv = lp.dot(x_BTD, w_qkv_DKGH.reshape(d, k * g2 * h), "attn_qkv")
     qkv_BTKGH = qkv.reshape(b, t, k, g2, h)
     q_BTNH = qkv_BTKGH[:, :, :, :g, :].reshape(b, t, k * g, h)
     k_BTKH = qkv_BTKGH[:, :, :, g, :]
@@ -54,4 +53,4 @@ def attention_block(x_BTD: jax.Array, w_qkv_DKGH: jax.Array, w_o_ND: jax.Array,
         q_BTNH = rope(q_BTNH, positions_BT, rope_theta)
         k_BTKH = rope(k_BTKH, positions_BT, rope_theta)
     out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation)
-    return precision.dot(out_BTNH.reshape(b, t, k * g * h), w_o_ND, "attn_out", layer_index, policy)
+    return lp.dot(out_BTNH.reshape(b, t, k * g * h), w_o_ND, "attn_out")

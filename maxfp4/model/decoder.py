@@ -18,11 +18,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxfp4 import precision
 from maxfp4.config import ModelConfig
 from maxfp4.model.attention import attention_block, resolve_implementation
 from maxfp4.model.layers import ACT_DTYPE, normal_init, rms_norm, swiglu_mlp
-from maxfp4.precision import PrecisionPolicy
+from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
 Params = dict[str, Any]
 
@@ -71,44 +70,59 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
 
 
 def _block(x_BTD: jax.Array, p: Params, positions_BT: jax.Array, segment_ids_BT: jax.Array,
-           cfg: ModelConfig, layer_index: int, policy: PrecisionPolicy, attn_impl: str) -> jax.Array:
+           cfg: ModelConfig, lp: LayerPrecision, attn_impl: str) -> jax.Array:
     h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
     x_BTD = x_BTD + attention_block(
         h, p["w_qkv"], p["w_o"], positions_BT, segment_ids_BT, rope_theta=cfg.rope_theta,
-        implementation=attn_impl, layer_index=layer_index, policy=policy)
+        implementation=attn_impl, lp=lp)
     h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-    return x_BTD + swiglu_mlp(h, p["w_up"], p["w_down"], layer_index, policy)
+    return x_BTD + swiglu_mlp(h, p["w_up"], p["w_down"], lp)
 
 
 def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
-            *, cfg: ModelConfig, policy: PrecisionPolicy, remat: str = "none",
-            constrain=lambda x, axes: x) -> jax.Array:
-    """Logits [B, T, V] in BF16. ``constrain(x, logical_axes)`` pins activation shardings."""
+            *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
+            key: jax.Array | None = None, remat: str = "none", constrain=lambda x, axes: x) -> jax.Array:
+    """Logits [B, T, V] in BF16.
+
+    ``scales``: the delayed-scaling scales (:func:`maxfp4.precision.state.scales_of`); ``key``
+    seeds stochastic rounding; ``constrain(x, logical_axes)`` pins activation shardings.
+    """
     x_BTD = jnp.take(params["embed"], inputs_BT, axis=0).astype(ACT_DTYPE)
     return forward_embedded(params, x_BTD, positions_BT, segment_ids_BT, cfg=cfg, policy=policy,
-                            remat=remat, constrain=constrain)
+                            scales=scales, key=key, remat=remat, constrain=constrain)
 
 
 def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
                      segment_ids_BT: jax.Array, *, cfg: ModelConfig, policy: PrecisionPolicy,
+                     scales: dict | None = None, key: jax.Array | None = None,
                      remat: str = "none", constrain=lambda x, axes: x) -> jax.Array:
     """The model after the embedding lookup (separate so tests can differentiate by position)."""
     attn_impl = resolve_implementation(cfg.attention)
+    scales = scales or {}
+    key = jax.random.key(0) if key is None else key
     x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
     for start, end in policy.block_groups():
         # One scan per run of blocks with identical recipes: the recipe is static inside it.
-        group = params["blocks"] if (start, end) == (0, cfg.n_layers) else jax.tree.map(
-            lambda a: a[start:end], params["blocks"])
+        whole = (start, end) == (0, cfg.n_layers)
+        group = params["blocks"] if whole else jax.tree.map(lambda a: a[start:end], params["blocks"])
+        group_scales = scales.get("blocks", {})
+        if not whole:
+            group_scales = jax.tree.map(lambda a: a[start:end], group_scales)
+        group_keys = jax.random.split(jax.random.fold_in(key, start), end - start)
 
-        def body(x, p, start=start):
-            y = _block(x, p, positions_BT, segment_ids_BT, cfg, start, policy, attn_impl)
+        def body(x, xs, start=start):
+            p, s, k = xs
+            lp = LayerPrecision(policy, start, s, k)
+            y = _block(x, p, positions_BT, segment_ids_BT, cfg, lp, attn_impl)
             return constrain(y, ("batch", "seq", "embed")), None
 
         if remat == "full":
             body = jax.checkpoint(body, prevent_cse=False)
-        x_BTD, _ = jax.lax.scan(body, x_BTD, group)
+        x_BTD, _ = jax.lax.scan(body, x_BTD, (group, group_scales, group_keys))
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
-    logits_BTV = precision.dot(x_BTD, params["lm_head"], "lm_head", None, policy)
+    head = LayerPrecision(policy, None, {"lm_head": scales["lm_head"]} if "lm_head" in scales else None,
+                          jax.random.fold_in(key, cfg.n_layers))
+    logits_BTV = head.dot(x_BTD, params["lm_head"], "lm_head")
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 

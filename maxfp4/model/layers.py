@@ -9,8 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxfp4 import precision
-from maxfp4.precision import PrecisionPolicy
+from maxfp4.precision import LayerPrecision
 
 ACT_DTYPE = jnp.bfloat16
 
@@ -36,14 +35,14 @@ def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
 
 
 def swiglu_mlp(x_BTD: jax.Array, w_up_DF2: jax.Array, w_down_FD: jax.Array,
-               layer_index: int, policy: PrecisionPolicy) -> jax.Array:
+               lp: LayerPrecision) -> jax.Array:
     """SwiGLU: gate and up share one GEMM; the weight is [D, F, 2] so that sharding F keeps
     each device's gate and up columns together."""
     d, f, _ = w_up_DF2.shape
-    gate_up_BTF2 = precision.dot(x_BTD, w_up_DF2.reshape(d, 2 * f), "mlp_up", layer_index, policy)
+    gate_up_BTF2 = lp.dot(x_BTD, w_up_DF2.reshape(d, 2 * f), "mlp_up")
     gate_up_BTF2 = gate_up_BTF2.reshape(*x_BTD.shape[:-1], f, 2)
     h_BTF = jax.nn.silu(gate_up_BTF2[..., 0].astype(jnp.float32)) * gate_up_BTF2[..., 1].astype(jnp.float32)
-    return precision.dot(h_BTF.astype(ACT_DTYPE), w_down_FD, "mlp_down", layer_index, policy)
+    return lp.dot(h_BTF.astype(ACT_DTYPE), w_down_FD, "mlp_down")
 
 
 def normal_init(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:

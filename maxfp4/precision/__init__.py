@@ -2,18 +2,41 @@
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 
+from maxfp4.config import LAYER_CLASSES
 from maxfp4.precision.policy import PrecisionPolicy, resolve_policy
-from maxfp4.precision.recipes import RECIPES
+from maxfp4.precision.registry import RECIPES
 
 
 def dot(x: jax.Array, w: jax.Array, layer_class: str, layer_index: int | None,
-        policy: PrecisionPolicy) -> jax.Array:
-    """``x[..., K] @ w[K, N]`` with the recipe the policy chose for (layer_class, layer_index)."""
+        policy: PrecisionPolicy, *, scales: jax.Array | None = None,
+        key: jax.Array | None = None) -> jax.Array:
+    """``x[..., K] @ w[K, N]`` with the recipe the policy chose for (layer_class, layer_index).
+
+    ``scales`` (f32[3]) is the layer's delayed-scaling state, ``key`` seeds stochastic rounding.
+    """
     recipe = policy.recipe_for(layer_class, layer_index)
     fn, _ = RECIPES[recipe]
-    return fn(x, w, policy.options_for(recipe))
+    return fn(x, w, policy.options_tuple(recipe), scales, key)
 
 
-__all__ = ["dot", "PrecisionPolicy", "resolve_policy"]
+@dataclasses.dataclass(frozen=True)
+class LayerPrecision:
+    """What a block needs to run its linear layers: the policy, its index (the first block of
+    its scan group: recipes are identical inside a group), its delayed-scaling scales by class,
+    and a PRNG key from which each class derives its own."""
+
+    policy: PrecisionPolicy
+    layer_index: int | None
+    scales: dict[str, jax.Array] | None = None
+    key: jax.Array | None = None
+
+    def dot(self, x: jax.Array, w: jax.Array, layer_class: str) -> jax.Array:
+        scales = None if self.scales is None else self.scales.get(layer_class)
+        key = None if self.key is None else jax.random.fold_in(self.key, LAYER_CLASSES.index(layer_class))
+        return dot(x, w, layer_class, self.layer_index, self.policy, scales=scales, key=key)
+
+
+__all__ = ["dot", "LayerPrecision", "PrecisionPolicy", "resolve_policy"]

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from maxfp4.config import LAYER_CLASSES, ConfigError, PrecisionConfig
-from maxfp4.precision.recipes import RECIPES
+from maxfp4.precision.registry import RECIPES
 
 RULE_KEYS = ("classes", "layers", "recipe")
 BLOCK_CLASSES = tuple(c for c in LAYER_CLASSES if c != "lm_head")
@@ -92,6 +92,10 @@ class PrecisionPolicy:
     def options_for(self, recipe: str) -> dict:
         return dict(dict(self.options).get(recipe, ()))
 
+    def options_tuple(self, recipe: str) -> tuple[tuple[str, Any], ...]:
+        """Hashable options, passed to recipes as a static argument."""
+        return dict(self.options).get(recipe, ())
+
     def block_groups(self) -> list[tuple[int, int]]:
         """Half-open runs [start, end) of consecutive blocks with identical recipes: one scan each."""
         groups: list[tuple[int, int]] = []
@@ -115,6 +119,23 @@ class PrecisionPolicy:
         return "\n".join(lines)
 
 
+OPTION_CHOICES = {"amax_algo": ("max", "most_recent")}
+
+
+def _check_option(recipe: str, key: str, value: Any, default: Any) -> None:
+    where = f"precision.recipes.{recipe}.{key}={value!r}"
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false")
+    elif isinstance(default, int):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{where}: expected an integer >= 0")
+        if key == "amax_history" and value < 1:
+            raise ConfigError(f"{where}: expected an integer >= 1")
+    if key in OPTION_CHOICES and value not in OPTION_CHOICES[key]:
+        raise ConfigError(f"{where}: expected one of {', '.join(OPTION_CHOICES[key])}")
+
+
 def _resolve_options(cfg: PrecisionConfig) -> dict[str, dict]:
     out = {}
     for name, opts in cfg.recipes.items():
@@ -123,10 +144,11 @@ def _resolve_options(cfg: PrecisionConfig) -> dict[str, dict]:
         defaults = RECIPES[name][1]
         if not isinstance(opts, dict):
             raise ConfigError(f"precision.recipes.{name}={opts!r}: expected a mapping of options")
-        for k in opts:
+        for k, v in opts.items():
             if k not in defaults:
                 allowed = ", ".join(defaults) or "none"
                 raise ConfigError(f"precision.recipes.{name}.{k}: unknown option; expected one of {allowed}")
+            _check_option(name, k, v, defaults[k])
         out[name] = {**defaults, **opts}
     return out
 

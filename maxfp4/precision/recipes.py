@@ -1,33 +1,220 @@
-"""Linear-layer recipes: how the operands of Y = X W (and its two gradient GEMMs) are quantized.
+"""Linear-layer recipes: how the operands of ``Y = X W`` and of its two gradient GEMMs are quantized.
 
-A recipe is a function ``(x_MK, w_KN, options) -> y_MN`` whose backward pass defines how dgrad
-and wgrad are computed. Master weights arrive in FP32 and gradients leave in FP32.
+Every linear layer makes three GEMMs: fprop ``Y = X W``, dgrad ``dX = dY W^T`` and wgrad
+``dW = X^T dY``. A recipe is a ``jax.custom_vjp`` that decides each operand's format. Master
+weights arrive in FP32; the weight gradient leaves in FP32; activations travel in BF16.
+
+Signature of a recipe: ``fn(x[..., K], w[K, N], options, scales, key) -> y[..., N]`` where
+``options`` is a hashable tuple of (name, value) pairs, ``scales`` is the FP8 delayed-scaling
+state of this layer (f32[3]: x, w, dY) or None, and ``key`` a PRNG key for stochastic rounding.
+
+Delayed scaling needs this step's amaxes to update its state. A recipe cannot return them from
+the forward pass (dY only exists in the backward pass), so the cotangent of ``scales`` carries
+them out: ``jax.grad`` with respect to the scales yields f32[3] amaxes, which
+:mod:`maxfp4.precision.state` folds into the histories. The optimizer never sees them.
+
+Dimension letters: M tokens (batch x sequence), K input features, N output features.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from maxfp4.precision import formats as F
+
 COMPUTE_DTYPE = jnp.bfloat16
+TN = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands: the fast cuBLASLt FP8 layout
 
 
-def bf16_dot(x: jax.Array, w: jax.Array, options: dict | None = None) -> jax.Array:
-    """BF16 operands, FP32 accumulation, BF16 result. Autodiff gives BF16 dgrad/wgrad GEMMs
-    whose weight gradient is returned in the master weight's FP32."""
-    del options
-    y = jax.lax.dot_general(
-        x.astype(COMPUTE_DTYPE),
-        w.astype(COMPUTE_DTYPE),
-        (((x.ndim - 1,), (0,)), ((), ())),
-        preferred_element_type=jnp.float32,
-    )
+def _flat(x: jax.Array) -> jax.Array:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- BF16
+
+
+def bf16_dot(x, w, options=(), scales=None, key=None):
+    """BF16 operands, FP32 accumulation, BF16 result; autodiff makes BF16 dgrad/wgrad GEMMs."""
+    del options, scales, key
+    y = jax.lax.dot_general(x.astype(COMPUTE_DTYPE), w.astype(COMPUTE_DTYPE),
+                            (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(COMPUTE_DTYPE)
 
 
-# name -> (function, default options)
-RECIPES: dict[str, tuple[Callable, dict]] = {
-    "bf16": (bf16_dot, {}),
-}
+# ----------------------------------------------------------------------------- FP8
+
+
+def fp8_gemm_tn(a_q: jax.Array, a_scale: jax.Array, b_q: jax.Array, b_scale: jax.Array) -> jax.Array:
+    """``(a/sa)[M,K] @ (b/sb)[N,K]^T`` for FP8 ``a``, ``b`` with per-tensor scales, BF16 out.
+
+    Written as an FP32 dequantize-then-dot: XLA's GEMM rewriter turns exactly this pattern into
+    a cuBLASLt FP8 GEMM with the scales in its epilogue on Hopper (a BF16 dequantize was not
+    rewritten on jax 0.11 / H200). On CPU it is the same GEMM in FP32 arithmetic.
+    """
+    a = a_q.astype(jnp.float32) * F.div_rn(1.0, a_scale)
+    b = b_q.astype(jnp.float32) * F.div_rn(1.0, b_scale)
+    return jax.lax.dot_general(a, b, TN, preferred_element_type=jnp.float32).astype(COMPUTE_DTYPE)
+
+
+def _fp8_forward(x, w, sx, sw):
+    x_MK = _flat(x)
+    qx_MK = F.quantize_fp8(x_MK, sx, F.FP8_E4M3)
+    qw_KN = F.quantize_fp8(w, sw, F.FP8_E4M3)
+    y_MN = fp8_gemm_tn(qx_MK, sx, qw_KN.T, sw)
+    return y_MN.reshape(*x.shape[:-1], w.shape[1]), (qx_MK, qw_KN)
+
+
+def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw):
+    dy_MN = _flat(dy)
+    qdy_MN = F.quantize_fp8(dy_MN, sdy, F.FP8_E5M2)
+    dx_MK = fp8_gemm_tn(qdy_MN, sdy, qw_KN, sw)  # dY[M,N] . W[K,N]^T
+    dw_KN = fp8_gemm_tn(qx_MK.T, sx, qdy_MN.T, sdy)  # X^T[K,M] . dY^T[N,M]^T
+    return dx_MK.reshape(*dy.shape[:-1], qx_MK.shape[1]), dw_KN.astype(jnp.float32)
+
+
+def _dtype_token(x: jax.Array) -> jax.Array:
+    """A zero-size array that carries x's dtype through the residuals (dtypes are not JAX types)."""
+    return jnp.zeros((0,), x.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_delayed(x, w, options, scales, key):
+    return _fp8_delayed_fwd(x, w, options, scales, key)[0]
+
+
+def _fp8_delayed_fwd(x, w, options, scales, key):
+    del options, key
+    y, (qx, qw) = _fp8_forward(x, w, scales[0], scales[1])
+    amax_xw = jnp.stack([_amax(x), _amax(w)])
+    return y, (qx, qw, scales, amax_xw, _dtype_token(x))
+
+
+def _fp8_delayed_bwd(options, res, dy):
+    del options
+    qx, qw, scales, amax_xw, x_token = res
+    dx, dw = _fp8_backward(dy, scales[2], qx, scales[0], qw, scales[1])
+    # The scales' "gradient" is this step's amaxes (x, w, dY): see the module docstring.
+    amaxes = jnp.concatenate([amax_xw, _amax(dy)[None]])
+    return dx.astype(x_token.dtype), dw, amaxes, None
+
+
+_fp8_delayed.defvjp(_fp8_delayed_fwd, _fp8_delayed_bwd)
+
+
+def fp8_delayed_dot(x, w, options=(), scales=None, key=None):
+    """Per-tensor FP8 with scales from earlier steps' amaxes (Transformer Engine DelayedScaling,
+    HYBRID: E4M3 for x and w, E5M2 for dY)."""
+    if scales is None:
+        raise ValueError("fp8_delayed needs its scaling state (scales f32[3])")
+    return _fp8_delayed(x, w, options, scales, key)
+
+
+@jax.custom_vjp
+def _fp8_current(x, w):
+    return _fp8_current_fwd(x, w)[0]
+
+
+def _fp8_current_fwd(x, w):
+    sx = F.scale_from_amax(_amax(x), F.FP8_E4M3)
+    sw = F.scale_from_amax(_amax(w), F.FP8_E4M3)
+    y, (qx, qw) = _fp8_forward(x, w, sx, sw)
+    return y, (qx, qw, sx, sw, _dtype_token(x))
+
+
+def _fp8_current_bwd(res, dy):
+    qx, qw, sx, sw, x_token = res
+    sdy = F.scale_from_amax(_amax(dy), F.FP8_E5M2)
+    dx, dw = _fp8_backward(dy, sdy, qx, sx, qw, sw)
+    return dx.astype(x_token.dtype), dw
+
+
+_fp8_current.defvjp(_fp8_current_fwd, _fp8_current_bwd)
+
+
+def fp8_current_dot(x, w, options=(), scales=None, key=None):
+    """Per-tensor FP8 with each scale from the tensor's own current amax (no state)."""
+    del options, scales, key
+    return _fp8_current(x, w)
+
+
+# ----------------------------------------------------------------------------- NVFP4
+
+
+def nvfp4_gemm_tn(a: F.NVFP4Array, b: F.NVFP4Array) -> jax.Array:
+    """``a[M,K] @ b[N,K]^T`` of two NVFP4 tensors blocked along K, BF16 out.
+
+    ``q * s`` has at most 6 significant bits, so the block-dequantized operands are exact in
+    BF16; a BF16 GEMM with FP32 accumulation times the two global decode scales in FP32 is
+    NVFP4 up to summation order (what a Blackwell block-scaled GEMM computes).
+    """
+    y = jax.lax.dot_general(a.block_dequantize(COMPUTE_DTYPE), b.block_dequantize(COMPUTE_DTYPE), TN,
+                            preferred_element_type=jnp.float32)
+    return (y * (a.global_decode_scale * b.global_decode_scale)).astype(COMPUTE_DTYPE)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _nvfp4(x, w, options, key):
+    return _nvfp4_fwd(x, w, options, key)[0]
+
+
+def _nvfp4_fwd(x, w, options, key):
+    opts = dict(options)
+    x_MK = _flat(x)  # kept in its own (BF16) dtype for the wgrad re-quantization
+    qx = F.quantize_nvfp4(x_MK.astype(jnp.float32), two_d=False)
+    # Weights: 16x16 tiles, so W and W^T quantize to the same values and dgrad reuses them.
+    two_d = bool(opts["weight_2d"])
+    qw_NK = F.quantize_nvfp4(w.T, two_d=two_d)
+    y = nvfp4_gemm_tn(qx, qw_NK).reshape(*x.shape[:-1], w.shape[1])
+    return y, (x_MK, w if not two_d else None, qw_NK, key)
+
+
+def _nvfp4_bwd(options, res, dy):
+    opts = dict(options)
+    x_MK, w, qw_NK, key = res
+    x_dtype = x_MK.dtype
+    x_MK = x_MK.astype(jnp.float32)
+    dy_MN = _flat(dy).astype(jnp.float32)
+    sr = bool(opts["stochastic_rounding"])
+    k_dgrad, k_wgrad = jax.random.split(key) if (sr and key is not None) else (None, None)
+
+    # dgrad: dY[M,N] blocked along N times W^T[K,N] blocked along N.
+    qdy = F.quantize_nvfp4(dy_MN, key=k_dgrad)
+    qw_KN = F.NVFP4Array(qw_NK.elements.T, jnp.swapaxes(qw_NK.block_scales, -1, -2),
+                         qw_NK.global_decode_scale, True) if w is None else F.quantize_nvfp4(w)
+    dx = nvfp4_gemm_tn(qdy, qw_KN)
+
+    # wgrad: contract over tokens; the 16-point Hadamard transform along M spreads outliers
+    # before both operands are quantized (H^T H = I, so the product is unchanged).
+    if opts["rht"]:
+        x_MK = F.hadamard16(x_MK, axis=0)
+        dy_MN = F.hadamard16(dy_MN, axis=0)
+    qxt = F.quantize_nvfp4(x_MK.T)
+    qdyt = F.quantize_nvfp4(dy_MN.T, key=k_wgrad)
+    dw = nvfp4_gemm_tn(qxt, qdyt).astype(jnp.float32)
+    return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_dtype), dw, None
+
+
+_nvfp4.defvjp(_nvfp4_fwd, _nvfp4_bwd)
+
+
+def nvfp4_dot(x, w, options=(), scales=None, key=None):
+    """NVIDIA's NVFP4 training recipe (arXiv 2509.25149), emulated exactly on Hopper and CPU."""
+    del scales
+    opts = dict(options)
+    if opts["stochastic_rounding"] and key is None:
+        raise ValueError("nvfp4 with stochastic_rounding needs a PRNG key")
+    return _nvfp4(x, w, options, key)
+
+
+# ----------------------------------------------------------------------------- defaults
+
+NVFP4_DEFAULTS = {"rht": True, "stochastic_rounding": True, "weight_2d": True}
+FP8_DELAYED_DEFAULTS = {"amax_history": 1024, "margin": 0, "amax_algo": "max"}

@@ -1,0 +1,18 @@
+"""The recipes a policy may name: name -> (function, default options)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from maxfp4.precision.recipes import (FP8_DELAYED_DEFAULTS, NVFP4_DEFAULTS, bf16_dot, fp8_current_dot,
+                                      fp8_delayed_dot, nvfp4_dot)
+
+RECIPES: dict[str, tuple[Callable, dict]] = {
+    "bf16": (bf16_dot, {}),
+    "fp8_delayed": (fp8_delayed_dot, FP8_DELAYED_DEFAULTS),
+    "fp8_current": (fp8_current_dot, {}),
+    "nvfp4": (nvfp4_dot, NVFP4_DEFAULTS),
+}
+
+# Recipes that carry state from step to step (maxfp4.precision.state).
+STATEFUL_RECIPES = ("fp8_delayed",)
