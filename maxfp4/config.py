@@ -302,9 +302,13 @@ def apply_override(raw: dict, override: str) -> dict:
     return out
 
 
-def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read ``path`` (None: all defaults), apply overrides, convert and validate."""
-    raw = _read_yaml(path) if path else {}
+def load_config(path: str | typing.Sequence[str] | None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read ``path`` (None: all defaults; several files merge left to right), apply overrides,
+    convert and validate."""
+    paths = [path] if isinstance(path, str) else list(path or [])
+    raw: dict = {}
+    for p in paths:
+        raw = _deep_merge(raw, _read_yaml(p))
     for ov in overrides:
         raw = apply_override(raw, ov)
     cfg = _build(Config, raw)

@@ -26,7 +26,7 @@ from maxfp4.data import make_batches
 from maxfp4.errors import UserError
 from maxfp4.mesh import batch_sharding, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
-from maxfp4.model.decoder import init_params, param_axes
+from maxfp4.model.decoder import BLOCK_LAYER_CLASSES, init_params, param_axes
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.precision.state import init_precision_state
@@ -66,7 +66,7 @@ def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation, polic
     opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_sh,
                                    transform_non_params=lambda _: replicated)
-    prec_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_precision_state(policy)))
+    prec_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_precision_state(policy, BLOCK_LAYER_CLASSES)))
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
                           precision=prec_sh)
 
@@ -74,7 +74,7 @@ def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation, polic
         params = init_params(cfg.model, k)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=optimizer.init(params), rng=jax.random.fold_in(k, 1),
-                          precision=init_precision_state(policy))
+                          precision=init_precision_state(policy, BLOCK_LAYER_CLASSES))
 
     state = jax.jit(make, out_shardings=state_sh)(key)
     return state, state_sh
@@ -87,7 +87,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     os.makedirs(run_dir, exist_ok=True)
 
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
-    table = policy.format_table(("attn_qkv", "attn_out", "mlp_up", "mlp_down"))
+    table = policy.format_table(BLOCK_LAYER_CLASSES)
     mesh = make_mesh(cfg.mesh, devices)
     _check_batch_fits_mesh(cfg, mesh)
     data = make_batches(cfg, run_dir, process_index=jax.process_index(),
@@ -181,14 +181,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m maxfp4.train", description="Train a language model from a YAML config.")
     parser.add_argument("config", help="YAML config file (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, values parsed as YAML")
-    return parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*",
+                        help="more YAML files (merged in order, e.g. configs/precision/fp8.yaml) "
+                             "and dotted.key=value overrides, values parsed as YAML")
+    args = parser.parse_args(argv)
+    args.configs = [args.config] + [a for a in args.overrides if "=" not in a]
+    args.overrides = [a for a in args.overrides if "=" in a]
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.configs, args.overrides)
         distributed.initialize(cfg.distributed)
         train(cfg)
     except UserError as e:

@@ -90,3 +90,16 @@ def test_cli_error_is_one_line_exit_2(tmp_path):
     lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
     assert lines == [lines[-1]] and "model.n_heads=7" in lines[-1]
     assert not os.listdir(tmp_path), "nothing may be written before the config is valid"
+
+
+def test_precision_presets_resolve_as_documented():
+    from maxfp4.precision import resolve_policy
+    base = os.path.join(REPO, "configs", "dense-1p3b.yaml")
+    fp8 = load_config([base, os.path.join(REPO, "configs", "precision", "fp8.yaml")])
+    p = resolve_policy(fp8.precision, fp8.model.n_layers)
+    assert p.lm_head == "bf16" and {r for row in p.block_table for r in row} == {"fp8_delayed"}
+    nv = load_config([base, os.path.join(REPO, "configs", "precision", "nvfp4.yaml")], ["model.n_layers=52"])
+    p = resolve_policy(nv.precision, 52)
+    assert p.lm_head == "bf16"
+    assert [row[0] for row in p.block_table] == ["nvfp4"] * 44 + ["bf16"] * 8  # last ~15%
+    assert p.block_groups() == [(0, 44), (44, 52)]

@@ -25,6 +25,9 @@ from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
 Params = dict[str, Any]
 
+# The layer classes of a block of this model (precision policy classes).
+BLOCK_LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down")
+
 # Logical axis names of every parameter; mesh.py maps them to mesh axes.
 BLOCK_AXES = {
     "attn_norm": ("layers", "norm"),

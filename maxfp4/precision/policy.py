@@ -2,7 +2,8 @@
 
 Rules are data (``precision.rules`` in YAML); the first rule that matches a (class, block) pair
 wins, otherwise ``precision.default``. ``layers`` is a Python slice string over block indices
-(``"-4:"``) or a list of indices (negatives count from the end). The LM head is not a block: only
+(``"-4:"``, bounds may be percentages of the depth: ``"85%:"``) or a list of indices
+(negatives count from the end). The LM head is not a block: only
 rules without ``layers`` apply to it.
 """
 
@@ -18,15 +19,28 @@ RULE_KEYS = ("classes", "layers", "recipe")
 BLOCK_CLASSES = tuple(c for c in LAYER_CLASSES if c != "lm_head")
 
 
+def _slice_bound(text: str, n_layers: int) -> int | None:
+    """An integer, or a percentage of the block count rounded down ("85%" of 52 blocks is 44),
+    so one preset fits every depth."""
+    text = text.strip()
+    if not text:
+        return None
+    if text.endswith("%"):
+        pct = float(text[:-1])
+        whole = int(n_layers * abs(pct) // 100)
+        return -whole if pct < 0 else whole
+    return int(text)
+
+
 def _parse_layers(spec: Any, n_layers: int, key: str) -> frozenset[int]:
     if isinstance(spec, str):
         parts = spec.split(":")
         if len(parts) not in (2, 3):
             raise ConfigError(f"{key}={spec!r}: expected a Python slice like '-4:' or '0:8:2', or a list of indices")
         try:
-            bounds = [int(p) if p.strip() else None for p in parts]
+            bounds = [_slice_bound(p, n_layers) for p in parts]
         except ValueError:
-            raise ConfigError(f"{key}={spec!r}: expected integers in the slice") from None
+            raise ConfigError(f"{key}={spec!r}: expected integers or percentages in the slice") from None
         if len(bounds) == 3 and bounds[2] == 0:
             raise ConfigError(f"{key}={spec!r}: slice step must not be 0")
         picked = range(n_layers)[slice(*bounds)]

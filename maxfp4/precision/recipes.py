@@ -34,6 +34,11 @@ def _flat(x: jax.Array) -> jax.Array:
     return x.reshape(-1, x.shape[-1])
 
 
+def _dtype_token(x: jax.Array) -> jax.Array:
+    """A zero-size array that carries x's dtype through the residuals (dtypes are not JAX types)."""
+    return jnp.zeros((0,), x.dtype)
+
+
 def _amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
@@ -41,27 +46,51 @@ def _amax(x: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- BF16
 
 
+@jax.custom_vjp
+def _bf16(x, w):
+    return _bf16_fwd(x, w)[0]
+
+
+def _bf16_fwd(x, w):
+    x_MK, w_KN = _flat(x).astype(COMPUTE_DTYPE), w.astype(COMPUTE_DTYPE)
+    y = jnp.dot(x_MK, w_KN, preferred_element_type=COMPUTE_DTYPE)
+    return y.reshape(*x.shape[:-1], w.shape[1]), (x_MK, w_KN, _dtype_token(x))
+
+
+def _bf16_bwd(res, dy):
+    x_MK, w_KN, x_token = res
+    dy_MN = _flat(dy).astype(COMPUTE_DTYPE)
+    # Written out so that both gradient GEMMs are BF16 x BF16: plain autodiff of a dot with an
+    # FP32 result feeds an FP32 cotangent into them and runs them as FP32 GEMMs.
+    dx = jax.lax.dot_general(dy_MN, w_KN, TN, preferred_element_type=COMPUTE_DTYPE)
+    dw = jax.lax.dot_general(x_MK, dy_MN, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_token.dtype), dw
+
+
+_bf16.defvjp(_bf16_fwd, _bf16_bwd)
+
+
 def bf16_dot(x, w, options=(), scales=None, key=None):
-    """BF16 operands, FP32 accumulation, BF16 result; autodiff makes BF16 dgrad/wgrad GEMMs."""
+    """BF16 operands, FP32 accumulation; BF16 output and input gradient, FP32 weight gradient."""
     del options, scales, key
-    y = jax.lax.dot_general(x.astype(COMPUTE_DTYPE), w.astype(COMPUTE_DTYPE),
-                            (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return y.astype(COMPUTE_DTYPE)
+    return _bf16(x, w)
 
 
 # ----------------------------------------------------------------------------- FP8
 
 
-def fp8_gemm_tn(a_q: jax.Array, a_scale: jax.Array, b_q: jax.Array, b_scale: jax.Array) -> jax.Array:
-    """``(a/sa)[M,K] @ (b/sb)[N,K]^T`` for FP8 ``a``, ``b`` with per-tensor scales, BF16 out.
+def fp8_gemm_tn(a_q: jax.Array, a_scale: jax.Array, b_q: jax.Array, b_scale: jax.Array,
+                out_dtype=COMPUTE_DTYPE) -> jax.Array:
+    """``(a/sa)[M,K] @ (b/sb)[N,K]^T`` for FP8 ``a``, ``b`` with per-tensor scales.
 
-    Written as an FP32 dequantize-then-dot: XLA's GEMM rewriter turns exactly this pattern into
-    a cuBLASLt FP8 GEMM with the scales in its epilogue on Hopper (a BF16 dequantize was not
-    rewritten on jax 0.11 / H200). On CPU it is the same GEMM in FP32 arithmetic.
+    The FP8 values are exact in BF16, so this is a BF16 GEMM of the raw FP8 values with FP32
+    accumulation, scaled by ``1/(sa*sb)`` afterwards in FP32. XLA's GEMM rewriter turns this
+    pattern into a cuBLASLt FP8 GEMM on Hopper; dequantizing the operands first with a scale
+    computed in the program (as delayed and current scaling do) was not rewritten on jax 0.11.
     """
-    a = a_q.astype(jnp.float32) * F.div_rn(1.0, a_scale)
-    b = b_q.astype(jnp.float32) * F.div_rn(1.0, b_scale)
-    return jax.lax.dot_general(a, b, TN, preferred_element_type=jnp.float32).astype(COMPUTE_DTYPE)
+    acc = jax.lax.dot_general(a_q.astype(COMPUTE_DTYPE), b_q.astype(COMPUTE_DTYPE), TN,
+                              preferred_element_type=jnp.float32)
+    return (acc * (F.div_rn(1.0, a_scale) * F.div_rn(1.0, b_scale))).astype(out_dtype)
 
 
 def _fp8_forward(x, w, sx, sw):
@@ -76,13 +105,9 @@ def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw):
     dy_MN = _flat(dy)
     qdy_MN = F.quantize_fp8(dy_MN, sdy, F.FP8_E5M2)
     dx_MK = fp8_gemm_tn(qdy_MN, sdy, qw_KN, sw)  # dY[M,N] . W[K,N]^T
-    dw_KN = fp8_gemm_tn(qx_MK.T, sx, qdy_MN.T, sdy)  # X^T[K,M] . dY^T[N,M]^T
-    return dx_MK.reshape(*dy.shape[:-1], qx_MK.shape[1]), dw_KN.astype(jnp.float32)
+    dw_KN = fp8_gemm_tn(qx_MK.T, sx, qdy_MN.T, sdy, jnp.float32)  # X^T[K,M] . dY^T[N,M]^T
+    return dx_MK.reshape(*dy.shape[:-1], qx_MK.shape[1]), dw_KN
 
-
-def _dtype_token(x: jax.Array) -> jax.Array:
-    """A zero-size array that carries x's dtype through the residuals (dtypes are not JAX types)."""
-    return jnp.zeros((0,), x.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from maxfp4.precision.compare import (FP8_BLOCK_DEFAULTS, MXFP4_DEFAULTS, MXFP8_DEFAULTS, fp8_block_dot,
+                                      mxfp4_dot, mxfp8_dot)
 from maxfp4.precision.recipes import (FP8_DELAYED_DEFAULTS, NVFP4_DEFAULTS, bf16_dot, fp8_current_dot,
                                       fp8_delayed_dot, nvfp4_dot)
 
@@ -12,6 +14,10 @@ RECIPES: dict[str, tuple[Callable, dict]] = {
     "fp8_delayed": (fp8_delayed_dot, FP8_DELAYED_DEFAULTS),
     "fp8_current": (fp8_current_dot, {}),
     "nvfp4": (nvfp4_dot, NVFP4_DEFAULTS),
+    # Comparison recipes (maxfp4.precision.compare): emulated, for numerics studies.
+    "mxfp8": (mxfp8_dot, MXFP8_DEFAULTS),
+    "mxfp4": (mxfp4_dot, MXFP4_DEFAULTS),
+    "fp8_block": (fp8_block_dot, FP8_BLOCK_DEFAULTS),
 }
 
 # Recipes that carry state from step to step (maxfp4.precision.state).

@@ -13,7 +13,7 @@ with only the classes that use delayed scaling somewhere present. Slot order: x,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +25,11 @@ from maxfp4.precision.registry import STATEFUL_RECIPES
 SLOT_DTYPES = (F.FP8_E4M3, F.FP8_E4M3, F.FP8_E5M2)  # HYBRID: E4M3 forward, E5M2 backward
 
 
-def stateful_classes(policy: PrecisionPolicy) -> tuple[list[str], bool]:
-    """Block classes with a delayed-scaling recipe in any block, and whether the LM head has one."""
-    classes = [c for c in BLOCK_CLASSES
-               if any(policy.recipe_for(c, i) in STATEFUL_RECIPES for i in range(policy.n_layers))]
+def stateful_classes(policy: PrecisionPolicy, model_classes: Sequence[str] = BLOCK_CLASSES) -> tuple[list[str], bool]:
+    """Block classes of the model with a delayed-scaling recipe in any block, and whether the LM
+    head has one."""
+    classes = [c for c in BLOCK_CLASSES if c in model_classes
+               and any(policy.recipe_for(c, i) in STATEFUL_RECIPES for i in range(policy.n_layers))]
     return classes, policy.lm_head in STATEFUL_RECIPES
 
 
@@ -36,8 +37,9 @@ def _history_len(policy: PrecisionPolicy) -> int:
     return int(policy.options_for("fp8_delayed").get("amax_history", 1024))
 
 
-def init_precision_state(policy: PrecisionPolicy) -> dict[str, Any]:
-    classes, head = stateful_classes(policy)
+def init_precision_state(policy: PrecisionPolicy, model_classes: Sequence[str] = BLOCK_CLASSES) -> dict[str, Any]:
+    """``model_classes``: the block layer classes the model has (a dense model has no Mamba)."""
+    classes, head = stateful_classes(policy, model_classes)
     h, n = _history_len(policy), policy.n_layers
 
     def slot(*lead):

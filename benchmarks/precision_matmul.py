@@ -1,0 +1,86 @@
+"""A linear layer's forward + backward (fprop, dgrad, wgrad) under each precision recipe.
+
+Prints a table (TFLOP/s counting the three GEMMs, speed against the BF16 recipe, FP8 GEMMs
+found in the compiled program) and writes JSON. Run on a GPU:
+
+    python benchmarks/precision_matmul.py [--m 8192 --k 8192 --n 8192] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxfp4.precision.registry import RECIPES
+
+VARIANTS = [
+    ("bf16", "bf16", ()),
+    ("fp8_delayed", "fp8_delayed", ()),
+    ("fp8_current", "fp8_current", ()),
+    ("nvfp4", "nvfp4", (("rht", True), ("stochastic_rounding", True), ("weight_2d", True))),
+    ("nvfp4 (no RHT, no SR)", "nvfp4", (("rht", False), ("stochastic_rounding", False), ("weight_2d", True))),
+    ("mxfp8", "mxfp8", ()),
+    ("mxfp4", "mxfp4", ()),
+    ("fp8_block", "fp8_block", ()),
+]
+
+
+def bench(fn, args, iters: int) -> float:
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, default=8192, help="tokens")
+    ap.add_argument("--k", type=int, default=8192, help="input features")
+    ap.add_argument("--n", type=int, default=8192, help="output features")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", default="precision_matmul.json")
+    a = ap.parse_args()
+    kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (a.m, a.k), jnp.bfloat16)
+    w = 0.02 * jax.random.normal(kw, (a.k, a.n), jnp.float32)
+    dy = 1e-3 * jax.random.normal(kd, (a.m, a.n), jnp.bfloat16)
+    scales = jnp.asarray([100.0, 20000.0, 1e7], jnp.float32)
+    key = jax.random.key(1)
+    flops = 3 * 2.0 * a.m * a.k * a.n
+    rows = []
+    for label, name, opts in VARIANTS:
+        if name not in RECIPES:
+            continue
+        fn = RECIPES[name][0]
+
+        def layer(x, w, dy, scales, key, fn=fn, opts=opts):
+            y, vjp = jax.vjp(lambda x, w, s: fn(x, w, opts, s, key), x, w, scales)
+            return (y,) + vjp(dy)
+
+        jitted = jax.jit(layer)
+        hlo = jitted.lower(x, w, dy, scales, key).compile().as_text()
+        seconds = bench(jitted, (x, w, dy, scales, key), a.iters)
+        rows.append({"recipe": label, "ms": 1e3 * seconds, "tflops": flops / seconds / 1e12,
+                     "fp8_gemms": hlo.count("__cublas$lt$matmul$f8")})
+    base = next(r for r in rows if r["recipe"] == "bf16")["tflops"]
+    device = jax.devices()[0].device_kind
+    print(f"linear layer fwd+bwd, M={a.m} K={a.k} N={a.n}, {device}, jax {jax.__version__}")
+    print(f"{'recipe':24s} {'ms':>8s} {'TFLOP/s':>9s} {'vs bf16':>8s} {'FP8 GEMMs':>10s}")
+    for r in rows:
+        r["vs_bf16"] = r["tflops"] / base
+        print(f"{r['recipe']:24s} {r['ms']:8.2f} {r['tflops']:9.0f} {r['vs_bf16']:7.2f}x {r['fp8_gemms']:10d}")
+    with open(a.json, "w") as fh:
+        json.dump({"device": device, "jax": jax.__version__, "shape": [a.m, a.k, a.n], "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
