@@ -12,6 +12,7 @@ import math
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxfp4.config import ConfigError, MeshConfig
@@ -48,11 +49,27 @@ def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Auto axis types: shardings are given at the jit boundary and pinned on activations, and
-    XLA's propagation fills in the rest (the scanned blocks need no per-op annotations)."""
+    XLA's propagation fills in the rest (the scanned blocks need no per-op annotations).
+
+    With several processes the devices are laid out process by process, so the innermost axes
+    (tensor, then fsdp) stay inside a process's node and ``data`` spans the slow network between
+    nodes whenever fsdp x tensor equals the devices per node."""
     devices = list(devices if devices is not None else jax.devices())
     shape = resolve_mesh_shape(cfg, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                         devices=devices)
+    axis_types = (jax.sharding.AxisType.Auto,) * 3
+    if len({d.process_index for d in devices}) > 1:
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        return Mesh(np.array(ordered, dtype=object).reshape(shape), MESH_AXES, axis_types=axis_types)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+
+
+def check_model_fits_mesh(model, mesh: Mesh) -> None:
+    """Tensor parallelism splits kv heads (each with its query heads) and the MLP hidden size:
+    both must divide evenly, or the layers would silently run unsplit."""
+    t = mesh.shape["tensor"]
+    for key, value in (("model.n_kv_heads", model.n_kv_heads), ("model.d_ff", model.d_ff)):
+        if value % t:
+            raise ConfigError(f"{key}={value}: expected a multiple of mesh.tensor={t}")
 
 
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> PartitionSpec:

@@ -24,7 +24,7 @@ from maxfp4 import distributed
 from maxfp4.config import Config, ConfigError, load_config
 from maxfp4.data import make_batches
 from maxfp4.errors import UserError
-from maxfp4.mesh import batch_sharding, make_constrain, make_mesh, tree_shardings
+from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model.decoder import BLOCK_LAYER_CLASSES, init_params, param_axes
 from maxfp4.optim import make_optimizer, make_schedule
@@ -89,6 +89,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     table = policy.format_table(BLOCK_LAYER_CLASSES)
     mesh = make_mesh(cfg.mesh, devices)
+    check_model_fits_mesh(cfg.model, mesh)
     _check_batch_fits_mesh(cfg, mesh)
     data = make_batches(cfg, run_dir, process_index=jax.process_index(),
                         process_count=jax.process_count())
@@ -194,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.configs, args.overrides)
-        distributed.initialize(cfg.distributed)
+        how = distributed.initialize(cfg.distributed)
+        _say(f"{how}; {jax.local_device_count()} local of {jax.device_count()} devices")
         train(cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
