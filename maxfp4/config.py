@@ -61,6 +61,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     attention: str = "auto"  # auto (cuDNN fused on GPU, XLA elsewhere), xla, cudnn
+    smooth_swiglu: bool = False  # per-channel scaling around the SwiGLU product (FP8 outliers)
     pattern: str = ""  # hybrid stacks only
     mamba: MambaConfig = field(default_factory=MambaConfig)
 

@@ -216,3 +216,39 @@ def test_tiny_model_trains_close_to_bf16(recipe, bf16_final_loss, tmp_path):
     assert first - last > 1.5  # it learns
     # Within 0.15 nats of BF16 after 60 steps (measured gaps: FP8 ~0.01-0.04, NVFP4 ~0.05).
     assert abs(last - bf16_final_loss) < 0.15, (recipe, last, bf16_final_loss)
+
+
+def test_smooth_swiglu_same_function_less_fp8_error():
+    from maxfp4.model.layers import swiglu_mlp
+    from maxfp4.precision import LayerPrecision
+    rng = np.random.default_rng(6)
+    D, Fh = 32, 64
+    x = jnp.asarray(rng.normal(size=(2, 16, D)), jnp.bfloat16)
+    w_up = rng.normal(size=(D, Fh, 2)).astype(np.float32) * 0.2
+    w_up[:, 3, :] *= 12.0  # one outlier channel in the SwiGLU product
+    w_down = jnp.asarray(rng.normal(size=(Fh, D)).astype(np.float32) * 0.2)
+    w_up = jnp.asarray(w_up)
+
+    def run(default, smooth):
+        cfg = load_config(None, [f"precision.default={default}"])
+        lp = LayerPrecision(resolve_policy(cfg.precision, 1), 0)
+        return np.asarray(swiglu_mlp(x, w_up, w_down, lp, smooth=smooth), np.float64)
+
+    plain, smoothed = run("bf16", False), run("bf16", True)
+    # Same function: only BF16 rounding of the rescaled operands differs (bound 2e-2 relative).
+    assert np.linalg.norm(plain - smoothed) <= 2e-2 * np.linalg.norm(plain)
+    err = lambda y: np.linalg.norm(y - plain) / np.linalg.norm(plain)
+    assert err(run("fp8_current", True)) < err(run("fp8_current", False))
+
+
+def test_row_block_scales_expand_2d_tiles_like_block_dequantize():
+    """The scales handed to the Blackwell block-scaled GEMM describe the same values as the
+    emulated path: elements x per-row block scales == block_dequantize, bit for bit."""
+    from maxfp4.precision.recipes import _row_block_scales
+    w = jax.random.normal(jax.random.key(3), (48, 64))
+    for two_d in (False, True):
+        q = F.quantize_nvfp4(w, two_d=two_d)
+        rows = _row_block_scales(q).astype(jnp.float32)  # [48, 4]
+        assert rows.shape == (48, 4)
+        manual = q.elements.astype(jnp.float32) * jnp.repeat(rows, 16, axis=-1)
+        np.testing.assert_array_equal(np.asarray(manual), np.asarray(q.block_dequantize(jnp.float32)))

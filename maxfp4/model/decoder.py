@@ -79,7 +79,7 @@ def _block(x_BTD: jax.Array, p: Params, positions_BT: jax.Array, segment_ids_BT:
         h, p["w_qkv"], p["w_o"], positions_BT, segment_ids_BT, rope_theta=cfg.rope_theta,
         implementation=attn_impl, lp=lp)
     h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-    return x_BTD + swiglu_mlp(h, p["w_up"], p["w_down"], lp)
+    return x_BTD + swiglu_mlp(h, p["w_up"], p["w_down"], lp, smooth=cfg.smooth_swiglu)
 
 
 def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,

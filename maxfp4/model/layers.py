@@ -35,13 +35,24 @@ def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
 
 
 def swiglu_mlp(x_BTD: jax.Array, w_up_DF2: jax.Array, w_down_FD: jax.Array,
-               lp: LayerPrecision) -> jax.Array:
+               lp: LayerPrecision, smooth: bool = False) -> jax.Array:
     """SwiGLU: gate and up share one GEMM; the weight is [D, F, 2] so that sharding F keeps
-    each device's gate and up columns together."""
+    each device's gate and up columns together.
+
+    ``smooth`` (Smooth-SwiGLU, arXiv 2409.12517): the product's channels are divided by their
+    current absolute maximum before ``mlp_down`` quantizes them, and ``w_down``'s rows are
+    multiplied by the same factors, so the layer computes the same function while a few
+    outlier channels no longer set the whole tensor's FP8 scale. The factors carry no gradient.
+    """
     d, f, _ = w_up_DF2.shape
     gate_up_BTF2 = lp.dot(x_BTD, w_up_DF2.reshape(d, 2 * f), "mlp_up")
     gate_up_BTF2 = gate_up_BTF2.reshape(*x_BTD.shape[:-1], f, 2)
     h_BTF = jax.nn.silu(gate_up_BTF2[..., 0].astype(jnp.float32)) * gate_up_BTF2[..., 1].astype(jnp.float32)
+    if smooth:
+        s_F = jax.lax.stop_gradient(jnp.max(jnp.abs(h_BTF), axis=(0, 1)))
+        s_F = jnp.where(s_F > 0, s_F, 1.0)
+        h_BTF = h_BTF / s_F
+        w_down_FD = w_down_FD * s_F[:, None]
     return lp.dot(h_BTF.astype(ACT_DTYPE), w_down_FD, "mlp_down")
 
 

@@ -173,15 +173,35 @@ def fp8_current_dot(x, w, options=(), scales=None, key=None):
 # ----------------------------------------------------------------------------- NVFP4
 
 
+def block_scaled_fp4_available() -> bool:
+    """True on NVIDIA Blackwell (compute capability 10 and up), where cuDNN runs block-scaled FP4
+    GEMMs behind ``jax.nn.scaled_matmul``; Hopper and CPU emulate."""
+    device = jax.devices()[0]
+    try:
+        return device.platform == "gpu" and float(getattr(device, "compute_capability", 0)) >= 10.0
+    except (TypeError, ValueError):
+        return False
+
+
+def _row_block_scales(q: F.NVFP4Array) -> jax.Array:
+    """E4M3 scales per row and 16-block of K: a 2D 16x16 tile's scale covers its 16 rows."""
+    return jnp.repeat(q.block_scales, F.NVFP4_BLOCK, axis=-2) if q.two_d else q.block_scales
+
+
 def nvfp4_gemm_tn(a: F.NVFP4Array, b: F.NVFP4Array) -> jax.Array:
     """``a[M,K] @ b[N,K]^T`` of two NVFP4 tensors blocked along K, BF16 out.
 
+    Blackwell: the FP4 elements and E4M3 block scales go to cuDNN's block-scaled GEMM. Elsewhere:
     ``q * s`` has at most 6 significant bits, so the block-dequantized operands are exact in
-    BF16; a BF16 GEMM with FP32 accumulation times the two global decode scales in FP32 is
-    NVFP4 up to summation order (what a Blackwell block-scaled GEMM computes).
+    BF16, and a BF16 GEMM with FP32 accumulation computes the same product up to summation
+    order. Either way the two FP32 global decode scales multiply the FP32 result.
     """
-    y = jax.lax.dot_general(a.block_dequantize(COMPUTE_DTYPE), b.block_dequantize(COMPUTE_DTYPE), TN,
-                            preferred_element_type=jnp.float32)
+    if block_scaled_fp4_available():
+        y = jax.nn.scaled_matmul(a.elements[None], b.elements[None], _row_block_scales(a)[None],
+                                 _row_block_scales(b)[None], preferred_element_type=jnp.float32)[0]
+    else:
+        y = jax.lax.dot_general(a.block_dequantize(COMPUTE_DTYPE), b.block_dequantize(COMPUTE_DTYPE),
+                                TN, preferred_element_type=jnp.float32)
     return (y * (a.global_decode_scale * b.global_decode_scale)).astype(COMPUTE_DTYPE)
 
 
