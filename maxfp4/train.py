@@ -21,6 +21,7 @@ import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4 import distributed
+from maxfp4.checkpoint import Checkpointer
 from maxfp4.config import Config, ConfigError, load_config
 from maxfp4.data import make_batches
 from maxfp4.errors import UserError
@@ -102,6 +103,13 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     optimizer = make_optimizer(cfg)
     schedule = make_schedule(cfg)
     state, state_sh = init_state(cfg, mesh, optimizer, policy)
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint)
+    resume_step = checkpointer.latest_step()
+    if resume_step is not None:
+        state, data_state = checkpointer.restore(resume_step, state)
+        data.set_state(data_state)
+        if is_writer:
+            _say(f"resumed from {checkpointer.directory}/{resume_step}")
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     if is_writer:
         from maxfp4.model.attention import resolve_implementation
@@ -168,6 +176,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         for step in range(start_step, cfg.train.steps):
             batch = to_global(next(data))
             state, metrics = jitted(state, batch)
+            if checkpointer.due(step + 1, cfg.train.steps):
+                checkpointer.save(step + 1, state, data.get_state())  # before the state is donated
             if pending is not None:
                 flush(*pending, final=False)
             pending = (step + 1, metrics)
@@ -175,6 +185,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             flush(*pending, final=True)
     finally:
         logger.close()
+        checkpointer.close()
     return records
 
 
