@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Sequence
 
-from maxfp4.errors import UserError
+from maxfp4.errors import UserError, exit_code_of
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -55,12 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dirs", nargs="+", help="run directories (each holds metrics.jsonl)")
     parser.add_argument("-o", "--output", default="runs.png", help="PNG to write (default runs.png)")
     args = parser.parse_args(argv)
-    try:
-        print(plot_runs(args.run_dirs, args.output))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code_of(lambda: print(plot_runs(args.run_dirs, args.output)))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from maxfp4 import distributed
 from maxfp4.checkpoint import Checkpointer
 from maxfp4.config import Config, ConfigError, load_config
 from maxfp4.data import make_batches
-from maxfp4.errors import UserError
+from maxfp4.errors import exit_code_of
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model.decoder import BLOCK_LAYER_CLASSES, init_params, param_axes
@@ -204,15 +204,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
+
+    def run() -> None:
         cfg = load_config(args.configs, args.overrides)
         how = distributed.initialize(cfg.distributed)
         _say(f"{how}; {jax.local_device_count()} local of {jax.device_count()} devices")
         train(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_code_of(run)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ quantization.
 
 from __future__ import annotations
 
-import time
 
 import jax
 import jax.numpy as jnp

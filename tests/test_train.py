@@ -3,7 +3,6 @@
 import glob
 import io
 import json
-import os
 
 from maxfp4.config import load_config
 from maxfp4.plot import main as plot_main

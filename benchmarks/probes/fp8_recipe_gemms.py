@@ -1,4 +1,4 @@
-import time, jax, jax.numpy as jnp
+import jax, jax.numpy as jnp
 from maxfp4.precision.recipes import fp8_delayed_dot, fp8_current_dot
 def count(fn, xshape, const):
     x = jax.random.normal(jax.random.key(0), xshape, jnp.bfloat16)

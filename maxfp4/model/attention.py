@@ -10,7 +10,6 @@ product are never quantized.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from maxfp4.model.layers import rope
 from maxfp4.precision import LayerPrecision

@@ -19,7 +19,6 @@ Dimension letters: M tokens (batch x sequence), K input features, N output featu
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
