@@ -21,7 +21,9 @@ from maxfp4.errors import UserError
 
 LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down", "mamba_in", "mamba_out", "lm_head")
 DATA_SOURCES = ("builtin", "text", "synthetic")
-MODEL_KINDS = ("dense",)
+MODEL_KINDS = ("dense", "hybrid")
+MLP_KINDS = ("swiglu", "relu2")
+PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp"}
 REMAT_POLICIES = ("none", "full")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
@@ -62,7 +64,9 @@ class ModelConfig:
     init_std: float = 0.02
     attention: str = "auto"  # auto (cuDNN fused on GPU, XLA elsewhere), xla, cudnn
     smooth_swiglu: bool = False  # per-channel scaling around the SwiGLU product (FP8 outliers)
-    pattern: str = ""  # hybrid stacks only
+    pattern: str = ""  # hybrid: one character a block, M Mamba-2, * attention, - MLP
+    rope: bool = True  # rotary position embeddings in attention (Nemotron-H uses none)
+    mlp: str = "swiglu"  # hybrid MLP blocks: swiglu or relu2 (squared ReLU, not gated)
     mamba: MambaConfig = field(default_factory=MambaConfig)
 
     @property
@@ -312,13 +316,20 @@ def load_config(path: str | typing.Sequence[str] | None, overrides: typing.Seque
         raw = _deep_merge(raw, _read_yaml(p))
     for ov in overrides:
         raw = apply_override(raw, ov)
-    cfg = _build(Config, raw)
+    cfg = _implied(_build(Config, raw))
     validate(cfg)
     return cfg
 
 
+def _implied(cfg: Config) -> Config:
+    """A hybrid stack's depth is its pattern's length."""
+    if cfg.model.kind == "hybrid" and cfg.model.pattern:
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=len(cfg.model.pattern)))
+    return cfg
+
+
 def config_from_dict(raw: dict) -> Config:
-    cfg = _build(Config, raw)
+    cfg = _implied(_build(Config, raw))
     validate(cfg)
     return cfg
 
@@ -346,6 +357,19 @@ def validate(cfg: Config) -> None:
     _require(bool(r.output_dir), "run.output_dir", r.output_dir, "a directory path")
 
     _require(m.kind in MODEL_KINDS, "model.kind", m.kind, f"one of {', '.join(MODEL_KINDS)}")
+    if m.kind == "hybrid":
+        _require(bool(m.pattern) and set(m.pattern) <= set(PATTERN_CHARS), "model.pattern", m.pattern,
+                 "a non-empty string of M (Mamba-2), * (attention) and - (MLP)")
+        mb = m.mamba
+        _positive(mb, "model.mamba", "d_state", "head_dim", "n_groups", "conv_kernel", "chunk_size", "expand")
+        inner = mb.expand * m.d_model
+        _require(inner % mb.head_dim == 0, "model.mamba.head_dim", mb.head_dim,
+                 f"a divisor of model.mamba.expand x model.d_model = {inner}")
+        _require((inner // mb.head_dim) % mb.n_groups == 0, "model.mamba.n_groups", mb.n_groups,
+                 f"a divisor of the Mamba head count {inner // mb.head_dim}")
+    else:
+        _require(not m.pattern, "model.pattern", m.pattern, "empty for model.kind=dense (set model.kind=hybrid)")
+    _require(m.mlp in MLP_KINDS, "model.mlp", m.mlp, f"one of {', '.join(MLP_KINDS)}")
     _positive(m, "model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
     _require(m.head_dim >= 0, "model.head_dim", m.head_dim, "a positive integer (0: d_model // n_heads)")
     _require(m.d_model % m.n_heads == 0, "model.n_heads", m.n_heads,

@@ -1,8 +1,9 @@
 """Model FLOPs, device peaks, and the metrics sinks (JSONL, TensorBoard, progress line).
 
 FLOPs per token (docs/METRICS.md): 6 x matmul parameters (every linear layer, LM head included,
-the embedding lookup excluded) + causal attention 6 x L x T x d_attn (12 x L x T x d_attn for
-the score and value products forward and backward, halved because causal attention skips half).
+the embedding lookup excluded) + causal attention 6 x L_attn x T x d_attn (12 x ... for the
+score and value products forward and backward, halved because causal attention skips half)
++ the SSD matmul FLOPs of Mamba-2 blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import jax
 
 from maxfp4.config import ModelConfig
 from maxfp4.precision import PrecisionPolicy
-from maxfp4.precision.policy import BLOCK_CLASSES
 
 # Dense datasheet peaks in TFLOP/s per device, by precision.
 DEVICE_PEAKS_TFLOPS: dict[str, dict[str, float]] = {
@@ -29,29 +29,43 @@ RECIPE_PRECISION = {"bf16": "bf16", "fp8_delayed": "fp8", "fp8_current": "fp8", 
                     "mxfp8": "fp8", "nvfp4": "fp4", "mxfp4": "fp4"}
 
 
-def matmul_params_by_class(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters of one block's linear layers, by layer class (and the LM head)."""
+def _block_classes(cfg: ModelConfig) -> list[dict[str, int]]:
+    """Matmul parameters of each block's linear layers, by layer class."""
     d, h, n, k, f = cfg.d_model, cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff
-    return {
-        "attn_qkv": d * (n + 2 * k) * h,
-        "attn_out": n * h * d,
-        "mlp_up": 2 * d * f,
-        "mlp_down": f * d,
-        "lm_head": d * cfg.vocab_size,
-    }
+    attn = {"attn_qkv": d * (n + 2 * k) * h, "attn_out": n * h * d}
+    mlp = {"mlp_up": (2 if cfg.mlp == "swiglu" else 1) * d * f, "mlp_down": f * d}
+    if cfg.kind != "hybrid":
+        return [attn | {"mlp_up": 2 * d * f, "mlp_down": f * d}] * cfg.n_layers
+    from maxfp4.model.mamba import dims
+    md = dims(cfg)
+    mamba = {"mamba_in": d * md["in"], "mamba_out": md["E"] * d}
+    return [{"M": mamba, "*": attn, "-": mlp}[c] for c in cfg.pattern]
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    per = matmul_params_by_class(cfg)
-    return cfg.n_layers * sum(v for c, v in per.items() if c != "lm_head") + per["lm_head"]
+    return sum(sum(b.values()) for b in _block_classes(cfg)) + cfg.d_model * cfg.vocab_size
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    return 6.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.resolved_head_dim
+    blocks = cfg.pattern.count("*") if cfg.kind == "hybrid" else cfg.n_layers
+    return 6.0 * blocks * seq_len * cfg.n_heads * cfg.resolved_head_dim
+
+
+def ssd_flops_per_token(cfg: ModelConfig) -> float:
+    """Matmul FLOPs of the chunked SSD, forward and backward (3x forward), per Mamba-2 block:
+    causal C.B^T within a chunk (G*Q*N), its product with x (H*Q*P), chunk states and
+    state-to-output (2 x 2*N*P per head); the inter-chunk recurrence is negligible."""
+    if cfg.kind != "hybrid":
+        return 0.0
+    from maxfp4.model.mamba import dims
+    md = dims(cfg)
+    q = cfg.mamba.chunk_size
+    forward = md["G"] * q * md["N"] + md["H"] * (q * md["P"] + 4 * md["N"] * md["P"])
+    return 3.0 * forward * cfg.pattern.count("M")
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    return 6.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
+    return 6.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len) + ssd_flops_per_token(cfg)
 
 
 def device_peaks(device: jax.Device) -> dict[str, float] | None:
@@ -66,24 +80,19 @@ def device_peaks(device: jax.Device) -> dict[str, float] | None:
 def policy_peak_tflops(cfg: ModelConfig, seq_len: int, policy: PrecisionPolicy,
                        peaks: dict[str, float]) -> float:
     """The peak a perfect run of this policy could reach: each GEMM's FLOPs charged at its
-    precision's peak (a precision the device lacks, such as FP4 on Hopper, at BF16)."""
-    per = matmul_params_by_class(cfg)
-
+    precision's peak (a precision the device lacks, such as FP4 on Hopper, at BF16); attention
+    and SSD products at BF16."""
     def peak_for(recipe: str) -> float:
         return peaks.get(RECIPE_PRECISION.get(recipe, "bf16"), peaks["bf16"])
 
-    seconds = attention_flops_per_token(cfg, seq_len) / peaks["bf16"]
-    total = attention_flops_per_token(cfg, seq_len)
-    for layer in range(cfg.n_layers):
-        for cls in BLOCK_CLASSES:
-            if cls in per:
-                fl = 6.0 * per[cls]
-                seconds += fl / peak_for(policy.recipe_for(cls, layer))
-                total += fl
-    fl = 6.0 * per["lm_head"]
-    seconds += fl / peak_for(policy.lm_head)
-    total += fl
-    return total / seconds
+    unquantized = attention_flops_per_token(cfg, seq_len) + ssd_flops_per_token(cfg)
+    total, seconds = unquantized, unquantized / peaks["bf16"]
+    for layer, classes in enumerate(_block_classes(cfg)):
+        for cls, params in classes.items():
+            total += 6.0 * params
+            seconds += 6.0 * params / peak_for(policy.recipe_for(cls, layer))
+    head = 6.0 * cfg.d_model * cfg.vocab_size
+    return (total + head) / (seconds + head / peak_for(policy.lm_head))
 
 
 class MetricsLogger:

@@ -9,7 +9,8 @@ import optax
 
 from maxfp4.config import Config
 
-NO_DECAY_MARKERS = ("norm", "bias")
+# Norm scales, biases and the Mamba-2 decay (A_log), skip (D_skip) and dt bias take no decay.
+NO_DECAY_MARKERS = ("norm", "bias", "A_log", "D_skip")
 
 
 def make_schedule(cfg: Config) -> optax.Schedule:

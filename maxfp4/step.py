@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import optax
 
 from maxfp4.config import Config
-from maxfp4.model.decoder import forward, token_losses
+from maxfp4.model import get_model
+from maxfp4.model.decoder import token_losses
 from maxfp4.precision import PrecisionPolicy
 from maxfp4.precision.state import scales_of, update_precision_state
 from maxfp4.state import TrainState
@@ -26,6 +27,8 @@ BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
 def make_loss_fn(cfg: Config, policy: PrecisionPolicy, constrain: Callable) -> Callable:
+    forward = get_model(cfg.model).forward
+
     def loss_fn(params: Any, scales: Any, batch: Batch, key: jax.Array, denom: jax.Array) -> jax.Array:
         """Summed token loss of ``batch`` divided by ``denom`` (FP32)."""
         logits_BTV = forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],

@@ -27,7 +27,7 @@ from maxfp4.data import make_batches
 from maxfp4.errors import exit_code_of
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
-from maxfp4.model.decoder import BLOCK_LAYER_CLASSES, init_params, param_axes
+from maxfp4.model import get_model
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.precision.state import init_precision_state
@@ -59,23 +59,25 @@ def _write_run_files(cfg: Config, run_dir: str, table: str) -> None:
 def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation, policy=None):
     """Initialise the train state directly into its shardings (no full copy on one device)."""
     policy = policy or resolve_policy(cfg.precision, cfg.model.n_layers)
-    axes = param_axes(cfg.model)
+    model = get_model(cfg.model)
+    axes = model.param_axes(cfg.model)
     key = jax.random.key(cfg.run.seed)
-    param_shapes = jax.eval_shape(lambda k: init_params(cfg.model, k), key)
+    param_shapes = jax.eval_shape(lambda k: model.init_params(cfg.model, k), key)
     param_sh = tree_shardings(axes, param_shapes, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_sh,
                                    transform_non_params=lambda _: replicated)
-    prec_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_precision_state(policy, BLOCK_LAYER_CLASSES)))
+    prec_sh = jax.tree.map(lambda _: replicated,
+                           jax.eval_shape(lambda: init_precision_state(policy, model.block_layer_classes)))
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
                           precision=prec_sh)
 
     def make(k):
-        params = init_params(cfg.model, k)
+        params = model.init_params(cfg.model, k)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=optimizer.init(params), rng=jax.random.fold_in(k, 1),
-                          precision=init_precision_state(policy, BLOCK_LAYER_CLASSES))
+                          precision=init_precision_state(policy, model.block_layer_classes))
 
     state = jax.jit(make, out_shardings=state_sh)(key)
     return state, state_sh
@@ -88,7 +90,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     os.makedirs(run_dir, exist_ok=True)
 
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
-    table = policy.format_table(BLOCK_LAYER_CLASSES)
+    table = policy.format_table(get_model(cfg.model).block_layer_classes)
     mesh = make_mesh(cfg.mesh, devices)
     check_model_fits_mesh(cfg.model, mesh)
     _check_batch_fits_mesh(cfg, mesh)

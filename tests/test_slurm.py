@@ -35,7 +35,10 @@ def _cluster_up() -> bool:
     """slurmctld answers and a node is up (it may be busy: the job then waits its turn)."""
     if not shutil.which("sinfo"):
         return False
-    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return False
     return r.returncode == 0 and any(s in ("idle", "mixed", "allocated", "completing") for s in r.stdout.split())
 
 

@@ -4,6 +4,8 @@ import glob
 import io
 import json
 
+import jax
+
 from maxfp4.config import load_config
 from maxfp4.plot import main as plot_main
 from maxfp4.train import train
@@ -18,7 +20,7 @@ def test_loss_falls_on_builtin_text_and_run_dir_is_complete(tmp_path):
         "data.global_batch=8", "train.steps=80", "train.log_every=10", "optim.lr=3e-3",
         "optim.warmup_steps=8", f"run.output_dir={tmp_path}", "run.name=tiny"])
     out = io.StringIO()
-    records = train(cfg, stream=out)
+    records = train(cfg, devices=jax.devices()[:1], stream=out)
 
     first, last = records[0], records[-1]
     assert first["step"] == 1 and last["step"] == 80

@@ -58,3 +58,18 @@ def swiglu_mlp(x_BTD: jax.Array, w_up_DF2: jax.Array, w_down_FD: jax.Array,
 
 def normal_init(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
     return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def relu2_mlp(x_BTD: jax.Array, w_up_DF1: jax.Array, w_down_FD: jax.Array, lp: LayerPrecision) -> jax.Array:
+    """Squared-ReLU MLP, not gated (Nemotron-H): relu(x W_up)^2 W_down."""
+    d, f, _ = w_up_DF1.shape
+    a_BTF = lp.dot(x_BTD, w_up_DF1.reshape(d, f), "mlp_up").astype(jnp.float32)
+    h_BTF = jnp.square(jax.nn.relu(a_BTF))
+    return lp.dot(h_BTF.astype(ACT_DTYPE), w_down_FD, "mlp_down")
+
+
+def mlp_block(x_BTD: jax.Array, w_up: jax.Array, w_down_FD: jax.Array, lp: LayerPrecision,
+              kind: str = "swiglu", smooth: bool = False) -> jax.Array:
+    if kind == "relu2":
+        return relu2_mlp(x_BTD, w_up, w_down_FD, lp)
+    return swiglu_mlp(x_BTD, w_up, w_down_FD, lp, smooth=smooth)

@@ -1,0 +1,100 @@
+"""Mamba-2 mixer (arXiv 2405.21060): in_proj -> causal depthwise conv on (x, B, C) -> SiLU ->
+SSD with per-head scalar decay -> D skip -> gated RMSNorm per group -> out_proj.
+
+Only ``in_proj`` (class ``mamba_in``) and ``out_proj`` (``mamba_out``) go through the precision
+policy; the convolution, the SSD (A, dt, decays, states) and the norm stay in FP32.
+
+Dimension letters: B batch, T sequence, D d_model, E inner width (expand x D), H Mamba heads,
+P head dim (E = H x P), G groups, N state size, W conv kernel width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from maxfp4.config import ModelConfig
+from maxfp4.model.layers import ACT_DTYPE, normal_init
+from maxfp4.model.ssd import ssd_chunked
+from maxfp4.precision import LayerPrecision
+
+Params = dict[str, Any]
+
+MAMBA_AXES = {
+    "in_proj": ("embed", None),  # its outputs interleave z, x, B, C, dt: not split over tensor
+    "conv_w": (None, None),
+    "conv_b": (None,),
+    "A_log": (None,),
+    "D_skip": (None,),
+    "dt_bias": (None,),
+    "norm": ("norm",),
+    "out_proj": (None, "embed"),
+}
+
+
+def dims(cfg: ModelConfig) -> dict[str, int]:
+    mb = cfg.mamba
+    e = mb.expand * cfg.d_model
+    h = e // mb.head_dim
+    return {"E": e, "H": h, "P": mb.head_dim, "G": mb.n_groups, "N": mb.d_state, "W": mb.conv_kernel,
+            "conv": e + 2 * mb.n_groups * mb.d_state, "in": 2 * e + 2 * mb.n_groups * mb.d_state + h}
+
+
+def init_mamba(cfg: ModelConfig, key: jax.Array, n: int) -> Params:
+    """``n`` stacked mixers. dt starts log-uniform in [1e-3, 1e-1] (through the inverse of
+    softplus in dt_bias) and A uniform in [1, 16], as in the Mamba-2 paper."""
+    d = dims(cfg)
+    k = jax.random.split(key, 5)
+    dt = jnp.exp(jax.random.uniform(k[2], (n, d["H"]), minval=math.log(1e-3), maxval=math.log(1e-1)))
+    return {
+        "in_proj": normal_init(k[0], (n, cfg.d_model, d["in"]), cfg.init_std),
+        "conv_w": normal_init(k[1], (n, d["W"], d["conv"]), 1.0 / math.sqrt(d["W"])),
+        "conv_b": jnp.zeros((n, d["conv"]), jnp.float32),
+        "A_log": jnp.log(jax.random.uniform(k[3], (n, d["H"]), minval=1.0, maxval=16.0)),
+        "D_skip": jnp.ones((n, d["H"]), jnp.float32),
+        "dt_bias": dt + jnp.log(-jnp.expm1(-dt)),  # softplus^-1(dt)
+        "norm": jnp.ones((n, d["E"]), jnp.float32),
+        "out_proj": normal_init(k[4], (n, d["E"], cfg.d_model), cfg.init_std / math.sqrt(2 * cfg.n_layers)),
+    }
+
+
+def causal_conv(x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
+    """Depthwise causal convolution that never reaches into an earlier document of a packed row."""
+    width = w_WC.shape[0]
+    out = x_BTC * w_WC[width - 1]
+    for lag in range(1, width):
+        shifted = jnp.pad(x_BTC, ((0, 0), (lag, 0), (0, 0)))[:, :-lag]
+        same = jnp.pad(segment_ids_BT, ((0, 0), (lag, 0)), constant_values=-1)[:, :-lag] == segment_ids_BT
+        out = out + jnp.where(same[..., None], shifted, 0.0) * w_WC[width - 1 - lag]
+    return out + b_C
+
+
+def gated_group_norm(y_BTE: jax.Array, z_BTE: jax.Array, scale_E: jax.Array, groups: int, eps: float) -> jax.Array:
+    """RMSNorm of y * silu(z) within each of the G groups (Mamba-2's norm after gating)."""
+    b, t, e = y_BTE.shape
+    g = (y_BTE * jax.nn.silu(z_BTE)).reshape(b, t, groups, e // groups)
+    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    return g.reshape(b, t, e) * scale_E
+
+
+def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: ModelConfig,
+                lp: LayerPrecision) -> jax.Array:
+    d = dims(cfg)
+    b, t, _ = x_BTD.shape
+    e, h, pd, g, n = d["E"], d["H"], d["P"], d["G"], d["N"]
+    zxbcdt = lp.dot(x_BTD, p["in_proj"], "mamba_in").astype(jnp.float32)
+    z_BTE = zxbcdt[..., :e]
+    xbc_BTC = zxbcdt[..., e:e + d["conv"]]
+    dt_BTH = jax.nn.softplus(zxbcdt[..., e + d["conv"]:] + p["dt_bias"])
+    xbc_BTC = jax.nn.silu(causal_conv(xbc_BTC, p["conv_w"], p["conv_b"], segment_ids_BT))
+    x_BTHP = xbc_BTC[..., :e].reshape(b, t, h, pd)
+    B_BTGN = xbc_BTC[..., e:e + g * n].reshape(b, t, g, n)
+    C_BTGN = xbc_BTC[..., e + g * n:].reshape(b, t, g, n)
+    A_H = -jnp.exp(p["A_log"])
+    y_BTHP = ssd_chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size)
+    y_BTHP = y_BTHP + p["D_skip"][:, None] * x_BTHP
+    y_BTE = gated_group_norm(y_BTHP.reshape(b, t, e), z_BTE, p["norm"], g, cfg.norm_eps)
+    return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")

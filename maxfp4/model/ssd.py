@@ -1,0 +1,186 @@
+"""Mamba-2 state-space-duality (SSD) core over packed sequences, in plain jax.numpy.
+
+Dimension letters: B batch, T sequence, H heads, P head dim, G groups of B/C (H = G*R, head h
+uses group h // R), R heads per group, N state size, K chunks, Q positions inside a chunk
+(``..QQ`` is [query position, key position]).
+
+Per head, with a_t = dt_t * A (negative) and the state h_t of shape [P, N]:
+
+    h_t = exp(a_t) * h_{t-1} + dt_t * outer(x_t, B_t)          y_t[p] = sum_n h_t[p, n] C_t[n]
+
+At the first token of a segment (segment id differs from the previous token's) the carried
+state is dropped before that token's input is added, so no information crosses a document
+boundary. A segment is a contiguous run of one id: an id that comes back later starts a new
+segment. No D skip and no gating here; the caller adds them.
+
+Everything (A, dt, decays, segment sums, states, and the x/B/C products) is computed in FP32,
+or in float64 when an input is float64; the output has x's dtype. Matmuls ask for HIGHEST
+precision so that FP32 operands are not rounded to TF32 on GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_einsum = functools.partial(jnp.einsum, precision=_HIGHEST)
+
+
+def _compute_dtype(*arrays: jax.Array) -> jnp.dtype:
+    """FP32, widened to float64 if any input is float64 (used by the float64 tests)."""
+    return functools.reduce(jnp.promote_types, [a.dtype for a in arrays], jnp.dtype(jnp.float32))
+
+
+def _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT) -> tuple[int, int]:
+    b, t, h, _ = x_BTHP.shape
+    g, n = B_BTGN.shape[2:]
+    if dt_BTH.shape != (b, t, h) or A_H.shape != (h,) or segment_ids_BT.shape != (b, t):
+        raise ValueError(f"inconsistent shapes: x {x_BTHP.shape}, dt {dt_BTH.shape}, "
+                         f"A {A_H.shape}, segment_ids {segment_ids_BT.shape}")
+    if B_BTGN.shape != (b, t, g, n) or C_BTGN.shape != (b, t, g, n):
+        raise ValueError(f"B {B_BTGN.shape} and C {C_BTGN.shape} must both be [B, T, G, N]")
+    if h % g:
+        raise ValueError(f"heads ({h}) must be divisible by groups ({g})")
+    return g, h // g
+
+
+def _segment_starts(segment_ids_BT: jax.Array) -> jax.Array:
+    """[B, T] True where a segment starts. Position 0 counts as a start; the state before it
+    is zero anyway, so this only keeps the masks uniform."""
+    first_B1 = jnp.ones_like(segment_ids_BT[:, :1], dtype=bool)
+    return jnp.concatenate([first_B1, segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+
+
+def ssd_reference(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.Array,
+                  C_BTGN: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
+    """The recurrence as a sequential scan over T: O(T) steps, the ground truth for tests."""
+    g, r = _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
+    b, t, h, p = x_BTHP.shape
+    n = B_BTGN.shape[-1]
+    cdt = _compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
+    # Heads split as [G, R] so that B and C broadcast over R instead of being copied H times.
+    x_TBGRP = jnp.moveaxis(x_BTHP.astype(cdt).reshape(b, t, g, r, p), 1, 0)
+    dt_TBGR = jnp.moveaxis(dt_BTH.astype(cdt).reshape(b, t, g, r), 1, 0)
+    A_GR = A_H.astype(cdt).reshape(g, r)
+    B_TBGN = jnp.moveaxis(B_BTGN.astype(cdt), 1, 0)
+    C_TBGN = jnp.moveaxis(C_BTGN.astype(cdt), 1, 0)
+    start_TB = jnp.moveaxis(_segment_starts(segment_ids_BT), 1, 0)
+
+    def step(h_BGRPN, inputs):
+        x_BGRP, dt_BGR, B_BGN, C_BGN, start_B = inputs
+        decayed_BGRPN = jnp.exp(dt_BGR * A_GR)[..., None, None] * h_BGRPN
+        # Reset by select, not by multiplying with 0: a state that overflowed in another
+        # segment must not leak NaN (0 * inf) into this one.
+        carried_BGRPN = jnp.where(start_B[:, None, None, None, None], 0.0, decayed_BGRPN)
+        h_BGRPN = carried_BGRPN + (dt_BGR[..., None] * x_BGRP)[..., None] * B_BGN[:, :, None, None, :]
+        y_BGRP = _einsum("bgrpn,bgn->bgrp", h_BGRPN, C_BGN)
+        return h_BGRPN, y_BGRP
+
+    h0_BGRPN = jnp.zeros((b, g, r, p, n), cdt)
+    _, y_TBGRP = jax.lax.scan(step, h0_BGRPN, (x_TBGRP, dt_TBGR, B_TBGN, C_TBGN, start_TB))
+    return jnp.moveaxis(y_TBGRP, 0, 1).reshape(b, t, h, p).astype(x_BTHP.dtype)
+
+
+def _segsum(a_XQ: jax.Array) -> jax.Array:
+    """[..., Q, Q] with out[i, j] = sum_{k=j+1..i} a[k] for i >= j (0 above the diagonal).
+
+    Built by a cumulative sum over i of a[i] masked to i > j, so every entry sums only its own
+    terms. The shortcut cumsum[i] - cumsum[j] cancels catastrophically once the running sum is
+    large (strong decay over a long chunk) and is inf - inf = NaN once it overflows.
+    """
+    q = a_XQ.shape[-1]
+    below_QQ = jnp.tril(jnp.ones((q, q), dtype=bool), k=-1)
+    terms_XQQ = jnp.where(below_QQ, a_XQ[..., :, None], 0.0)
+    return jnp.cumsum(terms_XQQ, axis=-2)
+
+
+def _masked_exp(log_decay: jax.Array, keep: jax.Array) -> jax.Array:
+    """exp(log_decay) where keep, exactly 0 elsewhere. The -inf goes in only here, inside the
+    exp, so no inf ever meets another inf; its gradient is exactly 0 on masked entries."""
+    return jnp.exp(jnp.where(keep, log_decay, -jnp.inf))
+
+
+def ssd_chunked(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.Array,
+                C_BTGN: jax.Array, segment_ids_BT: jax.Array, chunk_size: int) -> jax.Array:
+    """The SSD block decomposition (Mamba-2, arXiv 2405.21060, ``ssd_minimal``) with segment
+    resets. Work is O(T * Q * (N + P) + T * P * N) per head plus O(K^2 * P * N) for passing
+    states between chunks; every step is a batched matmul, nothing is sequential over T.
+
+    Segment resets are boolean masks from cumulative counts of segment starts, never -inf or
+    huge negatives in dt*A: positions i >= j of one chunk are in one segment iff no segment
+    starts in (j, i], which is an equality of integer counts.
+    """
+    g, r = _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    b, t, h, p = x_BTHP.shape
+    q = chunk_size
+    k = -(-t // q)
+    pad = k * q - t
+    cdt = _compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
+
+    def chunked(arr):
+        # Padding goes after the last token, so it cannot affect any real output (causality);
+        # it is zero in every input.
+        widths = [(0, 0), (0, pad)] + [(0, 0)] * (arr.ndim - 2)
+        arr = jnp.pad(arr, widths) if pad else arr
+        return arr.reshape(b, k, q, *arr.shape[2:])
+
+    x_BKQGRP = chunked(x_BTHP.astype(cdt)).reshape(b, k, q, g, r, p)
+    dt_BKQGR = chunked(dt_BTH.astype(cdt)).reshape(b, k, q, g, r)
+    B_BKQGN = chunked(B_BTGN.astype(cdt))
+    C_BKQGN = chunked(C_BTGN.astype(cdt))
+    # Padded start flags are False: the padding just extends the last segment.
+    start_BKQ = chunked(_segment_starts(segment_ids_BT))
+    A_GR = A_H.astype(cdt).reshape(g, r)
+
+    dt_BKGRQ = jnp.moveaxis(dt_BKQGR, 2, -1)
+    a_BKGRQ = dt_BKGRQ * A_GR[..., None]
+
+    # Segment bookkeeping. starts_before_BKQ[i] = segment starts at positions 0..i of the chunk.
+    starts_before_BKQ = jnp.cumsum(start_BKQ.astype(jnp.int32), axis=-1)
+    causal_QQ = jnp.tril(jnp.ones((q, q), dtype=bool))
+    same_segment_BKQQ = causal_QQ & (starts_before_BKQ[..., :, None] == starts_before_BKQ[..., None, :])
+    # Token j still reaches the chunk's end state iff no segment starts after it in the chunk.
+    reaches_end_BKQ = starts_before_BKQ == starts_before_BKQ[..., -1:]
+    # The state entering the chunk reaches position i iff no segment starts at 0..i.
+    sees_entry_BKQ = starts_before_BKQ == 0
+    # A state crosses chunk k whole iff no segment starts anywhere in it.
+    chunk_starts_BK = jnp.cumsum((starts_before_BKQ[..., -1] > 0).astype(jnp.int32), axis=-1)
+    causal_KK = jnp.tril(jnp.ones((k, k), dtype=bool))
+    carries_BKK = causal_KK & (chunk_starts_BK[:, :, None] == chunk_starts_BK[:, None, :])
+
+    # (1) Diagonal blocks: y_i = sum_{j<=i, same segment} C_i.B_j * exp(a_{j+1..i}) * dt_j * x_j.
+    segsum_BKGRQQ = _segsum(a_BKGRQ)
+    L_BKGRQQ = _masked_exp(segsum_BKGRQQ, same_segment_BKQQ[:, :, None, None])
+    # C.B is per group; it broadcasts over the R heads of the group.
+    CB_BKGQQ = _einsum("bklgn,bksgn->bkgls", C_BKQGN, B_BKQGN)
+    M_BKGRQQ = CB_BKGQQ[:, :, :, None] * L_BKGRQQ * dt_BKGRQ[..., None, :]
+    y_diag_BKQGRP = _einsum("bkgrls,bksgrp->bklgrp", M_BKGRQQ, x_BKQGRP)
+
+    # (2) Each chunk's end state from its own tokens. The log decay from token j to the chunk
+    # end is the last row of the segment sum (sum of a_{j+1..Q-1}), again without differences.
+    to_end_BKGRQ = _masked_exp(segsum_BKGRQQ[..., -1, :], reaches_end_BKQ[:, :, None, None])
+    weight_BKQGR = jnp.moveaxis(to_end_BKGRQ * dt_BKGRQ, -1, 2)
+    states_BKGRPN = _einsum("bksgn,bksgrp->bkgrpn", B_BKQGN, x_BKQGRP * weight_BKQGR[..., None])
+
+    # (3) Between chunks: end state of chunk z = sum_{s<=z} exp(sum of a over chunks s+1..z)
+    # * states[s], kept only where no segment starts in chunks s+1..z. Same stable segsum,
+    # over K chunks; parallel (a K x K matmul) rather than a sequential scan.
+    chunk_a_BGRK = jnp.moveaxis(jnp.sum(a_BKGRQ, axis=-1), 1, -1)
+    chunk_decay_BGRKK = _masked_exp(_segsum(chunk_a_BGRK), carries_BKK[:, None, None])
+    end_BKGRPN = _einsum("bgrzs,bsgrpn->bzgrpn", chunk_decay_BGRKK, states_BKGRPN)
+    # The state entering chunk z is the end state of chunk z-1 (zero for the first chunk).
+    entry_BKGRPN = jnp.concatenate([jnp.zeros_like(end_BKGRPN[:, :1]), end_BKGRPN[:, :-1]], axis=1)
+
+    # (4) Entry state to outputs: exp(a_{0..i}) * C_i . entry. A plain inclusive cumsum from
+    # the chunk start is a single running sum, no differences involved.
+    from_entry_BKGRQ = _masked_exp(jnp.cumsum(a_BKGRQ, axis=-1), sees_entry_BKQ[:, :, None, None])
+    y_off_BKQGRP = (_einsum("bklgn,bkgrpn->bklgrp", C_BKQGN, entry_BKGRPN)
+                    * jnp.moveaxis(from_entry_BKGRQ, -1, 2)[..., None])
+
+    y_BTHP = (y_diag_BKQGRP + y_off_BKQGRP).reshape(b, k * q, h, p)[:, :t]
+    return y_BTHP.astype(x_BTHP.dtype)

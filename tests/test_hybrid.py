@@ -1,0 +1,115 @@
+"""Hybrid Mamba-2 / attention / MLP stacks: causality, document isolation, scan grouping,
+FLOP counts against the real parameters, and training in BF16, FP8 and NVFP4."""
+
+import io
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxfp4.config import ConfigError, load_config
+from maxfp4.metrics import matmul_params
+from maxfp4.model import get_model
+from maxfp4.model.hybrid import scan_groups
+from maxfp4.model.layers import ACT_DTYPE
+from maxfp4.precision import resolve_policy
+from maxfp4.train import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "hybrid-tiny.yaml")
+
+
+def _setup(*overrides):
+    cfg = load_config(TINY, list(overrides))
+    model = get_model(cfg.model)
+    params = model.init_params(cfg.model, jax.random.key(0))
+    return cfg, model, params, resolve_policy(cfg.precision, cfg.model.n_layers)
+
+
+def test_hybrid_stack_is_causal():
+    cfg, model, params, policy = _setup()
+    T = 32
+    x = 0.5 * jax.random.normal(jax.random.key(1), (1, T, cfg.model.d_model), jnp.float32)
+    pos, seg = jnp.arange(T, dtype=jnp.int32)[None], jnp.ones((1, T), jnp.int32)
+    # One compiled gradient, the probed position passed as data.
+    grad_at = jax.jit(jax.grad(lambda x, t: jnp.take(model.forward_embedded(
+        params, x.astype(ACT_DTYPE), pos, seg, cfg=cfg.model, policy=policy)[0], t, axis=0)
+        .astype(jnp.float32).sum()))
+    for t in (0, 13, T - 2):
+        g = grad_at(x, t)
+        per_pos = np.abs(np.asarray(g[0])).sum(-1)
+        assert np.all(per_pos[t + 1:] == 0.0), f"position {t} sees the future"
+        assert np.all(per_pos[: t + 1] > 0.0), f"position {t} ignores its past"
+
+
+def test_packed_documents_stay_apart_through_mamba_conv_and_attention():
+    cfg, model, params, policy = _setup()
+    rng = np.random.default_rng(0)
+    seg = np.array([[1] * 21 + [2] * 27 + [3] * 16], np.int32)  # boundaries inside SSD chunks of 16
+    pos = np.concatenate([np.arange(21), np.arange(27), np.arange(16)])[None].astype(np.int32)
+    tok = rng.integers(4, cfg.model.vocab_size, size=(1, 64)).astype(np.int32)
+    changed = tok.copy()
+    changed[0, 21:48] = rng.integers(4, cfg.model.vocab_size, size=27)  # rewrite the middle document
+
+    def logits(t):
+        return np.asarray(model.forward(params, t, pos, seg, cfg=cfg.model, policy=policy).astype(jnp.float32))
+
+    a, b = logits(tok), logits(changed)
+    np.testing.assert_array_equal(a[0, :21], b[0, :21])
+    np.testing.assert_array_equal(a[0, 48:], b[0, 48:])
+    assert np.abs(a[0, 21:48] - b[0, 21:48]).max() > 1e-3
+
+
+def test_scan_groups_cover_the_pattern_with_few_scans():
+    pattern = ("M-" * 5 + "M*-") * 4  # the Nemotron-H-8B layout: 52 blocks
+    rows = tuple(("bf16",) * 6 for _ in pattern)
+    groups = scan_groups(pattern, rows)
+    assert "".join(unit * reps for _, unit, reps in groups) == pattern
+    assert [g[0] for g in groups] == sorted(g[0] for g in groups)
+    assert len(groups) <= 8, groups
+    # A recipe change splits a run: the last eight blocks in another recipe.
+    rows2 = tuple(("bf16",) * 6 if i < 44 else ("nvfp4",) * 6 for i in range(52))
+    groups2 = scan_groups(pattern, rows2)
+    assert "".join(u * r for _, u, r in groups2) == pattern
+    for start, unit, reps in groups2:
+        block_rows = rows2[start:start + len(unit) * reps]
+        for i in range(len(unit), len(block_rows)):
+            assert block_rows[i] == block_rows[i - len(unit)]
+    assert all(len({rows[i] for i in range(s, s + len(u) * r)}) >= 1 for s, u, r in groups2)
+
+
+def test_matmul_param_count_matches_the_real_model():
+    for cfg_file in ("hybrid-tiny.yaml", "nemotron-h-8b.yaml", "mamba2-1p3b.yaml"):
+        cfg = load_config(os.path.join(REPO, "configs", cfg_file))
+        model = get_model(cfg.model)
+        shapes = jax.eval_shape(lambda k: model.init_params(cfg.model, k), jax.random.key(0))
+        flat = jax.tree_util.tree_leaves_with_path(shapes)
+        linear = sum(int(np.prod(x.shape)) for path, x in flat
+                     if jax.tree_util.keystr(path).split("'")[-2] in ("in_proj", "out_proj", "w_qkv", "w_o",
+                                                                     "w_up", "w_down", "lm_head"))
+        assert matmul_params(cfg.model) == linear, cfg_file
+    nem = load_config(os.path.join(REPO, "configs", "nemotron-h-8b.yaml"))
+    assert nem.model.n_layers == 52 and 7.5e9 < matmul_params(nem.model) < 9.5e9
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("model.pattern=MX-", "model.pattern='MX-': expected a non-empty string of M"),
+    ("model.mamba.head_dim=24", "model.mamba.head_dim=24: expected a divisor"),
+    ("model.mlp=gelu", "model.mlp='gelu': expected one of swiglu, relu2"),
+])
+def test_bad_hybrid_configs(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    assert fragment in str(err.value)
+    with pytest.raises(ConfigError, match="empty for model.kind=dense"):
+        load_config(None, ["model.pattern=M-"])
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed", "nvfp4"])
+def test_tiny_hybrid_trains(recipe, tmp_path):
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", f"precision.default={recipe}", "train.steps=50",
+                             "precision.recipes={fp8_delayed: {amax_history: 16}}"])
+    recs = train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
+    assert recs[0]["loss"] - recs[-1]["loss"] > 1.0, (recipe, recs[0]["loss"], recs[-1]["loss"])

@@ -1,0 +1,238 @@
+"""Mamba-2 SSD core: the chunked form against the sequential scan, a hand-written NumPy loop
+for the scan itself, gradients, packed-segment isolation, chunk-size invariance, strong decay.
+
+Error bounds used below (eps64 = 1.1e-16, eps32 = 6e-8; "relative" = max |error| / max |y|):
+both forms sum the same products (at most ~5 factors each) in a different order, and the
+exponents of the decays are sums of at most max(T, Q) terms, so the rounding difference is
+about (T + Q) * eps * (sum of |terms|) / max |y|. With T <= 96 and O(1) inputs this is ~1e-13
+in float64 (tests allow 1e-10 forward, 1e-9 for gradients, which add one more pass) and ~1e-5
+worst case, ~1e-6 typical, in float32 (tests allow 1e-5).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxfp4.model.ssd import ssd_chunked, ssd_reference
+
+ARG_NAMES = ("x", "dt", "A", "B", "C")
+
+
+@pytest.fixture
+def x64():
+    """float64 for this test only; restored afterwards so other tests keep FP32 defaults."""
+    previous = bool(jax.config.jax_enable_x64)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+def _inputs(seed, b, t, h, p, g, n, dtype=np.float64, dt_range=(0.01, 1.0), a_range=(0.1, 2.0)):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((b, t, h, p))
+    dt = rng.uniform(*dt_range, (b, t, h))
+    A = -rng.uniform(*a_range, h)
+    B = rng.standard_normal((b, t, g, n))
+    C = rng.standard_normal((b, t, g, n))
+    return tuple(jnp.asarray(a, dtype) for a in (x, dt, A, B, C))
+
+
+def _rel(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert np.all(np.isfinite(actual))
+    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+@functools.lru_cache(maxsize=None)
+def _chunked(chunk_size):
+    return jax.jit(functools.partial(ssd_chunked, chunk_size=chunk_size))
+
+
+_reference = jax.jit(ssd_reference)
+
+# Row 0: a start exactly on a chunk boundary (8, for chunk 8), starts inside chunks (13, 15,
+# 31), a 2-token segment shorter than any chunk, a segment spanning three chunks, and a padding
+# run of id 0 that crosses a chunk boundary. Row 1: a single document.
+PACKED_IDS = np.array([[1] * 8 + [2] * 5 + [3] * 2 + [4] * 16 + [0] * 9, [5] * 40], np.int32)
+ROW0_SEGMENTS = [(0, 8), (8, 13), (13, 15), (15, 31), (31, 40)]
+
+
+def test_reference_matches_handwritten_numpy_loop(x64):
+    """The scan against the recurrence written out element by element, with one reset."""
+    b, t, p, n = 1, 5, 2, 3
+    ids = np.array([[3, 3, 7, 7, 7]], np.int32)
+    for h, g in ((2, 1), (2, 2), (4, 2)):
+        x, dt, A, B, C = (np.asarray(a) for a in _inputs(1, b, t, h, p, g, n))
+        expected = np.zeros((b, t, h, p))
+        for head in range(h):
+            grp = head // (h // g)
+            state = np.zeros((p, n))
+            for s in range(t):
+                if s == 0 or ids[0, s] != ids[0, s - 1]:
+                    state = np.zeros((p, n))
+                else:
+                    state = np.exp(dt[0, s, head] * A[head]) * state
+                for i in range(p):
+                    for j in range(n):
+                        state[i, j] += dt[0, s, head] * x[0, s, head, i] * B[0, s, grp, j]
+                for i in range(p):
+                    expected[0, s, head, i] = sum(state[i, j] * C[0, s, grp, j] for j in range(n))
+        got = _reference(x, dt, A, B, C, jnp.asarray(ids))
+        assert got.dtype == jnp.float64
+        assert _rel(got, expected) < 1e-13, (h, g)
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_chunked_matches_reference_float64(x64, g):
+    b, t, h, p, n = 2, 37, 4, 3, 5  # 37 is not a multiple of any chunk size below
+    args = _inputs(2, b, t, h, p, g, n)
+    for ids in (np.ones((b, t), np.int32), PACKED_IDS[:, :t]):
+        ids = jnp.asarray(ids)
+        ref = _reference(*args, ids)
+        for q in (4, 8, 16):
+            got = _chunked(q)(*args, ids)
+            assert got.shape == ref.shape and got.dtype == jnp.float64
+            assert _rel(got, ref) < 1e-10, (g, q)
+
+
+@pytest.mark.parametrize("g,q,t", [(1, 4, 18), (2, 8, 21)])
+def test_gradients_match_reference_float64(x64, g, q, t):
+    b, h, p, n = 2, 4, 3, 5
+    args = _inputs(3, b, t, h, p, g, n)
+    ids = jnp.asarray(PACKED_IDS[:, :t])
+    w = jnp.asarray(np.random.default_rng(4).standard_normal((b, t, h, p)))
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a, ids) * w)
+
+    ref_grads = jax.jit(jax.grad(loss(ssd_reference), argnums=range(5)))(*args)
+    got_grads = jax.jit(jax.grad(loss(functools.partial(ssd_chunked, chunk_size=q)),
+                                 argnums=range(5)))(*args)
+    for name, got, ref in zip(ARG_NAMES, got_grads, ref_grads):
+        assert np.max(np.abs(np.asarray(ref))) > 0, name
+        assert _rel(got, ref) < 1e-9, name
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_segments_are_isolated(x64, dtype):
+    b, t, h, p, g, n = 2, 40, 4, 3, 2, 5
+    args = _inputs(5, b, t, h, p, g, n, dtype=dtype)
+    ids = jnp.asarray(PACKED_IDS)
+    fns = {"reference": _reference, "chunk 8": _chunked(8), "chunk 16": _chunked(16)}
+    base = {name: np.asarray(fn(*args, ids)) for name, fn in fns.items()}
+    rng = np.random.default_rng(6)
+    for lo, hi in ROW0_SEGMENTS:
+        # New values for x, dt, B and C inside [lo, hi) of row 0 only.
+        changed = []
+        for i, a in enumerate(args):
+            if i == 2:  # A is per head, not per position
+                changed.append(a)
+                continue
+            fresh = np.array(a)
+            fresh[0, lo:hi] = rng.standard_normal(fresh[0, lo:hi].shape)
+            if i == 1:
+                fresh[0, lo:hi] = np.abs(fresh[0, lo:hi]) + 0.01
+            changed.append(jnp.asarray(fresh, dtype))
+        outside = np.ones((b, t), bool)
+        outside[0, lo:hi] = False
+        for name, fn in fns.items():
+            y = np.asarray(fn(*changed, ids))
+            # Exactly equal: masked contributions are exact zeros, not small numbers.
+            np.testing.assert_array_equal(y[outside], base[name][outside], err_msg=f"{name} {lo}:{hi}")
+            assert not np.allclose(y[0, lo:hi], base[name][0, lo:hi]), f"{name} {lo}:{hi} unchanged"
+
+    if dtype == np.float64:
+        # A packed segment's output equals that segment run on its own: moved to position 0
+        # of row 0 with all-zero inputs after it (same shapes, so no new compilation), and at
+        # another offset relative to the chunk grid, hence a rounding tolerance.
+        for lo, hi in ROW0_SEGMENTS:
+            alone = []
+            for a in map(np.asarray, args):
+                if a.ndim > 1:
+                    a = a.copy()
+                    a[0] = 0.0
+                    a[0, :hi - lo] = np.asarray(args[len(alone)])[0, lo:hi]
+                alone.append(jnp.asarray(a))
+            alone_ids = jnp.asarray(PACKED_IDS).at[0].set(0)
+            for name, fn in fns.items():
+                y_alone = fn(*alone, alone_ids)
+                assert _rel(base[name][0, lo:hi], y_alone[0, :hi - lo]) < 1e-10, f"{name} {lo}:{hi}"
+
+
+def test_chunk_size_does_not_change_float32_result():
+    b, t, h, p, g, n = 2, 96, 4, 8, 2, 16
+    args = _inputs(7, b, t, h, p, g, n, dtype=np.float32)
+    ids = jnp.asarray(np.repeat(np.array([[1, 2, 3], [4, 4, 5]], np.int32), [30, 17, 49], axis=1))
+    y8 = _chunked(8)(*args, ids)
+    assert y8.dtype == jnp.float32
+    assert _rel(_reference(*args, ids), y8) < 1e-5
+    for q in (1, 16, 128):  # 128 > T: a single padded chunk
+        assert _rel(_chunked(q)(*args, ids), y8) < 1e-5, q
+
+
+def test_strong_decay_is_finite_and_accurate(x64):
+    """dt up to 10 and A down to -16 (dt*A down to -160 per token, running sums ~ -1e4 per
+    chunk) interleaved with small steps that keep some memory. Decays built as differences of
+    one cumulative sum would be off by ~1e4 * eps32 ~ 1e-3 in the exponent here."""
+    b, t, h, p, g, n = 2, 64, 4, 4, 1, 8
+    x, _, _, B, C = _inputs(8, b, t, h, p, g, n)
+    rng = np.random.default_rng(9)
+    big = rng.random((b, t, h)) < 0.5
+    dt = jnp.asarray(np.where(big, rng.uniform(0.0, 10.0, (b, t, h)), rng.uniform(1e-3, 0.05, (b, t, h))))
+    A = jnp.asarray([-16.0, -4.0, -1.0, -0.5])
+    ids = jnp.asarray(np.repeat(np.array([[1, 2, 3], [4, 4, 4]], np.int32), [20, 7, 37], axis=1))
+    args64 = (x, dt, A, B, C)
+    ref64 = _reference(*args64, ids)
+    assert _rel(_chunked(16)(*args64, ids), ref64) < 1e-10
+
+    # float32 against the float64 truth on the same float32-rounded inputs.
+    args32 = tuple(a.astype(jnp.float32) for a in args64)
+    ref_on_32 = _reference(*(a.astype(jnp.float64) for a in args32), ids)
+    assert _rel(_chunked(64)(*args32, ids), ref_on_32) < 1e-5
+    assert _rel(_reference(*args32, ids), ref_on_32) < 1e-5
+
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ssd_chunked(*a, ids, chunk_size=16) ** 2),
+                             argnums=range(5)))(*args32)
+    for name, gr in zip(ARG_NAMES, grads):
+        assert gr.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(gr))), name
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+
+
+def test_bf16_inputs_are_computed_in_fp32():
+    b, t, h, p, g, n = 1, 24, 4, 8, 2, 16
+    x, dt, A, B, C = _inputs(10, b, t, h, p, g, n, dtype=np.float32)
+    bf = tuple(a.astype(jnp.bfloat16) for a in (x, dt, B, C))
+    ids = jnp.asarray(np.repeat(np.array([[1, 2]], np.int32), [10, 14], axis=1))
+    fn = functools.partial(ssd_chunked, chunk_size=8)
+    bf_args = (bf[0], bf[1], A, bf[2], bf[3], ids)
+
+    # Only conversions may touch BF16: every arithmetic op runs on FP32.
+    jaxpr = jax.make_jaxpr(fn)(*bf_args).jaxpr
+    for eqn in _all_eqns(jaxpr):
+        if eqn.primitive.name != "convert_element_type":
+            dtypes = [v.aval.dtype for v in eqn.outvars]
+            assert jnp.bfloat16 not in dtypes, eqn.primitive.name
+
+    y_bf = jax.jit(fn)(*bf_args)
+    assert y_bf.dtype == jnp.bfloat16
+    y32 = jax.jit(fn)(*(a.astype(jnp.float32) for a in bf_args[:5]), ids)
+    # The only BF16 rounding is the final cast, at most the BF16 unit roundoff 2^-8 relative
+    # per element (plus FP32 noise, 1e-6 of the largest output, should the two programs fuse
+    # differently).
+    y32 = np.asarray(y32)
+    err = np.abs(np.asarray(y_bf, np.float32) - y32)
+    assert np.all(err <= 2.0 ** -8 * np.abs(y32) + 1e-6 * np.max(np.abs(y32)))
