@@ -27,9 +27,10 @@ from maxfp4.data import make_batches
 from maxfp4.errors import exit_code_of
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
-from maxfp4.model import get_model
+from maxfp4.model import get_model, linear_shapes
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
+from maxfp4.precision.policy import check_block_divisibility
 from maxfp4.precision.state import init_precision_state
 from maxfp4.state import TrainState
 from maxfp4.step import make_train_step
@@ -87,13 +88,16 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     """Run the training loop described by ``cfg``; returns the logged metric records."""
     run_dir = cfg.run_dir
     is_writer = jax.process_index() == 0
-    os.makedirs(run_dir, exist_ok=True)
 
+    # Everything that can be refused is checked before the run directory is touched.
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+    model_classes = set(get_model(cfg.model).block_layer_classes) | {"lm_head"}
+    check_block_divisibility(policy, {c: s for c, s in linear_shapes(cfg.model).items() if c in model_classes})
     table = policy.format_table(get_model(cfg.model).block_layer_classes)
     mesh = make_mesh(cfg.mesh, devices)
     check_model_fits_mesh(cfg.model, mesh)
     _check_batch_fits_mesh(cfg, mesh)
+    os.makedirs(run_dir, exist_ok=True)
     data = make_batches(cfg, run_dir, process_index=jax.process_index(),
                         process_count=jax.process_count())
     if is_writer:

@@ -113,3 +113,11 @@ def test_tiny_hybrid_trains(recipe, tmp_path):
                              "precision.recipes={fp8_delayed: {amax_history: 16}}"])
     recs = train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
     assert recs[0]["loss"] - recs[-1]["loss"] > 1.0, (recipe, recs[0]["loss"], recs[-1]["loss"])
+
+
+def test_block_scaled_recipe_on_untileable_layer_fails_before_compiling(tmp_path):
+    # in_proj of this mixer is 64 -> 2*128 + 2*2*16 + 8 = 328 features: not a multiple of 16.
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "precision.default=nvfp4", "model.mamba.head_dim=16"])
+    with pytest.raises(ConfigError, match="recipe nvfp4 on mamba_in needs its features"):
+        train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
+    assert not os.path.exists(tmp_path / "hybrid-tiny")  # nothing written

@@ -28,3 +28,16 @@ def get_model(cfg: ModelConfig) -> ModelFns:
     from maxfp4.model import decoder
     return ModelFns(decoder.init_params, decoder.param_axes, decoder.forward, decoder.forward_embedded,
                     decoder.BLOCK_LAYER_CLASSES)
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer class of this model (for block-size checks)."""
+    d, h, n, k, f, v = cfg.d_model, cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size
+    gates = 2 if (cfg.kind == "dense" or cfg.mlp == "swiglu") else 1
+    shapes = {"attn_qkv": (d, (n + 2 * k) * h), "attn_out": (n * h, d), "mlp_up": (d, gates * f),
+              "mlp_down": (f, d), "lm_head": (d, v)}
+    if cfg.kind == "hybrid":
+        from maxfp4.model.mamba import dims
+        md = dims(cfg)
+        shapes |= {"mamba_in": (d, md["in"]), "mamba_out": (md["E"], d)}
+    return shapes

@@ -191,3 +191,18 @@ def resolve_policy(cfg: PrecisionConfig, n_layers: int) -> PrecisionPolicy:
 
 def validate_precision(cfg: PrecisionConfig, n_layers: int) -> None:
     resolve_policy(cfg, n_layers)
+
+
+# Recipes that quantize in blocks: both feature dimensions of the layer must be multiples.
+BLOCK_SIZES = {"nvfp4": 16, "mxfp8": 32, "mxfp4": 32, "fp8_block": 128}
+
+
+def check_block_divisibility(policy: PrecisionPolicy, shapes: dict[str, tuple[int, int]]) -> None:
+    """Fail before compiling when a block-scaled recipe meets a layer it cannot tile."""
+    for cls, (k, n) in shapes.items():
+        indices = [None] if cls == "lm_head" else range(policy.n_layers)
+        for recipe in {policy.recipe_for(cls, i) for i in indices}:
+            size = BLOCK_SIZES.get(recipe)
+            if size and (k % size or n % size):
+                raise ConfigError(f"precision: recipe {recipe} on {cls} needs its features ({k} in, {n} out) "
+                                  f"to be multiples of {size}; choose another recipe for {cls} or resize the model")
