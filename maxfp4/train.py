@@ -32,6 +32,7 @@ from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.precision.policy import check_block_divisibility
 from maxfp4.precision.state import init_precision_state
+from maxfp4.resilience import PreemptionWatch
 from maxfp4.state import TrainState
 from maxfp4.step import make_train_step
 
@@ -178,21 +179,39 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         records.append(record)
         logger.log(record)
 
+    watch = PreemptionWatch()
     try:
         for step in range(start_step, cfg.train.steps):
             batch = to_global(next(data))
             state, metrics = jitted(state, batch)
-            if checkpointer.due(step + 1, cfg.train.steps):
+            stop = watch.should_stop(step + 1)
+            if stop or checkpointer.due(step + 1, cfg.train.steps):
                 checkpointer.save(step + 1, state, data.get_state())  # before the state is donated
             if pending is not None:
                 flush(*pending, final=False)
             pending = (step + 1, metrics)
+            if stop:
+                break
         if pending is not None:
             flush(*pending, final=True)
+        if watch.signum is not None:
+            checkpointer.wait()
+            _say(f"stopped by signal {watch.signum} after step {pending[0]}; checkpoint saved, "
+                 f"rerun to resume")
+            raise Interrupted(watch.exit_code)
     finally:
+        watch.close()
         logger.close()
         checkpointer.close()
     return records
+
+
+class Interrupted(Exception):
+    """A signal stopped training after a checkpoint; carries the process exit code."""
+
+    def __init__(self, code: int):
+        super().__init__(f"interrupted (exit code {code})")
+        self.code = code
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -217,7 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"{how}; {jax.local_device_count()} local of {jax.device_count()} devices")
         train(cfg)
 
-    return exit_code_of(run)
+    try:
+        return exit_code_of(run)
+    except Interrupted as stop:
+        return stop.code
 
 
 if __name__ == "__main__":

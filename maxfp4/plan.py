@@ -1,0 +1,346 @@
+"""``python -m maxfp4.plan CONFIG [more.yaml ...] [key=value ...] --gpus N --gpu h100|h200|b200
+--tokens T [--mfu-from RESULTS.json] [--json]``: project a run's memory, step time and days
+before it starts, for BF16, FP8 and NVFP4 side by side.
+
+Every formula and constant is stated in docs/PLANNING.md; the constants below carry the same names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any, Sequence
+
+import jax
+
+from maxfp4.config import Config, ModelConfig, load_config
+from maxfp4.errors import UserError, exit_code_of
+from maxfp4.mesh import resolve_mesh_shape
+from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, _block_classes, attention_flops_per_token,
+                            matmul_params, ssd_flops_per_token)
+from maxfp4.model import get_model
+
+PRECISIONS = ("bf16", "fp8", "nvfp4")
+
+# Effective GEMM rates in TFLOP/s measured on one H200 (docs/PERFORMANCE.md, one linear layer at
+# M = K = N = 8192, forward + both gradients, quantization passes included): bf16 recipe, the
+# fp8_delayed recipe, and the emulated nvfp4 recipe (RHT + stochastic rounding) as shipped.
+MEASURED_H200_TFLOPS = {"bf16": 666.0, "fp8": 1079.0, "nvfp4": 392.0}
+# Native FP4 GEMMs (B200) run at the datasheet FP4 peak times the efficiency FP8 reached on H200.
+FP4_EFFICIENCY = MEASURED_H200_TFLOPS["fp8"] / DEVICE_PEAKS_TFLOPS["H200"]["fp8"]
+
+GPUS: dict[str, dict[str, float]] = {
+    # memory GB (1e9 bytes), HBM bandwidth TB/s, NVLink GB/s per GPU (one direction)
+    "h100": {"memory_gb": 80.0, "hbm_tbs": 3.35, "nvlink_gbs": 450.0},
+    "h200": {"memory_gb": 141.0, "hbm_tbs": 4.8, "nvlink_gbs": 450.0},
+    "b200": {"memory_gb": 180.0, "hbm_tbs": 8.0, "nvlink_gbs": 900.0},
+}
+GPUS_PER_NODE = 8
+IB_GBS = 50.0  # one 400 Gb/s InfiniBand NIC per GPU
+USABLE_MEMORY = 0.90  # the rest goes to the CUDA context, XLA workspace and fragmentation
+OVERLAP = 0.70  # fraction of communication hidden behind compute (capped at the compute time)
+
+# Bytes per parameter.
+MASTER_BYTES, ADAM_BYTES, GRAD_BYTES = 4, 8, 4
+WORKING_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16}  # FP4 + one E4M3 scale per 16
+# Adam update traffic per parameter: read master, grad, two moments; write master, two moments.
+OPTIMIZER_TRAFFIC_BYTES = 4 * 4 + 3 * 4
+# Activations kept for the backward pass, bytes per token per block (BF16, flash attention).
+ACT_BYTES_NO_REMAT = 34  # x d_model
+ACT_BYTES_FULL_REMAT = 2  # x d_model: only the block input
+LOGIT_BYTES = 4  # x vocab per token: FP32 logits in the loss
+# The emulated NVFP4 policy keeps the last 15% of blocks in BF16 (configs/precision/nvfp4.yaml).
+NVFP4_BF16_TAIL = 0.15
+
+
+# ----------------------------------------------------------------------------- model counts
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Every parameter of the real model, from its abstract init (nothing is allocated)."""
+    model = get_model(cfg)
+    shapes = jax.eval_shape(lambda k: model.init_params(cfg, k), jax.random.key(0))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+_KIND_OF_CLASS = {"attn_qkv": "attention", "attn_out": "attention", "mlp_up": "mlp",
+                  "mlp_down": "mlp", "mamba_in": "mamba", "mamba_out": "mamba"}
+
+
+def flops_by_block_type(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Training FLOPs per token (forward + backward) split by where they are spent; the sum is
+    metrics.flops_per_token, so MFU and the plan count the same work."""
+    out = {"attention": attention_flops_per_token(cfg, seq_len), "mlp": 0.0,
+           "mamba": ssd_flops_per_token(cfg), "lm_head": 6.0 * cfg.d_model * cfg.vocab_size}
+    for block in _block_classes(cfg):
+        for cls, params in block.items():
+            out[_KIND_OF_CLASS[cls]] += 6.0 * params
+    return out
+
+
+# ----------------------------------------------------------------------------- device rates
+
+
+def gemm_tflops(gpu: str, precision: str) -> float:
+    """Effective GEMM rate: the H200 measurement scaled by the datasheet peak of ``gpu``."""
+    peaks = DEVICE_PEAKS_TFLOPS[gpu.upper()]
+    if precision == "nvfp4" and "fp4" in peaks:
+        return peaks["fp4"] * FP4_EFFICIENCY
+    peak_key = "fp8" if precision == "fp8" else "bf16"  # emulated NVFP4 runs BF16 GEMMs
+    return MEASURED_H200_TFLOPS[precision] * peaks[peak_key] / DEVICE_PEAKS_TFLOPS["H200"][peak_key]
+
+
+def datasheet_tflops(gpu: str, precision: str) -> float:
+    peaks = DEVICE_PEAKS_TFLOPS[gpu.upper()]
+    key = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "fp4"}[precision]
+    return peaks.get(key, peaks["bf16"])
+
+
+def _split_gemm_flops(cfg: ModelConfig, flops: dict[str, float], seq_len: int,
+                      precision: str) -> tuple[float, float]:
+    """(FLOPs at the precision's rate, FLOPs at BF16): the LM head stays BF16 in the shipped
+    FP8/NVFP4 policies; attention scores and SSD products always run in BF16."""
+    scores, ssd = attention_flops_per_token(cfg, seq_len), ssd_flops_per_token(cfg)
+    block_gemm = flops["attention"] - scores + flops["mlp"] + flops["mamba"] - ssd
+    bf16 = flops["lm_head"] + scores + ssd
+    if precision == "bf16":
+        return 0.0, block_gemm + bf16
+    tail = NVFP4_BF16_TAIL if precision == "nvfp4" else 0.0
+    return block_gemm * (1 - tail), block_gemm * tail + bf16
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _tokens_per_device(cfg: Config, mesh: tuple[int, int, int]) -> float:
+    data, fsdp, _ = mesh
+    return cfg.data.global_batch * cfg.data.seq_len / (data * fsdp)
+
+
+def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, precision: str,
+                      remat: str) -> dict[str, float]:
+    """Bytes per device. State (master, Adam, gradients) is sharded over fsdp x tensor; one
+    block's working copy (or the BF16 LM head, whichever is larger) is live at a time."""
+    m = cfg.model
+    _, fsdp, tensor = mesh
+    shards = fsdp * tensor
+    blocks = _block_classes(m)
+    largest_block = max(sum(b.values()) for b in blocks)
+    working = max(largest_block * WORKING_BYTES[precision], m.d_model * m.vocab_size * 2) / tensor
+    tokens = _tokens_per_device(cfg, mesh) / cfg.train.microbatches
+    per_block = ACT_BYTES_NO_REMAT if remat == "none" else ACT_BYTES_FULL_REMAT
+    acts = tokens * m.d_model * per_block * len(blocks) / tensor
+    if remat == "full":  # the block being recomputed holds its full activations
+        acts += tokens * m.d_model * ACT_BYTES_NO_REMAT / tensor
+    logits = tokens * m.vocab_size * LOGIT_BYTES / tensor
+    return {"master": params * MASTER_BYTES / shards, "adam": params * ADAM_BYTES / shards,
+            "grads": params * GRAD_BYTES / shards, "working_copy": working,
+            "activations": acts, "logits": logits}
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def _non_gemm_bytes_per_token(m: ModelConfig) -> float:
+    """Elementwise traffic (norms, residuals, RoPE, gates, conv, softmax of the loss): a block
+    reads and writes about 10 x d_model + 3 x its widest intermediate BF16 values forward, and
+    the backward pass moves twice that; the loss moves the FP32 logits about 4 times."""
+    total = 0.0
+    for block in _block_classes(m):
+        wide = max(v for v in block.values()) / m.d_model
+        total += 3 * 2 * (10 * m.d_model + 3 * wide)
+    return total + 4 * LOGIT_BYTES * m.vocab_size
+
+
+def _link_gbs(gpu: str, span: int) -> float:
+    """Bandwidth of a collective over ``span`` consecutive GPUs: NVLink inside a node, IB across."""
+    return GPUS[gpu]["nvlink_gbs"] if span <= GPUS_PER_NODE else IB_GBS
+
+
+def comm_seconds(cfg: Config, mesh: tuple[int, int, int], params: int, precision: str, gpu: str) -> float:
+    """Ring collectives per step, bytes per device / link bandwidth. Axes are laid out tensor
+    innermost, then fsdp, then data (maxfp4.mesh), so an axis crosses nodes once the product of
+    it and the axes inside it exceeds a node."""
+    data, fsdp, tensor = mesh
+    m = cfg.model
+    seconds = 0.0
+    if tensor > 1:  # two activation all-reduces per block forward, two backward
+        ar = 2 * (tensor - 1) / tensor * _tokens_per_device(cfg, mesh) * m.d_model * 2
+        seconds += 4 * len(_block_classes(m)) * ar / (_link_gbs(gpu, tensor) * 1e9)
+    if fsdp > 1:  # weights gathered forward and again backward, FP32 gradients reduce-scattered
+        per_device = params / tensor * (fsdp - 1) / fsdp
+        seconds += per_device * (2 * WORKING_BYTES[precision] + GRAD_BYTES) / (_link_gbs(gpu, tensor * fsdp) * 1e9)
+    if data > 1:  # all-reduce of each device's FP32 gradient shard
+        shard = params / (fsdp * tensor) * GRAD_BYTES
+        seconds += 2 * (data - 1) / data * shard / (_link_gbs(gpu, data * fsdp * tensor) * 1e9)
+    return seconds
+
+
+def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, float], params: int,
+                    precision: str, gpu: str, utilisation: float | None) -> float:
+    """GEMMs at the precision's effective rate, the rest at BF16, elementwise work at HBM
+    bandwidth; or, given a measured utilisation, all FLOPs at that fraction of the peak."""
+    tokens = _tokens_per_device(cfg, mesh) / mesh[2]  # tensor parallelism splits each token's work
+    fast, slow = _split_gemm_flops(cfg.model, flops, cfg.data.seq_len, precision)
+    if utilisation is not None:
+        peak = datasheet_tflops(gpu, precision) * 1e12
+        return tokens * (fast / (utilisation * peak) + slow / (utilisation * datasheet_tflops(gpu, "bf16") * 1e12))
+    gemm = tokens * (fast / (gemm_tflops(gpu, precision) * 1e12) + slow / (gemm_tflops(gpu, "bf16") * 1e12))
+    hbm = GPUS[gpu]["hbm_tbs"] * 1e12
+    elementwise = tokens * _non_gemm_bytes_per_token(cfg.model) / hbm
+    optimizer = params / (mesh[1] * mesh[2]) * OPTIMIZER_TRAFFIC_BYTES / hbm
+    return gemm + elementwise + optimizer
+
+
+def step_seconds(compute: float, comm: float) -> float:
+    hidden = min(OVERLAP * comm, compute)
+    return compute + comm - hidden
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def read_utilisation(path: str, gpu: str) -> float:
+    """Utilisation from a results file: the last record with ``mfu``, or ``tflops_per_device``
+    over the BF16 peak; a JSON document, a JSON list, or JSON lines (metrics.jsonl)."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise UserError(f"--mfu-from {path}: {e.strerror}") from None
+    try:
+        records = [json.loads(text)]
+    except json.JSONDecodeError:
+        try:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError:
+            raise UserError(f"--mfu-from {path}: not JSON or JSON lines") from None
+    found = _find_fields(records)
+    if found is None:
+        raise UserError(f"--mfu-from {path}: no 'mfu' or 'tflops_per_device' field")
+    key, value = found
+    u = value if key == "mfu" else value / DEVICE_PEAKS_TFLOPS[gpu.upper()]["bf16"]
+    if not 0 < u <= 1:
+        raise UserError(f"--mfu-from {path}: utilisation {u:.3f} from {key!r} is not in (0, 1]")
+    return u
+
+
+def _find_fields(node: Any) -> tuple[str, float] | None:
+    """The last numeric ``mfu`` (preferred) or ``tflops_per_device`` found depth-first."""
+    found = None
+    if isinstance(node, list):
+        for item in node:
+            found = _find_fields(item) or found
+    elif isinstance(node, dict):
+        for key in ("mfu", "tflops_per_device"):
+            if isinstance(node.get(key), (int, float)) and not isinstance(node.get(key), bool):
+                return key, float(node[key])
+        for value in node.values():
+            found = _find_fields(value) or found
+    return found
+
+
+def _check_inputs(gpus: int, gpu: str, tokens: float) -> None:
+    if gpu not in GPUS:
+        raise UserError(f"--gpu {gpu}: expected one of {', '.join(GPUS)}")
+    if gpus <= 0:
+        raise UserError(f"--gpus {gpus}: expected a positive number of GPUs")
+    if not tokens > 0 or not math.isfinite(tokens):
+        raise UserError(f"--tokens {tokens:g}: expected a positive number of tokens")
+
+
+def plan(cfg: Config, gpus: int, gpu: str, tokens: float, utilisation: float | None = None) -> list[dict]:
+    _check_inputs(gpus, gpu, tokens)
+    mesh = resolve_mesh_shape(cfg.mesh, gpus)
+    m = cfg.model
+    params = param_count(m)
+    flops = flops_by_block_type(m, cfg.data.seq_len)
+    tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+    steps = math.ceil(tokens / tokens_per_step)
+    notes = []
+    if (cfg.data.global_batch // cfg.train.microbatches) % (mesh[0] * mesh[1]):
+        notes.append(f"data.global_batch={cfg.data.global_batch} does not split over "
+                     f"{mesh[0] * mesh[1]} data x fsdp devices; training would refuse this mesh")
+    rows = []
+    for precision in PRECISIONS:
+        mem = memory_per_device(cfg, mesh, params, precision, cfg.train.remat)
+        compute = compute_seconds(cfg, mesh, flops, params, precision, gpu, utilisation)
+        comm = comm_seconds(cfg, mesh, params, precision, gpu)
+        step = step_seconds(compute, comm)
+        total_gb = sum(mem.values()) / 1e9
+        rows.append({
+            "precision": precision, "gpu": gpu, "gpus": gpus,
+            "mesh": dict(zip(("data", "fsdp", "tensor"), mesh)),
+            "params": params, "matmul_params": matmul_params(m),
+            "flops_per_token": sum(flops.values()), "flops_per_token_by_block": flops,
+            "memory_per_device_gb": total_gb,
+            "memory_breakdown_gb": {k: v / 1e9 for k, v in mem.items()},
+            "memory_other_remat_gb": sum(memory_per_device(
+                cfg, mesh, params, precision, "full" if cfg.train.remat == "none" else "none").values()) / 1e9,
+            "remat": cfg.train.remat,
+            "fits": total_gb <= USABLE_MEMORY * GPUS[gpu]["memory_gb"],
+            "tokens_per_step": tokens_per_step, "steps": steps,
+            "compute_s": compute, "comm_s": comm, "step_time_s": step,
+            "days": steps * step / 86400, "gpu_hours": steps * step * gpus / 3600,
+            "utilisation_from_file": utilisation, "notes": notes,
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    r0 = rows[0]
+    f = r0["flops_per_token_by_block"]
+    lines = [
+        f"{r0['gpus']} x {r0['gpu'].upper()}, mesh {r0['mesh']}, remat {r0['remat']}, "
+        f"{r0['tokens_per_step']:,} tokens/step, {r0['steps']:,} steps",
+        f"params {r0['params'] / 1e9:.3f} B (matmul {r0['matmul_params'] / 1e9:.3f} B); "
+        f"FLOPs/token {r0['flops_per_token'] / 1e9:.2f} G = "
+        + ", ".join(f"{k} {v / 1e9:.2f} G" for k, v in f.items()),
+        f"usable memory {USABLE_MEMORY:.0%} of {GPUS[r0['gpu']]['memory_gb']:.0f} GB; "
+        f"comm overlap {OVERLAP:.0%}",
+        "",
+        f"{'precision':<10}{'mem GB':>9}{'other remat':>12}{'fits':>6}{'compute s':>11}{'comm s':>9}"
+        f"{'step s':>9}{'days':>10}{'GPU-hours':>13}",
+    ]
+    for r in rows:
+        lines.append(f"{r['precision']:<10}{r['memory_per_device_gb']:>9.1f}{r['memory_other_remat_gb']:>12.1f}"
+                     f"{'yes' if r['fits'] else 'NO':>6}{r['compute_s']:>11.3f}{r['comm_s']:>9.3f}"
+                     f"{r['step_time_s']:>9.3f}{r['days']:>10.2f}{r['gpu_hours']:>13,.0f}")
+    lines += [f"note: {n}" for n in r0["notes"]]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m maxfp4.plan",
+        description="Project parameters, memory, step time and days of a training run.")
+    parser.add_argument("config", help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="more YAML files and dotted.key=value overrides")
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
+    parser.add_argument("--tokens", type=float, required=True, help="training tokens, e.g. 15e12")
+    parser.add_argument("--mfu-from", help="JSON results with 'mfu' or 'tflops_per_device'")
+    parser.add_argument("--json", action="store_true", help="print one JSON list")
+    args = parser.parse_args(argv)
+    args.configs = [args.config] + [a for a in args.overrides if "=" not in a]
+    args.overrides = [a for a in args.overrides if "=" in a]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def run() -> None:
+        gpu = args.gpu.lower()
+        _check_inputs(args.gpus, gpu, args.tokens)  # before reading any file
+        cfg = load_config(args.configs, args.overrides)
+        utilisation = read_utilisation(args.mfu_from, gpu) if args.mfu_from else None
+        rows = plan(cfg, args.gpus, gpu, args.tokens, utilisation)
+        print(json.dumps(rows) if args.json else format_table(rows))
+
+    return exit_code_of(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

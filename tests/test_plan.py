@@ -1,0 +1,135 @@
+"""The planner's counts against the real model, its JSON shape, and its refusals."""
+
+import json
+import math
+
+import jax
+import pytest
+
+from maxfp4 import plan
+from maxfp4.config import load_config
+from maxfp4.mesh import make_mesh
+from maxfp4.metrics import attention_flops_per_token, flops_per_token, ssd_flops_per_token
+from maxfp4.model import get_model
+from maxfp4.optim import make_optimizer
+from maxfp4.train import init_state
+
+CONFIGS = ["configs/quickstart.yaml", "configs/hybrid-tiny.yaml"]
+# Leaves that are weights of a linear layer (the embedding is a lookup, norms and SSM scalars are not).
+MATMUL_LEAVES = {"w_qkv", "w_o", "w_up", "w_down", "in_proj", "out_proj", "lm_head"}
+
+
+def _real_shapes(cfg):
+    model = get_model(cfg.model)
+    return jax.eval_shape(lambda k: model.init_params(cfg.model, k), jax.random.key(0))
+
+
+def _leaf_sizes(tree):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        yield path[-1].key, math.prod(leaf.shape)
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_parameter_count_matches_real_model(path):
+    cfg = load_config(path)
+    assert plan.param_count(cfg.model) == sum(n for _, n in _leaf_sizes(_real_shapes(cfg)))
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_flops_match_real_weight_shapes(path):
+    cfg = load_config(path)
+    real_matmul = sum(n for name, n in _leaf_sizes(_real_shapes(cfg)) if name in MATMUL_LEAVES)
+    seq = cfg.data.seq_len
+    expected = 6 * real_matmul + attention_flops_per_token(cfg.model, seq) + ssd_flops_per_token(cfg.model)
+    by_block = plan.flops_by_block_type(cfg.model, seq)
+    assert sum(by_block.values()) == pytest.approx(expected, rel=1e-12)
+    assert sum(by_block.values()) == pytest.approx(flops_per_token(cfg.model, seq), rel=1e-12)
+    assert by_block["lm_head"] == 6 * cfg.model.d_model * cfg.model.vocab_size
+    assert (by_block["mamba"] > 0) == (cfg.model.kind == "hybrid")
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_state_memory_matches_initialised_state(path):
+    """Master weights + Adam moments from the planner against a real 1-device train state;
+    the margin covers the optimizer's step counters and other scalars (0.1%)."""
+    cfg = load_config(path, ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    state, _ = init_state(cfg, mesh, make_optimizer(cfg))
+    real = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
+    mem = plan.memory_per_device(cfg, (1, 1, 1), plan.param_count(cfg.model), "bf16", "none")
+    assert mem["master"] + mem["adam"] == pytest.approx(real, rel=1e-3)
+
+
+def test_state_memory_is_sharded_over_fsdp_and_tensor():
+    cfg = load_config("configs/quickstart.yaml")
+    params = plan.param_count(cfg.model)
+    one = plan.memory_per_device(cfg, (1, 1, 1), params, "bf16", "full")
+    eight = plan.memory_per_device(cfg, (1, 4, 2), params, "bf16", "full")
+    assert eight["master"] * 8 == pytest.approx(one["master"])
+    assert eight["adam"] * 8 == pytest.approx(one["adam"])
+
+
+def test_full_remat_saves_activation_memory():
+    cfg = load_config("configs/dense-1p3b.yaml")
+    params = plan.param_count(cfg.model)
+    none = plan.memory_per_device(cfg, (1, 1, 1), params, "bf16", "none")["activations"]
+    full = plan.memory_per_device(cfg, (1, 1, 1), params, "bf16", "full")["activations"]
+    assert full < none / 5
+
+
+def test_json_output(capsys):
+    code = plan.main(["configs/llama3-8b.yaml", "--gpus", "16", "--gpu", "h100", "--tokens", "15e12", "--json"])
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["precision"] for r in rows] == ["bf16", "fp8", "nvfp4"]
+    for r in rows:
+        for key in ("precision", "params", "flops_per_token", "memory_per_device_gb", "step_time_s", "days"):
+            assert key in r
+        assert 7.9e9 < r["params"] < 8.1e9  # Llama-3-8B
+        assert r["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1}
+        assert r["days"] == pytest.approx(r["steps"] * r["step_time_s"] / 86400)
+    assert rows[1]["step_time_s"] < rows[0]["step_time_s"]  # FP8 GEMMs are faster on H100
+
+
+def test_table_output_names_every_precision(capsys):
+    assert plan.main(["configs/quickstart.yaml", "--gpus", "1", "--gpu", "h200", "--tokens", "1e9"]) == 0
+    out = capsys.readouterr().out
+    assert all(p in out for p in ("bf16", "fp8", "nvfp4")) and "days" in out
+
+
+def test_more_gpus_train_faster():
+    cfg = load_config("configs/dense-1p3b.yaml", ["data.global_batch=64"])
+    one = plan.plan(cfg, 8, "h200", 1e12)[0]
+    many = plan.plan(cfg, 64, "h200", 1e12)[0]
+    assert many["days"] < one["days"]
+
+
+def test_mfu_from_results_file(tmp_path):
+    results = tmp_path / "metrics.jsonl"
+    results.write_text('{"step": 10, "mfu": 0.2}\n{"step": 20, "mfu": 0.4}\n')
+    assert plan.read_utilisation(str(results), "h200") == pytest.approx(0.4)
+    cfg = load_config("configs/dense-1p3b.yaml")
+    bf16 = plan.plan(cfg, 1, "h200", 1e9, utilisation=0.4)[0]
+    # one device: no communication, so the step is exactly the FLOPs at 40% of the BF16 peak
+    assert bf16["step_time_s"] == pytest.approx(bf16["flops_per_token"] * 16384 / (0.4 * 989e12))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--gpus", "8", "--gpu", "a100", "--tokens", "1e9"], "--gpu a100"),
+    (["--gpus", "0", "--gpu", "h100", "--tokens", "1e9"], "--gpus 0"),
+    (["--gpus", "-4", "--gpu", "h100", "--tokens", "1e9"], "--gpus -4"),
+    (["--gpus", "8", "--gpu", "h100", "--tokens", "-1"], "--tokens"),
+    (["mesh.fsdp=3", "--gpus", "8", "--gpu", "h100", "--tokens", "1e9"], "mesh="),
+])
+def test_bad_input_exits_2_with_one_line(capsys, args, needle):
+    assert plan.main(["configs/quickstart.yaml"] + args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error:") and needle in err
+
+
+def test_results_file_without_utilisation_is_refused(tmp_path, capsys):
+    bad = tmp_path / "r.json"
+    bad.write_text('{"loss": 3.0}')
+    args = ["configs/quickstart.yaml", "--gpus", "1", "--gpu", "h100", "--tokens", "1e9", "--mfu-from", str(bad)]
+    assert plan.main(args) == 2
+    assert "mfu" in capsys.readouterr().err
