@@ -307,6 +307,20 @@ def apply_override(raw: dict, override: str) -> dict:
     return out
 
 
+def add_config_arguments(parser) -> None:
+    """The command-line shape every maxfp4 tool shares: CONFIG [more.yaml ...] [key=value ...]."""
+    parser.add_argument("config", help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*",
+                        help="more YAML files (merged in order, e.g. configs/precision/fp8.yaml) "
+                             "and dotted.key=value overrides, values parsed as YAML")
+
+
+def config_from_arguments(args) -> Config:
+    """Load the config named by :func:`add_config_arguments`' arguments."""
+    files = [args.config] + [a for a in args.overrides if "=" not in a]
+    return load_config(files, [a for a in args.overrides if "=" in a])
+
+
 def load_config(path: str | typing.Sequence[str] | None, overrides: typing.Sequence[str] = ()) -> Config:
     """Read ``path`` (None: all defaults; several files merge left to right), apply overrides,
     convert and validate."""

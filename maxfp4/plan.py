@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import jax
 
-from maxfp4.config import Config, ModelConfig, load_config
+from maxfp4.config import Config, ModelConfig, add_config_arguments, config_from_arguments
 from maxfp4.errors import UserError, exit_code_of
 from maxfp4.mesh import resolve_mesh_shape
 from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, _block_classes, attention_flops_per_token,
@@ -315,17 +315,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m maxfp4.plan",
         description="Project parameters, memory, step time and days of a training run.")
-    parser.add_argument("config", help="YAML config file (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="more YAML files and dotted.key=value overrides")
+    add_config_arguments(parser)
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     parser.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
     parser.add_argument("--tokens", type=float, required=True, help="training tokens, e.g. 15e12")
     parser.add_argument("--mfu-from", help="JSON results with 'mfu' or 'tflops_per_device'")
     parser.add_argument("--json", action="store_true", help="print one JSON list")
-    args = parser.parse_args(argv)
-    args.configs = [args.config] + [a for a in args.overrides if "=" not in a]
-    args.overrides = [a for a in args.overrides if "=" in a]
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -334,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run() -> None:
         gpu = args.gpu.lower()
         _check_inputs(args.gpus, gpu, args.tokens)  # before reading any file
-        cfg = load_config(args.configs, args.overrides)
+        cfg = config_from_arguments(args)
         utilisation = read_utilisation(args.mfu_from, gpu) if args.mfu_from else None
         rows = plan(cfg, args.gpus, gpu, args.tokens, utilisation)
         print(json.dumps(rows) if args.json else format_table(rows))

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4 import distributed
 from maxfp4.checkpoint import Checkpointer
-from maxfp4.config import Config, ConfigError, load_config
+from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
 from maxfp4.data import make_batches
 from maxfp4.errors import exit_code_of
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
@@ -217,21 +217,15 @@ class Interrupted(Exception):
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m maxfp4.train", description="Train a language model from a YAML config.")
-    parser.add_argument("config", help="YAML config file (see configs/)")
-    parser.add_argument("overrides", nargs="*",
-                        help="more YAML files (merged in order, e.g. configs/precision/fp8.yaml) "
-                             "and dotted.key=value overrides, values parsed as YAML")
-    args = parser.parse_args(argv)
-    args.configs = [args.config] + [a for a in args.overrides if "=" not in a]
-    args.overrides = [a for a in args.overrides if "=" in a]
-    return args
+    add_config_arguments(parser)
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
 
     def run() -> None:
-        cfg = load_config(args.configs, args.overrides)
+        cfg = config_from_arguments(args)
         how = distributed.initialize(cfg.distributed)
         _say(f"{how}; {jax.local_device_count()} local of {jax.device_count()} devices")
         train(cfg)
