@@ -133,6 +133,18 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+    """Injected failures, for testing the resilience machinery (off by default)."""
+
+    exception_at_step: int = 0  # raise an error after this step (0: never)
+
+
+@dataclass(frozen=True)
+class ResilienceConfig:
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -143,6 +155,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
     @property
     def run_dir(self) -> str:
@@ -442,5 +455,8 @@ def validate(cfg: Config) -> None:
     ck = cfg.checkpoint
     _require(ck.every >= 0, "checkpoint.every", ck.every, "an integer >= 0 (0: only at the end)")
     _require(ck.keep >= 1, "checkpoint.keep", ck.keep, "an integer >= 1")
+
+    _require(cfg.resilience.fault.exception_at_step >= 0, "resilience.fault.exception_at_step",
+             cfg.resilience.fault.exception_at_step, "an integer >= 0 (0: never)")
 
     validate_precision(cfg.precision, n_layers=m.n_layers)

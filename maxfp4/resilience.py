@@ -9,8 +9,13 @@ already catches SIGTERM for that (its preemption notifier), and
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import threading
+import time
+import traceback
+from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
@@ -52,3 +57,28 @@ class PreemptionWatch:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+
+
+class InjectedFault(RuntimeError):
+    """The failure ``resilience.fault.exception_at_step`` asked for."""
+
+
+def write_crash_report(run_dir: str, error: BaseException, *, step: int | None, config: dict[str, Any],
+                       last_metrics: dict[str, Any] | None) -> str:
+    """``<run_dir>/crash.json`` next to the metrics: what failed, where, at which step, with
+    which config and the last metrics, so the operator need not dig through scheduler logs."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "crash.json")
+    report = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "error": f"{type(error).__name__}: {error}",
+        "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+        "step": step,
+        "last_metrics": last_metrics,
+        "config": config,
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    os.replace(tmp, path)
+    return path

@@ -32,7 +32,7 @@ from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.precision.policy import check_block_divisibility
 from maxfp4.precision.state import init_precision_state
-from maxfp4.resilience import PreemptionWatch
+from maxfp4.resilience import InjectedFault, PreemptionWatch, write_crash_report
 from maxfp4.state import TrainState
 from maxfp4.step import make_train_step
 
@@ -180,6 +180,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         logger.log(record)
 
     watch = PreemptionWatch()
+    fault_step = cfg.resilience.fault.exception_at_step
     try:
         for step in range(start_step, cfg.train.steps):
             batch = to_global(next(data))
@@ -192,6 +193,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             pending = (step + 1, metrics)
             if stop:
                 break
+            if step + 1 == fault_step:
+                raise InjectedFault(f"resilience.fault.exception_at_step={fault_step}")
         if pending is not None:
             flush(*pending, final=True)
         if watch.signum is not None:
@@ -199,6 +202,14 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             _say(f"stopped by signal {watch.signum} after step {pending[0]}; checkpoint saved, "
                  f"rerun to resume")
             raise Interrupted(watch.exit_code)
+    except (Interrupted, KeyboardInterrupt):
+        raise
+    except Exception as error:
+        if is_writer:
+            path = write_crash_report(run_dir, error, step=pending[0] if pending else start_step,
+                                      config=cfg.to_dict(), last_metrics=records[-1] if records else None)
+            _say(f"crashed: {type(error).__name__}: {error}; report in {path}")
+        raise
     finally:
         watch.close()
         logger.close()

@@ -50,3 +50,18 @@ def test_signal_checkpoints_and_rerun_resumes(tmp_path, sig):
     assert again.returncode == 0, out2[-2000:]
     assert "resumed from" in out2 and f"/{last}" in out2
     assert _steps(tmp_path)[-2:] == [last + 1, last + 2]
+
+
+def test_unhandled_exception_writes_a_crash_report(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "maxfp4.train", os.path.join(REPO, "configs", "quickstart.yaml"),
+                           *ARGS, f"run.output_dir={tmp_path}", "run.name=pre", "train.steps=10",
+                           "resilience.fault.exception_at_step=4"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    report = json.loads((tmp_path / "pre" / "crash.json").read_text())
+    assert report["error"].startswith("InjectedFault: resilience.fault.exception_at_step=4")
+    assert "Traceback" in report["traceback"] and report["step"] == 4
+    assert report["config"]["resilience"]["fault"]["exception_at_step"] == 4
+    assert report["last_metrics"]["step"] == 3  # step 4's metrics were not yet logged
+    assert "crash.json" in proc.stdout + proc.stderr
