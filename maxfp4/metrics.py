@@ -29,21 +29,19 @@ RECIPE_PRECISION = {"bf16": "bf16", "fp8_delayed": "fp8", "fp8_current": "fp8", 
                     "mxfp8": "fp8", "nvfp4": "fp4", "mxfp4": "fp4"}
 
 
-def _block_classes(cfg: ModelConfig) -> list[dict[str, int]]:
-    """Matmul parameters of each block's linear layers, by layer class."""
-    d, h, n, k, f = cfg.d_model, cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff
-    attn = {"attn_qkv": d * (n + 2 * k) * h, "attn_out": n * h * d}
-    mlp = {"mlp_up": (2 if cfg.mlp == "swiglu" else 1) * d * f, "mlp_down": f * d}
+def block_linear_params(cfg: ModelConfig) -> list[dict[str, int]]:
+    """Matmul parameters of each block's linear layers, by layer class (from the same layer
+    shapes the model is built with)."""
+    from maxfp4.model import get_model, linear_shapes
+    params = {c: k * n for c, (k, n) in linear_shapes(cfg).items()}
     if cfg.kind != "hybrid":
-        return [attn | {"mlp_up": 2 * d * f, "mlp_down": f * d}] * cfg.n_layers
-    from maxfp4.model.mamba import dims
-    md = dims(cfg)
-    mamba = {"mamba_in": d * md["in"], "mamba_out": md["E"] * d}
-    return [{"M": mamba, "*": attn, "-": mlp}[c] for c in cfg.pattern]
+        return [{c: params[c] for c in get_model(cfg).block_layer_classes}] * cfg.n_layers
+    from maxfp4.model.hybrid import TYPE_CLASSES, TYPES
+    return [{c: params[c] for c in TYPE_CLASSES[TYPES[ch]]} for ch in cfg.pattern]
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    return sum(sum(b.values()) for b in _block_classes(cfg)) + cfg.d_model * cfg.vocab_size
+    return sum(sum(b.values()) for b in block_linear_params(cfg)) + cfg.d_model * cfg.vocab_size
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -87,7 +85,7 @@ def policy_peak_tflops(cfg: ModelConfig, seq_len: int, policy: PrecisionPolicy,
 
     unquantized = attention_flops_per_token(cfg, seq_len) + ssd_flops_per_token(cfg)
     total, seconds = unquantized, unquantized / peaks["bf16"]
-    for layer, classes in enumerate(_block_classes(cfg)):
+    for layer, classes in enumerate(block_linear_params(cfg)):
         for cls, params in classes.items():
             total += 6.0 * params
             seconds += 6.0 * params / peak_for(policy.recipe_for(cls, layer))

@@ -18,7 +18,7 @@ import jax
 from maxfp4.config import Config, ModelConfig, add_config_arguments, config_from_arguments
 from maxfp4.errors import UserError, exit_code_of
 from maxfp4.mesh import resolve_mesh_shape
-from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, _block_classes, attention_flops_per_token,
+from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, block_linear_params, attention_flops_per_token,
                             matmul_params, ssd_flops_per_token)
 from maxfp4.model import get_model
 
@@ -74,7 +74,7 @@ def flops_by_block_type(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     metrics.flops_per_token, so MFU and the plan count the same work."""
     out = {"attention": attention_flops_per_token(cfg, seq_len), "mlp": 0.0,
            "mamba": ssd_flops_per_token(cfg), "lm_head": 6.0 * cfg.d_model * cfg.vocab_size}
-    for block in _block_classes(cfg):
+    for block in block_linear_params(cfg):
         for cls, params in block.items():
             out[_KIND_OF_CLASS[cls]] += 6.0 * params
     return out
@@ -126,7 +126,7 @@ def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, prec
     m = cfg.model
     _, fsdp, tensor = mesh
     shards = fsdp * tensor
-    blocks = _block_classes(m)
+    blocks = block_linear_params(m)
     largest_block = max(sum(b.values()) for b in blocks)
     working = max(largest_block * WORKING_BYTES[precision], m.d_model * m.vocab_size * 2) / tensor
     tokens = _tokens_per_device(cfg, mesh) / cfg.train.microbatches
@@ -148,7 +148,7 @@ def _non_gemm_bytes_per_token(m: ModelConfig) -> float:
     reads and writes about 10 x d_model + 3 x its widest intermediate BF16 values forward, and
     the backward pass moves twice that; the loss moves the FP32 logits about 4 times."""
     total = 0.0
-    for block in _block_classes(m):
+    for block in block_linear_params(m):
         wide = max(v for v in block.values()) / m.d_model
         total += 3 * 2 * (10 * m.d_model + 3 * wide)
     return total + 4 * LOGIT_BYTES * m.vocab_size
@@ -168,7 +168,7 @@ def comm_seconds(cfg: Config, mesh: tuple[int, int, int], params: int, precision
     seconds = 0.0
     if tensor > 1:  # two activation all-reduces per block forward, two backward
         ar = 2 * (tensor - 1) / tensor * _tokens_per_device(cfg, mesh) * m.d_model * 2
-        seconds += 4 * len(_block_classes(m)) * ar / (_link_gbs(gpu, tensor) * 1e9)
+        seconds += 4 * len(block_linear_params(m)) * ar / (_link_gbs(gpu, tensor) * 1e9)
     if fsdp > 1:  # weights gathered forward and again backward, FP32 gradients reduce-scattered
         per_device = params / tensor * (fsdp - 1) / fsdp
         seconds += per_device * (2 * WORKING_BYTES[precision] + GRAD_BYTES) / (_link_gbs(gpu, tensor * fsdp) * 1e9)

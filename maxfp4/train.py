@@ -92,9 +92,10 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
 
     # Everything that can be refused is checked before the run directory is touched.
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
-    model_classes = set(get_model(cfg.model).block_layer_classes) | {"lm_head"}
+    block_classes = get_model(cfg.model).block_layer_classes
+    model_classes = set(block_classes) | {"lm_head"}
     check_block_divisibility(policy, {c: s for c, s in linear_shapes(cfg.model).items() if c in model_classes})
-    table = policy.format_table(get_model(cfg.model).block_layer_classes)
+    table = policy.format_table(block_classes)
     mesh = make_mesh(cfg.mesh, devices)
     check_model_fits_mesh(cfg.model, mesh)
     _check_batch_fits_mesh(cfg, mesh)

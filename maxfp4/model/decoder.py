@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from maxfp4.config import ModelConfig
 from maxfp4.model.attention import attention_block, resolve_implementation
-from maxfp4.model.layers import ACT_DTYPE, normal_init, rms_norm, swiglu_mlp
+from maxfp4.model.layers import ACT_DTYPE, normal_init, output_logits, rms_norm, swiglu_mlp
 from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
 Params = dict[str, Any]
@@ -122,11 +122,7 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
         if remat == "full":
             body = jax.checkpoint(body, prevent_cse=False)
         x_BTD, _ = jax.lax.scan(body, x_BTD, (group, group_scales, group_keys))
-    x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
-    head = LayerPrecision(policy, None, {"lm_head": scales["lm_head"]} if "lm_head" in scales else None,
-                          jax.random.fold_in(key, cfg.n_layers))
-    logits_BTV = head.dot(x_BTD, params["lm_head"], "lm_head")
-    return constrain(logits_BTV, ("batch", "seq", "vocab"))
+    return output_logits(params, x_BTD, cfg=cfg, policy=policy, scales=scales, key=key, constrain=constrain)
 
 
 def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:

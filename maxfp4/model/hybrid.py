@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from maxfp4.config import ModelConfig
 from maxfp4.model.attention import attention_block, resolve_implementation
-from maxfp4.model.layers import ACT_DTYPE, mlp_block, normal_init, rms_norm
+from maxfp4.model.layers import ACT_DTYPE, mlp_block, normal_init, output_logits, rms_norm
 from maxfp4.model.mamba import MAMBA_AXES, init_mamba, mamba_mixer
 from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
@@ -164,7 +164,4 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, 
         if remat == "full":
             body = jax.checkpoint(body, prevent_cse=False)
         x_BTD, _ = jax.lax.scan(body, x_BTD, xs)
-    x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
-    head = LayerPrecision(policy, None, {"lm_head": scales["lm_head"]} if "lm_head" in scales else None,
-                          jax.random.fold_in(key, cfg.n_layers))
-    return constrain(head.dot(x_BTD, params["lm_head"], "lm_head"), ("batch", "seq", "vocab"))
+    return output_logits(params, x_BTD, cfg=cfg, policy=policy, scales=scales, key=key, constrain=constrain)

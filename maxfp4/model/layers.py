@@ -73,3 +73,12 @@ def mlp_block(x_BTD: jax.Array, w_up: jax.Array, w_down_FD: jax.Array, lp: Layer
     if kind == "relu2":
         return relu2_mlp(x_BTD, w_up, w_down_FD, lp)
     return swiglu_mlp(x_BTD, w_up, w_down_FD, lp, smooth=smooth)
+
+
+def output_logits(params: dict, x_BTD: jax.Array, *, cfg, policy, scales: dict, key: jax.Array,
+                  constrain) -> jax.Array:
+    """Final RMSNorm and the LM head (class ``lm_head``, not a block): logits [B, T, V]."""
+    x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
+    head = LayerPrecision(policy, None, {"lm_head": scales["lm_head"]} if "lm_head" in scales else None,
+                          jax.random.fold_in(key, cfg.n_layers))
+    return constrain(head.dot(x_BTD, params["lm_head"], "lm_head"), ("batch", "seq", "vocab"))
