@@ -164,9 +164,6 @@ class Config:
     def to_dict(self) -> dict:
         return _to_plain(self)
 
-    def replace(self, **sections: Any) -> "Config":
-        return dataclasses.replace(self, **sections)
-
 
 # ----------------------------------------------------------------------------- loading
 

@@ -23,7 +23,6 @@ from maxfp4.precision.state import scales_of, update_precision_state
 from maxfp4.state import TrainState
 
 Batch = dict[str, jax.Array]
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
 def make_loss_fn(cfg: Config, policy: PrecisionPolicy, constrain: Callable) -> Callable:
