@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxfp4.compiler import compiler_options
 from maxfp4.precision.registry import RECIPES
 
 VARIANTS = [
@@ -41,6 +42,11 @@ def bench(fn, args, iters: int) -> float:
     return float(np.median(times))
 
 
+def _parse_option(text: str) -> tuple[str, object]:
+    key, _, value = text.partition("=")
+    return key, {"true": True, "false": False}.get(value.lower(), value)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, default=8192, help="tokens")
@@ -48,6 +54,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192, help="output features")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default="precision_matmul.json")
+    ap.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an XLA option on top of maxfp4.compiler's defaults, e.g. xla_gpu_enable_triton_gemm=true")
     a = ap.parse_args()
     kx, kw, kd = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (a.m, a.k), jnp.bfloat16)
@@ -56,6 +64,7 @@ def main() -> None:
     scales = jnp.asarray([100.0, 20000.0, 1e7], jnp.float32)
     key = jax.random.key(1)
     flops = 3 * 2.0 * a.m * a.k * a.n
+    options = compiler_options(jax.devices()[0].platform, dict(_parse_option(o) for o in a.compiler_option))
     rows = []
     for label, name, opts in VARIANTS:
         if name not in RECIPES:
@@ -66,7 +75,7 @@ def main() -> None:
             y, vjp = jax.vjp(lambda x, w, s: fn(x, w, opts, s, key), x, w, scales)
             return (y,) + vjp(dy)
 
-        jitted = jax.jit(layer)
+        jitted = jax.jit(layer, compiler_options=options)
         hlo = jitted.lower(x, w, dy, scales, key).compile().as_text()
         seconds = bench(jitted, (x, w, dy, scales, key), a.iters)
         rows.append({"recipe": label, "ms": 1e3 * seconds, "tflops": flops / seconds / 1e12,

@@ -24,7 +24,7 @@ DATA_SOURCES = ("builtin", "text", "synthetic")
 MODEL_KINDS = ("dense", "hybrid")
 MLP_KINDS = ("swiglu", "relu2")
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp"}
-REMAT_POLICIES = ("none", "full")
+REMAT_POLICIES = ("none", "full", "save_gemm")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
@@ -88,7 +88,9 @@ class TrainConfig:
     steps: int = 100
     log_every: int = 10
     microbatches: int = 1  # gradient accumulation: global_batch is split into this many
-    remat: str = "none"
+    remat: str = "none"  # none | full | save_gemm (maxfp4.model.remat)
+    compiler_options: dict = field(default_factory=dict)  # XLA options, e.g. {xla_gpu_enable_triton_gemm: true}
+    profile_steps: tuple[int, ...] = ()  # [first, last]: JAX profiler trace of these steps in <run>/profile
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class DistributedConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    enabled: bool = True  # false: never save (throughput benchmarks)
     every: int = 0  # 0: only at the end
     keep: int = 3
     async_: bool = field(default=True, metadata={"key": "async"})
@@ -421,6 +424,8 @@ def validate(cfg: Config) -> None:
     _require(d.global_batch % t.microbatches == 0, "train.microbatches", t.microbatches,
              f"a divisor of data.global_batch={d.global_batch}")
     _require(t.remat in REMAT_POLICIES, "train.remat", t.remat, f"one of {', '.join(REMAT_POLICIES)}")
+    _require(t.profile_steps == () or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
+             "train.profile_steps", list(t.profile_steps), "[] or [first, last] with 1 <= first <= last")
 
     _require(o.lr > 0, "optim.lr", o.lr, "a positive learning rate")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "an integer >= 0")

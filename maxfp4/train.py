@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4 import distributed
 from maxfp4.checkpoint import Checkpointer
+from maxfp4.compiler import check_compiler_options, compiler_options
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
 from maxfp4.data import make_batches
 from maxfp4.errors import exit_code_of
@@ -32,6 +33,7 @@ from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.precision.policy import check_block_divisibility
 from maxfp4.precision.state import init_precision_state
+from maxfp4.profiling import StepProfiler
 from maxfp4.resilience import InjectedFault, PreemptionWatch, write_crash_report
 from maxfp4.state import TrainState
 from maxfp4.step import make_train_step
@@ -99,6 +101,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     mesh = make_mesh(cfg.mesh, devices)
     check_model_fits_mesh(cfg.model, mesh)
     _check_batch_fits_mesh(cfg, mesh)
+    xla_options = compiler_options(mesh.devices.flat[0].platform, cfg.train.compiler_options)
+    check_compiler_options(xla_options, mesh.devices.flat[0])
     os.makedirs(run_dir, exist_ok=True)
     data = make_batches(cfg, run_dir, process_index=jax.process_index(),
                         process_count=jax.process_count())
@@ -129,7 +133,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     b_sh = batch_sharding(mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     jitted = jax.jit(step_fn, in_shardings=(state_sh, b_sh), out_shardings=(state_sh, replicated),
-                     donate_argnums=0)
+                     donate_argnums=0,
+                     compiler_options=xla_options)
 
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     step_flops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
@@ -181,13 +186,16 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         logger.log(record)
 
     watch = PreemptionWatch()
+    profiler = StepProfiler(cfg.train.profile_steps, os.path.join(run_dir, "profile"), enabled=is_writer)
     fault_step = cfg.resilience.fault.exception_at_step
     try:
         for step in range(start_step, cfg.train.steps):
             batch = to_global(next(data))
+            profiler.before_dispatch(step + 1)
             state, metrics = jitted(state, batch)
+            profiler.after_dispatch(step + 1, metrics)
             stop = watch.should_stop(step + 1)
-            if stop or checkpointer.due(step + 1, cfg.train.steps):
+            if cfg.checkpoint.enabled and (stop or checkpointer.due(step + 1, cfg.train.steps)):
                 checkpointer.save(step + 1, state, data.get_state())  # before the state is donated
             if pending is not None:
                 flush(*pending, final=False)
@@ -212,6 +220,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             _say(f"crashed: {type(error).__name__}: {error}; report in {path}")
         raise
     finally:
+        profiler.close()
         watch.close()
         logger.close()
         checkpointer.close()

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maxfp4.compiler import compiler_options
 from maxfp4.precision.recipes import fp8_current_dot, fp8_delayed_dot
 
 pytestmark = pytest.mark.gpu
@@ -35,14 +36,16 @@ def test_all_three_gemms_are_cublaslt_fp8_tn(recipe):
         y, vjp = jax.vjp(lambda x, w: fn(x, w, (), scales, None), x, w)
         return (y,) + vjp(dy)[:2]
 
-    hlo = jax.jit(layer).lower(x, w, dy).compile().as_text()
+    # Compiled with the trainer's options (maxfp4.compiler): Triton GEMM fusions would take one GEMM.
+    jitted = jax.jit(layer, compiler_options=compiler_options("gpu"))
+    hlo = jitted.lower(x, w, dy).compile().as_text()
     configs = _f8_gemm_configs(hlo)
     assert len(configs) == 3, f"expected 3 FP8 GEMMs, found {len(configs)}"
     for c in configs:
         assert c.get("lhs_contracting_dimensions") == ["1"], c
         assert c.get("rhs_contracting_dimensions") == ["1"], c
     # And the numbers are right: compare with the same recipe's GEMMs run on the CPU.
-    gpu = [np.asarray(a, np.float32) for a in jax.jit(layer)(x, w, dy)]
+    gpu = [np.asarray(a, np.float32) for a in jitted(x, w, dy)]
     cpu_dev = jax.devices("cpu")[0]
     cpu = [np.asarray(a, np.float32) for a in jax.jit(layer)(*(jax.device_put(a, cpu_dev) for a in (x, w, dy)))]
     for g, c in zip(gpu, cpu):

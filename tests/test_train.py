@@ -3,6 +3,7 @@
 import glob
 import io
 import json
+import os
 
 import jax
 
@@ -47,3 +48,23 @@ def test_loss_falls_on_builtin_text_and_run_dir_is_complete(tmp_path):
     assert plot_main([str(run_dir), "-o", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert plot_main([str(tmp_path / "nope"), "-o", str(png)]) == 2
+
+
+def test_profile_steps_write_a_trace_and_disabled_checkpoints_write_none(tiny_cfg, tmp_path):
+    cfg = tiny_cfg("train.steps=3", "train.profile_steps=[2,3]", "checkpoint.enabled=false", "run.name=prof")
+    train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
+    run_dir = tmp_path / "prof"
+    traces = glob.glob(str(run_dir / "profile" / "**" / "*.xplane.pb"), recursive=True)
+    assert traces and all(os.path.getsize(t) > 0 for t in traces)
+    assert not glob.glob(str(run_dir / "checkpoints" / "*"))
+
+
+def test_unknown_compiler_option_is_a_config_error_before_the_run_dir_exists(tiny_cfg, tmp_path):
+    import pytest
+
+    from maxfp4.config import ConfigError
+
+    cfg = tiny_cfg("train.compiler_options={xla_no_such_option: true}", "run.name=badopt")
+    with pytest.raises(ConfigError, match="xla_no_such_option"):
+        train(cfg, devices=jax.devices()[:1])
+    assert not (tmp_path / "badopt").exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 
 from maxfp4.model.layers import rope
+from maxfp4.model.remat import tag_attention_output
 from maxfp4.precision import LayerPrecision
 
 
@@ -51,5 +52,5 @@ def attention_block(x_BTD: jax.Array, w_qkv_DKGH: jax.Array, w_o_ND: jax.Array,
     if rope_theta is not None:
         q_BTNH = rope(q_BTNH, positions_BT, rope_theta)
         k_BTKH = rope(k_BTKH, positions_BT, rope_theta)
-    out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation)
+    out_BTNH = tag_attention_output(attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation))
     return lp.dot(out_BTNH.reshape(b, t, k * g * h), w_o_ND, "attn_out")

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from maxfp4.config import ModelConfig
 from maxfp4.model.attention import attention_block, resolve_implementation
 from maxfp4.model.layers import ACT_DTYPE, normal_init, output_logits, rms_norm, swiglu_mlp
+from maxfp4.model.remat import remat_body
 from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
 Params = dict[str, Any]
@@ -119,8 +120,7 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
             y = _block(x, p, positions_BT, segment_ids_BT, cfg, lp, attn_impl)
             return constrain(y, ("batch", "seq", "embed")), None
 
-        if remat == "full":
-            body = jax.checkpoint(body, prevent_cse=False)
+        body = remat_body(body, remat)
         x_BTD, _ = jax.lax.scan(body, x_BTD, (group, group_scales, group_keys))
     return output_logits(params, x_BTD, cfg=cfg, policy=policy, scales=scales, key=key, constrain=constrain)
 

@@ -22,6 +22,7 @@ from maxfp4.config import ModelConfig
 from maxfp4.model.attention import attention_block, resolve_implementation
 from maxfp4.model.layers import ACT_DTYPE, mlp_block, normal_init, output_logits, rms_norm
 from maxfp4.model.mamba import MAMBA_AXES, init_mamba, mamba_mixer
+from maxfp4.model.remat import remat_body
 from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
 Params = dict[str, Any]
@@ -161,7 +162,6 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, 
                               ("batch", "seq", "embed"))
             return x, None
 
-        if remat == "full":
-            body = jax.checkpoint(body, prevent_cse=False)
+        body = remat_body(body, remat)
         x_BTD, _ = jax.lax.scan(body, x_BTD, xs)
     return output_logits(params, x_BTD, cfg=cfg, policy=policy, scales=scales, key=key, constrain=constrain)

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.config import LAYER_CLASSES
 from maxfp4.precision.policy import PrecisionPolicy, resolve_policy
 from maxfp4.precision.registry import RECIPES
+
+# The name every linear layer's output carries, so a remat policy can keep it
+# (train.remat=save_gemm, maxfp4.model.remat).
+GEMM_OUT = "gemm_out"
 
 
 def dot(x: jax.Array, w: jax.Array, layer_class: str, layer_index: int | None,
@@ -36,7 +41,8 @@ class LayerPrecision:
     def dot(self, x: jax.Array, w: jax.Array, layer_class: str) -> jax.Array:
         scales = None if self.scales is None else self.scales.get(layer_class)
         key = None if self.key is None else jax.random.fold_in(self.key, LAYER_CLASSES.index(layer_class))
-        return dot(x, w, layer_class, self.layer_index, self.policy, scales=scales, key=key)
+        y = dot(x, w, layer_class, self.layer_index, self.policy, scales=scales, key=key)
+        return checkpoint_name(y, GEMM_OUT)
 
 
 __all__ = ["dot", "LayerPrecision", "PrecisionPolicy", "resolve_policy"]

@@ -1,0 +1,34 @@
+"""``train.profile_steps: [first, last]``: a JAX profiler trace of those steps in ``<run>/profile``.
+
+The trace starts before step ``first`` is dispatched and stops once step ``last`` has finished
+on the device, so it holds exactly those steps (open it with TensorBoard's profile plugin or
+Perfetto). Only the metrics writer (process 0) traces.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+
+
+class StepProfiler:
+    def __init__(self, steps: Sequence[int], directory: str, *, enabled: bool = True):
+        self.first, self.last = (steps[0], steps[1]) if steps and enabled else (None, None)
+        self.directory = directory
+        self.active = False
+
+    def before_dispatch(self, step: int) -> None:
+        if step == self.first:
+            jax.profiler.start_trace(self.directory)
+            self.active = True
+
+    def after_dispatch(self, step: int, metrics: Any) -> None:
+        if self.active and step == self.last:
+            jax.block_until_ready(metrics)
+            self.close()
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
