@@ -425,7 +425,8 @@ def validate(cfg: Config) -> None:
 
     _require(d.source in DATA_SOURCES, "data.source", d.source, f"one of {', '.join(DATA_SOURCES)}")
     if d.source in ("text", "jsonl", "array_record"):
-        _require(len(d.paths) > 0, "data.paths", list(d.paths), f"at least one path or glob for data.source={d.source}")
+        what = "prepared directory" if d.source == "array_record" else "file or glob"
+        _require(len(d.paths) > 0, "data.paths", list(d.paths), f"at least one {what} for data.source={d.source}")
     if d.source == "tfds":
         _require(bool(d.tfds_name), "data.tfds_name", d.tfds_name, "a dataset name for data.source=tfds")
     _require((d.source == "mixture") == bool(d.mixture), "data.mixture", list(d.mixture),
