@@ -20,7 +20,8 @@ import yaml
 from maxfp4.errors import UserError
 
 LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down", "mamba_in", "mamba_out", "lm_head")
-DATA_SOURCES = ("builtin", "text", "synthetic")
+DATA_SOURCES = ("builtin", "text", "jsonl", "array_record", "tfds", "synthetic", "mixture")
+MIXTURE_SOURCES = ("builtin", "text", "jsonl", "array_record")
 MODEL_KINDS = ("dense", "hybrid")
 MLP_KINDS = ("swiglu", "relu2")
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp"}
@@ -76,11 +77,24 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "builtin"
-    paths: tuple[str, ...] = ()
+    source: str = "builtin"  # one of DATA_SOURCES; docs/DATA.md describes each
+    paths: tuple[str, ...] = ()  # text/jsonl: files or globs; array_record: directories written by prepare
     tokenizer: str = ""  # SentencePiece model; empty: train one on the data, kept in the run dir
     seq_len: int = 256
     global_batch: int = 16
+    jsonl_field: str = "text"  # jsonl: the key of each line's object that holds the document text
+    tfds_name: str = ""  # tfds: dataset name (and version), e.g. "my_dataset:1.0.0"
+    tfds_split: str = "train"  # tfds: split to read
+    tfds_data_dir: str = ""  # tfds: where the dataset was prepared; empty: TFDS's default directory
+    tfds_field: str = "text"  # tfds: the feature holding the document text
+    # source=mixture: [{source, paths, weight}, ...]; rows of each source drawn in proportion to weight
+    mixture: tuple[dict, ...] = ()
+    workers: int = 0  # grain worker processes reading batches; 0 = in the training process
+    read_threads: int = 2  # threads reading rows in each reader (process or worker)
+    prefetch: int = 4  # batches buffered ahead of the training step
+    eval_fraction: float = 0.0  # fraction of documents held out for evaluation (seeded choice)
+    eval_paths: tuple[str, ...] = ()  # held-out files/directories of the same source, instead of a fraction
+    eval_batches: int = 8  # at most this many global batches in an evaluation
 
 
 @dataclass(frozen=True)
@@ -91,6 +105,7 @@ class TrainConfig:
     remat: str = "none"  # none | full | save_gemm (maxfp4.model.remat)
     compiler_options: dict = field(default_factory=dict)  # XLA options, e.g. {xla_gpu_enable_triton_gemm: true}
     profile_steps: tuple[int, ...] = ()  # [first, last]: JAX profiler trace of these steps in <run>/profile
+    eval_every: int = 0  # held-out loss every this many steps and at the end; 0 = off
 
 
 @dataclass(frozen=True)
@@ -412,9 +427,32 @@ def validate(cfg: Config) -> None:
     _require(m.init_std > 0, "model.init_std", m.init_std, "a positive number")
 
     _require(d.source in DATA_SOURCES, "data.source", d.source, f"one of {', '.join(DATA_SOURCES)}")
-    if d.source == "text":
-        _require(len(d.paths) > 0, "data.paths", list(d.paths), "at least one file or glob for data.source=text")
-    _positive(d, "data", "seq_len", "global_batch")
+    if d.source in ("text", "jsonl", "array_record"):
+        what = "prepared directory" if d.source == "array_record" else "file or glob"
+        _require(len(d.paths) > 0, "data.paths", list(d.paths), f"at least one {what} for data.source={d.source}")
+    if d.source == "tfds":
+        _require(bool(d.tfds_name), "data.tfds_name", d.tfds_name, "a dataset name for data.source=tfds")
+    _require((d.source == "mixture") == bool(d.mixture), "data.mixture", list(d.mixture),
+             "a non-empty list of {source, paths, weight} exactly when data.source=mixture")
+    for i, part in enumerate(d.mixture):
+        key = f"data.mixture[{i}]"
+        _require(isinstance(part, dict) and set(part) <= {"source", "paths", "weight"} and "source" in part,
+                 key, part, "a mapping with keys source, paths (list) and weight")
+        _require(part["source"] in MIXTURE_SOURCES, f"{key}.source", part["source"], f"one of {', '.join(MIXTURE_SOURCES)}")
+        _require(isinstance(part.get("paths", []), list), f"{key}.paths", part.get("paths"), "a list of paths")
+        weight = part.get("weight", 1.0)
+        _require(isinstance(weight, (int, float)) and weight > 0, f"{key}.weight", weight, "a positive number")
+    _positive(d, "data", "seq_len", "global_batch", "read_threads", "eval_batches")
+    _require(d.workers >= 0, "data.workers", d.workers, "an integer >= 0 (0: read in the training process)")
+    _require(d.prefetch >= 0, "data.prefetch", d.prefetch, "an integer >= 0")
+    _require(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", d.eval_fraction, "a fraction in [0, 1)")
+    _require(not (d.eval_fraction and d.eval_paths), "data.eval_paths", list(d.eval_paths),
+             "empty when data.eval_fraction is set (choose one way to hold out data)")
+    _require(not d.eval_paths or d.source in ("text", "jsonl", "array_record"), "data.eval_paths",
+             list(d.eval_paths), "used only with data.source text, jsonl or array_record")
+    _require(t.eval_every >= 0, "train.eval_every", t.eval_every, "an integer >= 0 (0: no evaluation)")
+    _require(not t.eval_every or d.eval_fraction > 0 or d.eval_paths or d.source == "synthetic",
+             "train.eval_every", t.eval_every, "0 unless data.eval_fraction > 0 or data.eval_paths is set")
     if d.tokenizer:
         _require(os.path.isfile(d.tokenizer), "data.tokenizer", d.tokenizer, "an existing SentencePiece model file")
 

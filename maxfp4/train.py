@@ -24,8 +24,9 @@ from maxfp4 import distributed
 from maxfp4.checkpoint import Checkpointer
 from maxfp4.compiler import check_compiler_options, compiler_options
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
-from maxfp4.data import make_batches
+from maxfp4.data import make_batches, make_eval_batches
 from maxfp4.errors import exit_code_of
+from maxfp4.evaluate import make_eval_step, mean_eval_loss
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import get_model, linear_shapes
@@ -106,6 +107,9 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     os.makedirs(run_dir, exist_ok=True)
     data = make_batches(cfg, run_dir, process_index=jax.process_index(),
                         process_count=jax.process_count())
+    # Held-out batches are built now so bad eval data is refused before anything compiles.
+    eval_local = (make_eval_batches(cfg, run_dir, process_index=jax.process_index(),
+                                    process_count=jax.process_count()) if cfg.train.eval_every else [])
     if is_writer:
         _write_run_files(cfg, run_dir, table)
         _say(f"run directory {run_dir}")
@@ -136,6 +140,10 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
                      donate_argnums=0,
                      compiler_options=xla_options)
 
+    eval_fn = jax.jit(make_eval_step(cfg, policy, constrain), in_shardings=(state_sh, b_sh),
+                      out_shardings=(replicated, replicated))
+    eval_losses: dict[int, float] = {}  # step -> held-out loss, added to that step's metrics record
+
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     step_flops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     n_devices = mesh.devices.size
@@ -146,6 +154,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     def to_global(local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return {k: jax.make_array_from_process_local_data(b_sh, v) for k, v in local.items()}
 
+    eval_global = [to_global(b) for b in eval_local]
     records: list[dict[str, Any]] = []
     start_step = int(state.step)
     pending: tuple[int, dict[str, jax.Array]] | None = None
@@ -162,7 +171,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             step_times.append(now - last_time)
         last_time = now
         losses_since_log.append(values["loss"])
-        if not (step % cfg.train.log_every == 0 or final or step == start_step + 1):
+        if not (step % cfg.train.log_every == 0 or final or step == start_step + 1 or step in eval_losses):
             return
         recent = step_times[-cfg.train.log_every:]
         # The logged loss is the mean since the last log line: one step's loss is too noisy.
@@ -182,6 +191,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             "step_time_s": step_time if recent else None,
             "eta_s": (cfg.train.steps - step) * step_time if recent else None,
         }
+        if step in eval_losses:
+            record["eval_loss"] = eval_losses.pop(step)
         records.append(record)
         logger.log(record)
 
@@ -197,6 +208,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             stop = watch.should_stop(step + 1)
             if cfg.checkpoint.enabled and (stop or checkpointer.due(step + 1, cfg.train.steps)):
                 checkpointer.save(step + 1, state, data.get_state())  # before the state is donated
+            if eval_global and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
+                eval_losses[step + 1] = mean_eval_loss(eval_fn, state, eval_global)
             if pending is not None:
                 flush(*pending, final=False)
             pending = (step + 1, metrics)

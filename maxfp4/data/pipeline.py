@@ -1,139 +1,43 @@
-"""Documents -> tokens -> packed rows -> per-process shares of each global batch.
+"""Corpus -> packed rows -> grain pipeline -> this process's share of each global batch.
 
-Dimension letters: B local batch rows, G global batch rows, R packed rows in the dataset,
-T sequence length (``data.seq_len``).
+Dimension letters: B local batch rows, G global batch rows, P processes, R packed rows, T
+sequence length (``data.seq_len``).
 
-Packing: each document becomes ``[bos] + tokens + [eos]``, cut into chunks of at most T+1
-tokens that overlap by one token, so every next-token pair of the document lands in exactly one
-chunk. Chunks (documents in a seeded shuffled order) fill rows of T pairs first-fit in order;
-``segment_ids`` number the chunks of a row from 1 (0 is padding) and ``positions`` restart at 0
-in each chunk, so attention can be masked per segment and no pair ever crosses documents.
+Everything is a grain ``MapDataset`` (random access, lazy), so the whole pipeline is an index
+computation until a row is read:
 
-Batching: epoch e visits the rows in a permutation seeded by (run.seed, e); global batch k of
-the epoch is rows ``[k*G, (k+1)*G)`` of it, and process p of P takes the p-th slice of B = G/P
-rows. The global batch therefore does not depend on the process count, and ``(epoch, k)`` is
-all the state needed to resume exactly.
+- single source: ``rows.shuffle(seed)[:nb*G].batch(B)[p::P].repeat()``. Grain's shuffle draws a
+  new permutation per epoch (seed + epoch) and its slice/batch carry the epoch through, so epoch
+  e's global batch k is rows ``perm_e[k*G:(k+1)*G]`` (the last partial batch of each epoch is
+  dropped, keeping batches aligned to epochs) and process p of P takes its p-th block of B = G/P
+  rows, ``perm_e[k*G + p*B : k*G + (p+1)*B]``.
+- mixture: each source's rows shuffled and repeated, interleaved by ``MapDataset.mix`` in
+  proportion to the weights, then ``.batch(B)[p::P]`` as above.
+- synthetic: row n is random tokens seeded by (seed, n); ``.batch(B)[p::P]``.
+
+So the global batch depends on the seed and G only, never on P, and the position in the stream
+(``next_index``, grain's own iterator state) is all that is needed to resume exactly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
-
+import functools
+import math
 import numpy as np
 
 from maxfp4.config import Config
-from maxfp4.data.sources import load_documents
-from maxfp4.data.tokenizer import Tokenizer, load_or_train_tokenizer
+from maxfp4.data.corpus import (STREAM_DOCUMENTS, STREAM_EPOCH, STREAM_MIXTURE, STREAM_SYNTHETIC, Part,
+                                grain_seed, load_corpus, load_eval_paths, rng, split_documents,
+                                tokenize_documents)
+from maxfp4.data.packing import EmptyRows, PackedRows, PackedRowSource, chunk_document, pack_chunks
+from maxfp4.data.tokenizer import Tokenizer
 from maxfp4.errors import DataError
 
-# Independent random streams, so reshuffling one never perturbs another.
-_STREAM_DOCUMENTS, _STREAM_EPOCH, _STREAM_SYNTHETIC = 0, 1, 2
+__all__ = ["BatchIterator", "make_batches", "make_eval_batches", "chunk_document", "pack_chunks",
+           "tokenize_documents", "local_batch_size"]
+
 _FIRST_REAL_TOKEN = 4  # ids below are pad/unk/bos/eos in the trained tokenizer's layout
-
-
-def _rng(seed: int, stream: int, *counters: int) -> np.random.Generator:
-    # SeedSequence wants non-negative entropy; masking maps a negative run.seed to a distinct one.
-    return np.random.default_rng([seed & 0xFFFF_FFFF_FFFF_FFFF, stream, *counters])
-
-
-# ----------------------------------------------------------------------------- packing
-
-
-@dataclass(frozen=True)
-class PackedRows:
-    """The whole packed dataset: four int32 arrays of shape [R, T]."""
-
-    inputs_RT: np.ndarray
-    targets_RT: np.ndarray
-    segment_ids_RT: np.ndarray
-    positions_RT: np.ndarray
-
-    @property
-    def num_rows(self) -> int:
-        return self.inputs_RT.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        """Trained-on (input, target) pairs, i.e. the non-padding positions."""
-        return int(np.count_nonzero(self.segment_ids_RT))
-
-
-def chunk_document(ids: np.ndarray, seq_len: int) -> list[np.ndarray]:
-    """Chunks of at most seq_len+1 tokens starting every seq_len tokens; chunks of <2 tokens dropped.
-
-    Chunk i ends with the token chunk i+1 starts with: that token is a target in chunk i and an
-    input in chunk i+1, so no pair is lost at the cut.
-    """
-    return [ids[start:start + seq_len + 1] for start in range(0, max(len(ids) - 1, 0), seq_len)]
-
-
-def pack_chunks(chunks: Sequence[np.ndarray], seq_len: int, pad_id: int) -> PackedRows:
-    """First-fit in order: a chunk joins the current row if its pairs fit, else opens a new row."""
-    row_of = np.empty(len(chunks), np.int64)
-    col_of = np.empty(len(chunks), np.int64)
-    seg_of = np.empty(len(chunks), np.int64)
-    row, used, seg = -1, seq_len, 0
-    for i, chunk in enumerate(chunks):
-        pairs = len(chunk) - 1
-        if used + pairs > seq_len:
-            row, used, seg = row + 1, 0, 0
-        seg += 1
-        row_of[i], col_of[i], seg_of[i] = row, used, seg
-        used += pairs
-    num_rows = row + 1
-    inputs_RT = np.full((num_rows, seq_len), pad_id, np.int32)
-    targets_RT = np.full((num_rows, seq_len), pad_id, np.int32)
-    segment_ids_RT = np.zeros((num_rows, seq_len), np.int32)
-    positions_RT = np.zeros((num_rows, seq_len), np.int32)
-    for chunk, r, c, s in zip(chunks, row_of, col_of, seg_of):
-        n = len(chunk) - 1
-        inputs_RT[r, c:c + n] = chunk[:-1]
-        targets_RT[r, c:c + n] = chunk[1:]
-        segment_ids_RT[r, c:c + n] = s
-        positions_RT[r, c:c + n] = np.arange(n, dtype=np.int32)
-    return PackedRows(inputs_RT, targets_RT, segment_ids_RT, positions_RT)
-
-
-def tokenize_documents(documents: Sequence[str], tokenizer: Tokenizer) -> list[np.ndarray]:
-    """``[bos] + encode(doc) + [eos]`` per document (a marker the tokenizer lacks is left out)."""
-    head = [tokenizer.bos_id] if tokenizer.bos_id >= 0 else []
-    tail = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
-    return [np.asarray(head + ids + tail, np.int32) for ids in tokenizer.encode_batch(documents)]
-
-
-def pack_documents(token_docs: Sequence[np.ndarray], seq_len: int, pad_id: int, seed: int) -> PackedRows:
-    """Shuffle the document order with ``seed``, chunk each document, and pack the chunks."""
-    order = _rng(seed, _STREAM_DOCUMENTS).permutation(len(token_docs))
-    chunks = [chunk for i in order for chunk in chunk_document(token_docs[i], seq_len)]
-    return pack_chunks(chunks, seq_len, pad_id)
-
-
-# ----------------------------------------------------------------------------- iterators
-
-
-def _batch_dict(inputs_BT, targets_BT, segment_ids_BT, positions_BT) -> dict[str, np.ndarray]:
-    return {
-        "inputs": inputs_BT,
-        "targets": targets_BT,
-        "segment_ids": segment_ids_BT,
-        "positions": positions_BT,
-        "loss_mask": (segment_ids_BT > 0).astype(np.float32),
-    }
-
-
-def _check_state(state: dict, keys: tuple[str, ...], expected: dict[str, int]) -> dict[str, int]:
-    missing = [k for k in keys if k not in state]
-    if missing:
-        raise DataError(f"data iterator state {dict(state)!r}: missing key {missing[0]!r}; expected keys {keys}")
-    values = {k: int(state[k]) for k in keys}
-    for key, want in expected.items():
-        if values[key] != want:
-            raise DataError(
-                f"data iterator state has {key}={values[key]} but this run's data has {key}={want}; "
-                "the data or data.* settings changed since the checkpoint, so it cannot resume exactly"
-            )
-    return values
+_STREAM_EVAL_SYNTHETIC = 5
 
 
 def local_batch_size(cfg: Config, process_index: int, process_count: int) -> int:
@@ -148,133 +52,226 @@ def local_batch_size(cfg: Config, process_index: int, process_count: int) -> int
     return global_batch // process_count
 
 
+def with_loss_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return dict(batch, loss_mask=(batch["segment_ids"] > 0).astype(np.float32))
+
+
+class SyntheticRows:
+    """Row n: uniform random tokens in [4, vocab_size) seeded by (seed, stream, n); one segment."""
+
+    def __init__(self, seed: int, stream: int, vocab_size: int, seq_len: int):
+        self.seed, self.stream, self.vocab_size, self.seq_len = seed, stream, vocab_size, seq_len
+
+    def __len__(self) -> int:
+        return 2**62  # endless for practical purposes; grain needs a length
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        tokens_T1 = rng(self.seed, self.stream, index).integers(
+            _FIRST_REAL_TOKEN, self.vocab_size, size=self.seq_len + 1, dtype=np.int32)
+        return {"inputs": tokens_T1[:-1].copy(), "targets": tokens_T1[1:].copy(),
+                "segment_ids": np.ones(self.seq_len, np.int32),
+                "positions": np.arange(self.seq_len, dtype=np.int32)}
+
+
+def _packed(cfg: Config, part: Part, doc_order_N: np.ndarray, pad_id: int) -> PackedRowSource:
+    return PackedRowSource(part.documents, doc_order_N, part.lengths_N[doc_order_N], cfg.data.seq_len, pad_id)
+
+
+def _too_few_rows(cfg: Config, rows: PackedRowSource, need: int, what: str) -> DataError:
+    return DataError(
+        f"data{what}: {rows.num_tokens} tokens pack into {rows.num_rows} rows of data.seq_len={cfg.data.seq_len}, "
+        f"fewer than data.global_batch={need} (needs about {need * cfg.data.seq_len} tokens); add data or "
+        "lower data.global_batch or data.seq_len")
+
+
 class BatchIterator:
-    """Infinite iterator of this process's share of each global batch.
+    """Infinite iterator of this process's share of each global batch, read through grain.
 
     ``next(it)`` -> dict: "inputs", "targets", "segment_ids", "positions" int32 [B, T] and
-    "loss_mask" float32 [B, T]. ``get_state()`` -> dict of plain ints; ``set_state(state)`` makes
-    the next batch the one that followed when the state was taken.
+    "loss_mask" float32 [B, T]. ``get_state()`` -> dict of plain ints: ``next_index`` (grain's
+    iterator position) plus what identifies the data, checked by ``set_state``, which makes the
+    next batch the one that followed when the state was taken.
     """
 
-    tokenizer: Tokenizer | None
-    num_tokens: int
+    def __init__(self, cfg: Config, dataset, *, tokenizer: Tokenizer | None, num_tokens: int, num_rows: int,
+                 batches_per_epoch: int | None = None, row_source: PackedRowSource | None = None):
+        import grain
 
-    def __init__(self, cfg: Config, process_index: int, process_count: int):
-        self.seed = cfg.run.seed
-        self.seq_len = cfg.data.seq_len
+        self._dataset = dataset.map(with_loss_mask)
+        self.tokenizer = tokenizer
+        self.num_tokens = num_tokens
+        self.num_rows = num_rows
         self.global_batch = cfg.data.global_batch
-        self.local_batch = local_batch_size(cfg, process_index, process_count)
-        self._row_start = process_index * self.local_batch
+        self.batches_per_epoch = batches_per_epoch
+        self._row_source = row_source
+        self._workers = cfg.data.workers
+        self._read_options = grain.ReadOptions(num_threads=cfg.data.read_threads,
+                                               prefetch_buffer_size=cfg.data.prefetch)
+        self._next_index = 0
+        self._iterator = None  # started on the first next(), after any set_state
+
+    @functools.cached_property
+    def rows(self) -> PackedRows:
+        """Every packed row, materialised (single-source data only; for inspection and tests)."""
+        if self._row_source is None:
+            raise AttributeError("rows: only a single-source packed dataset has a fixed row table")
+        return self._row_source.materialise()
+
+    def _start(self):
+        import grain
+
+        if self._workers == 0:
+            iterator = iter(self._dataset.to_iter_dataset(self._read_options))
+            iterator.set_state({"next_index": self._next_index})  # grain's own state format
+            return iterator
+        # Worker processes: grain's multiprocess state depends on the worker count, so the pipeline
+        # restarts from the position instead; a run can then resume with a different data.workers.
+        _mark_absl_flags_parsed()
+        dataset = self._dataset[self._next_index:].to_iter_dataset(self._read_options)
+        options = grain.MultiprocessingOptions(num_workers=self._workers,
+                                               per_worker_buffer_size=max(self._read_options.prefetch_buffer_size, 1))
+        return iter(dataset.mp_prefetch(options))
 
     def __iter__(self) -> "BatchIterator":
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        raise NotImplementedError
-
-    def get_state(self) -> dict[str, int]:
-        raise NotImplementedError
-
-    def set_state(self, state: dict) -> None:
-        raise NotImplementedError
-
-
-class PackedBatchIterator(BatchIterator):
-    """Batches of packed document rows, epoch after epoch (a last partial batch is dropped)."""
-
-    def __init__(self, cfg: Config, rows: PackedRows, tokenizer: Tokenizer, process_index: int,
-                 process_count: int):
-        super().__init__(cfg, process_index, process_count)
-        if rows.num_rows < self.global_batch:
-            raise DataError(
-                f"data: {rows.num_tokens} tokens pack into {rows.num_rows} rows of data.seq_len={self.seq_len}, "
-                f"fewer than data.global_batch={self.global_batch} (needs about "
-                f"{self.global_batch * self.seq_len} tokens); add data or lower data.global_batch or data.seq_len"
-            )
-        self.rows = rows
-        self.tokenizer = tokenizer
-        self.num_tokens = rows.num_tokens
-        self.batches_per_epoch = rows.num_rows // self.global_batch
-        self.epoch = 0
-        self.batch_in_epoch = 0
-        self._order: tuple[int, np.ndarray] | None = None  # (epoch, row permutation [R])
-
-    def _epoch_order(self) -> np.ndarray:
-        if self._order is None or self._order[0] != self.epoch:
-            self._order = (self.epoch, _rng(self.seed, _STREAM_EPOCH, self.epoch).permutation(self.rows.num_rows))
-        return self._order[1]
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        start = self.batch_in_epoch * self.global_batch + self._row_start
-        idx_B = self._epoch_order()[start:start + self.local_batch]
-        r = self.rows
-        batch = _batch_dict(r.inputs_RT[idx_B], r.targets_RT[idx_B], r.segment_ids_RT[idx_B], r.positions_RT[idx_B])
-        self.batch_in_epoch += 1
-        if self.batch_in_epoch == self.batches_per_epoch:
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        if self._iterator is None:
+            self._iterator = self._start()
+        batch = next(self._iterator)
+        self._next_index += 1
         return batch
 
     def get_state(self) -> dict[str, int]:
-        return {
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "num_rows": self.rows.num_rows,
-            "global_batch": self.global_batch,
-        }
+        if self._iterator is not None and self._workers == 0:
+            grain_state = self._iterator.get_state()
+            assert int(grain_state["next_index"]) == self._next_index, (grain_state, self._next_index)
+        state = {"next_index": self._next_index, "num_rows": self.num_rows, "global_batch": self.global_batch}
+        if self.batches_per_epoch:
+            state["epoch"], state["batch_in_epoch"] = divmod(self._next_index, self.batches_per_epoch)
+        return state
 
     def set_state(self, state: dict) -> None:
-        values = _check_state(state, ("epoch", "batch_in_epoch", "num_rows", "global_batch"),
-                              {"num_rows": self.rows.num_rows, "global_batch": self.global_batch})
-        if values["epoch"] < 0 or not 0 <= values["batch_in_epoch"] < self.batches_per_epoch:
-            raise DataError(f"data iterator state {values}: expected epoch >= 0 and "
-                            f"0 <= batch_in_epoch < {self.batches_per_epoch}")
-        self.epoch, self.batch_in_epoch = values["epoch"], values["batch_in_epoch"]
+        state = {k: int(v) for k, v in state.items()}
+        if "next_index" not in state and "epoch" in state and self.batches_per_epoch:
+            # Checkpoints from before the grain pipeline stored (epoch, batch_in_epoch).
+            state["next_index"] = state["epoch"] * self.batches_per_epoch + state.get("batch_in_epoch", 0)
+        for key, want in (("global_batch", self.global_batch), ("num_rows", self.num_rows)):
+            if key in state and state[key] != want:
+                raise DataError(
+                    f"data iterator state has {key}={state[key]} but this run's data has {key}={want}; "
+                    "the data or data.* settings changed since the checkpoint, so it cannot resume exactly")
+        if state.get("next_index", -1) < 0:
+            raise DataError(f"data iterator state {state}: expected a key next_index >= 0")
+        self.close()
+        self._next_index = state["next_index"]
+
+    def close(self) -> None:
+        """Stop grain's prefetch threads or worker processes (a fresh one starts on next())."""
+        if self._iterator is not None and hasattr(self._iterator, "close"):
+            self._iterator.close()
+        self._iterator = None
 
 
-class SyntheticBatchIterator(BatchIterator):
-    """Uniform random tokens in [4, vocab_size): one segment per row, a fresh global batch per step."""
+def _mark_absl_flags_parsed() -> None:
+    # grain's multiprocess prefetch reads absl flags, which raise when a program (like ours) never
+    # parsed them; marking them parsed keeps every flag at its default.
+    from absl import flags
 
-    def __init__(self, cfg: Config, process_index: int, process_count: int):
-        super().__init__(cfg, process_index, process_count)
-        self.vocab_size = cfg.model.vocab_size
-        if self.vocab_size <= _FIRST_REAL_TOKEN:
-            raise DataError(f"model.vocab_size={self.vocab_size}: data.source=synthetic draws ids from "
-                            f"[{_FIRST_REAL_TOKEN}, vocab_size), so expected more than {_FIRST_REAL_TOKEN}")
-        self.tokenizer = None
-        self.num_tokens = 0  # an endless stream has no dataset size
-        self.step = 0
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
-    def __next__(self) -> dict[str, np.ndarray]:
-        # The whole global batch is drawn on every process so each share is independent of P.
-        tokens_GT1 = _rng(self.seed, _STREAM_SYNTHETIC, self.step).integers(
-            _FIRST_REAL_TOKEN, self.vocab_size, size=(self.global_batch, self.seq_len + 1), dtype=np.int32)
-        tokens_BT1 = tokens_GT1[self._row_start:self._row_start + self.local_batch]
-        shape = (self.local_batch, self.seq_len)
-        self.step += 1
-        return _batch_dict(
-            np.ascontiguousarray(tokens_BT1[:, :-1]),
-            np.ascontiguousarray(tokens_BT1[:, 1:]),
-            np.ones(shape, np.int32),
-            np.broadcast_to(np.arange(self.seq_len, dtype=np.int32), shape).copy(),
-        )
 
-    def get_state(self) -> dict[str, int]:
-        return {"step": self.step, "global_batch": self.global_batch}
+def _pad_id(tokenizer: Tokenizer) -> int:
+    return max(tokenizer.pad_id, 0)
 
-    def set_state(self, state: dict) -> None:
-        values = _check_state(state, ("step", "global_batch"), {"global_batch": self.global_batch})
-        if values["step"] < 0:
-            raise DataError(f"data iterator state {values}: expected step >= 0")
-        self.step = values["step"]
+
+def _train_orders(cfg: Config, parts: list[Part]) -> list[np.ndarray]:
+    """Training document indices of each part, in the seeded order they are packed in."""
+    orders = []
+    for i, part in enumerate(parts):
+        train_N, _ = split_documents(part, cfg.data.eval_fraction, cfg.run.seed, i)
+        # Part 0 uses the stream of the single-source pipeline, so a plain source packs the same
+        # rows whether or not it is written as a one-part mixture.
+        orders.append(train_N[rng(cfg.run.seed, STREAM_DOCUMENTS, *([i] if i else [])).permutation(len(train_N))])
+    return orders
 
 
 def make_batches(cfg: Config, run_dir: str, *, process_index: int = 0, process_count: int = 1) -> BatchIterator:
     """Build this process's batch iterator for ``cfg.data`` (training a tokenizer into run_dir if needed)."""
-    local_batch_size(cfg, process_index, process_count)  # fail before any tokenizer training
+    import grain
+
+    local_batch = local_batch_size(cfg, process_index, process_count)  # fail before any tokenizer training
+    G, seed = cfg.data.global_batch, cfg.run.seed
     if cfg.data.source == "synthetic":
-        return SyntheticBatchIterator(cfg, process_index, process_count)
-    documents = load_documents(cfg)
-    tokenizer = load_or_train_tokenizer(cfg, documents, run_dir)
-    token_docs = tokenize_documents(documents, tokenizer)
-    rows = pack_documents(token_docs, cfg.data.seq_len, max(tokenizer.pad_id, 0), cfg.run.seed)
-    return PackedBatchIterator(cfg, rows, tokenizer, process_index, process_count)
+        _check_synthetic_vocab(cfg)
+        rows = SyntheticRows(seed, STREAM_SYNTHETIC, cfg.model.vocab_size, cfg.data.seq_len)
+        dataset = grain.MapDataset.source(rows).batch(local_batch)[process_index::process_count]
+        return BatchIterator(cfg, dataset, tokenizer=None, num_tokens=0, num_rows=0)
+
+    tokenizer, parts = load_corpus(cfg, run_dir)
+    sources = [_packed(cfg, part, order, _pad_id(tokenizer)) for part, order in zip(parts, _train_orders(cfg, parts))]
+    num_tokens, num_rows = sum(s.num_tokens for s in sources), sum(s.num_rows for s in sources)
+    if len(sources) == 1:
+        (rows,) = sources
+        batches_per_epoch = rows.num_rows // G
+        if batches_per_epoch == 0:
+            raise _too_few_rows(cfg, rows, G, "")
+        dataset = (grain.MapDataset.source(rows).shuffle(grain_seed(seed, STREAM_EPOCH))[:batches_per_epoch * G]
+                   .batch(local_batch, drop_remainder=True)[process_index::process_count].repeat())
+        return BatchIterator(cfg, dataset, tokenizer=tokenizer, num_tokens=num_tokens, num_rows=num_rows,
+                             batches_per_epoch=batches_per_epoch, row_source=rows)
+    for part, rows in zip(parts, sources):
+        if rows.num_rows == 0:
+            raise DataError(f"data.mixture part {part.name}: no rows to train on")
+    streams = [grain.MapDataset.source(rows).shuffle(grain_seed(seed, STREAM_MIXTURE, i)).repeat()
+               for i, rows in enumerate(sources)]
+    mixed = grain.MapDataset.mix(streams, [part.weight for part in parts])
+    dataset = mixed.batch(local_batch, drop_remainder=True)[process_index::process_count]
+    return BatchIterator(cfg, dataset, tokenizer=tokenizer, num_tokens=num_tokens, num_rows=num_rows)
+
+
+def _check_synthetic_vocab(cfg: Config) -> None:
+    if cfg.model.vocab_size <= _FIRST_REAL_TOKEN:
+        raise DataError(f"model.vocab_size={cfg.model.vocab_size}: data.source=synthetic draws ids from "
+                        f"[{_FIRST_REAL_TOKEN}, vocab_size), so expected more than {_FIRST_REAL_TOKEN}")
+
+
+def make_eval_batches(cfg: Config, run_dir: str, *, process_index: int = 0,
+                      process_count: int = 1) -> list[dict[str, np.ndarray]]:
+    """This process's shares of the held-out global batches: a finite, deterministic list.
+
+    Held-out rows are packed in document order (no shuffle: every evaluation sees the same data)
+    and cut into at most ``data.eval_batches`` global batches; the last is filled with padding
+    rows (loss_mask 0), so no held-out token is dropped and every process gets B rows.
+    """
+    import grain
+
+    local_batch = local_batch_size(cfg, process_index, process_count)
+    G = cfg.data.global_batch
+    if cfg.data.source == "synthetic":
+        _check_synthetic_vocab(cfg)
+        rows = SyntheticRows(cfg.run.seed, _STREAM_EVAL_SYNTHETIC, cfg.model.vocab_size, cfg.data.seq_len)
+        dataset = grain.MapDataset.source(rows)[:cfg.data.eval_batches * G]
+    else:
+        tokenizer, parts = load_corpus(cfg, run_dir)
+        pad_id = _pad_id(tokenizer)
+        if cfg.data.eval_paths:
+            held = [(part := load_eval_paths(cfg, tokenizer), np.arange(len(part.lengths_N)))]
+        elif cfg.data.eval_fraction > 0:
+            held = [(part, split_documents(part, cfg.data.eval_fraction, cfg.run.seed, i)[1])
+                    for i, part in enumerate(parts)]
+        else:
+            raise DataError("no held-out data: set data.eval_fraction or data.eval_paths")
+        sources = [grain.MapDataset.source(_packed(cfg, part, order, pad_id)) for part, order in held]
+        eval_rows = grain.MapDataset.concatenate(sources) if len(sources) > 1 else sources[0]
+        if len(eval_rows) == 0:
+            raise DataError("the held-out documents pack into no rows (each has fewer than 2 tokens)")
+        n_batches = min(math.ceil(len(eval_rows) / G), cfg.data.eval_batches)
+        kept = eval_rows[:n_batches * G]
+        padding = n_batches * G - len(kept)
+        dataset = (grain.MapDataset.concatenate([kept, grain.MapDataset.source(EmptyRows(padding, cfg.data.seq_len, pad_id))])
+                   if padding else kept)
+    shares = dataset.batch(local_batch, drop_remainder=True)[process_index::process_count].map(with_loss_mask)
+    return [shares[k] for k in range(len(shares))]
+

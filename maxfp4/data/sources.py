@@ -6,29 +6,44 @@
 Python 3.11. It needs no download, so a fresh checkout can pretrain a small model offline and
 watch the loss fall on natural language rather than random tokens.
 
-``text`` reads ``data.paths`` (files or globs), one document per file. ``synthetic`` has no
-documents; its random tokens are made in :mod:`maxfp4.data.pipeline`.
+``text`` reads ``data.paths`` (files or globs), one document per file. ``jsonl`` reads one
+document per line, the string ``data.jsonl_field`` of a JSON object. ``tfds`` reads a TensorFlow
+Datasets dataset already on disk through ``tfds.data_source`` (no TensorFlow, no download).
+``array_record`` holds token ids, not text (:mod:`maxfp4.data.records`); ``synthetic`` has no
+documents (its random tokens are made in :mod:`maxfp4.data.pipeline`).
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 from maxfp4.config import Config
 from maxfp4.errors import DataError
 
 
+TEXT_SOURCES = ("builtin", "text", "jsonl", "tfds")
+
+
 def load_documents(cfg: Config) -> list[str]:
     """Return the documents of ``cfg.data.source`` in a fixed order (empty for synthetic)."""
-    source = cfg.data.source
+    if cfg.data.source == "synthetic":
+        return []
+    return source_documents(cfg, cfg.data.source, cfg.data.paths)
+
+
+def source_documents(cfg: Config, source: str, paths: tuple[str, ...] | list[str]) -> list[str]:
+    """The text documents of one text source (``paths`` as in ``data.paths``)."""
     if source == "builtin":
         return builtin_documents()
     if source == "text":
-        return text_documents(cfg.data.paths)
-    if source == "synthetic":
-        return []
-    raise DataError(f"data.source={source!r}: expected one of builtin, text, synthetic")
+        return text_documents(paths)
+    if source == "jsonl":
+        return jsonl_documents(paths, cfg.data.jsonl_field)
+    if source == "tfds":
+        return tfds_documents(cfg.data.tfds_name, cfg.data.tfds_split, cfg.data.tfds_data_dir, cfg.data.tfds_field)
+    raise DataError(f"data.source={source!r}: expected one of {', '.join(TEXT_SOURCES)}")
 
 
 def builtin_documents() -> list[str]:
@@ -95,4 +110,74 @@ def text_documents(patterns: tuple[str, ...] | list[str]) -> list[str]:
     if not docs:
         raise DataError(f"data.paths: all {len(files)} file(s) are empty ({', '.join(files[:3])}"
                         f"{', ...' if len(files) > 3 else ''}); expected text to train on")
+    return docs
+
+
+def read_jsonl_file(path: str, field: str) -> list[str]:
+    """One document per non-blank line; a line that is not a JSON object with a string ``field``
+    is an error naming the file and line (a silently skipped line hides a broken export)."""
+    docs = []
+    text = read_text_file(path)
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"data.paths: {path}:{number}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or field not in record:
+            raise DataError(f"data.paths: {path}:{number}: no field {field!r} (set data.jsonl_field to the "
+                            f"field holding the text)")
+        value = record[field]
+        if not isinstance(value, str):
+            raise DataError(f"data.paths: {path}:{number}: field {field!r} is {type(value).__name__}, "
+                            "expected a string")
+        if value.strip():
+            docs.append(value)
+    return docs
+
+
+def jsonl_documents(patterns: tuple[str, ...] | list[str], field: str) -> list[str]:
+    if not patterns:
+        raise DataError("data.paths=[]: expected at least one JSONL file or glob for data.source=jsonl")
+    files = expand_paths(patterns)
+    docs = [doc for path in files for doc in read_jsonl_file(path, field)]
+    if not docs:
+        raise DataError(f"data.paths: {', '.join(files[:3])}{', ...' if len(files) > 3 else ''} hold no "
+                        f"non-empty {field!r} values; expected text to train on")
+    return docs
+
+
+def tfds_documents(name: str, split: str, data_dir: str, field: str) -> list[str]:
+    """The string ``field`` of each example of a TFDS dataset prepared under ``data_dir``.
+
+    ``tfds.data_source`` reads the dataset's ArrayRecord files directly: no TensorFlow, and no
+    network as long as the dataset was prepared there before (``download=False`` makes a
+    missing one an error instead of a download attempt).
+    """
+    if not name:
+        raise DataError("data.source=tfds: expected data.tfds_name, e.g. data.tfds_name=my_dataset:1.0.0")
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise DataError("data.source=tfds needs the tensorflow-datasets package: pip install "
+                        "'maxfp4[tfds]' (or use python -m maxfp4.data.prepare on text/JSONL)") from None
+    try:
+        source = tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
+    except Exception as e:  # tfds raises many types (AssertionError, DatasetNotFoundError, ...)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"data.tfds_name={name!r} (split {split!r}, data_dir {data_dir or 'default'!r}): "
+                        f"cannot open the prepared dataset: {reason}") from None
+    docs = []
+    for i in range(len(source)):
+        example = source[i]
+        if field not in example:
+            raise DataError(f"data.tfds_name={name!r}: example {i} has no field {field!r} "
+                            f"(fields: {', '.join(sorted(example))}); set data.tfds_field")
+        value = example[field]
+        value = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        if value.strip():
+            docs.append(value)
+    if not docs:
+        raise DataError(f"data.tfds_name={name!r} split {split!r}: no non-empty {field!r} values")
     return docs

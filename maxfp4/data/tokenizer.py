@@ -74,7 +74,8 @@ class Tokenizer:
         return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
 
 
-def _load_checked(path: str, vocab_size: int, what: str) -> Tokenizer:
+def load_checked(path: str, vocab_size: int, what: str) -> Tokenizer:
+    """Load a tokenizer and refuse one whose vocabulary does not match the model's."""
     tok = Tokenizer(path)
     if tok.vocab_size != vocab_size:
         raise DataError(
@@ -92,10 +93,10 @@ def load_or_train_tokenizer(cfg: Config, documents: Sequence[str], run_dir: str)
     """
     vocab_size = cfg.model.vocab_size
     if cfg.data.tokenizer:
-        return _load_checked(cfg.data.tokenizer, vocab_size, "data.tokenizer")
+        return load_checked(cfg.data.tokenizer, vocab_size, "data.tokenizer")
     path = os.path.join(run_dir, TOKENIZER_FILENAME)
     if os.path.exists(path):
-        return _load_checked(path, vocab_size, "run tokenizer")
+        return load_checked(path, vocab_size, "run tokenizer")
     model = train_tokenizer_bytes(documents, vocab_size)
     os.makedirs(run_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=TOKENIZER_FILENAME + ".", suffix=".tmp")
@@ -109,7 +110,7 @@ def load_or_train_tokenizer(cfg: Config, documents: Sequence[str], run_dir: str)
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return _load_checked(path, vocab_size, "run tokenizer")
+    return load_checked(path, vocab_size, "run tokenizer")
 
 
 def _training_lines(documents: Sequence[str]) -> list[str]:
