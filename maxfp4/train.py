@@ -21,7 +21,7 @@ import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4 import distributed
-from maxfp4.checkpoint import Checkpointer
+from maxfp4.checkpoint import Checkpointer, refuse_changed_run
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
 from maxfp4.data import make_batches
 from maxfp4.errors import exit_code_of
@@ -99,6 +99,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     mesh = make_mesh(cfg.mesh, devices)
     check_model_fits_mesh(cfg.model, mesh)
     _check_batch_fits_mesh(cfg, mesh)
+    refuse_changed_run(cfg)
     os.makedirs(run_dir, exist_ok=True)
     data = make_batches(cfg, run_dir, process_index=jax.process_index(),
                         process_count=jax.process_count())
@@ -112,9 +113,9 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     schedule = make_schedule(cfg)
     state, state_sh = init_state(cfg, mesh, optimizer, policy)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint)
-    resume_step = checkpointer.latest_step()
-    if resume_step is not None:
-        state, data_state = checkpointer.restore(resume_step, state)
+    resumed = checkpointer.restore_latest(state, warn=lambda m: _say(f"warning: {m}"))
+    if resumed is not None:
+        resume_step, state, data_state = resumed
         data.set_state(data_state)
         if is_writer:
             _say(f"resumed from {checkpointer.directory}/{resume_step}")
@@ -188,7 +189,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             state, metrics = jitted(state, batch)
             stop = watch.should_stop(step + 1)
             if stop or checkpointer.due(step + 1, cfg.train.steps):
-                checkpointer.save(step + 1, state, data.get_state())  # before the state is donated
+                checkpointer.save(step + 1, state, data.get_state(), cfg.to_dict())  # before the state is donated
             if pending is not None:
                 flush(*pending, final=False)
             pending = (step + 1, metrics)
