@@ -68,13 +68,13 @@ def _print_warning(message: str) -> None:
 class Checkpointer:
     """``<run_dir>/checkpoints/<step>/{state, data, config}``."""
 
-    def __init__(self, run_dir: str, cfg: CheckpointConfig, *, read_only: bool = False):
-        self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+    def __init__(self, run_dir: str, cfg: CheckpointConfig):
+        self.directory = checkpoint_dir(run_dir)
         self.every = cfg.every
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_,
-                                                 create=not read_only, read_only=read_only))
+                                                 create=True))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -144,19 +144,6 @@ class Checkpointer:
         self.manager.reload()
         return target
 
-    def restore_params(self, step: int, abstract_params: Any) -> Any:
-        """Only the parameters (the optimizer state, twice their size, is not read):
-        ``abstract_params`` gives their shapes, dtypes and shardings."""
-        # A partial restore needs the PyTree handler; the manager has the Standard one registered
-        # for "state" (same files), so read the item directory with its own checkpointer.
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-            out = reader.restore(os.path.join(self.step_path(step), "state"), args=ocp.args.PyTreeRestore(
-                item={"params": abstract_params},
-                restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
-                                          {"params": abstract_params}),
-                partial_restore=True))
-        return out["params"]
-
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -165,30 +152,52 @@ class Checkpointer:
         self.manager.close()
 
 
-def saved_config(run_dir: str) -> tuple[dict, str] | None:
-    """The config saved with the newest checkpoint that has one readable, and where it came
-    from; None if the run has no checkpoint. Reads only: the run directory is not touched.
+# Reading without a CheckpointManager: nothing is created, and the checks before a run starts
+# (config comparison, export) stay quiet.
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.abspath(os.path.join(run_dir, "checkpoints"))
+
+
+def finalized_steps(run_dir: str) -> list[int]:
+    """Steps of the run's complete checkpoints (Orbax's committed ``<step>/`` directories),
+    ascending; temporary directories of unfinished saves are not among them."""
+    directory = checkpoint_dir(run_dir)
+    return sorted(ocp.path.step.checkpoint_steps(directory)) if os.path.isdir(directory) else []
+
+
+def read_params(run_dir: str, step: int, abstract_params: Any) -> Any:
+    """Only the parameters of checkpoint ``step`` (the optimizer state, twice their size, is not
+    read): ``abstract_params`` gives their shapes, dtypes and shardings."""
+    path = os.path.join(checkpoint_dir(run_dir), str(step), "state")
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+        out = reader.restore(path, args=ocp.args.PyTreeRestore(
+            item={"params": abstract_params},
+            restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
+                                      {"params": abstract_params}),
+            partial_restore=True))
+    return out["params"]
+
+
+def saved_config(run_dir: str, step: int | None = None) -> tuple[dict, str] | None:
+    """The config saved with the newest checkpoint (or ``step``) that has one readable, and
+    where it came from; None if the run has no checkpoint. Reads only.
 
     Checkpoints written before configs were kept with them fall back to ``<run_dir>/config.yaml``
     (the config of the last start)."""
-    directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
-    if not os.path.isdir(directory):
-        return None
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
-    try:
-        steps = sorted(manager.all_steps(), reverse=True)
-        for step in steps:
-            if not os.path.isdir(os.path.join(directory, str(step), "config")):
-                continue
-            try:
-                out = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-                return dict(out["config"]), f"step {step}"
-            except Exception:  # noqa: BLE001 - a damaged checkpoint: try the previous one
-                continue
-    finally:
-        manager.close()
+    steps = finalized_steps(run_dir)
     if not steps:
         return None
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
+        for candidate in reversed(steps) if step is None else [step]:
+            path = os.path.join(checkpoint_dir(run_dir), str(candidate), "config")
+            if not os.path.isdir(path):
+                continue
+            try:
+                return dict(reader.restore(path)), os.path.dirname(path)
+            except Exception:  # noqa: BLE001 - a damaged checkpoint: try the previous one
+                continue
     path = os.path.join(run_dir, "config.yaml")
     if os.path.isfile(path):
         import yaml

@@ -103,5 +103,5 @@ def refuse_changed_math(saved: dict | None, cfg: Config, where: str) -> None:
     diffs = math_differences(saved, cfg.to_dict(), cfg.run_dir)
     if diffs:
         raise ConfigError(
-            f"run {cfg.run_dir} has checkpoints ({where}) of a run whose math differs from this config: "
-            f"{'; '.join(diffs)}; expected the same values to resume (or a new run.name)")
+            f"run {cfg.run_dir} would resume {where} with a config that changes the math: "
+            f"{'; '.join(diffs)}; expected the saved values to resume (or a new run.name)")
