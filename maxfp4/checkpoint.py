@@ -10,8 +10,8 @@ Completeness: Orbax (0.12) writes step N into ``N.orbax-checkpoint-tmp/`` and re
 ``N/`` only after every item is written (plus ``commit_success.txt``); only directories named
 by a bare step number count as checkpoints, so a save killed mid-write is never restored, and
 the next save of that step replaces the leftover temporary directory. A complete checkpoint
-that cannot be read (a lost or truncated array file) is moved aside to ``N.unreadable`` and the
-previous step is restored instead, with a warning naming it.
+that cannot be read (a lost or truncated array file) is moved aside to ``N.unreadable`` once an
+older step has restored instead, with a warning naming it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def _one_line(error: BaseException, limit: int = 300) -> str:
+def one_line_reason(error: BaseException, limit: int = 300) -> str:
     """Orbax wraps TensorStore's error (which names the file and what is wrong with it) in one
     that dumps a whole spec; the innermost cause's first line is the useful one."""
     seen = {id(error)}
@@ -108,27 +108,28 @@ class Checkpointer:
     def restore_latest(self, like: TrainState, warn: Callable[[str], None] = _print_warning
                        ) -> tuple[int, TrainState, dict[str, int]] | None:
         """Restore the newest readable checkpoint: ``(step, state, data_state)``, or None if the
-        run has no checkpoint. An unreadable one is moved aside (kept for inspection, and out of
-        the way of the next save of that step) with a warning; if none is readable, raises
-        :class:`CheckpointError`."""
+        run has no checkpoint. Newer unreadable ones are moved aside (kept for inspection, and out
+        of the way of the next save of that step) with a warning, but only once an older one has
+        restored: if none restores, the fault may be this process's (memory, a wrong mesh), so
+        nothing is moved and :class:`CheckpointError` is raised."""
         steps = self.all_steps()
-        failures = []
-        for i, step in enumerate(reversed(steps)):
+        failures: list[tuple[int, str]] = []
+        for step in reversed(steps):
             try:
                 state, data_state = self.restore(step, like)
-                return step, state, data_state
             except Exception as error:  # noqa: BLE001 - any failure to read means "not usable"
-                reason = _one_line(error)
-                failures.append(f"{step} ({reason})")
-                aside = self._move_aside(step)
-                older = steps[len(steps) - 2 - i] if i + 1 < len(steps) else None
-                then = f"falling back to step {older}" if older is not None else "no older checkpoint"
-                warn(f"checkpoint {self.step_path(step)} is unreadable ({reason}); {then}; "
+                failures.append((step, one_line_reason(error)))
+                continue
+            for bad, reason in failures:
+                aside = self._move_aside(bad)
+                warn(f"checkpoint {self.step_path(bad)} is unreadable ({reason}); falling back to step {step}; "
                      f"moved to {aside}")
+            return step, state, data_state
         if not steps:
             return None
-        raise CheckpointError(f"{self.directory}: no readable checkpoint (tried steps {', '.join(failures)}); "
-                              f"expected at least one complete checkpoint, or remove the directory to start over")
+        tried = ", ".join(f"{step} ({reason})" for step, reason in failures)
+        raise CheckpointError(f"{self.directory}: no readable checkpoint (tried steps {tried}); "
+                              f"expected at least one complete checkpoint, or move the directory away to start over")
 
     def _move_aside(self, step: int) -> str:
         source = self.step_path(step)

@@ -71,7 +71,7 @@ def export(run_dir: str, out: str, *, dtype: str = "bf16", step: int | None = No
     import yaml
     from safetensors.numpy import save_file
 
-    from maxfp4.checkpoint import _one_line, finalized_steps, read_params, saved_config
+    from maxfp4.checkpoint import one_line_reason, finalized_steps, read_params, saved_config
     from maxfp4.model import get_model
 
     if dtype not in DTYPES:
@@ -103,7 +103,7 @@ def export(run_dir: str, out: str, *, dtype: str = "bf16", step: int | None = No
     try:
         params = read_params(run_dir, step, abstract)
     except Exception as error:  # noqa: BLE001 - damaged or foreign checkpoint: say which
-        raise ExportError(f"checkpoint {checkpoints}/{step}: unreadable ({_one_line(error)})") from None
+        raise ExportError(f"checkpoint {checkpoints}/{step}: unreadable ({one_line_reason(error)})") from None
 
     target = ml_dtypes.bfloat16 if dtype == "bf16" else np.float32
     tensors = {name: np.ascontiguousarray(x.astype(target)) for name, x in flat_params(params).items()}
