@@ -1,22 +1,37 @@
 """Orbax checkpoints of the whole training state, saved asynchronously, restored on rerun.
 
 A checkpoint holds the FP32 parameters, the optimizer state, the precision state (FP8 amax
-histories and scales), the step, the RNG key and the data iterator's position, so a rerun
-with the same run name continues exactly where the last complete checkpoint left off. Orbax
-writes each checkpoint into a temporary directory and renames it when complete, so a crash or
-kill mid-save leaves the previous checkpoint intact; every process writes its own shards.
+histories and scales), the step, the RNG key, the data iterator's position and the resolved
+config, so a rerun with the same run name continues exactly where the newest complete
+checkpoint left off, and can be refused when its config would change the math
+(:mod:`maxfp4.config_diff`).
+
+Completeness: Orbax (0.12) writes step N into ``N.orbax-checkpoint-tmp/`` and renames it to
+``N/`` only after every item is written (plus ``commit_success.txt``); only directories named
+by a bare step number count as checkpoints, so a save killed mid-write is never restored, and
+the next save of that step replaces the leftover temporary directory. A complete checkpoint
+that cannot be read (a lost or truncated array file) is moved aside to ``N.unreadable`` once an
+older step has restored instead, with a warning naming it.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 
 from maxfp4.config import CheckpointConfig
+from maxfp4.errors import UserError
 from maxfp4.state import TrainState
+
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+class CheckpointError(UserError):
+    """No checkpoint of a run can be used; one line naming the directory."""
 
 
 def _to_saveable(state: TrainState) -> dict[str, Any]:
@@ -30,11 +45,31 @@ def _from_saved(tree: dict[str, Any], impl: Any) -> TrainState:
                       rng=jax.random.wrap_key_data(tree["rng"], impl=impl), precision=tree["precision"])
 
 
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def one_line_reason(error: BaseException, limit: int = 300) -> str:
+    """Orbax wraps TensorStore's error (which names the file and what is wrong with it) in one
+    that dumps a whole spec; the innermost cause's first line is the useful one."""
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = inner
+    lines = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
+
+
+def _print_warning(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 class Checkpointer:
-    """``<run_dir>/checkpoints/<step>/{state, data}``."""
+    """``<run_dir>/checkpoints/<step>/{state, data, config}``."""
 
     def __init__(self, run_dir: str, cfg: CheckpointConfig):
-        self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+        self.directory = checkpoint_dir(run_dir)
         self.every = cfg.every
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -44,23 +79,71 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
     def due(self, step: int, last_step: int) -> bool:
         return step == last_step or (self.every > 0 and step % self.every == 0)
 
-    def save(self, step: int, state: TrainState, data_state: dict[str, int]) -> None:
+    def save(self, step: int, state: TrainState, data_state: dict[str, int], config: dict | None = None) -> None:
         """Returns once the arrays are copied off the devices; the files are written in the
-        background (``wait`` blocks until they are complete)."""
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(_to_saveable(state)),
-            data=ocp.args.JsonSave({k: int(v) for k, v in data_state.items()})))
+        background (``wait`` blocks until they are complete). ``config`` (``Config.to_dict()``)
+        is kept with the checkpoint so a rerun can be compared with the run it resumes."""
+        items = {"state": ocp.args.StandardSave(_to_saveable(state)),
+                 "data": ocp.args.JsonSave({k: int(v) for k, v in data_state.items()})}
+        if config is not None:
+            items["config"] = ocp.args.JsonSave(config)
+        self.manager.save(step, args=ocp.args.Composite(**items))
 
     def restore(self, step: int, like: TrainState) -> tuple[TrainState, dict[str, int]]:
-        """Restore onto the shardings of ``like`` (a state of the current run's mesh)."""
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                _to_saveable(like))
+        """Restore onto the shardings of ``like`` (a state of the current run's mesh, which may
+        differ from the mesh that saved it: Orbax reads each device's slice of the arrays)."""
         out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(_abstract(_to_saveable(like))), data=ocp.args.JsonRestore()))
         return _from_saved(out["state"], jax.random.key_impl(like.rng)), dict(out["data"])
+
+    def restore_latest(self, like: TrainState, warn: Callable[[str], None] = _print_warning
+                       ) -> tuple[int, TrainState, dict[str, int]] | None:
+        """Restore the newest readable checkpoint: ``(step, state, data_state)``, or None if the
+        run has no checkpoint. Newer unreadable ones are moved aside (kept for inspection, and out
+        of the way of the next save of that step) with a warning, but only once an older one has
+        restored: if none restores, the fault may be this process's (memory, a wrong mesh), so
+        nothing is moved and :class:`CheckpointError` is raised."""
+        steps = self.all_steps()
+        failures: list[tuple[int, str]] = []
+        for step in reversed(steps):
+            try:
+                state, data_state = self.restore(step, like)
+            except Exception as error:  # noqa: BLE001 - any failure to read means "not usable"
+                failures.append((step, one_line_reason(error)))
+                continue
+            for bad, reason in failures:
+                aside = self._move_aside(bad)
+                warn(f"checkpoint {self.step_path(bad)} is unreadable ({reason}); falling back to step {step}; "
+                     f"moved to {aside}")
+            return step, state, data_state
+        if not steps:
+            return None
+        tried = ", ".join(f"{step} ({reason})" for step, reason in failures)
+        raise CheckpointError(f"{self.directory}: no readable checkpoint (tried steps {tried}); "
+                              f"expected at least one complete checkpoint, or move the directory away to start over")
+
+    def _move_aside(self, step: int) -> str:
+        source = self.step_path(step)
+        target = source + UNREADABLE_SUFFIX
+        n = 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{source}{UNREADABLE_SUFFIX}{n}"
+        if jax.process_index() == 0:
+            os.rename(source, target)
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes(f"maxfp4_move_aside_{step}")
+        self.manager.reload()
+        return target
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -68,3 +151,67 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+# Reading without a CheckpointManager: nothing is created, and the checks before a run starts
+# (config comparison, export) stay quiet.
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.abspath(os.path.join(run_dir, "checkpoints"))
+
+
+def finalized_steps(run_dir: str) -> list[int]:
+    """Steps of the run's complete checkpoints (Orbax's committed ``<step>/`` directories),
+    ascending; temporary directories of unfinished saves are not among them."""
+    directory = checkpoint_dir(run_dir)
+    return sorted(ocp.path.step.checkpoint_steps(directory)) if os.path.isdir(directory) else []
+
+
+def read_params(run_dir: str, step: int, abstract_params: Any) -> Any:
+    """Only the parameters of checkpoint ``step`` (the optimizer state, twice their size, is not
+    read): ``abstract_params`` gives their shapes, dtypes and shardings."""
+    path = os.path.join(checkpoint_dir(run_dir), str(step), "state")
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+        out = reader.restore(path, args=ocp.args.PyTreeRestore(
+            item={"params": abstract_params},
+            restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
+                                      {"params": abstract_params}),
+            partial_restore=True))
+    return out["params"]
+
+
+def saved_config(run_dir: str, step: int | None = None) -> tuple[dict, str] | None:
+    """The config saved with the newest checkpoint (or ``step``) that has one readable, and
+    where it came from; None if the run has no checkpoint. Reads only.
+
+    Checkpoints written before configs were kept with them fall back to ``<run_dir>/config.yaml``
+    (the config of the last start)."""
+    steps = finalized_steps(run_dir)
+    if not steps:
+        return None
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
+        for candidate in reversed(steps) if step is None else [step]:
+            path = os.path.join(checkpoint_dir(run_dir), str(candidate), "config")
+            if not os.path.isdir(path):
+                continue
+            try:
+                return dict(reader.restore(path)), os.path.dirname(path)
+            except Exception:  # noqa: BLE001 - a damaged checkpoint: try the previous one
+                continue
+    path = os.path.join(run_dir, "config.yaml")
+    if os.path.isfile(path):
+        import yaml
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh) or {}, path
+    return None
+
+
+def refuse_changed_run(cfg) -> None:
+    """Raise a ConfigError if ``cfg`` would resume a run (same run directory, with checkpoints)
+    with different math; see :mod:`maxfp4.config_diff`."""
+    from maxfp4.config_diff import refuse_changed_math
+
+    saved = saved_config(cfg.run_dir)
+    if saved is not None:
+        refuse_changed_math(saved[0], cfg, saved[1])

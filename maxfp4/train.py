@@ -21,7 +21,7 @@ import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4 import distributed
-from maxfp4.checkpoint import Checkpointer
+from maxfp4.checkpoint import Checkpointer, refuse_changed_run
 from maxfp4.compiler import check_compiler_options, compiler_options
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
 from maxfp4.data import make_batches, make_eval_batches
@@ -104,6 +104,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     _check_batch_fits_mesh(cfg, mesh)
     xla_options = compiler_options(mesh.devices.flat[0].platform, cfg.train.compiler_options)
     check_compiler_options(xla_options, mesh.devices.flat[0])
+    refuse_changed_run(cfg)
     os.makedirs(run_dir, exist_ok=True)
     data = make_batches(cfg, run_dir, process_index=jax.process_index(),
                         process_count=jax.process_count())
@@ -120,9 +121,9 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     schedule = make_schedule(cfg)
     state, state_sh = init_state(cfg, mesh, optimizer, policy)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint)
-    resume_step = checkpointer.latest_step()
-    if resume_step is not None:
-        state, data_state = checkpointer.restore(resume_step, state)
+    resumed = checkpointer.restore_latest(state, warn=lambda m: _say(f"warning: {m}"))
+    if resumed is not None:
+        resume_step, state, data_state = resumed
         data.set_state(data_state)
         if is_writer:
             _say(f"resumed from {checkpointer.directory}/{resume_step}")
@@ -207,7 +208,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             profiler.after_dispatch(step + 1, metrics)
             stop = watch.should_stop(step + 1)
             if cfg.checkpoint.enabled and (stop or checkpointer.due(step + 1, cfg.train.steps)):
-                checkpointer.save(step + 1, state, data.get_state())  # before the state is donated
+                checkpointer.save(step + 1, state, data.get_state(), cfg.to_dict())  # before the state is donated
             if eval_global and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
                 eval_losses[step + 1] = mean_eval_loss(eval_fn, state, eval_global)
             if pending is not None:

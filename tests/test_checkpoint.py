@@ -43,3 +43,244 @@ def test_resume_continues_exactly(tmp_path):
         # Same program, same inputs, same state: identical up to float32 noise of 1e-6.
         assert abs(a[step] - b[step]) <= 1e-6 * a[step], (step, a[step], b[step])
     assert sorted(os.listdir(tmp_path / "split" / "checkpoints")) == ["4", "6"]  # keep=2
+
+
+# ----------------------------------------------------------------------------- config, mesh, damage
+# One small run, trained once for the tests below (which copy it before changing anything):
+# the tiny test model on 8 devices as fsdp=8, 3 steps, checkpoints at steps 1, 2 and 3.
+
+import glob  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from maxfp4.checkpoint import CheckpointError, Checkpointer, read_params  # noqa: E402
+from maxfp4.mesh import make_mesh  # noqa: E402
+from maxfp4.optim import make_optimizer  # noqa: E402
+from maxfp4.train import init_state  # noqa: E402
+from tests.conftest import TINY  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAVED = TINY + ["run.name=base", "train.steps=3", "optim.schedule_steps=10", "checkpoint.every=1",
+                "checkpoint.keep=5", "mesh.data=1", "mesh.fsdp=8"]
+
+
+def _cfg(output_dir, *overrides):
+    return load_config(None, SAVED + [f"run.output_dir={output_dir}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    import jax
+    out = tmp_path_factory.mktemp("saved")
+    train(_cfg(out), devices=jax.devices()[:8], stream=io.StringIO())
+    return out
+
+
+def _copy(saved_run, dest):
+    shutil.copytree(saved_run, dest)
+    return dest
+
+
+def _cpu_params(run_dir, step, cfg):
+    """The parameters as saved, read onto one device (the reference for the other restores)."""
+    import jax
+    from maxfp4.model import get_model
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = jax.eval_shape(lambda k: get_model(cfg.model).init_params(cfg.model, k), jax.random.key(0))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), shapes)
+    return jax.tree.map(np.asarray, read_params(run_dir, step, abstract))
+
+
+def _snapshot(directory):
+    """Every file under ``directory`` with its size, mtime and bytes: to show nothing changed."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(directory, "**"), recursive=True)):
+        if os.path.isfile(path):
+            st = os.stat(path)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, directory)] = (st.st_size, st.st_mtime_ns, fh.read())
+    return out
+
+
+def test_restore_onto_a_different_mesh_is_bitwise(saved_run):
+    import jax
+    cfg = _cfg(saved_run, "mesh.data=2", "mesh.fsdp=2")
+    expected = _cpu_params(cfg.run_dir, 3, cfg)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:4])
+    like, _ = init_state(cfg, mesh, make_optimizer(cfg))
+    ck = Checkpointer(cfg.run_dir, cfg.checkpoint)
+    assert ck.latest_step() == 3
+    state, data_state = ck.restore(3, like)  # (restore, not restore_latest: the shared run stays as it is)
+    ck.close()
+    assert int(state.step) == 3 and data_state["step"] == 3
+    w = state.params["blocks"]["w_qkv"]
+    assert w.sharding.mesh.shape == {"data": 2, "fsdp": 2, "tensor": 1} and len(w.sharding.device_set) == 4
+    assert not w.sharding.is_fully_replicated  # the embed axis really is split over fsdp=2
+    got = jax.tree.map(np.asarray, state.params)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    # The optimizer moments came across too (not just re-initialised zeros).
+    assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(state.opt_state) if x.ndim >= 2)
+
+
+def test_rerun_refuses_math_changes_and_resumes_harmless_ones(saved_run, tmp_path):
+    import jax
+    run = _copy(saved_run, tmp_path / "out") / "base"
+    before = _snapshot(run)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "maxfp4.train", os.path.join(REPO, "configs", "quickstart.yaml"),
+                           *SAVED, f"run.output_dir={tmp_path / 'out'}", "model.d_model=128", "optim.lr=1e-3"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = proc.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: "), proc.stderr
+    assert "model.d_model: 64 -> 128" in errors[0] and "optim.lr: 0.0003 -> 0.001" in errors[0]
+    assert os.path.join(str(run), "checkpoints", "3") in errors[0]
+    assert _snapshot(run) == before  # checkpoints, metrics.jsonl, config.yaml: untouched
+
+    # Step 3 again from checkpoint 2 with more steps (the schedule is pinned), other logging and
+    # another mesh: the same math, so it resumes, and step 3's loss is the one the saving run had.
+    shutil.rmtree(run / "checkpoints" / "3")
+    recs = train(_cfg(tmp_path / "out", "train.steps=4", "train.log_every=7", "mesh.data=2", "mesh.fsdp=2"),
+                 devices=jax.devices()[:4], stream=io.StringIO())
+    assert [r["step"] for r in recs] == [3, 4]
+    saved_loss = _losses(saved_run / "base")[3]
+    assert np.isfinite(recs[0]["loss"]) and abs(recs[0]["loss"] - saved_loss) <= 1e-5 * saved_loss
+    assert sorted(_losses(run)) == [1, 2, 3, 4]
+    assert sorted(os.listdir(run / "checkpoints"), key=int) == ["1", "2", "3", "4"]
+
+
+def test_unreadable_newest_checkpoint_falls_back_with_a_warning(saved_run, tmp_path):
+    import jax
+    run = _copy(saved_run, tmp_path / "out") / "base"
+    cfg = _cfg(tmp_path / "out")
+    # Truncate the array data files of step 3 (as a full disk or a partial copy would).
+    data_files = glob.glob(str(run / "checkpoints" / "3" / "state" / "ocdbt.process_0" / "d" / "*"))
+    assert data_files
+    for path in data_files:
+        os.truncate(path, os.path.getsize(path) // 2)
+    like, _ = init_state(cfg, make_mesh(cfg.mesh, jax.devices()[:8]), make_optimizer(cfg))
+    ck = Checkpointer(str(run), cfg.checkpoint)
+    warnings = []
+    step, state, data_state = ck.restore_latest(like, warn=warnings.append)
+    assert step == 2 and int(state.step) == 2 and data_state["step"] == 2
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"checkpoint {run / 'checkpoints' / '3'} is unreadable (")
+    assert "falling back to step 2" in warnings[0] and "\n" not in warnings[0]
+    # Kept for inspection, and out of the way: the rerun's own save of step 3 succeeds.
+    assert sorted(os.listdir(run / "checkpoints")) == ["1", "2", "3.unreadable"]
+    ck.save(3, state, data_state, cfg.to_dict())
+    ck.wait()
+    assert ck.all_steps() == [1, 2, 3] and ck.restore(3, like)[1] == data_state
+
+    # Nothing readable at all: one line naming the directory, and nothing moved (the fault could
+    # be this process's rather than the files').
+    for s in ("1", "2", "3"):
+        shutil.rmtree(run / "checkpoints" / s / "state" / "ocdbt.process_0" / "d")
+    ck.manager.reload()
+    with pytest.raises(CheckpointError) as info:
+        ck.restore_latest(like, warn=warnings.append)
+    ck.close()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{run / 'checkpoints'}: no readable checkpoint")
+    assert all(f"{s} (" in message for s in "123") and len(warnings) == 1
+    assert sorted(os.listdir(run / "checkpoints")) == ["1", "2", "3", "3.unreadable"]
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+from maxfp4.checkpoint import Checkpointer
+from maxfp4.config import load_config
+from maxfp4.mesh import make_mesh
+from maxfp4.optim import make_optimizer
+from maxfp4.train import init_state
+cfg = load_config(None, sys.argv[1:])
+state, _ = init_state(cfg, make_mesh(cfg.mesh), make_optimizer(cfg))
+ck = Checkpointer(cfg.run_dir, cfg.checkpoint)
+ck.save(1, state, {"step": 1, "global_batch": 8}, cfg.to_dict())
+ck.wait()
+ck.save(2, state, {"step": 2, "global_batch": 8}, cfg.to_dict())  # returns before the files are written
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_save_killed_mid_write_is_never_restored(tmp_path):
+    import jax
+    # A model of 5M parameters (60 MB with the optimizer state), so the background write of
+    # step 2 is still running when the process is killed right after save() returns.
+    args = TINY + [f"run.output_dir={tmp_path}", "run.name=killed", "mesh.data=1", "model.d_model=256",
+                   "model.d_ff=768", "model.vocab_size=4096", "model.n_layers=4", "model.n_heads=4",
+                   "checkpoint.async=true"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    directory = tmp_path / "killed" / "checkpoints"
+    # Orbax's layout for a save that never committed: <step>.orbax-checkpoint-tmp, not renamed.
+    assert sorted(os.listdir(directory)) == ["1", "2.orbax-checkpoint-tmp"]
+
+    cfg = load_config(None, args)
+    like, _ = init_state(cfg, make_mesh(cfg.mesh, jax.devices()[:1]), make_optimizer(cfg))
+    ck = Checkpointer(cfg.run_dir, cfg.checkpoint)
+    warnings = []
+    step, state, data_state = ck.restore_latest(like, warn=warnings.append)
+    assert (step, int(state.step), data_state["step"], warnings) == (1, 0, 1, [])
+    # The next save of step 2 replaces the leftover directory and commits.
+    ck.save(2, state, {"step": 2, "global_batch": 8}, cfg.to_dict())
+    ck.close()
+    assert sorted(os.listdir(directory)) == ["1", "2"]
+    assert Checkpointer(cfg.run_dir, cfg.checkpoint).restore_latest(like)[0] == 2
+
+
+def test_export_writes_safetensors_config_and_tokenizer(saved_run, tmp_path, capsys):
+    import ml_dtypes
+    import yaml
+    from safetensors.numpy import load_file
+
+    from maxfp4.export import flat_params, main as export_main
+
+    run = _copy(saved_run, tmp_path / "runs") / "base"
+    cfg = _cfg(tmp_path / "runs")
+    (run / "tokenizer.model").write_bytes(b"sentencepiece model bytes")  # as a text run keeps it
+    expected = {3: flat_params(_cpu_params(str(run), 3, cfg)), 2: flat_params(_cpu_params(str(run), 2, cfg))}
+    assert set(expected[3]) >= {"embed", "lm_head", "final_norm", "blocks.w_qkv", "blocks.w_down"}
+
+    assert export_main([str(run), "--out", str(tmp_path / "fp32"), "--dtype", "fp32"]) == 0
+    assert export_main([str(run), "--out", str(tmp_path / "bf16"), "--step", "2"]) == 0  # bf16 by default
+    fp32, bf16 = load_file(str(tmp_path / "fp32" / "model.safetensors")), load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert set(fp32) == set(bf16) == set(expected[3])
+    for name, want in expected[3].items():
+        assert fp32[name].dtype == np.float32 and np.array_equal(fp32[name], want), name
+    for name, want in expected[2].items():
+        # Round to nearest even, as a cast does: exactly the bf16 value of the saved float32.
+        assert bf16[name].dtype == ml_dtypes.bfloat16 and np.array_equal(bf16[name], want.astype(ml_dtypes.bfloat16))
+    assert not np.array_equal(expected[2]["blocks.w_qkv"], expected[3]["blocks.w_qkv"])  # --step mattered
+    assert fp32["blocks.w_qkv"].shape == (cfg.model.n_layers, 64, 2, 4, 16)  # layer axis first
+    model = yaml.safe_load((tmp_path / "fp32" / "config.yaml").read_text())["model"]
+    assert model == cfg.to_dict()["model"]
+    assert (tmp_path / "bf16" / "tokenizer.model").read_bytes() == b"sentencepiece model bytes"
+    capsys.readouterr()
+
+    # Bad input: one line, exit 2, nothing written or overwritten.
+    before = _snapshot(tmp_path / "fp32")
+    (tmp_path / "empty").mkdir()
+    for argv, words in [
+        ([str(tmp_path / "nope"), "--out", str(tmp_path / "x")], ["nope", "not found"]),
+        ([str(tmp_path / "empty"), "--out", str(tmp_path / "x")], ["empty", "no complete checkpoint"]),
+        ([str(run), "--out", str(tmp_path / "x"), "--step", "7"], ["--step 7", "expected one of 1, 2, 3"]),
+        ([str(run), "--out", str(tmp_path / "fp32")], ["fp32", "already exists", "--force"]),
+    ]:
+        assert export_main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(w in err[0] for w in words), (argv, err)
+    assert not (tmp_path / "x").exists() and _snapshot(tmp_path / "fp32") == before
+    assert export_main([str(run), "--out", str(tmp_path / "fp32"), "--force", "--step", "2", "--dtype", "fp32"]) == 0
+    assert np.array_equal(load_file(str(tmp_path / "fp32" / "model.safetensors"))["embed"], expected[2]["embed"])
