@@ -117,7 +117,7 @@ def test_restore_onto_a_different_mesh_is_bitwise(saved_run):
     assert ck.latest_step() == 3
     state, data_state = ck.restore(3, like)  # (restore, not restore_latest: the shared run stays as it is)
     ck.close()
-    assert int(state.step) == 3 and data_state["step"] == 3
+    assert int(state.step) == 3 and data_state["next_index"] == 3
     w = state.params["blocks"]["w_qkv"]
     assert w.sharding.mesh.shape == {"data": 2, "fsdp": 2, "tensor": 1} and len(w.sharding.device_set) == 4
     assert not w.sharding.is_fully_replicated  # the embed axis really is split over fsdp=2
@@ -170,7 +170,7 @@ def test_unreadable_newest_checkpoint_falls_back_with_a_warning(saved_run, tmp_p
     ck = Checkpointer(str(run), cfg.checkpoint)
     warnings = []
     step, state, data_state = ck.restore_latest(like, warn=warnings.append)
-    assert step == 2 and int(state.step) == 2 and data_state["step"] == 2
+    assert step == 2 and int(state.step) == 2 and data_state["next_index"] == 2
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith(f"checkpoint {run / 'checkpoints' / '3'} is unreadable (")
     assert "falling back to step 2" in warnings[0] and "\n" not in warnings[0]

@@ -211,19 +211,19 @@ def test_tfds_source_offline(tmp_path, prepared):
 
     # Built by a separate script (as a user would, offline); this process then reads it by name only.
     (tmp_path / "docs.json").write_text(json.dumps(docs), encoding="utf-8")
-    (tmp_path / "build.py").write_text(f"""
+    (tmp_path / "build.py").write_text("""
 import json, sys
 import tensorflow_datasets as tfds
 
 class TinyTopics(tfds.core.GeneratorBasedBuilder):
     VERSION = tfds.core.Version("1.0.0")
     def _info(self):
-        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({{"text": tfds.features.Text()}}))
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
     def _split_generators(self, dl_manager):
-        return {{"train": self._generate_examples()}}
+        return {"train": self._generate_examples()}
     def _generate_examples(self):
         for i, doc in enumerate(json.load(open(sys.argv[1]))):
-            yield i, {{"text": doc}}
+            yield i, {"text": doc}
 
 TinyTopics(data_dir=sys.argv[2], file_format="array_record").download_and_prepare()
 """)
@@ -304,7 +304,7 @@ def test_bad_jsonl_lines_are_named(tmp_path):
 def test_prepared_data_errors(prepared, tmp_path):
     import shutil
     out, _ = prepared
-    with pytest.raises(DataError, match=rf"prepared tokenizer .*has vocab size 512 but model.vocab_size=600"):
+    with pytest.raises(DataError, match=r"prepared tokenizer .*has vocab size 512 but model.vocab_size=600"):
         make_batches(cfg_of(tmp_path, "data.source=array_record", f"data.paths=[{out}]", "model.vocab_size=600"),
                      str(tmp_path / "r"))
     missing = tmp_path / "nowhere"
