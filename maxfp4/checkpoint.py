@@ -22,12 +22,14 @@ from maxfp4.state import TrainState
 def _to_saveable(state: TrainState) -> dict[str, Any]:
     # Typed PRNG keys are stored as their raw uint32 data.
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
-            "rng": jax.random.key_data(state.rng), "precision": state.precision}
+            "rng": jax.random.key_data(state.rng), "precision": state.precision,
+            "guard": state.guard}
 
 
 def _from_saved(tree: dict[str, Any], impl: Any) -> TrainState:
     return TrainState(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"],
-                      rng=jax.random.wrap_key_data(tree["rng"], impl=impl), precision=tree["precision"])
+                      rng=jax.random.wrap_key_data(tree["rng"], impl=impl), precision=tree["precision"],
+                      guard=tree["guard"])
 
 
 class Checkpointer:
@@ -61,6 +63,12 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
         return _from_saved(out["state"], jax.random.key_impl(like.rng)), dict(out["data"])
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def delete(self, step: int) -> None:
+        self.manager.delete(step)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
