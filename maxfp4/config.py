@@ -254,7 +254,7 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
 def _build(cls: type, raw: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted((str(k) for k in set(raw) - set(fields)))
     if unknown:
         raise ConfigError(
             f"{prefix}{unknown[0]}: unknown key; expected one of {', '.join(sorted(fields))}"
@@ -295,6 +295,10 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
             raw = yaml.safe_load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path}: not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}: not UTF-8 text (undecodable byte at offset {e.start})") from None
+    except OSError as e:  # a directory, a permission problem
+        raise ConfigError(f"config file {path}: cannot read ({e.strerror or e})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -306,6 +310,8 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
     includes = raw.pop("include", [])
     if isinstance(includes, str):
         includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) and i for i in includes):
+        raise ConfigError(f"config file {path}: include={_describe(includes)}: expected a file name or a list of them")
     merged: dict = {}
     for inc in includes:
         inc_path = inc if os.path.isabs(inc) else os.path.join(os.path.dirname(path), inc)

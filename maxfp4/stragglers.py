@@ -37,7 +37,7 @@ def slow_processes(times: np.ndarray, threshold: float, min_gap_s: float = MIN_G
     return [int(i) for i, t in enumerate(times) if t > threshold * median and t > median + min_gap_s]
 
 
-def _allgather(values: np.ndarray) -> np.ndarray:
+def allgather(values: np.ndarray) -> np.ndarray:
     """Stack of every process's ``values`` (one process: just its own)."""
     import jax
     if jax.process_count() == 1:
@@ -56,7 +56,7 @@ class StragglerMonitor:
         name = host_name().encode("utf-8")[:HOST_BYTES]
         raw = np.zeros(HOST_BYTES, np.uint8)
         raw[:len(name)] = np.frombuffer(name, np.uint8)
-        self.hosts = [bytes(r).rstrip(b"\0").decode("utf-8", "replace") for r in _allgather(raw)]
+        self.hosts = [bytes(r).rstrip(b"\0").decode("utf-8", "replace") for r in allgather(raw)]
 
     def add(self, host_s: float) -> None:
         self._times.append(host_s)
@@ -65,7 +65,7 @@ class StragglerMonitor:
         """{"host_time_s": [per process], "median_s", "slow": [{"process", "host", "host_time_s", "ratio"}]}"""
         mine = float(np.mean(self._times)) if self._times else 0.0
         self._times.clear()
-        times = _allgather(np.asarray([mine], np.float64))[:, 0]
+        times = allgather(np.asarray([mine], np.float64))[:, 0]
         median = float(np.median(times))
         slow = [{"process": p, "host": self.hosts[p], "host_time_s": round(float(times[p]), 4),
                  "ratio": round(float(times[p]) / median, 2) if median > 0 else None}

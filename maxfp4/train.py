@@ -34,6 +34,7 @@ from maxfp4.precision import resolve_policy
 from maxfp4.precision.policy import check_block_divisibility
 from maxfp4.precision.state import init_precision_state
 from maxfp4.faults import hang_forever, maybe_slow_down
+from maxfp4.preflight import preflight_summary
 from maxfp4.resilience import InjectedFault, PreemptionWatch, write_crash_report
 from maxfp4.rollback import Diverged, Rollbacks
 from maxfp4.state import TrainState
@@ -106,6 +107,10 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     mesh = make_mesh(cfg.mesh, devices)
     check_model_fits_mesh(cfg.model, mesh)
     _check_batch_fits_mesh(cfg, mesh)
+    if cfg.resilience.preflight:
+        summary = preflight_summary(cfg, list(mesh.devices.flat))
+        if is_writer:
+            _say(summary)
     os.makedirs(run_dir, exist_ok=True)
     data = make_batches(cfg, run_dir, process_index=jax.process_index(),
                         process_count=jax.process_count())
