@@ -4,10 +4,11 @@ median are named with their host.
 
 Why host time, not wall time per step: the step is one SPMD program whose collectives make every
 process wait for the slowest, so wall time per step is the same everywhere and cannot say who is
-late. Host time is the wall time of a loop iteration minus the time the process spent blocked
-waiting for its device results; a process whose host is slow (data loading, CPU contention, a
-throttled or oversubscribed node, a slow filesystem) spends it working while its peers spend it
-waiting. A slow *device* is masked the same way; ``maxfp4.preflight``'s GEMM check finds those.
+late. Host time is what a process spends producing and dispatching a step (the next batch, its
+transfer, the dispatch), which never includes waiting for devices or peers; a process whose
+host is slow (data loading, CPU contention, a throttled or oversubscribed node, a slow
+filesystem) shows a long host time while its peers show a short one and wait for it instead.
+A slow *device* is masked by the collectives; ``maxfp4.preflight``'s GEMM check finds those.
 """
 
 from __future__ import annotations

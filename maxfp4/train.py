@@ -163,13 +163,10 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     def flush(step: int, metrics: dict[str, jax.Array], final: bool) -> dict[str, float]:
         """Fetch a finished step's metrics (the next step is already queued) and log them."""
         nonlocal last_time, straggler_report
-        fetch_start = time.perf_counter()
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         if last_time is not None:
             step_times.append(now - last_time)
-            if stragglers:  # host time: the iteration minus the wait for the device
-                stragglers.add(fetch_start - last_time)
         last_time = now
         watchdog.beat(step, values)
         if stragglers and step % res.straggler_every == 0:  # a collective: same steps everywhere
@@ -218,9 +215,12 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         while step < cfg.train.steps:
             if step + 1 == fault.hang_at_step:
                 hang_forever()
+            host_start = time.perf_counter()
             maybe_slow_down(jax.process_index(), fault.slow_process, fault.slow_seconds)
             batch = to_global(next(data))
             state, metrics = jitted(state, batch)
+            if stragglers and step > start_step:  # host time: making and dispatching a step (not compiling it)
+                stragglers.add(time.perf_counter() - host_start)
             stop = watch.should_stop(step + 1)
             if stop or checkpointer.due(step + 1, cfg.train.steps):
                 checkpointer.save(step + 1, state, data.get_state())  # before the state is donated
