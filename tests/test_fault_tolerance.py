@@ -35,41 +35,59 @@ def _records(tmp_path, name):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def test_kill_9_during_async_save_then_rerun_finishes_like_an_uninterrupted_run(tmp_path):
+def _complete(ckpts):
+    return sorted(int(n) for n in os.listdir(ckpts) if n.isdigit())
+
+
+def test_kill_9_mid_run_and_during_async_save_then_rerun_finishes_like_an_uninterrupted_run(tmp_path):
     steps = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep=10"]
+    ckpts = tmp_path / "killed" / "checkpoints"
+
+    # 1. kill -9 between saves, in the middle of training (each step slowed to 0.2 s to hit it).
+    proc = subprocess.Popen(_cmd(tmp_path, "killed", *steps, "resilience.fault.slow_process=0",
+                                 "resilience.fault.slow_seconds=0.2"),
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while not any(r["step"] >= 5 for r in _records(tmp_path, "killed")):
+        assert proc.poll() is None and time.time() < deadline, "training did not get going"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    first = _complete(ckpts)[-1]
+    assert 4 <= first < 8
+
+    # 2. The rerun resumes from that checkpoint; kill -9 it the moment an async save is in flight
+    # (Orbax writes <step>.orbax-checkpoint-tmp-*, renamed when complete).
+    leftovers = set(os.listdir(ckpts))  # the first kill may itself have cut a save short
     proc = subprocess.Popen(_cmd(tmp_path, "killed", *steps), env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    ckpts = tmp_path / "killed" / "checkpoints"
-    deadline = time.time() + 240
     partial = None
-    # Kill the moment a save is in flight (Orbax writes <step>.orbax-checkpoint-tmp-*, renamed when
-    # complete) and an earlier checkpoint is complete.
     while partial is None:
         assert proc.poll() is None and time.time() < deadline, "no async save caught in flight"
-        names = os.listdir(ckpts) if ckpts.is_dir() else []
-        tmp = [n for n in names if "tmp" in n and int(n.split(".")[0]) >= 4]
+        tmp = [n for n in set(os.listdir(ckpts)) - leftovers if "tmp" in n and int(n.split(".")[0]) > first]
         if tmp:
             proc.send_signal(signal.SIGKILL)
             partial = tmp[0]
         time.sleep(0.002)  # poll often, yet leave the CPU to the trainer
-    proc.communicate(timeout=60)
+    out = proc.communicate(timeout=60)[0]
     assert proc.returncode == -signal.SIGKILL
-    partial_step = int(partial.split(".")[0])
-    complete = sorted(int(n) for n in os.listdir(ckpts) if n.isdigit())
-    assert complete and complete[-1] < 8, complete
-    assert partial_step not in complete  # the interrupted save did not become a checkpoint
-    resume = complete[-1]
+    assert f"resumed from {ckpts}/{first}" in out
+    assert int(partial.split(".")[0]) not in _complete(ckpts)  # the interrupted save is no checkpoint
+    resume = _complete(ckpts)[-1]
+    assert resume < 8
 
+    # 3. The next rerun ignores the partial save, resumes from the last complete checkpoint and
+    # ends exactly where a run that was never interrupted ends.
     again = _run(tmp_path, "killed", *steps)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumed from {ckpts}/{resume}" in again.stdout
-
     reference = _run(tmp_path, "reference", *steps)
     assert reference.returncode == 0, reference.stderr[-3000:]
     killed, ref = _records(tmp_path, "killed"), _records(tmp_path, "reference")
     assert killed[-1]["step"] == ref[-1]["step"] == 8
-    assert killed[-1]["loss"] == ref[-1]["loss"]  # bit for bit: nothing of the kill leaked into the run
-    assert [r["step"] for r in killed if r["step"] > resume] == list(range(resume + 1, 9))
+    assert killed[-1]["loss"] == ref[-1]["loss"]  # bit for bit: nothing of the kills leaked into the run
+    assert [r["step"] for r in killed][-(8 - resume):] == list(range(resume + 1, 9))
 
 
 def test_nan_steps_are_skipped_a_streak_rolls_back_and_a_persistent_fault_stops(tmp_path):

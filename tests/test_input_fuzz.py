@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from maxfp4.config import ConfigError, load_config
 from maxfp4.errors import DataError, UserError
 
-FUZZ = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=100, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 # Text that looks like our configs: keys of every level, YAML punctuation, numbers, tags.
 TOKENS = ["run", "model", "data", "train", "optim", "mesh", "precision", "resilience", "fault", "include",
