@@ -40,13 +40,14 @@ def _complete(ckpts):
 
 
 def test_kill_9_mid_run_and_during_async_save_then_rerun_finishes_like_an_uninterrupted_run(tmp_path):
-    steps = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep=10"]
+    # Every run has the same config; steps are slowed to 0.2 s so that a kill lands mid-run.
+    steps = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep=10", "resilience.fault.slow_process=0",
+             "resilience.fault.slow_seconds=0.2"]
     ckpts = tmp_path / "killed" / "checkpoints"
 
-    # 1. kill -9 between saves, in the middle of training (each step slowed to 0.2 s to hit it).
-    proc = subprocess.Popen(_cmd(tmp_path, "killed", *steps, "resilience.fault.slow_process=0",
-                                 "resilience.fault.slow_seconds=0.2"),
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # 1. kill -9 in the middle of training.
+    proc = subprocess.Popen(_cmd(tmp_path, "killed", *steps), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
     while not any(r["step"] >= 5 for r in _records(tmp_path, "killed")):
         assert proc.poll() is None and time.time() < deadline, "training did not get going"
