@@ -25,6 +25,7 @@ from maxfp4.checkpoint import Checkpointer
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
 from maxfp4.data import make_batches
 from maxfp4.errors import exit_code_of
+from maxfp4.faults import hang_forever, maybe_slow_down
 from maxfp4.guard import init_guard_state
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
@@ -33,7 +34,6 @@ from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.precision.policy import check_block_divisibility
 from maxfp4.precision.state import init_precision_state
-from maxfp4.faults import hang_forever, maybe_slow_down
 from maxfp4.preflight import preflight_summary
 from maxfp4.resilience import InjectedFault, PreemptionWatch, write_crash_report
 from maxfp4.rollback import Diverged, Rollbacks
@@ -158,7 +158,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     pending: tuple[int, dict[str, jax.Array]] | None = None
     last_time: float | None = None
     step_times: list[float] = []
-    losses_since_log: list[float] = []
+    losses_since_log: list[tuple[float, bool]] = []  # (loss, skipped by the guard)
 
     def flush(step: int, metrics: dict[str, jax.Array], final: bool) -> dict[str, float]:
         """Fetch a finished step's metrics (the next step is already queued) and log them."""
@@ -231,6 +231,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
                 state = rollbacks.roll_back(checkpointer, state, step=step, consecutive=int(done["consecutive_skips"]),
                                             skipped_total=int(done["skipped_steps"]), say=_say)
                 step, pending, last_time = int(state.step), None, None
+                losses_since_log.clear()
                 watchdog.beat(step)
                 continue
             if stop:
