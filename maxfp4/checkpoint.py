@@ -37,12 +37,14 @@ class CheckpointError(UserError):
 def _to_saveable(state: TrainState) -> dict[str, Any]:
     # Typed PRNG keys are stored as their raw uint32 data.
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
-            "rng": jax.random.key_data(state.rng), "precision": state.precision}
+            "rng": jax.random.key_data(state.rng), "precision": state.precision,
+            "guard": state.guard}
 
 
 def _from_saved(tree: dict[str, Any], impl: Any) -> TrainState:
     return TrainState(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"],
-                      rng=jax.random.wrap_key_data(tree["rng"], impl=impl), precision=tree["precision"])
+                      rng=jax.random.wrap_key_data(tree["rng"], impl=impl), precision=tree["precision"],
+                      guard=tree["guard"])
 
 
 def _abstract(tree: Any) -> Any:
@@ -144,6 +146,9 @@ class Checkpointer:
             ocp.multihost.sync_global_processes(f"maxfp4_move_aside_{step}")
         self.manager.reload()
         return target
+
+    def delete(self, step: int) -> None:
+        self.manager.delete(step)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -155,10 +155,30 @@ class FaultConfig:
     """Injected failures, for testing the resilience machinery (off by default)."""
 
     exception_at_step: int = 0  # raise an error after this step (0: never)
+    # Steps (1-based, as logged) whose gradients are replaced by NaN inside the jitted step, so
+    # the real non-finite guard sees them.
+    nonfinite_at_steps: tuple[int, ...] = ()
+    hang_at_step: int = 0  # the loop sleeps forever before this step (0: never); for the watchdog
+    slow_process: int = -1  # this process index sleeps slow_seconds every step (-1: none)
+    slow_seconds: float = 0.0  # per-step sleep of slow_process; for the straggler report
 
 
 @dataclass(frozen=True)
 class ResilienceConfig:
+    # Skip the update of a step whose loss or gradients are non-finite or spike (params,
+    # optimizer and precision state unchanged; the step counter and data still advance).
+    guard: bool = True
+    spike_sigmas: float = 6.0  # a spike: loss or grad norm > mean + this x std of the window (0: off)
+    spike_window: int = 100  # good steps in the ring buffer the mean and std come from
+    spike_warmup: int = 100  # good steps before spikes are judged (non-finite is judged always)
+    # This many skipped steps in a row: reload the last checkpoint, keep the data moving (0: never).
+    max_consecutive_skips: int = 10
+    max_rollbacks: int = 3  # rollbacks in one process's lifetime before it stops (exit code 3)
+    hang_timeout_s: float = 0.0  # no step completes for this long -> stack dump, exit 124 (0: off)
+    straggler_every: int = 0  # gather per-process host time per step every N steps (0: off)
+    straggler_threshold: float = 1.2  # report processes slower than this x the median
+    preflight: bool = True  # run maxfp4.preflight's checks at start-up
+    preflight_gemm: bool = False  # also time a GEMM on each device off GPU (always on GPU)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
 
@@ -252,7 +272,7 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
 def _build(cls: type, raw: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted((str(k) for k in set(raw) - set(fields)))
     if unknown:
         raise ConfigError(
             f"{prefix}{unknown[0]}: unknown key; expected one of {', '.join(sorted(fields))}"
@@ -293,6 +313,10 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
             raw = yaml.safe_load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path}: not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}: not UTF-8 text (undecodable byte at offset {e.start})") from None
+    except OSError as e:  # a directory, a permission problem
+        raise ConfigError(f"config file {path}: cannot read ({e.strerror or e})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -304,6 +328,8 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
     includes = raw.pop("include", [])
     if isinstance(includes, str):
         includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) and i for i in includes):
+        raise ConfigError(f"config file {path}: include={_describe(includes)}: expected a file name or a list of them")
     merged: dict = {}
     for inc in includes:
         inc_path = inc if os.path.isabs(inc) else os.path.join(os.path.dirname(path), inc)
@@ -377,6 +403,27 @@ def config_from_dict(raw: dict) -> Config:
 
 
 # ----------------------------------------------------------------------------- validation
+
+
+def _validate_resilience(res: ResilienceConfig) -> None:
+    p, f = "resilience", res.fault
+    _require(res.spike_sigmas >= 0, f"{p}.spike_sigmas", res.spike_sigmas, "a number >= 0 (0: off)")
+    _require(res.spike_window >= 2, f"{p}.spike_window", res.spike_window, "an integer >= 2")
+    _require(res.spike_warmup >= 2, f"{p}.spike_warmup", res.spike_warmup,
+             "an integer >= 2 (a standard deviation needs two steps)")
+    _require(res.max_consecutive_skips >= 0, f"{p}.max_consecutive_skips", res.max_consecutive_skips,
+             "an integer >= 0 (0: never roll back)")
+    _require(res.max_rollbacks >= 0, f"{p}.max_rollbacks", res.max_rollbacks, "an integer >= 0")
+    _require(res.hang_timeout_s >= 0, f"{p}.hang_timeout_s", res.hang_timeout_s, "a number of seconds >= 0 (0: off)")
+    _require(res.straggler_every >= 0, f"{p}.straggler_every", res.straggler_every, "an integer >= 0 (0: off)")
+    _require(res.straggler_threshold > 1, f"{p}.straggler_threshold", res.straggler_threshold,
+             "a ratio > 1 (1.2: 20% slower than the median)")
+    _require(f.exception_at_step >= 0, f"{p}.fault.exception_at_step", f.exception_at_step, "an integer >= 0 (0: never)")
+    _require(all(s >= 1 for s in f.nonfinite_at_steps), f"{p}.fault.nonfinite_at_steps", list(f.nonfinite_at_steps),
+             "a list of steps >= 1")
+    _require(f.hang_at_step >= 0, f"{p}.fault.hang_at_step", f.hang_at_step, "an integer >= 0 (0: never)")
+    _require(f.slow_process >= -1, f"{p}.fault.slow_process", f.slow_process, "a process index or -1 (none)")
+    _require(f.slow_seconds >= 0, f"{p}.fault.slow_seconds", f.slow_seconds, "a number of seconds >= 0")
 
 
 def _require(ok: bool, key: str, value: Any, expected: str) -> None:
@@ -496,7 +543,6 @@ def validate(cfg: Config) -> None:
     _require(ck.every >= 0, "checkpoint.every", ck.every, "an integer >= 0 (0: only at the end)")
     _require(ck.keep >= 1, "checkpoint.keep", ck.keep, "an integer >= 1")
 
-    _require(cfg.resilience.fault.exception_at_step >= 0, "resilience.fault.exception_at_step",
-             cfg.resilience.fault.exception_at_step, "an integer >= 0 (0: never)")
+    _validate_resilience(cfg.resilience)
 
     validate_precision(cfg.precision, n_layers=m.n_layers)

@@ -63,13 +63,21 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] = os.environ) -> s
     # CPU collectives across processes need an implementation; GPUs use NCCL regardless.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if cfg.coordinator:
+        # JAX's coordination service (started by process 0) binds to [::]:port, every interface,
+        # unless told otherwise; bind it to the configured address only, so a run on loopback or
+        # on the cluster network is not reachable from elsewhere. The environment variable
+        # JAX_COORDINATOR_BIND_ADDRESS, which JAX reads, still wins for unusual setups (NAT).
         jax.distributed.initialize(coordinator_address=cfg.coordinator,
-                                   num_processes=cfg.num_processes, process_id=cfg.process_id)
+                                   num_processes=cfg.num_processes, process_id=cfg.process_id,
+                                   coordinator_bind_address=os.environ.get("JAX_COORDINATOR_BIND_ADDRESS",
+                                                                           cfg.coordinator))
         return f"explicit coordinator {cfg.coordinator}, process {cfg.process_id} of {cfg.num_processes}"
     if in_slurm_step(env):
         # JAX's own Slurm detection finds the coordinator (first node of the step, a port
         # derived from the job id) and the process ids; we only choose the GPUs. On CPU the
-        # device ids it would pick only restrict GPUs, so they do no harm there.
+        # device ids it would pick only restrict GPUs, so they do no harm there. JAX derives the
+        # coordinator address itself here and binds its service to every interface of the first
+        # node; set JAX_COORDINATOR_BIND_ADDRESS=<node address>:<port> to narrow it.
         jax.distributed.initialize(local_device_ids=slurm_local_device_ids(env))
         return (f"Slurm job {env['SLURM_JOB_ID']}, task {env['SLURM_PROCID']} of {env['SLURM_NTASKS']}"
                 f" on {env.get('SLURMD_NODENAME', '?')}")

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import optax
 
 from maxfp4.config import Config
+from maxfp4.faults import poison_gradients
+from maxfp4.guard import guard_metrics, judge, keep_unless
 from maxfp4.model import get_model
 from maxfp4.model.decoder import token_losses
 from maxfp4.precision import PrecisionPolicy
@@ -52,6 +54,8 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
                     schedule: optax.Schedule, constrain: Callable = lambda x, axes: x) -> Callable:
     grad_fn = jax.value_and_grad(make_loss_fn(cfg, policy, constrain), argnums=(0, 1))
     m = cfg.train.microbatches
+    res = cfg.resilience
+    nan_steps = tuple(res.fault.nonfinite_at_steps)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         n_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
@@ -73,17 +77,28 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
                     jax.tree.map(jnp.zeros_like, scales))
             (loss, grads, amaxes), _ = jax.lax.scan(
                 accumulate, init, (_split_microbatches(batch, m, constrain), jnp.arange(m)))
+        if nan_steps:
+            grads = poison_gradients(grads, state.step + 1, nan_steps)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        precision = update_precision_state(state.precision, amaxes, policy)
+        guard = state.guard
+        ok = jnp.array(True)
+        if res.guard:
+            # A bad step keeps the old state; the step counter still advances (maxfp4.guard).
+            ok, guard = judge(state.guard, loss, grad_norm, sigmas=res.spike_sigmas, warmup=res.spike_warmup)
+            params, opt_state, precision = keep_unless(
+                ok, (params, opt_state, precision), (state.params, state.opt_state, state.precision))
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": schedule(state.step),
             "tokens": n_tokens,
+            **guard_metrics(guard, ok),
         }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                                  precision=update_precision_state(state.precision, amaxes, policy))
+                                  precision=precision, guard=guard)
         return new_state, metrics
 
     return train_step

@@ -27,6 +27,8 @@ from maxfp4.config import Config, ConfigError, add_config_arguments, config_from
 from maxfp4.data import make_batches, make_eval_batches
 from maxfp4.errors import exit_code_of
 from maxfp4.evaluate import make_eval_step, mean_eval_loss
+from maxfp4.faults import hang_forever, maybe_slow_down
+from maxfp4.guard import init_guard_state
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import get_model, linear_shapes
@@ -35,9 +37,13 @@ from maxfp4.precision import resolve_policy
 from maxfp4.precision.policy import check_block_divisibility
 from maxfp4.precision.state import init_precision_state
 from maxfp4.profiling import StepProfiler
+from maxfp4.preflight import preflight_summary
 from maxfp4.resilience import InjectedFault, PreemptionWatch, write_crash_report
+from maxfp4.rollback import Diverged, Rollbacks
 from maxfp4.state import TrainState
 from maxfp4.step import make_train_step
+from maxfp4.stragglers import StragglerMonitor
+from maxfp4.watchdog import HangWatchdog
 
 
 def _say(msg: str) -> None:
@@ -75,14 +81,16 @@ def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation, polic
                                    transform_non_params=lambda _: replicated)
     prec_sh = jax.tree.map(lambda _: replicated,
                            jax.eval_shape(lambda: init_precision_state(policy, model.block_layer_classes)))
+    guard_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_guard_state(cfg.resilience.spike_window)))
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                          precision=prec_sh)
+                          precision=prec_sh, guard=guard_sh)
 
     def make(k):
         params = model.init_params(cfg.model, k)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=optimizer.init(params), rng=jax.random.fold_in(k, 1),
-                          precision=init_precision_state(policy, model.block_layer_classes))
+                          precision=init_precision_state(policy, model.block_layer_classes),
+                          guard=init_guard_state(cfg.resilience.spike_window))
 
     state = jax.jit(make, out_shardings=state_sh)(key)
     return state, state_sh
@@ -105,6 +113,10 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     xla_options = compiler_options(mesh.devices.flat[0].platform, cfg.train.compiler_options)
     check_compiler_options(xla_options, mesh.devices.flat[0])
     refuse_changed_run(cfg)
+    if cfg.resilience.preflight:
+        summary = preflight_summary(cfg, list(mesh.devices.flat))
+        if is_writer:
+            _say(summary)
     os.makedirs(run_dir, exist_ok=True)
     data = make_batches(cfg, run_dir, process_index=jax.process_index(),
                         process_count=jax.process_count())
@@ -161,22 +173,29 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     pending: tuple[int, dict[str, jax.Array]] | None = None
     last_time: float | None = None
     step_times: list[float] = []
-    losses_since_log: list[float] = []
+    losses_since_log: list[tuple[float, bool]] = []  # (loss, skipped by the guard)
 
-    def flush(step: int, metrics: dict[str, jax.Array], final: bool) -> None:
+    def flush(step: int, metrics: dict[str, jax.Array], final: bool) -> dict[str, float]:
         """Fetch a finished step's metrics (the next step is already queued) and log them."""
-        nonlocal last_time
+        nonlocal last_time, straggler_report
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         if last_time is not None:
             step_times.append(now - last_time)
         last_time = now
-        losses_since_log.append(values["loss"])
+        watchdog.beat(step, values)
+        if stragglers and step % res.straggler_every == 0:  # a collective: same steps everywhere
+            straggler_report = stragglers.report()
+            if is_writer:
+                _say(stragglers.describe(straggler_report))
+        losses_since_log.append((values["loss"], bool(values["skipped"])))
         if not (step % cfg.train.log_every == 0 or final or step == start_step + 1 or step in eval_losses):
-            return
+            return values
         recent = step_times[-cfg.train.log_every:]
         # The logged loss is the mean since the last log line: one step's loss is too noisy.
-        mean_loss = sum(losses_since_log) / len(losses_since_log)
+        # Skipped steps' losses are left out (they may be NaN) unless every step was skipped.
+        kept = [loss for loss, skipped in losses_since_log if not skipped] or [l for l, _ in losses_since_log]
+        mean_loss = sum(kept) / len(kept)
         losses_since_log.clear()
         step_time = sum(recent) / len(recent) if recent else math.nan  # first step: compile
         tflops = step_flops / step_time / n_devices / 1e12 if recent else 0.0
@@ -191,33 +210,57 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             "mfu_policy_peak": tflops / policy_peak if policy_peak and recent else None,
             "step_time_s": step_time if recent else None,
             "eta_s": (cfg.train.steps - step) * step_time if recent else None,
+            "skipped_steps": int(values["skipped_steps"]),
         }
         if step in eval_losses:
             record["eval_loss"] = eval_losses.pop(step)
+        if straggler_report is not None:
+            record["straggler_processes"] = straggler_report["slow"]
+            straggler_report = None
         records.append(record)
         logger.log(record)
+        return values
 
     watch = PreemptionWatch()
     profiler = StepProfiler(cfg.train.profile_steps, os.path.join(run_dir, "profile"), enabled=is_writer)
-    fault_step = cfg.resilience.fault.exception_at_step
+    res, fault = cfg.resilience, cfg.resilience.fault
+    watchdog = HangWatchdog(run_dir, res.hang_timeout_s, jax.process_index())
+    stragglers = StragglerMonitor(res.straggler_threshold) if res.straggler_every else None
+    straggler_report: dict[str, Any] | None = None
+    rollbacks = Rollbacks(res.max_consecutive_skips, res.max_rollbacks)
     try:
-        for step in range(start_step, cfg.train.steps):
+        step = start_step
+        while step < cfg.train.steps:
+            if step + 1 == fault.hang_at_step:
+                hang_forever()
+            host_start = time.perf_counter()
+            maybe_slow_down(jax.process_index(), fault.slow_process, fault.slow_seconds)
             batch = to_global(next(data))
             profiler.before_dispatch(step + 1)
             state, metrics = jitted(state, batch)
             profiler.after_dispatch(step + 1, metrics)
+            if stragglers and step > start_step:  # host time: making and dispatching a step (not compiling it)
+                stragglers.add(time.perf_counter() - host_start)
             stop = watch.should_stop(step + 1)
             if cfg.checkpoint.enabled and (stop or checkpointer.due(step + 1, cfg.train.steps)):
                 checkpointer.save(step + 1, state, data.get_state(), cfg.to_dict())  # before the state is donated
             if eval_global and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
                 eval_losses[step + 1] = mean_eval_loss(eval_fn, state, eval_global)
-            if pending is not None:
-                flush(*pending, final=False)
+            done = flush(*pending, final=False) if pending is not None else None
             pending = (step + 1, metrics)
+            if not stop and done is not None and rollbacks.needed(int(done["consecutive_skips"])):
+                # The queued step is abandoned with the rest of the streak's branch.
+                state = rollbacks.roll_back(checkpointer, state, step=step, consecutive=int(done["consecutive_skips"]),
+                                            skipped_total=int(done["skipped_steps"]), say=_say)
+                step, pending, last_time = int(state.step), None, None
+                losses_since_log.clear()
+                watchdog.beat(step)
+                continue
             if stop:
                 break
-            if step + 1 == fault_step:
-                raise InjectedFault(f"resilience.fault.exception_at_step={fault_step}")
+            if step + 1 == fault.exception_at_step:
+                raise InjectedFault(f"resilience.fault.exception_at_step={fault.exception_at_step}")
+            step += 1
         if pending is not None:
             flush(*pending, final=True)
         if watch.signum is not None:
@@ -235,6 +278,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         raise
     finally:
         profiler.close()
+        watchdog.close()
         watch.close()
         logger.close()
         checkpointer.close()
@@ -269,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_code_of(run)
     except Interrupted as stop:
         return stop.code
+    except Diverged as stop:  # already explained in the log and crash.json
+        return stop.exit_code
 
 
 if __name__ == "__main__":

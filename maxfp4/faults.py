@@ -1,0 +1,30 @@
+"""Injected faults (``resilience.fault.*``), so the resilience machinery is tested against the
+real failure path rather than a mock of it. All are off by default and cost nothing when off."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def poison_gradients(grads: Any, step: jax.Array, steps: Sequence[int]) -> Any:
+    """NaN gradients when ``step`` (1-based, traced) is one of ``steps``. The comparison runs on
+    the device, so the same compiled step serves every step and the guard sees a genuine NaN."""
+    hit = jnp.any(step == jnp.asarray(tuple(steps), jnp.int32))
+    return jax.tree.map(lambda g: jnp.where(hit, jnp.asarray(jnp.nan, g.dtype), g), grads)
+
+
+def hang_forever() -> None:
+    """What a deadlocked collective or a stuck filesystem looks like from the loop: no progress,
+    no exception. Only the hang watchdog (or a signal) ends it."""
+    threading.Event().wait()
+
+
+def maybe_slow_down(process_index: int, slow_process: int, seconds: float) -> None:
+    """A straggling host: this process loses ``seconds`` of host time every step."""
+    if process_index == slow_process and seconds > 0:
+        time.sleep(seconds)

@@ -1,0 +1,161 @@
+"""The resilience machinery end to end, through the command line, with real processes, signals and
+injected faults: kill -9 (mid-run, during an async save) and resume; NaN steps skipped, a streak
+rolled back, a persistent fault stopped; a hang ended by the watchdog; a slow process named in
+the straggler report of a two-process run; preflight's failure lines."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.test_multiprocess import _free_port
+from tests.test_preemption import ARGS, REPO
+
+CONFIG = os.path.join(REPO, "configs", "quickstart.yaml")
+
+
+def _env(devices=1):
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+
+
+def _cmd(tmp_path, name, *extra):
+    return [sys.executable, "-m", "maxfp4.train", CONFIG, *ARGS, f"run.output_dir={tmp_path}", f"run.name={name}",
+            *extra]
+
+
+def _run(tmp_path, name, *extra, timeout=300):
+    return subprocess.run(_cmd(tmp_path, name, *extra), env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _records(tmp_path, name):
+    path = tmp_path / name / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _complete(ckpts):
+    return sorted(int(n) for n in os.listdir(ckpts) if n.isdigit())
+
+
+def test_kill_9_mid_run_and_during_async_save_then_rerun_finishes_like_an_uninterrupted_run(tmp_path):
+    # Every run has the same config; steps are slowed to 0.2 s so that a kill lands mid-run.
+    steps = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep=10", "resilience.fault.slow_process=0",
+             "resilience.fault.slow_seconds=0.2"]
+    ckpts = tmp_path / "killed" / "checkpoints"
+
+    # 1. kill -9 in the middle of training.
+    proc = subprocess.Popen(_cmd(tmp_path, "killed", *steps), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while not any(r["step"] >= 5 for r in _records(tmp_path, "killed")):
+        assert proc.poll() is None and time.time() < deadline, "training did not get going"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    first = _complete(ckpts)[-1]
+    assert 4 <= first < 8
+
+    # 2. The rerun resumes from that checkpoint; kill -9 it the moment an async save is in flight
+    # (Orbax writes <step>.orbax-checkpoint-tmp-*, renamed when complete).
+    leftovers = set(os.listdir(ckpts))  # the first kill may itself have cut a save short
+    proc = subprocess.Popen(_cmd(tmp_path, "killed", *steps), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    partial = None
+    while partial is None:
+        assert proc.poll() is None and time.time() < deadline, "no async save caught in flight"
+        tmp = [n for n in set(os.listdir(ckpts)) - leftovers if "tmp" in n and int(n.split(".")[0]) > first]
+        if tmp:
+            proc.send_signal(signal.SIGKILL)
+            partial = tmp[0]
+        time.sleep(0.002)  # poll often, yet leave the CPU to the trainer
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == -signal.SIGKILL
+    assert f"resumed from {ckpts}/{first}" in out
+    assert int(partial.split(".")[0]) not in _complete(ckpts)  # the interrupted save is no checkpoint
+    resume = _complete(ckpts)[-1]
+    assert resume < 8
+
+    # 3. The next rerun ignores the partial save, resumes from the last complete checkpoint and
+    # ends exactly where a run that was never interrupted ends.
+    again = _run(tmp_path, "killed", *steps)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resumed from {ckpts}/{resume}" in again.stdout
+    reference = _run(tmp_path, "reference", *steps)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    killed, ref = _records(tmp_path, "killed"), _records(tmp_path, "reference")
+    assert killed[-1]["step"] == ref[-1]["step"] == 8
+    assert killed[-1]["loss"] == ref[-1]["loss"]  # bit for bit: nothing of the kills leaked into the run
+    assert [r["step"] for r in killed][-(8 - resume):] == list(range(resume + 1, 9))
+
+
+def test_nan_steps_are_skipped_a_streak_rolls_back_and_a_persistent_fault_stops(tmp_path):
+    # Step 3 alone is skipped. Steps 7-9 are a streak of 3: roll back to checkpoint 4, with the
+    # data moving on. The fault is tied to step numbers, so the streak comes back after the
+    # rollback: the second streak exceeds max_rollbacks=1 and the run stops with exit code 3.
+    out = _run(tmp_path, "nan", "train.steps=14", "checkpoint.every=4", "resilience.fault.nonfinite_at_steps=[3,7,8,9]",
+               "resilience.max_consecutive_skips=3", "resilience.max_rollbacks=1")
+    text = out.stdout + out.stderr
+    assert out.returncode == 3, text[-3000:]
+    recs = _records(tmp_path, "nan")
+    by_step = [(r["step"], r["skipped_steps"]) for r in recs]
+    assert by_step[:9] == [(1, 0), (2, 0), (3, 1), (4, 1), (5, 1), (6, 1), (7, 2), (8, 3), (9, 4)]
+    assert not math.isfinite(recs[2]["grad_norm"])
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in recs[3:6])  # training went on
+    assert "rollback 1/1: 3 consecutive skipped steps (7..9); restored checkpoint 4" in text
+    # After the rollback: steps 5.. again, on new data (the losses differ), skips still counted.
+    assert [(r["step"], r["skipped_steps"]) for r in recs[9:11]] == [(5, 4), (6, 4)]
+    assert recs[9]["loss"] != recs[4]["loss"]
+    assert "resilience.max_rollbacks=1" in text and "Diverged" in text
+    assert json.loads((tmp_path / "nan" / "crash.json").read_text())["error"].startswith("Diverged")
+
+
+def test_hang_watchdog_dumps_stacks_and_exits(tmp_path):
+    start = time.time()
+    out = _run(tmp_path, "hang", "train.steps=100", "resilience.fault.hang_at_step=4", "resilience.hang_timeout_s=3",
+               timeout=240)
+    assert out.returncode == 124, out.stdout[-2000:] + out.stderr[-2000:]
+    assert time.time() - start < 120
+    dump = (tmp_path / "hang" / "hang_0.txt").read_text()
+    assert "no training step completed for 3 s" in dump and "last completed step 2" in dump
+    assert "hang_forever" in dump and "Thread" in dump  # every thread's stack, the stuck one included
+    assert '"loss"' in dump
+    assert "hang watchdog: no step completed for 3 s" in out.stderr
+
+
+def test_two_processes_report_the_slow_one_as_straggler(tmp_path):
+    port = _free_port()
+    cmd = _cmd(tmp_path, "two", "train.steps=6", "mesh.data=2", "resilience.straggler_every=3",
+               "resilience.fault.slow_process=1", "resilience.fault.slow_seconds=0.4",
+               f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2")
+    procs = [subprocess.Popen(cmd + [f"distributed.process_id={i}"], env=_env(1), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o[-3000:]
+    # Start-up preflight ran the all-reduce across both processes.
+    assert "preflight: devices ok, gemm skipped, allreduce ok" in outs[0]
+    line = next(l for l in outs[0].splitlines() if "stragglers (" in l)
+    assert "process 1 on " in line and "process 0 on" not in line
+    recs = _records(tmp_path, "two")
+    reported = [r for r in recs if "straggler_processes" in r]
+    assert [r["step"] for r in reported] == [3, 6]
+    for r in reported:
+        assert [s["process"] for s in r["straggler_processes"]] == [1]
+        assert r["straggler_processes"][0]["host_time_s"] >= 0.4 and r["straggler_processes"][0]["host"]
+
+
+def test_preflight_cli_reports_each_failure_in_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = subprocess.run([sys.executable, "-m", "maxfp4.preflight", CONFIG, *ARGS, f"run.output_dir={blocker}",
+                          "data.source=text", f"data.paths=[{tmp_path}/missing.txt]"],
+                         env=_env(2), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "allreduce  ok" in out.stdout and "devices    ok       2 x cpu" in out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert lines[0] == "error: preflight failed:"
+    assert lines[1].startswith("preflight data: data.paths:") and "missing.txt" in lines[1]
+    assert lines[2].startswith(f"preflight output: {blocker}/quickstart: not writable")

@@ -1,0 +1,35 @@
+"""Preflight pieces in process (the CLI and the start-up run are tested end to end in
+tests/test_fault_tolerance.py): the flagging rules, a real GEMM timing, the checks' table."""
+
+import jax
+import numpy as np
+
+from maxfp4.preflight import (checkpoint_bytes, format_table, gemm_rates, memory_per_device, run_checks,
+                              slow_devices, state_sizes)
+from maxfp4.stragglers import slow_processes
+
+
+def test_straggler_and_slow_device_thresholds():
+    assert slow_processes(np.array([0.10, 0.11, 0.30, 0.10]), 1.2) == [2]
+    assert slow_processes(np.array([0.001, 0.002]), 1.2) == []  # jitter of milliseconds is no straggler
+    assert slow_processes(np.array([5.0]), 1.2) == []
+    assert slow_devices([100.0, 98.0, 60.0, 101.0], 0.7) == [2]
+    assert slow_devices([100.0, 98.0, 75.0], 0.7) == []
+
+
+def test_gemm_is_timed_on_each_device():
+    rates = gemm_rates(jax.devices()[:2], n=64, iters=1, repeats=1)
+    assert len(rates) == 2 and all(r > 0 for r in rates)
+
+
+def test_checks_pass_for_a_tiny_config_and_estimates_scale(tiny_cfg):
+    cfg = tiny_cfg("mesh.data=8")
+    checks = run_checks(cfg, jax.devices())
+    assert [c.name for c in checks] == ["devices", "gemm", "allreduce", "data", "output", "memory"]
+    assert [c.ok for c in checks] == [True, None, True, True, True, None]  # no GEMM, no memory limit on CPU
+    assert "psum over 8 device(s) correct" in format_table(checks)
+    n_params, prec = state_sizes(cfg)
+    assert checkpoint_bytes(n_params, prec) == 12 * n_params + prec
+    one = memory_per_device(cfg, n_params, {"data": 8, "fsdp": 1, "tensor": 1})
+    sharded = memory_per_device(cfg, n_params, {"data": 1, "fsdp": 8, "tensor": 1})
+    assert sharded < one  # FSDP splits the weights and moments
