@@ -48,6 +48,9 @@ class MambaConfig:
     conv_kernel: int = 4
     chunk_size: int = 128
     expand: int = 2
+    # Operands of the SSD's token-length matmuls: bf16 (FP32 accumulation, as Mamba-2's own kernels
+    # do) or fp32 (HIGHEST precision). Decays, segment sums and states are FP32 either way.
+    ssd_matmul: str = "bf16"
 
 
 @dataclass(frozen=True)
@@ -451,6 +454,7 @@ def validate(cfg: Config) -> None:
                  "a non-empty string of M (Mamba-2), * (attention) and - (MLP)")
         mb = m.mamba
         _positive(mb, "model.mamba", "d_state", "head_dim", "n_groups", "conv_kernel", "chunk_size", "expand")
+        _require(mb.ssd_matmul in ("bf16", "fp32"), "model.mamba.ssd_matmul", mb.ssd_matmul, "bf16 or fp32")
         inner = mb.expand * m.d_model
         _require(inner % mb.head_dim == 0, "model.mamba.head_dim", mb.head_dim,
                  f"a divisor of model.mamba.expand x model.d_model = {inner}")

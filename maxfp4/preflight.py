@@ -126,24 +126,34 @@ def check_allreduce(devices: Sequence[jax.Device]) -> Check:
     return Check("allreduce", True, f"psum over {n} device(s) correct")
 
 
+def _check_source(cfg: Config, source: str, paths) -> str:
+    """Open what one data source reads, cheaply; returns what was found."""
+    from maxfp4.data.corpus import open_prepared, prepared_directories
+    from maxfp4.data.sources import expand_paths, source_documents
+    if source in ("text", "jsonl"):  # open every file but read only its start: corpora are large
+        files = expand_paths(paths)
+        for path in files:
+            with open(path, "rb") as fh:
+                fh.read(4096)
+        return f"{len(files)} {source} file(s) readable"
+    if source == "array_record":  # every shard opened and its record count checked
+        shards, _, _ = open_prepared(prepared_directories(paths))
+        return f"{len(shards.lengths_N)} prepared document(s)"
+    return f"{len(source_documents(cfg, source, paths))} {source} document(s)"
+
+
 def check_data(cfg: Config) -> Check:
-    from maxfp4.data.sources import expand_paths, load_documents
     from maxfp4.data.tokenizer import Tokenizer
+    d = cfg.data
     try:
-        if cfg.data.source == "synthetic":
+        if d.source == "synthetic":
             return Check("data", True, "synthetic: nothing to read")
-        if cfg.data.source == "text":  # open every file, but read only its start: corpora are large
-            files = expand_paths(cfg.data.paths)
-            for path in files:
-                with open(path, "rb") as fh:
-                    fh.read(4096)
-            what = f"{len(files)} file(s) readable"
-        else:
-            what = f"{len(load_documents(cfg))} document(s)"
-        if cfg.data.tokenizer:
-            tok = Tokenizer(cfg.data.tokenizer)
-            what += f", tokenizer {tok.vocab_size} pieces"
-        return Check("data", True, f"{cfg.data.source}: {what}")
+        parts = ([(p["source"], tuple(p.get("paths", ()))) for p in d.mixture] if d.source == "mixture"
+                 else [(d.source, d.paths)])
+        what = "; ".join(_check_source(cfg, source, paths) for source, paths in parts)
+        if d.tokenizer:
+            what += f", tokenizer {Tokenizer(d.tokenizer).vocab_size} pieces"
+        return Check("data", True, what)
     except (UserError, OSError) as e:
         return Check("data", False, str(e))
 
@@ -249,7 +259,8 @@ def format_table(checks: Sequence[Check]) -> str:
 def raise_on_failure(checks: Sequence[Check]) -> None:
     failed = [c for c in checks if c.ok is False]
     if failed:
-        raise PreflightFailed("preflight failed:\n" + "\n".join(f"preflight {c.name}: {c.detail}" for c in failed))
+        # One line per failed check (usually one: the first line of the message names it).
+        raise PreflightFailed("\n".join(f"preflight {c.name}: {c.detail}" for c in failed))
 
 
 def preflight_summary(cfg: Config, devices: Sequence[jax.Device]) -> str:

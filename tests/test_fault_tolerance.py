@@ -156,6 +156,6 @@ def test_preflight_cli_reports_each_failure_in_one_line(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert "allreduce  ok" in out.stdout and "devices    ok       2 x cpu" in out.stdout
     lines = out.stderr.strip().splitlines()
-    assert lines[0] == "error: preflight failed:"
-    assert lines[1].startswith("preflight data: data.paths:") and "missing.txt" in lines[1]
-    assert lines[2].startswith(f"preflight output: {blocker}/quickstart: not writable")
+    # One line per failed check (a third, the memory check, fails on this 2-device mesh too).
+    assert lines[0].startswith("error: preflight data: data.paths:") and "missing.txt" in lines[0]
+    assert lines[1].startswith(f"preflight output: {blocker}/quickstart: not writable")

@@ -68,3 +68,27 @@ def test_cudnn_is_what_auto_picks_on_gpu():
     q, k, v, seg = _inputs(1)
     hlo = jax.jit(lambda q, k, v: attend(q, k, v, seg, "cudnn")).lower(q, k, v).compile().as_text()
     assert "cudnn" in hlo.lower() or "__cudnn$fmha" in hlo
+
+
+@pytest.mark.parametrize("remat,forward_kernels", [("none", 1), ("save_gemm", 1), ("full", 2)])
+def test_save_gemm_remat_does_not_rerun_the_attention_forward_kernel(remat, forward_kernels):
+    """train.remat=save_gemm keeps cuDNN attention's outputs and softmax statistics, so the
+    backward pass runs no second forward kernel (full remat does, by design)."""
+    from maxfp4.model.remat import remat_body
+
+    q, k, v, seg = _inputs()
+
+    def body(x, _):
+        out = attend(x, k, v, seg, "cudnn")
+        return jnp.tanh(out), None
+
+    def loss(q):
+        y, _ = jax.lax.scan(remat_body(body, remat), q, None, length=2)
+        return jnp.sum(y.astype(jnp.float32))
+
+    hlo = jax.jit(jax.grad(loss)).lower(q).compile().as_text()
+    calls = [line for line in hlo.splitlines() if "custom_call_target=\"__cudnn$fmha" in line]
+    forward = [c for c in calls if "Backward" not in c]
+    backward = [c for c in calls if "Backward" in c]
+    assert len(backward) == 1, calls  # one per scan body
+    assert len(forward) == forward_kernels, calls

@@ -236,3 +236,32 @@ def test_bf16_inputs_are_computed_in_fp32():
     y32 = np.asarray(y32)
     err = np.abs(np.asarray(y_bf, np.float32) - y32)
     assert np.all(err <= 2.0 ** -8 * np.abs(y32) + 1e-6 * np.max(np.abs(y32)))
+
+
+def test_bf16_matmul_operands_stay_close_to_the_fp32_reference():
+    """matmul_dtype=bf16 rounds the operands of the four token-length matmuls to BF16 (8-bit
+    significand, relative error 2^-9 = 2e-3 each) and accumulates in FP32. A product of two
+    rounded operands is off by <= 4e-3 relative, and sums of such products with mixed signs
+    can lose a little more relative to max |y|: the bound is 2e-2, forward and gradients, with
+    packed segments; still isolated per segment (an exact zero where a segment must not see
+    another)."""
+    b, t, h, p, g, n = 2, 40, 4, 8, 2, 16
+    args = _inputs(11, b, t, h, p, g, n, dtype=np.float32)
+    ids = jnp.asarray(PACKED_IDS)
+    low = jax.jit(functools.partial(ssd_chunked, chunk_size=8, matmul_dtype=jnp.bfloat16))
+    y_ref = _reference(*args, ids)
+    assert _rel(low(*args, ids), y_ref) < 2e-2
+    assert _rel(low(*args, ids), y_ref) > 0  # it really took the BF16 path
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a, ids) * jnp.cos(jnp.arange(b * t * h * p).reshape(b, t, h, p)))
+    g_low = jax.grad(loss(low), argnums=(0, 1, 2, 3, 4))(*args)
+    g_ref = jax.grad(loss(_reference), argnums=(0, 1, 2, 3, 4))(*args)
+    for name, a, e in zip(ARG_NAMES, g_low, g_ref):
+        # dL/dA of a head sums signed terms over every token and state entry: the cancellation
+        # amplifies the BF16 rounding relative to its (small) result, so it gets 1e-1.
+        assert _rel(a, e) < (1e-1 if name == "A" else 2e-2), name
+    # Segment isolation: changing the first document leaves the others' outputs bitwise equal.
+    x2 = args[0].at[0, :8].multiply(-3.0)
+    y1, y2 = low(*args, ids), low(x2, *args[1:], ids)
+    np.testing.assert_array_equal(np.asarray(y1[0, 8:]), np.asarray(y2[0, 8:]))

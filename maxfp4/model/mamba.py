@@ -94,7 +94,8 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     B_BTGN = xbc_BTC[..., e:e + g * n].reshape(b, t, g, n)
     C_BTGN = xbc_BTC[..., e + g * n:].reshape(b, t, g, n)
     A_H = -jnp.exp(p["A_log"])
-    y_BTHP = ssd_chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size)
+    y_BTHP = ssd_chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
+                         matmul_dtype=jnp.bfloat16 if cfg.mamba.ssd_matmul == "bf16" else None)
     y_BTHP = y_BTHP + p["D_skip"][:, None] * x_BTHP
     y_BTE = gated_group_norm(y_BTHP.reshape(b, t, e), z_BTE, p["norm"], g, cfg.norm_eps)
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")

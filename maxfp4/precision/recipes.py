@@ -187,15 +187,16 @@ def _row_block_scales(q: F.NVFP4Array) -> jax.Array:
     return jnp.repeat(q.block_scales, F.NVFP4_BLOCK, axis=-2) if q.two_d else q.block_scales
 
 
-def nvfp4_gemm_tn(a: F.NVFP4Array, b: F.NVFP4Array) -> jax.Array:
+def nvfp4_gemm_tn(a: F.NVFP4Array, b: F.NVFP4Array, block_scaled: bool | None = None) -> jax.Array:
     """``a[M,K] @ b[N,K]^T`` of two NVFP4 tensors blocked along K, BF16 out.
 
     Blackwell: the FP4 elements and E4M3 block scales go to cuDNN's block-scaled GEMM. Elsewhere:
     ``q * s`` has at most 6 significant bits, so the block-dequantized operands are exact in
     BF16, and a BF16 GEMM with FP32 accumulation computes the same product up to summation
     order. Either way the two FP32 global decode scales multiply the FP32 result.
+    ``block_scaled`` forces one path (None: the device decides).
     """
-    if block_scaled_fp4_available():
+    if block_scaled_fp4_available() if block_scaled is None else block_scaled:
         y = jax.nn.scaled_matmul(a.elements[None], b.elements[None], _row_block_scales(a)[None],
                                  _row_block_scales(b)[None], preferred_element_type=jnp.float32)[0]
     else:
