@@ -66,12 +66,6 @@ def ssd_reference(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: 
     b, t, h, p = x_BTHP.shape
     n = B_BTGN.shape[-1]
     cdt = _compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
-
-    def mm(spec, lhs, rhs):
-        """A token-length matmul: HIGHEST in cdt, or matmul_dtype operands accumulated in cdt."""
-        if matmul_dtype is None:
-            return _einsum(spec, lhs, rhs)
-        return jnp.einsum(spec, lhs.astype(matmul_dtype), rhs.astype(matmul_dtype), preferred_element_type=cdt)
     # Heads split as [G, R] so that B and C broadcast over R instead of being copied H times.
     x_TBGRP = jnp.moveaxis(x_BTHP.astype(cdt).reshape(b, t, g, r, p), 1, 0)
     dt_TBGR = jnp.moveaxis(dt_BTH.astype(cdt).reshape(b, t, g, r), 1, 0)
