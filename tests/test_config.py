@@ -103,3 +103,12 @@ def test_precision_presets_resolve_as_documented():
     assert p.lm_head == "bf16"
     assert [row[0] for row in p.block_table] == ["nvfp4"] * 44 + ["bf16"] * 8  # last ~15%
     assert p.block_groups() == [(0, 44), (44, 52)]
+
+
+def test_readme_config_walkthrough_is_a_valid_config(tmp_path):
+    """The YAML block of the README's walkthrough names real keys with valid values."""
+    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    block = text.split("## Config walkthrough", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "walkthrough.yaml").write_text(block)
+    cfg = load_config(str(tmp_path / "walkthrough.yaml"))
+    assert cfg.train.remat == "none" and cfg.data.source == "builtin"
