@@ -72,14 +72,18 @@ def test_structured_overrides_load_or_raise_config_error(overrides):
     _loads_or_refuses(None, overrides)
 
 
+def _write_bytes(directory: str, name: str, raw: bytes) -> str:
+    path = os.path.join(directory, name)
+    with open(path, "wb") as fh:
+        fh.write(raw)
+    return path
+
+
 @FUZZ
 @given(raw=st.binary(max_size=300))
 def test_random_bytes_as_config_file(raw):
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "c.yaml")
-        with open(path, "wb") as fh:
-            fh.write(raw)
-        _loads_or_refuses(path, [])
+        _loads_or_refuses(_write_bytes(tmp, "c.yaml", raw), [])
 
 
 @settings(max_examples=40, deadline=2000)
@@ -88,9 +92,7 @@ def test_random_bytes_as_text_data_and_tokenizer(raw):
     from maxfp4.data.sources import read_text_file
     from maxfp4.data.tokenizer import Tokenizer
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "f.bin")
-        with open(path, "wb") as fh:
-            fh.write(raw)
+        path = _write_bytes(tmp, "f.bin", raw)
         try:
             assert isinstance(read_text_file(path), str)
         except DataError:
