@@ -2,7 +2,7 @@
 # One node, one process per GPU, started by hand (what srun does under Slurm): trains a config
 # for a few steps with checkpoints off and prints the median step time and tokens/s per GPU
 # from process 0's metrics.jsonl.
-# Usage: bash benchmarks/two_process.sh NPROC CONFIG.yaml [more.yaml] [key=value ...]
+# Usage: bash benchmarks/per_gpu_processes.sh NPROC CONFIG.yaml [more.yaml] [key=value ...]
 set -euo pipefail
 NPROC=$1; shift
 OUT_DIR=$(mktemp -d)
@@ -26,7 +26,7 @@ timed = [r for r in recs if r["step"] > 3]
 t = statistics.median(r["step_time_s"] for r in timed)
 tps = statistics.median(r["tokens_per_s"] for r in timed)
 n = int(sys.argv[2])
-print(f"TWO_PROCESS processes={n} step_ms={1e3*t:.1f} tokens_per_s={tps:.0f} per_gpu={tps/n:.0f} "
+print(f"PROCESSES processes={n} step_ms={1e3*t:.1f} tokens_per_s={tps:.0f} per_gpu={tps/n:.0f} "
       f"tflops_per_device={statistics.median(r['tflops_per_device'] for r in timed):.1f} "
       f"mfu={statistics.median(r['mfu'] for r in timed) if timed[0]['mfu'] is not None else '-'}")
 PY
