@@ -144,8 +144,11 @@ class BatchIterator:
 
     def get_state(self) -> dict[str, int]:
         if self._iterator is not None and self._workers == 0:
+            # Our count of delivered batches is what the checkpoint stores; it must be grain's too.
             grain_state = self._iterator.get_state()
-            assert int(grain_state["next_index"]) == self._next_index, (grain_state, self._next_index)
+            if int(grain_state["next_index"]) != self._next_index:
+                raise RuntimeError(f"grain iterator state {grain_state} disagrees with the "
+                                   f"{self._next_index} batches delivered")
         state = {"next_index": self._next_index, "num_rows": self.num_rows, "global_batch": self.global_batch}
         if self.batches_per_epoch:
             state["epoch"], state["batch_in_epoch"] = divmod(self._next_index, self.batches_per_epoch)
