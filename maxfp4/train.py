@@ -122,7 +122,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
                         process_count=jax.process_count())
     # Held-out batches are built now so bad eval data is refused before anything compiles.
     eval_local = (make_eval_batches(cfg, run_dir, process_index=jax.process_index(),
-                                    process_count=jax.process_count()) if cfg.train.eval_every else [])
+                                    process_count=jax.process_count(), corpus=data.corpus)
+                  if cfg.train.eval_every else [])
     if is_writer:
         _write_run_files(cfg, run_dir, table)
         _say(f"run directory {run_dir}")

@@ -94,11 +94,14 @@ class BatchIterator:
     """
 
     def __init__(self, cfg: Config, dataset, *, tokenizer: Tokenizer | None, num_tokens: int, num_rows: int,
-                 batches_per_epoch: int | None = None, row_source: PackedRowSource | None = None):
+                 batches_per_epoch: int | None = None, row_source: PackedRowSource | None = None,
+                 parts: list[Part] | None = None):
         import grain
 
         self._dataset = dataset.map(with_loss_mask)
         self.tokenizer = tokenizer
+        # The loaded corpus (None for synthetic data), so make_eval_batches need not load it again.
+        self.corpus = (tokenizer, parts) if parts is not None else None
         self.num_tokens = num_tokens
         self.num_rows = num_rows
         self.global_batch = cfg.data.global_batch
@@ -223,7 +226,7 @@ def make_batches(cfg: Config, run_dir: str, *, process_index: int = 0, process_c
         dataset = (grain.MapDataset.source(rows).shuffle(grain_seed(seed, STREAM_EPOCH))[:batches_per_epoch * G]
                    .batch(local_batch, drop_remainder=True)[process_index::process_count].repeat())
         return BatchIterator(cfg, dataset, tokenizer=tokenizer, num_tokens=num_tokens, num_rows=num_rows,
-                             batches_per_epoch=batches_per_epoch, row_source=rows)
+                             batches_per_epoch=batches_per_epoch, row_source=rows, parts=parts)
     for part, rows in zip(parts, sources):
         if rows.num_rows == 0:
             raise DataError(f"data.mixture part {part.name}: no rows to train on")
@@ -231,7 +234,7 @@ def make_batches(cfg: Config, run_dir: str, *, process_index: int = 0, process_c
                for i, rows in enumerate(sources)]
     mixed = grain.MapDataset.mix(streams, [part.weight for part in parts])
     dataset = mixed.batch(local_batch, drop_remainder=True)[process_index::process_count]
-    return BatchIterator(cfg, dataset, tokenizer=tokenizer, num_tokens=num_tokens, num_rows=num_rows)
+    return BatchIterator(cfg, dataset, tokenizer=tokenizer, num_tokens=num_tokens, num_rows=num_rows, parts=parts)
 
 
 def _check_synthetic_vocab(cfg: Config) -> None:
@@ -240,9 +243,12 @@ def _check_synthetic_vocab(cfg: Config) -> None:
                         f"[{_FIRST_REAL_TOKEN}, vocab_size), so expected more than {_FIRST_REAL_TOKEN}")
 
 
-def make_eval_batches(cfg: Config, run_dir: str, *, process_index: int = 0,
-                      process_count: int = 1) -> list[dict[str, np.ndarray]]:
+def make_eval_batches(cfg: Config, run_dir: str, *, process_index: int = 0, process_count: int = 1,
+                      corpus: tuple[Tokenizer, list[Part]] | None = None) -> list[dict[str, np.ndarray]]:
     """This process's shares of the held-out global batches: a finite, deterministic list.
+
+    ``corpus``: the training iterator's ``.corpus`` (tokenizer and parts), so the data is not
+    read and tokenized a second time; None loads it.
 
     Held-out rows are packed in document order (no shuffle: every evaluation sees the same data)
     and cut into at most ``data.eval_batches`` global batches; the last is filled with padding
@@ -257,7 +263,7 @@ def make_eval_batches(cfg: Config, run_dir: str, *, process_index: int = 0,
         rows = SyntheticRows(cfg.run.seed, _STREAM_EVAL_SYNTHETIC, cfg.model.vocab_size, cfg.data.seq_len)
         dataset = grain.MapDataset.source(rows)[:cfg.data.eval_batches * G]
     else:
-        tokenizer, parts = load_corpus(cfg, run_dir)
+        tokenizer, parts = corpus or load_corpus(cfg, run_dir)
         pad_id = _pad_id(tokenizer)
         if cfg.data.eval_paths:
             held = [(part := load_eval_paths(cfg, tokenizer), np.arange(len(part.lengths_N)))]
