@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from maxfp4.config import Config, ConfigError
+from maxfp4.data.tokenizer import TOKENIZER_FILENAME
 
 # Prefixes (a key equal to one, or starting with it plus '.') that change what is computed.
 MATH_KEYS = (
@@ -71,7 +72,7 @@ def _normalise(flat: dict[str, Any], run_dir: str) -> dict[str, Any]:
     # explicitly on a rerun is the same tokenizer.
     out = dict(flat)
     if not out.get("data.tokenizer"):
-        out["data.tokenizer"] = os.path.join(run_dir, "tokenizer.model")
+        out["data.tokenizer"] = os.path.join(run_dir, TOKENIZER_FILENAME)
     if isinstance(out.get("data.tokenizer"), str):
         out["data.tokenizer"] = os.path.abspath(out["data.tokenizer"])
     return out

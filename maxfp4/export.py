@@ -27,7 +27,6 @@ import numpy as np
 from maxfp4.errors import UserError, exit_code_of
 
 DTYPES = ("bf16", "fp32")
-TOKENIZER_FILENAME = "tokenizer.model"  # maxfp4.data.tokenizer keeps a trained one under this name
 
 
 class ExportError(UserError):
@@ -71,7 +70,8 @@ def export(run_dir: str, out: str, *, dtype: str = "bf16", step: int | None = No
     import yaml
     from safetensors.numpy import save_file
 
-    from maxfp4.checkpoint import one_line_reason, finalized_steps, read_params, saved_config
+    from maxfp4.checkpoint import checkpoint_dir, finalized_steps, one_line_reason, read_params, saved_config
+    from maxfp4.data.tokenizer import TOKENIZER_FILENAME
     from maxfp4.model import get_model
 
     if dtype not in DTYPES:
@@ -82,7 +82,7 @@ def export(run_dir: str, out: str, *, dtype: str = "bf16", step: int | None = No
         raise ExportError(f"--out {out}: already exists; expected a new directory (or --force to write into it)")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ExportError(f"--out {out}: is a file; expected a directory")
-    checkpoints = os.path.join(run_dir, "checkpoints")
+    checkpoints = checkpoint_dir(run_dir)
     steps = finalized_steps(run_dir)
     if not steps:
         raise ExportError(f"run directory {run_dir}: no complete checkpoint in {checkpoints}")
