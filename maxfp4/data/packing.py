@@ -84,16 +84,10 @@ def _place(row: dict[str, np.ndarray], chunk: np.ndarray, col: int, seg: int) ->
 
 
 def pack_chunks(chunks: Sequence[np.ndarray], seq_len: int, pad_id: int) -> PackedRows:
-    """Pack in-memory chunks into a materialised :class:`PackedRows` (first-fit in order)."""
-    pairs_C = np.asarray([len(c) - 1 for c in chunks], np.int64)
-    row_C, col_C, seg_C = first_fit_layout(pairs_C, seq_len)
-    num_rows = int(row_C[-1]) + 1 if len(row_C) else 0
-    rows = [empty_row(seq_len, pad_id) for _ in range(num_rows)]
-    for chunk, r, c, s in zip(chunks, row_C, col_C, seg_C):
-        _place(rows[r], chunk, int(c), int(s))
-    stack = {k: np.stack([r[k] for r in rows]) if rows else np.zeros((0, seq_len), np.int32)
-             for k in ("inputs", "targets", "segment_ids", "positions")}
-    return PackedRows(stack["inputs"], stack["targets"], stack["segment_ids"], stack["positions"])
+    """Pack in-memory chunks (2 to seq_len+1 tokens each) into a materialised :class:`PackedRows`,
+    first-fit in order: :class:`PackedRowSource` over documents that are one chunk each."""
+    lengths_N = np.asarray([len(c) for c in chunks], np.int64)
+    return PackedRowSource(list(chunks), np.arange(len(chunks)), lengths_N, seq_len, pad_id).materialise()
 
 
 class PackedRowSource:
@@ -137,7 +131,8 @@ class PackedRowSource:
 
     def materialise(self) -> PackedRows:
         rows = [self[r] for r in range(self.num_rows)]
-        return PackedRows(*(np.stack([r[k] for r in rows]) for k in ("inputs", "targets", "segment_ids", "positions")))
+        return PackedRows(*(np.stack([r[k] for r in rows]) if rows else np.zeros((0, self.seq_len), np.int32)
+                            for k in ("inputs", "targets", "segment_ids", "positions")))
 
 
 class EmptyRows:
