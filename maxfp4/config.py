@@ -387,9 +387,7 @@ def load_config(path: str | typing.Sequence[str] | None, overrides: typing.Seque
         raw = _deep_merge(raw, _read_yaml(p))
     for ov in overrides:
         raw = apply_override(raw, ov)
-    cfg = _implied(_build(Config, raw))
-    validate(cfg)
-    return cfg
+    return config_from_dict(raw)
 
 
 def _implied(cfg: Config) -> Config:
@@ -400,6 +398,7 @@ def _implied(cfg: Config) -> Config:
 
 
 def config_from_dict(raw: dict) -> Config:
+    """Convert and validate a nested dict of config sections (YAML already read)."""
     cfg = _implied(_build(Config, raw))
     validate(cfg)
     return cfg
