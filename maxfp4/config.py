@@ -51,6 +51,10 @@ class MambaConfig:
     # Operands of the SSD's token-length matmuls: bf16 (FP32 accumulation, as Mamba-2's own kernels
     # do) or fp32 (HIGHEST precision). Decays, segment sums and states are FP32 either way.
     ssd_matmul: str = "bf16"
+    # Where the mixer's convolution and SSD run: auto (each as a Pallas kernel on GPU when its
+    # tile sizes allow, else in XLA), xla (jax.numpy), or pallas (the kernels; interpreted off
+    # GPU, slowly).
+    kernels: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -454,6 +458,17 @@ def validate(cfg: Config) -> None:
         mb = m.mamba
         _positive(mb, "model.mamba", "d_state", "head_dim", "n_groups", "conv_kernel", "chunk_size", "expand")
         _require(mb.ssd_matmul in ("bf16", "fp32"), "model.mamba.ssd_matmul", mb.ssd_matmul, "bf16 or fp32")
+        _require(mb.kernels in ("auto", "xla", "pallas"), "model.mamba.kernels", mb.kernels,
+                 "auto, xla or pallas")
+        if mb.kernels == "pallas":
+            from maxfp4.model.conv_kernel import conv_kernel_supported
+            from maxfp4.model.ssd_kernel import kernel_supported
+            _require(kernel_supported(mb.chunk_size, mb.head_dim, mb.d_state), "model.mamba.kernels",
+                     mb.kernels, "xla or auto unless chunk_size, head_dim and d_state are powers of two >= 16")
+            channels = mb.expand * m.d_model + 2 * mb.n_groups * mb.d_state
+            _require(conv_kernel_supported(cfg.data.seq_len, channels), "model.mamba.kernels", mb.kernels,
+                     f"xla or auto unless data.seq_len ({cfg.data.seq_len}) is a multiple of 8 and the "
+                     f"convolution's {channels} channels a multiple of 16")
         inner = mb.expand * m.d_model
         _require(inner % mb.head_dim == 0, "model.mamba.head_dim", mb.head_dim,
                  f"a divisor of model.mamba.expand x model.d_model = {inner}")

@@ -1,8 +1,9 @@
 """``train.profile_steps: [first, last]``: a JAX profiler trace of those steps in ``<run>/profile``.
 
 The trace starts before step ``first`` is dispatched and stops once step ``last`` has finished
-on the device, so it holds exactly those steps (open it with TensorBoard's profile plugin or
-Perfetto). Only the metrics writer (process 0) traces.
+on the device, so it holds exactly those steps (open it with TensorBoard's profile plugin, or
+its ``perfetto_trace.json.gz`` with ui.perfetto.dev; ``python benchmarks/profile_summary.py
+RUN_DIR/profile`` prints the device time per kernel). Only the metrics writer (process 0) traces.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class StepProfiler:
 
     def before_dispatch(self, step: int) -> None:
         if step == self.first:
-            jax.profiler.start_trace(self.directory)
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
             self.active = True
 
     def after_dispatch(self, step: int, metrics: Any) -> None:

@@ -6,6 +6,7 @@ flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from maxfp4.config import load_config  # noqa: E402
@@ -22,3 +23,14 @@ def tiny_cfg(tmp_path):
     def make(*overrides):
         return load_config(None, TINY + [f"run.output_dir={tmp_path}"] + list(overrides))
     return make
+
+
+@pytest.fixture
+def x64():
+    """float64 for this test only; restored afterwards so other tests keep FP32 defaults."""
+    previous = bool(jax.config.jax_enable_x64)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)

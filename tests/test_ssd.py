@@ -21,17 +21,6 @@ from maxfp4.model.ssd import ssd_chunked, ssd_reference
 ARG_NAMES = ("x", "dt", "A", "B", "C")
 
 
-@pytest.fixture
-def x64():
-    """float64 for this test only; restored afterwards so other tests keep FP32 defaults."""
-    previous = bool(jax.config.jax_enable_x64)
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
-
-
 def _inputs(seed, b, t, h, p, g, n, dtype=np.float64, dt_range=(0.01, 1.0), a_range=(0.1, 2.0)):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((b, t, h, p))

@@ -2,7 +2,10 @@
 SSD with per-head scalar decay -> D skip -> gated RMSNorm per group -> out_proj.
 
 Only ``in_proj`` (class ``mamba_in``) and ``out_proj`` (``mamba_out``) go through the precision
-policy; the convolution, the SSD (A, dt, decays, states) and the norm stay in FP32.
+policy; the convolution, the SSD (A, dt, decays, states) and the norm compute in FP32 (x, B and
+C are stored in the activation dtype between the convolution and the SSD, as Mamba-2's kernels
+do). The convolution and the SSD run as Pallas kernels (``conv_kernel``, ``ssd_kernel``) or in
+XLA (``causal_conv`` here, the chunked form of ``ssd``), by ``model.mamba.kernels``.
 
 Dimension letters: B batch, T sequence, D d_model, E inner width (expand x D), H Mamba heads,
 P head dim (E = H x P), G groups, N state size, W conv kernel width.
@@ -19,6 +22,8 @@ import jax.numpy as jnp
 from maxfp4.config import ModelConfig
 from maxfp4.model.layers import ACT_DTYPE, normal_init
 from maxfp4.model.ssd import ssd_chunked
+from maxfp4.model.conv_kernel import causal_conv_silu, conv_kernel_supported
+from maxfp4.model.ssd_kernel import kernel_supported, ssd_fused
 from maxfp4.precision import LayerPrecision
 
 Params = dict[str, Any]
@@ -80,22 +85,47 @@ def gated_group_norm(y_BTE: jax.Array, z_BTE: jax.Array, scale_E: jax.Array, gro
     return g.reshape(b, t, e) * scale_E
 
 
+def use_ssd_kernel(cfg: ModelConfig) -> bool:
+    """model.mamba.kernels resolved for the SSD: auto takes the Pallas kernel on GPU when it can
+    tile the shapes (see ``kernel_supported``), XLA's chunked form otherwise."""
+    mb = cfg.mamba
+    if mb.kernels != "auto":
+        return mb.kernels == "pallas"
+    return jax.default_backend() == "gpu" and kernel_supported(mb.chunk_size, mb.head_dim, mb.d_state)
+
+
+def use_conv_kernel(cfg: ModelConfig, t: int, channels: int) -> bool:
+    """model.mamba.kernels resolved for the convolution of a length-t input: the kernel when
+    asked for (pallas) or on GPU (auto), and only if it can tile t and the channels (the config
+    check makes pallas tile the training length; another length falls back to XLA)."""
+    if cfg.mamba.kernels == "xla" or not conv_kernel_supported(t, channels):
+        return False
+    return cfg.mamba.kernels == "pallas" or jax.default_backend() == "gpu"
+
+
 def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: ModelConfig,
                 lp: LayerPrecision) -> jax.Array:
     d = dims(cfg)
     b, t, _ = x_BTD.shape
     e, h, pd, g, n = d["E"], d["H"], d["P"], d["G"], d["N"]
-    zxbcdt = lp.dot(x_BTD, p["in_proj"], "mamba_in").astype(jnp.float32)
+    zxbcdt = lp.dot(x_BTD, p["in_proj"], "mamba_in")
     z_BTE = zxbcdt[..., :e]
     xbc_BTC = zxbcdt[..., e:e + d["conv"]]
-    dt_BTH = jax.nn.softplus(zxbcdt[..., e + d["conv"]:] + p["dt_bias"])
-    xbc_BTC = jax.nn.silu(causal_conv(xbc_BTC, p["conv_w"], p["conv_b"], segment_ids_BT))
+    dt_BTH = jax.nn.softplus(zxbcdt[..., e + d["conv"]:].astype(jnp.float32) + p["dt_bias"])
+    # Convolution and SiLU computed in FP32, stored in the activation dtype (as Mamba-2's
+    # kernels do): x, B and C are BF16 operands of the SSD matmuls anyway.
+    if use_conv_kernel(cfg, t, d["conv"]):
+        xbc_BTC = causal_conv_silu(xbc_BTC, p["conv_w"], p["conv_b"], segment_ids_BT, jax.default_backend() != "gpu")
+    else:
+        xbc_BTC = jax.nn.silu(causal_conv(xbc_BTC.astype(jnp.float32), p["conv_w"], p["conv_b"], segment_ids_BT))
+        xbc_BTC = xbc_BTC.astype(zxbcdt.dtype)
     x_BTHP = xbc_BTC[..., :e].reshape(b, t, h, pd)
     B_BTGN = xbc_BTC[..., e:e + g * n].reshape(b, t, g, n)
     C_BTGN = xbc_BTC[..., e + g * n:].reshape(b, t, g, n)
     A_H = -jnp.exp(p["A_log"])
-    y_BTHP = ssd_chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
-                         matmul_dtype=jnp.bfloat16 if cfg.mamba.ssd_matmul == "bf16" else None)
-    y_BTHP = y_BTHP + p["D_skip"][:, None] * x_BTHP
+    ssd = ssd_fused if use_ssd_kernel(cfg) else ssd_chunked
+    y_BTHP = ssd(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
+                 matmul_dtype=jnp.bfloat16 if cfg.mamba.ssd_matmul == "bf16" else None)
+    y_BTHP = y_BTHP.astype(jnp.float32) + p["D_skip"][:, None] * x_BTHP.astype(jnp.float32)
     y_BTE = gated_group_norm(y_BTHP.reshape(b, t, e), z_BTE, p["norm"], g, cfg.norm_eps)
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")

@@ -1,0 +1,109 @@
+"""Device time per kernel from a ``train.profile_steps`` trace: where a step's time goes.
+
+    python benchmarks/profile_summary.py runs/NAME/profile [--top 40] [--steps 1] [--hlo DUMP_DIR]
+
+Reads the Perfetto trace (``perfetto_trace.json.gz``, newest under the folder) that the profiler
+writes next to its XPlane files, sums the duration of every event on the GPU streams by name,
+and prints the top kernels and a total per kind (GEMM, attention, Pallas kernels, collectives,
+copies, other fusions). ``--steps`` divides the totals to give milliseconds per step. With
+``--hlo`` (a folder written by ``XLA_FLAGS=--xla_dump_to=DIR``), each top kernel also gets the
+JAX operation and source line that XLA recorded for it, which says what a fusion came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import sys
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    if any(w in low for w in ("gemm", "cublas", "cutlass", "matmul", "xmma", "nvjet")):
+        return "GEMM"
+    if "flash" in low or "fmha" in low or "cudnn" in low or "attention" in low:
+        return "attention"
+    if "pallas" in low or "triton" in low and "fusion" not in low:
+        return "Pallas/Triton kernels"
+    if "nccl" in low or "all-reduce" in low or "all-gather" in low or "reduce-scatter" in low:
+        return "collectives"
+    if "memcpy" in low or "memset" in low or "copy" in low:
+        return "copies"
+    if "transpose" in low:
+        return "transposes"
+    if "reduce" in low:
+        return "reductions"
+    return "other fusions"
+
+
+def newest_trace(folder: pathlib.Path) -> pathlib.Path:
+    traces = sorted(folder.rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        sys.exit(f"error: no perfetto_trace.json.gz under {folder} (was train.profile_steps set?)")
+    return traces[-1]
+
+
+def gpu_kernel_times(trace: dict) -> collections.Counter:
+    """Total microseconds per event name over the processes that are GPU devices."""
+    gpu_pids = {e["pid"] for e in trace["traceEvents"]
+                if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    totals: collections.Counter = collections.Counter()
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+            totals[e["name"]] += float(e.get("dur", 0.0))
+    return totals
+
+
+_HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) .*?metadata=\{([^}]*)\}")
+
+
+def hlo_origins(dump: pathlib.Path) -> dict[str, str]:
+    """Kernel name -> 'result shape, JAX op_name' from the largest optimized HLO module in an XLA
+    dump (the train step). Kernel names are HLO instruction names with '.' written as '_'."""
+    modules = sorted(dump.glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
+    if not modules:
+        sys.exit(f"error: no *after_optimizations.txt under {dump} (XLA_FLAGS=--xla_dump_to=DIR)")
+    origins: dict[str, str] = {}
+    for line in modules[-1].read_text(encoding="utf-8", errors="replace").splitlines():
+        m = _HLO_LINE.match(line)
+        if m:
+            op = re.search(r'op_name="([^"]*)"', m.group(3))
+            origins[m.group(1).replace(".", "_")] = f"{m.group(2)[:50]} {op.group(1)[-90:] if op else '?'}"
+    return origins
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("folder", type=pathlib.Path)
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=1, help="steps in the trace (per-step times)")
+    ap.add_argument("--hlo", type=pathlib.Path, help="an XLA dump folder (--xla_dump_to) for origins")
+    a = ap.parse_args()
+    path = newest_trace(a.folder)
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        totals = gpu_kernel_times(json.load(fh))
+    if not totals:
+        sys.exit(f"error: {path} holds no GPU events")
+    all_ms = sum(totals.values()) / 1e3 / a.steps
+    print(f"{path}: {all_ms:.1f} ms of GPU time per step over {len(totals)} kernels")
+    kinds: collections.Counter = collections.Counter()
+    for name, us in totals.items():
+        kinds[kind_of(name)] += us
+    print(f"\n{'kind':<24}{'ms/step':>10}{'share':>8}")
+    for kind, us in kinds.most_common():
+        print(f"{kind:<24}{us / 1e3 / a.steps:>10.2f}{us / 1e3 / a.steps / all_ms:>8.1%}")
+    print(f"\n{'kernel':<72}{'ms/step':>10}{'share':>8}")
+    origins = hlo_origins(a.hlo) if a.hlo else {}
+    for name, us in totals.most_common(a.top):
+        print(f"{name[:71]:<72}{us / 1e3 / a.steps:>10.2f}{us / 1e3 / a.steps / all_ms:>8.1%}")
+        if name in origins:
+            print(f"    from {origins[name]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Mamba-2's causal depthwise convolution + SiLU as Pallas kernels, forward and backward.
+
+Same result as ``silu(causal_conv(x in FP32, w, b, segment_ids))`` of ``maxfp4.model.mamba``
+(the sum over the last W positions of the same packed document), stored in x's dtype.
+
+Why a kernel: written in jax.numpy, the W shifted copies of x (pad + slice along T) and the
+weight-gradient reductions over (B, T) lead XLA's GPU layout assignment to run the whole
+convolution on a T-minor [B, channels, T] copy of the in_proj output and to transpose it back
+for the SSD and in the backward pass: about a third of a Mamba-2 training step was transposes
+(docs/PERFORMANCE.md). The kernels read and write [B, T, C] rows as they lie in memory.
+
+Each program owns a [Tb, Cb] tile of one batch row. The forward reads the W - 1 rows before its
+tile from x padded at the front (zeros, segment id -1), so no program needs a neighbour's data.
+The backward is two kernels: the first recomputes the pre-activation, forms its gradient
+(through SiLU) and the tile's partial sums for the weight and bias gradients; the second
+gathers the input gradient from the next W - 1 rows of that gradient (padded at the end).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+_TILE_T = (64, 32, 16, 8)
+_TILE_C = (128, 64, 32, 16)
+
+
+def _tile(size: int, options: tuple[int, ...]) -> int | None:
+    return next((o for o in options if size % o == 0), None)
+
+
+def conv_kernel_supported(t: int, channels: int) -> bool:
+    """Tiles are powers of two (Triton): T and the channel count must split into them."""
+    return _tile(t, _TILE_T) is not None and _tile(channels, _TILE_C) is not None
+
+
+def _rows(ref, bi, start, size, c0=None, cb=None):
+    if c0 is None:
+        return ref[bi, pl.ds(start, size)]
+    return ref[bi, pl.ds(start, size), pl.ds(c0, cb)]
+
+
+def _preactivation(x_ref, ids_ref, w_ref, b_ref, bi, t0, c0, tb, cb, width):
+    """conv(x) + b on the tile (FP32) and the W masked input slices it used (lag order)."""
+    ids_Tb = _rows(ids_ref, bi, t0 + width - 1, tb)
+    pre_TbCb = jnp.broadcast_to(b_ref[pl.ds(c0, cb)][None, :], (tb, cb)).astype(jnp.float32)
+    inputs = []
+    for lag in range(width):
+        x_TbCb = _rows(x_ref, bi, t0 + width - 1 - lag, tb, c0, cb).astype(jnp.float32)
+        keep_Tb = _rows(ids_ref, bi, t0 + width - 1 - lag, tb) == ids_Tb
+        x_TbCb = jnp.where(keep_Tb[:, None], x_TbCb, 0.0)
+        inputs.append(x_TbCb)
+        pre_TbCb += x_TbCb * w_ref[width - 1 - lag, pl.ds(c0, cb)][None, :]
+    return pre_TbCb, inputs
+
+
+def _forward_kernel(x_ref, ids_ref, w_ref, b_ref, out_ref, *, tb, cb, width):
+    bi, t0, c0 = pl.program_id(0), pl.program_id(1) * tb, pl.program_id(2) * cb
+    pre_TbCb, _ = _preactivation(x_ref, ids_ref, w_ref, b_ref, bi, t0, c0, tb, cb, width)
+    out_ref[...] = (pre_TbCb * jax.nn.sigmoid(pre_TbCb)).astype(out_ref.dtype)
+
+
+def _preactivation_grad_kernel(x_ref, ids_ref, w_ref, b_ref, dout_ref, dpre_ref, db_ref, *dw_refs,
+                               tb, cb, width):
+    bi, t0, c0 = pl.program_id(0), pl.program_id(1) * tb, pl.program_id(2) * cb
+    pre_TbCb, inputs = _preactivation(x_ref, ids_ref, w_ref, b_ref, bi, t0, c0, tb, cb, width)
+    sig_TbCb = jax.nn.sigmoid(pre_TbCb)
+    dpre_TbCb = dout_ref[...].astype(jnp.float32) * sig_TbCb * (1.0 + pre_TbCb * (1.0 - sig_TbCb))
+    dpre_ref[...] = dpre_TbCb
+    db_ref[...] = jnp.sum(dpre_TbCb, axis=0)
+    # Row W-1-lag of the weight multiplies the input `lag` positions back. One output per row:
+    # Triton cannot stack them into one tile.
+    for row in range(width):
+        dw_refs[row][...] = jnp.sum(inputs[width - 1 - row] * dpre_TbCb, axis=0)
+
+
+def _input_grad_kernel(dpre_ref, ids_ref, w_ref, dx_ref, *, tb, cb, width):
+    """dx[s] = sum over lag of dpre[s + lag] * w[W-1-lag], where s + lag is in s's document.
+    dpre and ids are padded with W - 1 rows at the end (zeros, segment id -1)."""
+    bi, t0, c0 = pl.program_id(0), pl.program_id(1) * tb, pl.program_id(2) * cb
+    ids_Tb = _rows(ids_ref, bi, t0, tb)
+    dx_TbCb = jnp.zeros((tb, cb), jnp.float32)
+    for lag in range(width):
+        dpre_TbCb = _rows(dpre_ref, bi, t0 + lag, tb, c0, cb)
+        keep_Tb = _rows(ids_ref, bi, t0 + lag, tb) == ids_Tb
+        dx_TbCb += jnp.where(keep_Tb[:, None], dpre_TbCb, 0.0) * w_ref[width - 1 - lag, pl.ds(c0, cb)][None, :]
+    dx_ref[...] = dx_TbCb.astype(dx_ref.dtype)
+
+
+def _launch(kernel, x_shape, out_specs, out_shape, n_whole, interpret, *args):
+    """Inputs: the first ``n_whole`` as whole arrays (indexed by hand), the rest tiled."""
+    b, t, c = x_shape
+    tb, cb = _tile(t, _TILE_T), _tile(c, _TILE_C)
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    return pl.pallas_call(
+        functools.partial(kernel, tb=tb, cb=cb, width=args[2].shape[0]),
+        grid=(b, t // tb, c // cb),
+        in_specs=[pl.no_block_spec] * n_whole + [_tile_spec(tb, cb)] * (len(args) - n_whole),
+        out_specs=out_specs(tb, cb), out_shape=out_shape, interpret=interpret, **params)(*args)
+
+
+def _tile_spec(tb, cb):
+    return pl.BlockSpec((pl.squeezed, tb, cb), lambda bi, ti, ci: (bi, ti, ci))
+
+
+def _padded_ids(segment_ids_BT, front: int, back: int):
+    return jnp.pad(segment_ids_BT.astype(jnp.int32), ((0, 0), (front, back)), constant_values=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def causal_conv_silu(x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array, segment_ids_BT: jax.Array,
+                     interpret: bool = False) -> jax.Array:
+    """silu(causal depthwise conv of x within each packed document + b), in x's dtype."""
+    width = w_WC.shape[0]
+    x_pad = jnp.pad(x_BTC, ((0, 0), (width - 1, 0), (0, 0)))
+    return _launch(_forward_kernel, x_BTC.shape, _tile_spec, jax.ShapeDtypeStruct(x_BTC.shape, x_BTC.dtype),
+                   4, interpret, x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C)
+
+
+def _fwd(x_BTC, w_WC, b_C, segment_ids_BT, interpret):
+    return causal_conv_silu(x_BTC, w_WC, b_C, segment_ids_BT, interpret), (x_BTC, w_WC, b_C, segment_ids_BT)
+
+
+def _bwd(interpret, residuals, dout_BTC):
+    x_BTC, w_WC, b_C, segment_ids_BT = residuals
+    b, t, c = x_BTC.shape
+    width = w_WC.shape[0]
+    tb = _tile(t, _TILE_T)
+    x_pad = jnp.pad(x_BTC, ((0, 0), (width - 1, 0), (0, 0)))
+
+    def grad_specs(tb, cb):
+        per_tile = pl.BlockSpec((pl.squeezed, pl.squeezed, cb), lambda bi, ti, ci: (bi, ti, ci))
+        return [_tile_spec(tb, cb)] + [per_tile] * (1 + width)
+
+    partial_sums = jax.ShapeDtypeStruct((b, t // tb, c), jnp.float32)
+    shapes = [jax.ShapeDtypeStruct((b, t, c), jnp.float32)] + [partial_sums] * (1 + width)
+    dpre_BTC, db_parts, *dw_parts = _launch(
+        _preactivation_grad_kernel, x_BTC.shape, grad_specs, shapes, 4, interpret,
+        x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, dout_BTC)
+    dpre_pad = jnp.pad(dpre_BTC, ((0, 0), (0, width - 1), (0, 0)))
+    dx_BTC = _launch(_input_grad_kernel, x_BTC.shape, _tile_spec, jax.ShapeDtypeStruct(x_BTC.shape, x_BTC.dtype),
+                     3, interpret, dpre_pad, _padded_ids(segment_ids_BT, 0, width - 1), w_WC)
+    dw_WC = jnp.stack([jnp.sum(part, axis=(0, 1)) for part in dw_parts]).astype(w_WC.dtype)
+    db_C = jnp.sum(db_parts, axis=(0, 1)).astype(b_C.dtype)
+    return dx_BTC, dw_WC, db_C, None
+
+
+causal_conv_silu.defvjp(_fwd, _bwd)

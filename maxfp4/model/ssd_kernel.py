@@ -1,0 +1,241 @@
+"""Mamba-2 SSD with its quadratic intra-chunk part as one Pallas kernel, forward and backward.
+
+Same recurrence, segment resets and dimension letters as ``maxfp4.model.ssd`` (read it first).
+The chunked decomposition there runs in plain XLA, which materialises the [B, K, H, Q, Q] decay
+matrix and the masked C.B scores in HBM (for the 1.3B benchmark shape, 1 GB each in FP32 per
+layer) and reads them back several times in the backward pass. Here one kernel program per
+(batch row, chunk, head) builds those Q x Q tiles in on-chip memory and never writes them:
+
+    y_i = sum_{j<=i, same segment} (C_i . B_j) exp(cs_i - cs_j) dt_j x_j      (intra-chunk)
+        + [no segment starts in 0..i] exp(cs_i) C_i . entry_state              (entry state)
+
+with cs the inclusive cumulative sum of a = dt * A inside the chunk. The other steps (chunk end
+states, the K x K recurrence between chunks, the cumulative sums) are batched matmuls and small
+reductions that XLA already runs well, so they stay in XLA and XLA differentiates them; only the
+kernel carries a hand-written VJP (a second kernel that rebuilds the tiles).
+
+Decays inside the kernel are exp(cs_i - cs_j), the difference of two running sums, as Mamba-2's
+own kernels do, instead of the reference's cancellation-free segment sum: with a <= 0 the
+running sum only decreases, its rounding error is about eps * |cs| in the exponent, i.e. a
+relative error of eps * |cs| in a decay (6e-8 * |cs| in FP32), and the mask is applied inside
+the exp, so masked entries are exactly 0 and never inf - inf.
+
+Hand-written because no maintained JAX library ships a Mamba-2 SSD kernel with packed-segment
+resets. Pallas lowers through Triton on GPU; elsewhere the same kernel runs in interpret mode
+(slow, used by the CPU tests that hold it to the sequential reference).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from maxfp4.model.ssd import _check_shapes, _compute_dtype, _masked_exp, _segment_starts, lowp_einsum
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def kernel_supported(chunk_size: int, head_dim: int, d_state: int) -> bool:
+    """Triton tiles need power-of-two sides of at least 16 (its smallest matmul)."""
+    return all(v >= 16 and v & (v - 1) == 0 for v in (chunk_size, head_dim, d_state))
+
+
+def _dot(a, b, matmul_dtype, out_dtype):
+    """a @ b inside a kernel: matmul_dtype operands accumulated in out_dtype, or full precision."""
+    if matmul_dtype is None:
+        return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=out_dtype)
+    return jnp.dot(a.astype(matmul_dtype), b.astype(matmul_dtype), preferred_element_type=out_dtype)
+
+
+def _decayed_scores(cb_QQ, dt_Q, cs_Q, seg_Q):
+    """scores_ij = (C_i . B_j) exp(cs_i - cs_j) dt_j on j <= i in one segment, else exactly 0;
+    also returns the masked decay exp(cs_i - cs_j) alone (the backward needs it)."""
+    q = cs_Q.shape[0]
+    rows_QQ = jax.lax.broadcasted_iota(jnp.int32, (q, q), 0)
+    cols_QQ = jax.lax.broadcasted_iota(jnp.int32, (q, q), 1)
+    keep_QQ = (rows_QQ >= cols_QQ) & (seg_Q[:, None] == seg_Q[None, :])
+    decay_QQ = jnp.exp(jnp.where(keep_QQ, cs_Q[:, None] - cs_Q[None, :], -jnp.inf))
+    return cb_QQ * decay_QQ * dt_Q[None, :], decay_QQ
+
+
+def _forward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, y_entry_ref, y_ref, *, matmul_dtype, cdt):
+    scores_QQ, _ = _decayed_scores(cb_ref[...].astype(cdt), dt_ref[...], cs_ref[...], seg_ref[...])
+    y_QP = _dot(scores_QQ, x_ref[...], matmul_dtype, cdt) + y_entry_ref[...]
+    y_ref[...] = y_QP.astype(y_ref.dtype)
+
+
+def _backward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, dy_ref,
+                     dcb_ref, dx_ref, ddt_ref, dcs_ref, *, matmul_dtype, cdt):
+    cb_QQ, dt_Q, dy_QP = cb_ref[...].astype(cdt), dt_ref[...], dy_ref[...].astype(cdt)
+    scores_QQ, decay_QQ = _decayed_scores(cb_QQ, dt_Q, cs_ref[...], seg_ref[...])
+    dx_ref[...] = _dot(scores_QQ.T, dy_QP, matmul_dtype, cdt).astype(dx_ref.dtype)
+    dscores_QQ = _dot(dy_QP, x_ref[...].T, matmul_dtype, cdt)
+    decay_dscores_QQ = dscores_QQ * decay_QQ
+    dcb_ref[...] = (decay_dscores_QQ * dt_Q[None, :]).astype(dcb_ref.dtype)
+    ddt_ref[...] = jnp.sum(decay_dscores_QQ * cb_QQ, axis=0).astype(ddt_ref.dtype)
+    # exp(cs_i - cs_j) sends its gradient with + to row i and - to column j.
+    g_QQ = dscores_QQ * scores_QQ
+    dcs_ref[...] = (jnp.sum(g_QQ, axis=1) - jnp.sum(g_QQ, axis=0)).astype(dcs_ref.dtype)
+
+
+class _Launch:
+    """Grid, block specs and compiler settings shared by the forward and backward kernels.
+
+    Layouts: C.B scores [B, K, G, Q, Q]; x, y [B, T, H, P]; dt, cs [B, H, T] (a chunk of one
+    head is then contiguous); segment counts [B, T]. One program per (b, k, h); heads vary
+    fastest so the programs that share a group's C.B tile run together.
+    """
+
+    def __init__(self, x, cb, interpret, num_warps):
+        b, k, g, q, _ = cb.shape
+        h, p = x.shape[2:]
+        r = h // g
+        sq = pl.squeezed
+        self.grid = (b, k, h)
+        self.group_QQ = pl.BlockSpec((sq, sq, sq, q, q), lambda bi, ki, hi: (bi, ki, hi // r, 0, 0))
+        self.head_QQ = pl.BlockSpec((sq, sq, sq, q, q), lambda bi, ki, hi: (bi, ki, hi, 0, 0))
+        self.head_QP = pl.BlockSpec((sq, q, sq, p), lambda bi, ki, hi: (bi, ki, hi, 0))
+        self.head_Q = pl.BlockSpec((sq, sq, q), lambda bi, ki, hi: (bi, hi, ki))
+        self.seg_Q = pl.BlockSpec((sq, q), lambda bi, ki, hi: (bi, ki))
+        self.interpret = interpret
+        self.num_warps = num_warps
+
+    def call(self, kernel, in_specs, out_specs, out_shape, *args, **kwargs):
+        if not self.interpret:
+            from jax.experimental.pallas import triton as pltriton
+            kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=self.num_warps, num_stages=1)
+        return pl.pallas_call(kernel, grid=self.grid, in_specs=in_specs, out_specs=out_specs,
+                              out_shape=out_shape, interpret=self.interpret, **kwargs)(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def chunk_outputs(cb, x, dt, cs, seg, y_entry, matmul_dtype, interpret, num_warps):
+    """y = intra-chunk outputs + y_entry, [B, T, H, P] (T a multiple of Q); see module doc."""
+    return _chunk_outputs_fwd(cb, x, dt, cs, seg, y_entry, matmul_dtype, interpret, num_warps)[0]
+
+
+def _chunk_outputs_fwd(cb, x, dt, cs, seg, y_entry, matmul_dtype, interpret, num_warps):
+    launch = _Launch(x, cb, interpret, num_warps)
+    kernel = functools.partial(_forward_kernel, matmul_dtype=matmul_dtype, cdt=dt.dtype)
+    in_specs = [launch.group_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP]
+    # The entry-state outputs come in as y_entry and the sum is written over them.
+    y = launch.call(kernel, in_specs, launch.head_QP, jax.ShapeDtypeStruct(y_entry.shape, y_entry.dtype),
+                    cb, x, dt, cs, seg, y_entry, input_output_aliases={5: 0})
+    return y, (cb, x, dt, cs, seg)
+
+
+def _chunk_outputs_bwd(matmul_dtype, interpret, num_warps, residuals, dy):
+    cb, x, dt, cs, seg = residuals
+    launch = _Launch(x, cb, interpret, num_warps)
+    cdt = dt.dtype
+    b, k, g, q, _ = cb.shape
+    h = x.shape[2]
+    kernel = functools.partial(_backward_kernel, matmul_dtype=matmul_dtype, cdt=cdt)
+    in_specs = [launch.group_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP]
+    out_specs = [launch.head_QQ, launch.head_QP, launch.head_Q, launch.head_Q]
+    # d(C.B) comes out per head (each program owns one head) in the matmul operand dtype and is
+    # summed over the heads of a group here, in cdt, in a fixed order (deterministic).
+    out_shape = [jax.ShapeDtypeStruct((b, k, h, q, q), matmul_dtype or cdt), jax.ShapeDtypeStruct(x.shape, x.dtype),
+                 jax.ShapeDtypeStruct(dt.shape, cdt), jax.ShapeDtypeStruct(cs.shape, cdt)]
+    dcb_h, dx, ddt, dcs = launch.call(kernel, in_specs, out_specs, out_shape, cb, x, dt, cs, seg, dy)
+    dcb = dcb_h.reshape(b, k, g, h // g, q, q).sum(axis=3, dtype=cdt).astype(cb.dtype)
+    return dcb, dx, ddt, dcs, None, dy
+
+
+chunk_outputs.defvjp(_chunk_outputs_fwd, _chunk_outputs_bwd)
+
+
+def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.Array,
+              C_BTGN: jax.Array, segment_ids_BT: jax.Array, chunk_size: int,
+              matmul_dtype: jnp.dtype | None = None, interpret: bool | None = None,
+              num_warps: int | None = None) -> jax.Array:
+    """Drop-in for ``ssd_chunked`` (same arguments, same result to rounding) with the intra-chunk
+    and entry-state outputs computed by the Pallas kernel. ``interpret`` defaults to True off GPU.
+    """
+    _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if num_warps is None:
+        # Several Q x Q FP32 tiles are live at once; more warps spread them over more registers.
+        num_warps = 4 if chunk_size <= 64 else 8
+    b, t, h, p = x_BTHP.shape
+    n = B_BTGN.shape[-1]
+    if not interpret and not kernel_supported(chunk_size, p, n):
+        raise ValueError(f"the Pallas SSD kernel needs chunk size, head dim and state size to be "
+                         f"powers of two >= 16, got {chunk_size}, {p}, {n}")
+    inputs = kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size, matmul_dtype)
+    y_BTHP = chunk_outputs(*inputs, matmul_dtype, interpret, num_warps)
+    return y_BTHP[:, :t].astype(x_BTHP.dtype)
+
+
+def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size, matmul_dtype):
+    """Everything the kernel reads, computed in XLA (differentiable by XLA): the C.B tiles per
+    group, x, dt and the chunk cumulative sums of dt*A per head, segment counts, and the
+    entry-state outputs. T is padded to a multiple of the chunk size."""
+    g, r = _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
+    b, t, h, p = x_BTHP.shape
+    n = B_BTGN.shape[-1]
+    q = chunk_size
+    k = -(-t // q)
+    pad = k * q - t
+    cdt = _compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
+    operand_dtype = matmul_dtype or cdt
+
+    def padded(arr):
+        # After the last token and zero in every input: cannot reach a real output (causality).
+        return jnp.pad(arr, [(0, 0), (0, pad)] + [(0, 0)] * (arr.ndim - 2)) if pad else arr
+
+    def mm(spec, lhs, rhs):
+        """A token-length matmul in operand_dtype with cdt results (see ``ssd.lowp_einsum``)."""
+        if operand_dtype == cdt:
+            return jnp.einsum(spec, lhs, rhs, precision=_HIGHEST)
+        return lowp_einsum(spec, lhs.astype(operand_dtype), rhs.astype(operand_dtype), cdt)
+
+    # States are kept as [B, K, G, N, R, P], the order a batched matmul over (b, k, g) writes
+    # and reads them in, so no state-sized transpose appears forward or backward.
+    x_BTHP_ = padded(x_BTHP)
+    B_BKQGN = padded(B_BTGN).reshape(b, k, q, g, n)
+    C_BKQGN = padded(C_BTGN).reshape(b, k, q, g, n)
+    dt_BHT = jnp.moveaxis(padded(dt_BTH.astype(cdt)), 1, 2)
+    # Padded start flags are False: the padding just extends the last segment.
+    start_BKQ = padded(_segment_starts(segment_ids_BT)).reshape(b, k, q)
+    starts_before_BKQ = jnp.cumsum(start_BKQ.astype(jnp.int32), axis=-1)
+
+    a_BHKQ = (dt_BHT * A_H.astype(cdt)[:, None]).reshape(b, h, k, q)
+    cs_BHKQ = jnp.cumsum(a_BHKQ, axis=-1)
+
+    # Each chunk's end state from its own tokens: token j reaches the end iff no segment
+    # starts after it in the chunk.
+    reaches_end_BKQ = starts_before_BKQ == starts_before_BKQ[..., -1:]
+    to_end_BHKQ = _masked_exp(cs_BHKQ[..., -1:] - cs_BHKQ, reaches_end_BKQ[:, None])
+    weight_BKQGR = jnp.moveaxis(to_end_BHKQ * dt_BHT.reshape(b, h, k, q), 1, -1).reshape(b, k, q, g, r)
+    weighted_x_BKQGRP = x_BTHP_.reshape(b, k, q, g, r, p).astype(cdt) * weight_BKQGR[..., None]
+    states_BKGNRP = mm("bksgn,bksgrp->bkgnrp", B_BKQGN, weighted_x_BKQGRP)
+
+    # Between chunks, a recurrence over the K chunks (K = T / Q is small): the end state of
+    # chunk z is its own state plus the previous end state decayed over the whole chunk, which
+    # crosses only if no segment starts in chunk z. Products of decays <= 1: no overflow.
+    chunk_decay_BKGR = jnp.exp(cs_BHKQ[..., -1]).reshape(b, g, r, k).transpose(0, 3, 1, 2)
+    crosses_BK = starts_before_BKQ[..., -1] == 0
+    end_states = [states_BKGNRP[:, 0]]
+    for z in range(1, k):
+        carried_BGNRP = chunk_decay_BKGR[:, z, :, None, :, None] * end_states[-1]
+        end_states.append(states_BKGNRP[:, z] + jnp.where(crosses_BK[:, z, None, None, None, None],
+                                                          carried_BGNRP, 0.0))
+    # The state entering chunk z is the end state of chunk z-1 (zero for the first chunk).
+    entry_BKGNRP = jnp.stack([jnp.zeros_like(end_states[0])] + end_states[:-1], axis=1)
+
+    # C.B once per group (shared by its R heads) and the entry-state outputs exp(cs_i) C_i . entry.
+    cb_BKGQQ = mm("bklgn,bksgn->bkgls", C_BKQGN, B_BKQGN)
+    sees_entry_BKQ = starts_before_BKQ == 0
+    from_entry_BKQH = jnp.moveaxis(_masked_exp(cs_BHKQ, sees_entry_BKQ[:, None]), 1, -1)
+    c_entry_BKQGRP = mm("bklgn,bkgnrp->bklgrp", C_BKQGN, entry_BKGNRP)
+    y_entry_BTHP = (c_entry_BKQGRP.reshape(b, k, q, h, p) * from_entry_BKQH[..., None]).reshape(b, k * q, h, p)
+
+    return (cb_BKGQQ, x_BTHP_.astype(operand_dtype), dt_BHT, cs_BHKQ.reshape(b, h, k * q),
+            starts_before_BKQ.reshape(b, k * q), y_entry_BTHP)

@@ -1,0 +1,67 @@
+"""On GPU: the Pallas SSD and convolution kernels compile through Triton (not interpret mode)
+and match their references (the sequential scan; the jax.numpy convolution), forward and
+gradients, with packed segments.
+
+Bounds: FP32 operands (ieee FP32 dots) 1e-4 of max |y| (FP32 rounding over T=256 positions,
+~1e-6 typical; the margin covers differing summation orders); BF16 operands as on CPU (2e-2,
+1e-1 for dL/dA, see test_ssd.py); convolution 1e-5 (as on CPU, test_conv_kernel.py).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxfp4.model.conv_kernel import causal_conv_silu
+from maxfp4.model.mamba import causal_conv
+from maxfp4.model.ssd import ssd_reference
+from maxfp4.model.ssd_kernel import ssd_fused
+from tests.test_ssd import ARG_NAMES, _inputs, _rel
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("matmul_dtype", [None, jnp.bfloat16])
+def test_compiled_kernel_matches_reference(matmul_dtype):
+    b, t, h, p, g, n, q = 2, 256, 4, 64, 2, 64, 64
+    args = _inputs(1, b, t, h, p, g, n, dtype=np.float32)
+    ids = jnp.asarray(np.repeat(np.array([[1, 2, 3], [4, 4, 5]], np.int32), [70, 100, 86], axis=1))
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((b, t, h, p)), jnp.float32)
+    fused = functools.partial(ssd_fused, chunk_size=q, matmul_dtype=matmul_dtype, interpret=False)
+    hlo = jax.jit(fused).lower(*args, ids).compile().as_text()
+    assert "triton" in hlo.lower(), "the kernel did not compile through Triton"
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a, ids) * w)
+    with jax.default_matmul_precision("highest"):
+        y_ref = jax.jit(ssd_reference)(*args, ids)
+        g_ref = jax.jit(jax.grad(loss(ssd_reference), argnums=range(5)))(*args)
+    y = jax.jit(fused)(*args, ids)
+    g_got = jax.jit(jax.grad(loss(fused), argnums=range(5)))(*args)
+    fwd_bound = 1e-4 if matmul_dtype is None else 2e-2
+    assert _rel(y, y_ref) < fwd_bound
+    for name, a, e in zip(ARG_NAMES, g_got, g_ref):
+        bound = fwd_bound if matmul_dtype is None else (1e-1 if name == "A" else 2e-2)
+        assert _rel(a, e) < bound, name
+
+
+def test_compiled_conv_kernel_matches_reference():
+    rng = np.random.default_rng(3)
+    b, t, c = 2, 256, 320
+    x = jnp.asarray(rng.standard_normal((b, t, c)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, c)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(c), jnp.float32)
+    ids = jnp.asarray(np.repeat(np.array([[1, 2, 3], [4, 4, 5]], np.int32), [70, 100, 86], axis=1))
+    dout = jnp.asarray(rng.standard_normal((b, t, c)), jnp.float32)
+    kernel = jax.jit(lambda *a: causal_conv_silu(*a, ids, False))
+    assert "triton" in kernel.lower(x, w, bias).compile().as_text().lower()
+
+    def reference(x, w, bias):
+        return jax.nn.silu(causal_conv(x, w, bias, ids))
+    assert _rel(kernel(x, w, bias), reference(x, w, bias)) < 1e-5
+    g_got = jax.jit(jax.grad(lambda *a: jnp.sum(kernel(*a) * dout), argnums=(0, 1, 2)))(x, w, bias)
+    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * dout), argnums=(0, 1, 2)))(x, w, bias)
+    for name, a, e in zip(("x", "w", "b"), g_got, g_ref):
+        assert _rel(a, e) < 1e-5, name
