@@ -7,6 +7,9 @@ One row per variant (``--variants``): implementation (model.mamba.kernels: XLA's
 or the Pallas kernel), operand precision of the token-length matmuls (model.mamba.ssd_matmul),
 chunk size and Triton warps; each row also gives its largest difference from the first row,
 output and gradients, relative to that row's largest magnitude.
+
+``--split`` instead times the Pallas variant's two parts apart: the XLA part around the kernel
+(``kernel_inputs``) and the kernel itself (``chunk_outputs``), forward and forward+backward.
 """
 
 from __future__ import annotations
@@ -23,7 +26,46 @@ from maxfp4.config import load_config
 from maxfp4.metrics import ssd_flops_per_token
 from maxfp4.model.mamba import dims
 from maxfp4.model.ssd import ssd_chunked
-from maxfp4.model.ssd_kernel import ssd_fused
+from maxfp4.model.ssd_kernel import chunk_outputs, kernel_inputs, ssd_fused
+
+
+def median_ms(fn, *args, iters: int = 10) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def split(x, dt, A, B, C, ids, q: int, warps: int, iters: int) -> list[tuple[str, float]]:
+    """Times of the XLA part and of the kernel, each alone, BF16 operands."""
+    mdt = jnp.bfloat16
+
+    def prep(x, dt, B, C):
+        return kernel_inputs(x, dt, A, B, C, ids, q, mdt)
+
+    inputs = jax.jit(prep)(x, dt, B, C)
+    cotangents = jax.tree.map(lambda v: jnp.ones(v.shape, v.dtype) if jnp.issubdtype(v.dtype, jnp.floating)
+                              else np.zeros(v.shape, jax.dtypes.float0), inputs)
+
+    def prep_vjp(x, dt, B, C):
+        return jax.vjp(prep, x, dt, B, C)[1](cotangents)
+
+    seg = inputs[4]
+
+    def kernel(cb, xx, dtt, cs, y_entry):
+        return chunk_outputs(cb, xx, dtt, cs, seg, y_entry, mdt, jax.default_backend() != "gpu", warps)
+
+    def kernel_vjp(*args):
+        return jax.vjp(kernel, *args)[1](jnp.ones(x.shape, jnp.float32))
+
+    kernel_args = [inputs[i] for i in (0, 1, 2, 3, 5)]
+    return [("XLA part forward", median_ms(jax.jit(prep), x, dt, B, C, iters=iters)),
+            ("XLA part forward+backward", median_ms(jax.jit(prep_vjp), x, dt, B, C, iters=iters)),
+            ("kernel forward", median_ms(jax.jit(kernel), *kernel_args, iters=iters)),
+            ("kernel forward+backward", median_ms(jax.jit(kernel_vjp), *kernel_args, iters=iters))]
 
 
 def main() -> None:
@@ -34,6 +76,8 @@ def main() -> None:
     ap.add_argument("--variants", default="xla:fp32:128,xla:bf16:128,pallas:bf16:64:4,pallas:bf16:128:8",
                     help="comma-separated IMPL:OPERANDS:CHUNK[:WARPS], IMPL xla or pallas, OPERANDS "
                          "fp32 or bf16; the first is the reference of the diff column")
+    ap.add_argument("--split", action="store_true", help="time the Pallas SSD's XLA part and kernel apart")
+    ap.add_argument("--warps", type=int, default=8, help="Triton warps of the kernel, with --split")
     a = ap.parse_args()
     cfg = load_config(a.config)
     m = cfg.model
@@ -49,6 +93,12 @@ def main() -> None:
     ids = jnp.ones((b, t), jnp.int32)
     weight = jnp.asarray(rng.standard_normal((b, t, h, p)), jnp.float32)
     flops = ssd_flops_per_token(m) / m.pattern.count("M") * b * t  # one layer, forward + backward
+    if a.split:
+        print(f"SSD split, {a.config}: B={b} T={t} H={h} P={p} G={g} N={n} Q={m.mamba.chunk_size} "
+              f"warps={a.warps}, {jax.devices()[0].device_kind}")
+        for label, ms in split(x, dt, A, B, C, ids, m.mamba.chunk_size, a.warps, a.iters):
+            print(f"{label:<30}{ms:>9.2f} ms")
+        return
     print(f"SSD, {a.config}: B={b} T={t} H={h} P={p} G={g} N={n}, "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
     print(f"{'variant':<28}{'fwd ms':>9}{'fwd+bwd ms':>12}{'TFLOP/s':>10}{'max rel diff':>14}", flush=True)
@@ -80,14 +130,7 @@ def main() -> None:
         if baseline is None:
             baseline = outs
         err = max(float(np.max(np.abs(o - r)) / np.max(np.abs(r))) for o, r in zip(outs, baseline))
-        ms = {}
-        for name, f in (("fwd", fwd), ("fwd_bwd", fn)):
-            times = []
-            for _ in range(a.iters):
-                start = time.perf_counter()
-                jax.block_until_ready(f(x, dt, B, C))
-                times.append(time.perf_counter() - start)
-            ms[name] = 1e3 * float(np.median(times))
+        ms = {name: median_ms(f, x, dt, B, C, iters=a.iters) for name, f in (("fwd", fwd), ("fwd_bwd", fn))}
         rows.append({"variant": label, "fwd_ms": ms["fwd"], "ms": ms["fwd_bwd"],
                      "tflops": flops / ms["fwd_bwd"] / 1e9, "max_rel_diff": err})
         print(f"{label:<28}{ms['fwd']:>9.2f}{ms['fwd_bwd']:>12.2f}{rows[-1]['tflops']:>10.1f}{err:>14.1e}",

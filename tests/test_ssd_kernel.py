@@ -1,11 +1,11 @@
-"""The Pallas SSD kernel (interpret mode on CPU) against the sequential scan: forward and all
-gradients in float64, packed segments, chunk sizes, groups, BF16 operands, strong decay, and the
-whole hybrid model with model.mamba.kernels=pallas against the XLA path.
+"""The Pallas SSD kernel (interpret mode on CPU): packed segments kept apart, BF16 operands
+against the sequential scan, the whole hybrid model with model.mamba.kernels=pallas against the
+XLA path, and the config switch. Forward and all gradients in float64 for several chunk sizes
+and groups, and strong decay, are the ``impl="pallas"`` cases of test_ssd.py.
 
-Bounds as in test_ssd.py (its docstring derives them): 1e-10 forward and 1e-9 gradients in
-float64. The kernel's decays are exp(cs_i - cs_j), differences of one running sum, which adds a
-rounding error of about eps * |cs| to each exponent: |cs| <= Q * max(dt) * max(|A|) <= 16 * 1 * 2
-here, 3e-15 in float64, far inside the bound.
+The kernel's decays are exp(cs_i - cs_j), differences of one running sum, which adds a rounding
+error of about eps * |cs| to each exponent: |cs| <= Q * max(dt) * max(|A|) <= 8 * 1 * 2 in the
+tests here, negligible against their bounds.
 """
 
 import functools
@@ -31,36 +31,6 @@ _reference = jax.jit(ssd_reference)
 @functools.lru_cache(maxsize=None)
 def _fused(chunk_size, matmul_dtype=None):
     return jax.jit(functools.partial(ssd_fused, chunk_size=chunk_size, matmul_dtype=matmul_dtype, interpret=True))
-
-
-@pytest.mark.parametrize("g", [1, 2])
-def test_kernel_matches_reference_float64(x64, g):
-    b, t, h, p, n = 2, 37, 4, 3, 5  # 37 is not a multiple of any chunk size below
-    args = _inputs(2, b, t, h, p, g, n)
-    for ids in (np.ones((b, t), np.int32), PACKED_IDS[:, :t]):
-        ids = jnp.asarray(ids)
-        ref = _reference(*args, ids)
-        for q in (4, 8, 64):  # 64 > T: a single padded chunk
-            got = _fused(q)(*args, ids)
-            assert got.shape == ref.shape and got.dtype == jnp.float64
-            assert _rel(got, ref) < 1e-10, (g, q)
-
-
-@pytest.mark.parametrize("g,q,t", [(1, 4, 18), (2, 8, 21), (2, 8, 40)])
-def test_kernel_gradients_match_reference_float64(x64, g, q, t):
-    b, h, p, n = 2, 4, 3, 5
-    args = _inputs(3, b, t, h, p, g, n)
-    ids = jnp.asarray(PACKED_IDS[:, :t])
-    w = jnp.asarray(np.random.default_rng(4).standard_normal((b, t, h, p)))
-
-    def loss(fn):
-        return lambda *a: jnp.sum(fn(*a, ids) * w)
-
-    ref_grads = jax.jit(jax.grad(loss(ssd_reference), argnums=range(5)))(*args)
-    got_grads = jax.jit(jax.grad(loss(_fused(q)), argnums=range(5)))(*args)
-    for name, got, ref in zip(ARG_NAMES, got_grads, ref_grads):
-        assert np.max(np.abs(np.asarray(ref))) > 0, name
-        assert _rel(got, ref) < 1e-9, name
 
 
 def test_kernel_keeps_segments_apart(x64):
@@ -98,32 +68,11 @@ def test_kernel_bf16_operands_stay_close_to_the_fp32_reference():
         assert _rel(a, e) < (1e-1 if name == "A" else 2e-2), name
 
 
-def test_kernel_strong_decay_is_finite_and_close(x64):
-    """dt up to 10 and A down to -16: running sums of dt*A reach ~ -1e4 in a chunk of 16, so in
-    FP32 the differences cs_i - cs_j carry an absolute error up to ~1e4 * 6e-8 = 6e-4, i.e. a
-    relative error up to ~6e-4 on a decay (bound 5e-3 of max |y|). float64 stays at 1e-10."""
-    b, t, h, p, g, n = 2, 64, 4, 4, 1, 8
-    x, _, _, B, C = _inputs(8, b, t, h, p, g, n)
-    rng = np.random.default_rng(9)
-    big = rng.random((b, t, h)) < 0.5
-    dt = jnp.asarray(np.where(big, rng.uniform(0.0, 10.0, (b, t, h)), rng.uniform(1e-3, 0.05, (b, t, h))))
-    A = jnp.asarray([-16.0, -4.0, -1.0, -0.5])
-    ids = jnp.asarray(np.repeat(np.array([[1, 2, 3], [4, 4, 4]], np.int32), [20, 7, 37], axis=1))
-    args64 = (x, dt, A, B, C)
-    assert _rel(_fused(16)(*args64, ids), _reference(*args64, ids)) < 1e-10
-    args32 = tuple(a.astype(jnp.float32) for a in args64)
-    ref_on_32 = _reference(*(a.astype(jnp.float64) for a in args32), ids)
-    assert _rel(_fused(16)(*args32, ids), ref_on_32) < 5e-3
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(_fused(16)(*a, ids) ** 2), argnums=range(5)))(*args32)
-    for name, gr in zip(ARG_NAMES, grads):
-        assert gr.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(gr))), name
-
-
 def test_hybrid_model_with_kernel_matches_xla_path():
     """The whole tiny hybrid stack, loss and every parameter gradient, Pallas kernel against
-    XLA's chunked SSD, both with FP32 SSD matmuls. The two agree to ~1e-6 before the SSD output
-    is stored in BF16; that rounding (2^-9 relative) can then fall on either side, so the bound
-    is 1e-2 of the largest magnitude (a wrong kernel is off by O(1))."""
+    XLA's chunked SSD, both with FP32 SSD matmuls (bound 1e-4 relative: FP32 rounding through
+    a few blocks and BF16 activations that round identically on both paths; a wrong kernel is
+    off by O(1))."""
     shapes = ["model.mamba.head_dim=16", "model.mamba.d_state=16", "model.mamba.chunk_size=16",
               "model.mamba.ssd_matmul=fp32"]
     grads = {}
@@ -142,10 +91,10 @@ def test_hybrid_model_with_kernel_matches_xla_path():
             return jnp.sum(jnp.square(y.astype(jnp.float32)))
         grads[impl] = jax.jit(jax.value_and_grad(loss))(params, x)
     (l_x, g_x), (l_p, g_p) = grads["xla"], grads["pallas"]
-    assert abs(float(l_p) - float(l_x)) <= 1e-2 * abs(float(l_x))
+    assert abs(float(l_p) - float(l_x)) <= 1e-4 * abs(float(l_x))
     for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(g_p), jax.tree_util.tree_leaves(g_x)):
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        assert np.max(np.abs(a - e)) <= 1e-2 * max(np.max(np.abs(e)), 1e-30), jax.tree_util.keystr(path)
+        assert np.max(np.abs(a - e)) <= 1e-4 * max(np.max(np.abs(e)), 1e-30), jax.tree_util.keystr(path)
 
 
 def test_kernel_choice_in_config():

@@ -2,10 +2,9 @@
 SSD with per-head scalar decay -> D skip -> gated RMSNorm per group -> out_proj.
 
 Only ``in_proj`` (class ``mamba_in``) and ``out_proj`` (``mamba_out``) go through the precision
-policy; the convolution, the SSD (A, dt, decays, states) and the norm compute in FP32 (x, B and
-C are stored in the activation dtype between the convolution and the SSD, as Mamba-2's kernels
-do). The convolution and the SSD run as Pallas kernels (``conv_kernel``, ``ssd_kernel``) or in
-XLA (``causal_conv`` here, the chunked form of ``ssd``), by ``model.mamba.kernels``.
+policy; the convolution, the SSD (A, dt, decays, states) and the norm stay in FP32. The
+convolution and the SSD run as Pallas kernels (``conv_kernel``, ``ssd_kernel``) or in XLA
+(``causal_conv`` here, the chunked form of ``ssd``), by ``model.mamba.kernels``.
 
 Dimension letters: B batch, T sequence, D d_model, E inner width (expand x D), H Mamba heads,
 P head dim (E = H x P), G groups, N state size, W conv kernel width.
@@ -108,17 +107,18 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     d = dims(cfg)
     b, t, _ = x_BTD.shape
     e, h, pd, g, n = d["E"], d["H"], d["P"], d["G"], d["N"]
-    zxbcdt = lp.dot(x_BTD, p["in_proj"], "mamba_in")
+    zxbcdt = lp.dot(x_BTD, p["in_proj"], "mamba_in").astype(jnp.float32)
     z_BTE = zxbcdt[..., :e]
     xbc_BTC = zxbcdt[..., e:e + d["conv"]]
-    dt_BTH = jax.nn.softplus(zxbcdt[..., e + d["conv"]:].astype(jnp.float32) + p["dt_bias"])
-    # Convolution and SiLU computed in FP32, stored in the activation dtype (as Mamba-2's
-    # kernels do): x, B and C are BF16 operands of the SSD matmuls anyway.
+    dt_BTH = jax.nn.softplus(zxbcdt[..., e + d["conv"]:] + p["dt_bias"])
+    # Convolution and SiLU in FP32. (Storing x, B and C in BF16, as Mamba-2's kernels do, measured
+    # 1.4% faster on mamba2-1p3b, but then a recomputation under remat that rounds one element
+    # differently flips BF16 and FP8 roundings downstream: up to 4% apart in a gradient of the
+    # tiny FP8 test model.)
     if use_conv_kernel(cfg, t, d["conv"]):
         xbc_BTC = causal_conv_silu(xbc_BTC, p["conv_w"], p["conv_b"], segment_ids_BT, jax.default_backend() != "gpu")
     else:
-        xbc_BTC = jax.nn.silu(causal_conv(xbc_BTC.astype(jnp.float32), p["conv_w"], p["conv_b"], segment_ids_BT))
-        xbc_BTC = xbc_BTC.astype(zxbcdt.dtype)
+        xbc_BTC = jax.nn.silu(causal_conv(xbc_BTC, p["conv_w"], p["conv_b"], segment_ids_BT))
     x_BTHP = xbc_BTC[..., :e].reshape(b, t, h, pd)
     B_BTGN = xbc_BTC[..., e:e + g * n].reshape(b, t, g, n)
     C_BTGN = xbc_BTC[..., e + g * n:].reshape(b, t, g, n)
@@ -126,6 +126,6 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     ssd = ssd_fused if use_ssd_kernel(cfg) else ssd_chunked
     y_BTHP = ssd(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
                  matmul_dtype=jnp.bfloat16 if cfg.mamba.ssd_matmul == "bf16" else None)
-    y_BTHP = y_BTHP.astype(jnp.float32) + p["D_skip"][:, None] * x_BTHP.astype(jnp.float32)
+    y_BTHP = y_BTHP + p["D_skip"][:, None] * x_BTHP
     y_BTE = gated_group_norm(y_BTHP.reshape(b, t, e), z_BTE, p["norm"], g, cfg.norm_eps)
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
