@@ -129,7 +129,8 @@ def check_allreduce(devices: Sequence[jax.Device]) -> Check:
 def _check_source(cfg: Config, source: str, paths) -> str:
     """Open what one data source reads, cheaply; returns what was found."""
     from maxfp4.data.corpus import open_prepared, prepared_directories
-    from maxfp4.data.sources import expand_paths, source_documents
+    from maxfp4.data.sources import expand_paths, open_tfds, source_documents, tfds_field
+    from maxfp4.errors import DataError
     if source in ("text", "jsonl"):  # open every file but read only its start: corpora are large
         files = expand_paths(paths)
         for path in files:
@@ -139,7 +140,14 @@ def _check_source(cfg: Config, source: str, paths) -> str:
     if source == "array_record":  # every shard opened and its record count checked
         shards, _, _ = open_prepared(prepared_directories(paths))
         return f"{len(shards.lengths_N)} prepared document(s)"
-    return f"{len(source_documents(cfg, source, paths))} {source} document(s)"
+    if source == "tfds":  # opened and its first example's field checked; the loader reads the rest
+        d = cfg.data
+        records = open_tfds(d.tfds_name, d.tfds_split, d.tfds_data_dir)
+        if len(records) == 0:
+            raise DataError(f"data.tfds_name={d.tfds_name!r} split {d.tfds_split!r}: no examples")
+        tfds_field(d.tfds_name, records[0], 0, d.tfds_field)
+        return f"{len(records)} tfds example(s)"
+    return f"{len(source_documents(cfg, source, paths))} {source} document(s)"  # builtin: in memory
 
 
 def check_data(cfg: Config) -> Check:

@@ -20,6 +20,7 @@ from maxfp4.data import prepare as prepare_mod
 from maxfp4.data.corpus import tokenize_documents
 from maxfp4.data.sources import builtin_documents
 from maxfp4.errors import DataError
+from maxfp4.preflight import check_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 512
@@ -236,6 +237,12 @@ TinyTopics(data_dir=sys.argv[2], file_format="array_record").download_and_prepar
     with pytest.raises(DataError, match="data.tfds_name='no_such_set'.*cannot open"):
         make_batches(cfg_of(tmp_path, "data.source=tfds", "data.tfds_name=no_such_set",
                             f"data.tfds_data_dir={tmp_path / 'tfds'}"), str(tmp_path / "r2"))
+    # The preflight opens the dataset and checks its first example only (the loader reads all).
+    check = check_data(cfg)
+    assert check.ok and check.detail.startswith("30 tfds example(s)"), check
+    bad = check_data(cfg_of(tmp_path, "data.source=tfds", "data.tfds_name=tiny_topics",
+                            f"data.tfds_data_dir={tmp_path / 'tfds'}", "data.tfds_field=body"))
+    assert not bad.ok and "example 0 has no field 'body' (fields: text)" in bad.detail, bad
 
 
 # ----------------------------------------------------------------------------- held-out split, eval in training

@@ -30,6 +30,7 @@ from maxfp4.data.sources import source_documents
 from maxfp4.data.tokenizer import Tokenizer, load_checked, train_tokenizer_bytes
 from maxfp4.errors import DataError, exit_code_of
 
+DEFAULT_VOCAB_SIZE = 4096  # of a tokenizer trained here when --vocab-size is not given
 _REQUEST = "prepare_request.json"  # the arguments of an unfinished run, to recognise a resume
 
 
@@ -67,7 +68,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokenizer", default="", help="an existing SentencePiece model (default: train one)")
     p.add_argument("--vocab-size", type=int, default=0,
-                   help="vocabulary of the trained tokenizer (or the check for --tokenizer); default 4096")
+                   help="vocabulary of the trained tokenizer (or the check for --tokenizer); "
+                   f"default {DEFAULT_VOCAB_SIZE}")
     p.add_argument("--docs-per-shard", type=int, default=10000)
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     return p.parse_args(argv)
@@ -117,15 +119,16 @@ def prepare(args: argparse.Namespace, stream=sys.stderr) -> dict:
     resuming = _claim_output(args)
     out = args.out
     tok_path = os.path.join(out, records.TOKENIZER)
+    # A given tokenizer is checked against --vocab-size only on request; a trained one always.
+    want = args.vocab_size or (0 if args.tokenizer else DEFAULT_VOCAB_SIZE)
     if not (resuming and os.path.exists(tok_path)):
         if args.tokenizer:
             shutil.copyfile(args.tokenizer, tok_path + ".tmp")
         else:
-            stream.write(f"training a {args.vocab_size or 4096}-piece tokenizer on {len(documents)} documents\n")
+            stream.write(f"training a {want}-piece tokenizer on {len(documents)} documents\n")
             with open(tok_path + ".tmp", "wb") as fh:
-                fh.write(train_tokenizer_bytes(documents, args.vocab_size or 4096))
+                fh.write(train_tokenizer_bytes(documents, want))
         os.replace(tok_path + ".tmp", tok_path)
-    want = args.vocab_size or (0 if args.tokenizer else 4096)  # a given tokenizer is checked only on request
     tokenizer = load_checked(tok_path, want, "--tokenizer" if args.tokenizer else "tokenizer") if want \
         else Tokenizer(tok_path)
 

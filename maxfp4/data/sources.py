@@ -148,8 +148,8 @@ def jsonl_documents(patterns: tuple[str, ...] | list[str], field: str) -> list[s
     return docs
 
 
-def tfds_documents(name: str, split: str, data_dir: str, field: str) -> list[str]:
-    """The string ``field`` of each example of a TFDS dataset prepared under ``data_dir``.
+def open_tfds(name: str, split: str, data_dir: str):
+    """A TFDS dataset prepared under ``data_dir``, opened as a random-access source.
 
     ``tfds.data_source`` reads the dataset's ArrayRecord files directly: no TensorFlow, and no
     network as long as the dataset was prepared there before (``download=False`` makes a
@@ -163,18 +163,27 @@ def tfds_documents(name: str, split: str, data_dir: str, field: str) -> list[str
         raise DataError("data.source=tfds needs the tensorflow-datasets package: pip install "
                         "'maxfp4[tfds]' (or use python -m maxfp4.data.prepare on text/JSONL)") from None
     try:
-        source = tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
+        return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
     except Exception as e:  # tfds raises many types (AssertionError, DatasetNotFoundError, ...)
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"data.tfds_name={name!r} (split {split!r}, data_dir {data_dir or 'default'!r}): "
                         f"cannot open the prepared dataset: {reason}") from None
+
+
+def tfds_field(name: str, example: dict, index: int, field: str):
+    """``example[field]``, or a one-line error naming the fields there are."""
+    if field not in example:
+        raise DataError(f"data.tfds_name={name!r}: example {index} has no field {field!r} "
+                        f"(fields: {', '.join(sorted(example))}); set data.tfds_field")
+    return example[field]
+
+
+def tfds_documents(name: str, split: str, data_dir: str, field: str) -> list[str]:
+    """The string ``field`` of each example of a TFDS dataset prepared under ``data_dir``."""
+    source = open_tfds(name, split, data_dir)
     docs = []
     for i in range(len(source)):
-        example = source[i]
-        if field not in example:
-            raise DataError(f"data.tfds_name={name!r}: example {i} has no field {field!r} "
-                            f"(fields: {', '.join(sorted(example))}); set data.tfds_field")
-        value = example[field]
+        value = tfds_field(name, source[i], i, field)
         value = value.decode("utf-8") if isinstance(value, bytes) else str(value)
         if value.strip():
             docs.append(value)
