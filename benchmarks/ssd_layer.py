@@ -55,8 +55,8 @@ def split(x, dt, A, B, C, ids, q: int, warps: int, iters: int) -> list[tuple[str
 
     seg = inputs[4]
 
-    def kernel(cb, xx, dtt, cs, y_entry):
-        return chunk_outputs(cb, xx, dtt, cs, seg, y_entry, mdt, jax.default_backend() != "gpu", warps)
+    def kernel(cb, xx, dtt, cs, c_entry):
+        return chunk_outputs(cb, xx, dtt, cs, seg, c_entry, mdt, jax.default_backend() != "gpu", warps)
 
     def kernel_vjp(*args):
         return jax.vjp(kernel, *args)[1](jnp.ones(x.shape, jnp.float32))

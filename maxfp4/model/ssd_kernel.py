@@ -9,6 +9,8 @@ layer) and reads them back several times in the backward pass. Here one kernel p
     y_i = sum_{j<=i, same segment} (C_i . B_j) exp(cs_i - cs_j) dt_j x_j      (intra-chunk)
         + [no segment starts in 0..i] exp(cs_i) C_i . entry_state              (entry state)
 
+C_i . entry_state is one batched matmul in XLA; the kernel applies the decay and the mask.
+
 with cs the inclusive cumulative sum of a = dt * A inside the chunk. The other steps (chunk end
 states, the K x K recurrence between chunks, the cumulative sums) are batched matmuls and small
 reductions that XLA already runs well, so they stay in XLA and XLA differentiates them; only the
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from maxfp4.model.ssd import _check_shapes, _compute_dtype, _masked_exp, _segment_starts, lowp_einsum
+from maxfp4.model.state_passing_kernel import entry_states, state_passing_supported
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -61,24 +64,37 @@ def _decayed_scores(cb_QQ, dt_Q, cs_Q, seg_Q):
     return cb_QQ * decay_QQ * dt_Q[None, :], decay_QQ
 
 
-def _forward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, y_entry_ref, y_ref, *, matmul_dtype, cdt):
-    scores_QQ, _ = _decayed_scores(cb_ref[...].astype(cdt), dt_ref[...], cs_ref[...], seg_ref[...])
-    y_QP = _dot(scores_QQ, x_ref[...], matmul_dtype, cdt) + y_entry_ref[...]
+def _entry_factor(cs_Q, seg_Q):
+    """exp(cs_i) where no segment starts in 0..i of the chunk (row i sees the entry state),
+    else exactly 0: the mask is inside the exp."""
+    return jnp.exp(jnp.where(seg_Q == 0, cs_Q, -jnp.inf))
+
+
+def _forward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, y_ref, *, matmul_dtype, cdt):
+    cs_Q, seg_Q = cs_ref[...], seg_ref[...]
+    scores_QQ, _ = _decayed_scores(cb_ref[...].astype(cdt), dt_ref[...], cs_Q, seg_Q)
+    y_QP = _dot(scores_QQ, x_ref[...], matmul_dtype, cdt)
+    y_QP += _entry_factor(cs_Q, seg_Q)[:, None] * c_entry_ref[...].astype(cdt)
     y_ref[...] = y_QP.astype(y_ref.dtype)
 
 
-def _backward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, dy_ref,
-                     dcb_ref, dx_ref, ddt_ref, dcs_ref, *, matmul_dtype, cdt):
+def _backward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, dy_ref,
+                     dcb_ref, dx_ref, ddt_ref, dcs_ref, dc_entry_ref, *, matmul_dtype, cdt):
     cb_QQ, dt_Q, dy_QP = cb_ref[...].astype(cdt), dt_ref[...], dy_ref[...].astype(cdt)
-    scores_QQ, decay_QQ = _decayed_scores(cb_QQ, dt_Q, cs_ref[...], seg_ref[...])
+    cs_Q, seg_Q = cs_ref[...], seg_ref[...]
+    scores_QQ, decay_QQ = _decayed_scores(cb_QQ, dt_Q, cs_Q, seg_Q)
     dx_ref[...] = _dot(scores_QQ.T, dy_QP, matmul_dtype, cdt).astype(dx_ref.dtype)
     dscores_QQ = _dot(dy_QP, x_ref[...].T, matmul_dtype, cdt)
     decay_dscores_QQ = dscores_QQ * decay_QQ
     dcb_ref[...] = (decay_dscores_QQ * dt_Q[None, :]).astype(dcb_ref.dtype)
     ddt_ref[...] = jnp.sum(decay_dscores_QQ * cb_QQ, axis=0).astype(ddt_ref.dtype)
-    # exp(cs_i - cs_j) sends its gradient with + to row i and - to column j.
+    # exp(cs_i - cs_j) sends its gradient with + to row i and - to column j; the entry term
+    # exp(cs_i) C_i . entry sends its own to row i.
     g_QQ = dscores_QQ * scores_QQ
-    dcs_ref[...] = (jnp.sum(g_QQ, axis=1) - jnp.sum(g_QQ, axis=0)).astype(dcs_ref.dtype)
+    entry_Q = _entry_factor(cs_Q, seg_Q)
+    from_entry_Q = entry_Q * jnp.sum(dy_QP * c_entry_ref[...].astype(cdt), axis=1)
+    dcs_ref[...] = (jnp.sum(g_QQ, axis=1) - jnp.sum(g_QQ, axis=0) + from_entry_Q).astype(dcs_ref.dtype)
+    dc_entry_ref[...] = (entry_Q[:, None] * dy_QP).astype(dc_entry_ref.dtype)
 
 
 class _Launch:
@@ -112,37 +128,41 @@ class _Launch:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def chunk_outputs(cb, x, dt, cs, seg, y_entry, matmul_dtype, interpret, num_warps):
-    """y = intra-chunk outputs + y_entry, [B, T, H, P] (T a multiple of Q); see module doc."""
-    return _chunk_outputs_fwd(cb, x, dt, cs, seg, y_entry, matmul_dtype, interpret, num_warps)[0]
+def chunk_outputs(cb, x, dt, cs, seg, c_entry, matmul_dtype, interpret, num_warps):
+    """y [B, T, H, P] (T a multiple of Q): the intra-chunk outputs plus exp(cs_i) times the
+    entry-state outputs c_entry_i = C_i . entry state (zero past a segment start); see module doc."""
+    return _chunk_outputs_fwd(cb, x, dt, cs, seg, c_entry, matmul_dtype, interpret, num_warps)[0]
 
 
-def _chunk_outputs_fwd(cb, x, dt, cs, seg, y_entry, matmul_dtype, interpret, num_warps):
+def _chunk_outputs_fwd(cb, x, dt, cs, seg, c_entry, matmul_dtype, interpret, num_warps):
     launch = _Launch(x, cb, interpret, num_warps)
-    kernel = functools.partial(_forward_kernel, matmul_dtype=matmul_dtype, cdt=dt.dtype)
+    cdt = dt.dtype
+    kernel = functools.partial(_forward_kernel, matmul_dtype=matmul_dtype, cdt=cdt)
     in_specs = [launch.group_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP]
-    # The entry-state outputs come in as y_entry and the sum is written over them.
-    y = launch.call(kernel, in_specs, launch.head_QP, jax.ShapeDtypeStruct(y_entry.shape, y_entry.dtype),
-                    cb, x, dt, cs, seg, y_entry, input_output_aliases={5: 0})
-    return y, (cb, x, dt, cs, seg)
+    y = launch.call(kernel, in_specs, launch.head_QP, jax.ShapeDtypeStruct(c_entry.shape, cdt),
+                    cb, x, dt, cs, seg, c_entry)
+    return y, (cb, x, dt, cs, seg, c_entry)
 
 
 def _chunk_outputs_bwd(matmul_dtype, interpret, num_warps, residuals, dy):
-    cb, x, dt, cs, seg = residuals
+    cb, x, dt, cs, seg, c_entry = residuals
     launch = _Launch(x, cb, interpret, num_warps)
     cdt = dt.dtype
     b, k, g, q, _ = cb.shape
     h = x.shape[2]
     kernel = functools.partial(_backward_kernel, matmul_dtype=matmul_dtype, cdt=cdt)
-    in_specs = [launch.group_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP]
-    out_specs = [launch.head_QQ, launch.head_QP, launch.head_Q, launch.head_Q]
+    in_specs = [launch.group_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP,
+                launch.head_QP]
+    out_specs = [launch.head_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.head_QP]
     # d(C.B) comes out per head (each program owns one head) in the matmul operand dtype and is
     # summed over the heads of a group here, in cdt, in a fixed order (deterministic).
     out_shape = [jax.ShapeDtypeStruct((b, k, h, q, q), matmul_dtype or cdt), jax.ShapeDtypeStruct(x.shape, x.dtype),
-                 jax.ShapeDtypeStruct(dt.shape, cdt), jax.ShapeDtypeStruct(cs.shape, cdt)]
-    dcb_h, dx, ddt, dcs = launch.call(kernel, in_specs, out_specs, out_shape, cb, x, dt, cs, seg, dy)
+                 jax.ShapeDtypeStruct(dt.shape, cdt), jax.ShapeDtypeStruct(cs.shape, cdt),
+                 jax.ShapeDtypeStruct(c_entry.shape, c_entry.dtype)]
+    dcb_h, dx, ddt, dcs, dc_entry = launch.call(kernel, in_specs, out_specs, out_shape,
+                                                cb, x, dt, cs, seg, c_entry, dy)
     dcb = dcb_h.reshape(b, k, g, h // g, q, q).sum(axis=3, dtype=cdt).astype(cb.dtype)
-    return dcb, dx, ddt, dcs, None, dy
+    return dcb, dx, ddt, dcs, None, dc_entry
 
 
 chunk_outputs.defvjp(_chunk_outputs_fwd, _chunk_outputs_bwd)
@@ -168,15 +188,28 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     if not interpret and not kernel_supported(chunk_size, p, n):
         raise ValueError(f"the Pallas SSD kernel needs chunk size, head dim and state size to be "
                          f"powers of two >= 16, got {chunk_size}, {p}, {n}")
-    inputs = kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size, matmul_dtype)
+    inputs = kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size, matmul_dtype,
+                           interpret)
     y_BTHP = chunk_outputs(*inputs, matmul_dtype, interpret, num_warps)
     return y_BTHP[:, :t].astype(x_BTHP.dtype)
 
 
-def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size, matmul_dtype):
+def _entry_states_unrolled(states_BKGNRP, decay_BKGR):
+    """``entry_states`` as an unrolled loop in XLA, for head counts the kernel cannot tile."""
+    end_states = [states_BKGNRP[:, 0]]
+    for z in range(1, states_BKGNRP.shape[1]):
+        end_states.append(states_BKGNRP[:, z] + decay_BKGR[:, z, :, None, :, None] * end_states[-1])
+    return jnp.stack([jnp.zeros_like(end_states[0])] + end_states[:-1], axis=1)
+
+
+def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size, matmul_dtype,
+                  interpret=None):
     """Everything the kernel reads, computed in XLA (differentiable by XLA): the C.B tiles per
-    group, x, dt and the chunk cumulative sums of dt*A per head, segment counts, and the
-    entry-state outputs. T is padded to a multiple of the chunk size."""
+    group, x, dt and the chunk cumulative sums of dt*A per head, segment counts, and C_i . entry
+    state per head (undecayed). T is padded to a multiple of the chunk size. ``interpret`` is
+    for the state-passing kernel (default: True off GPU)."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
     g, r = _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     b, t, h, p = x_BTHP.shape
     n = B_BTGN.shape[-1]
@@ -217,25 +250,22 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
     weighted_x_BKQGRP = x_BTHP_.reshape(b, k, q, g, r, p).astype(cdt) * weight_BKQGR[..., None]
     states_BKGNRP = mm("bksgn,bksgrp->bkgnrp", B_BKQGN, weighted_x_BKQGRP)
 
-    # Between chunks, a recurrence over the K chunks (K = T / Q is small): the end state of
-    # chunk z is its own state plus the previous end state decayed over the whole chunk, which
-    # crosses only if no segment starts in chunk z. Products of decays <= 1: no overflow.
+    # Between chunks, the recurrence over the K chunks (``state_passing_kernel``): a chunk's end
+    # state is its own state plus the previous end state decayed over the whole chunk, which
+    # crosses only if no segment starts in the chunk. Products of decays <= 1: no overflow.
     chunk_decay_BKGR = jnp.exp(cs_BHKQ[..., -1]).reshape(b, g, r, k).transpose(0, 3, 1, 2)
     crosses_BK = starts_before_BKQ[..., -1] == 0
-    end_states = [states_BKGNRP[:, 0]]
-    for z in range(1, k):
-        carried_BGNRP = chunk_decay_BKGR[:, z, :, None, :, None] * end_states[-1]
-        end_states.append(states_BKGNRP[:, z] + jnp.where(crosses_BK[:, z, None, None, None, None],
-                                                          carried_BGNRP, 0.0))
-    # The state entering chunk z is the end state of chunk z-1 (zero for the first chunk).
-    entry_BKGNRP = jnp.stack([jnp.zeros_like(end_states[0])] + end_states[:-1], axis=1)
+    chunk_decay_BKGR = jnp.where(crosses_BK[:, :, None, None], chunk_decay_BKGR, 0.0)
+    if state_passing_supported(r, p):
+        entry_BKGNRP = entry_states(states_BKGNRP, chunk_decay_BKGR, interpret)
+    else:
+        entry_BKGNRP = _entry_states_unrolled(states_BKGNRP, chunk_decay_BKGR)
 
-    # C.B once per group (shared by its R heads) and the entry-state outputs exp(cs_i) C_i . entry.
+    # C.B once per group (shared by its R heads) and C_i . entry state per head; the kernel
+    # scales the latter by exp(cs_i) and masks it past a segment start (so XLA never reduces a
+    # [B, T, H, P] product to per-head factors in the backward pass).
     cb_BKGQQ = mm("bklgn,bksgn->bkgls", C_BKQGN, B_BKQGN)
-    sees_entry_BKQ = starts_before_BKQ == 0
-    from_entry_BKQH = jnp.moveaxis(_masked_exp(cs_BHKQ, sees_entry_BKQ[:, None]), 1, -1)
     c_entry_BKQGRP = mm("bklgn,bkgnrp->bklgrp", C_BKQGN, entry_BKGNRP)
-    y_entry_BTHP = (c_entry_BKQGRP.reshape(b, k, q, h, p) * from_entry_BKQH[..., None]).reshape(b, k * q, h, p)
 
     return (cb_BKGQQ, x_BTHP_.astype(operand_dtype), dt_BHT, cs_BHKQ.reshape(b, h, k * q),
-            starts_before_BKQ.reshape(b, k * q), y_entry_BTHP)
+            starts_before_BKQ.reshape(b, k * q), c_entry_BKQGRP.reshape(b, k * q, h, p))
