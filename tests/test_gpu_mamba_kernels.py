@@ -1,10 +1,11 @@
-"""On GPU: the Pallas SSD and convolution kernels compile through Triton (not interpret mode)
+"""On GPU: the Pallas SSD, convolution and gated-norm kernels compile through Triton (not interpret mode)
 and match their references (the sequential scan; the jax.numpy convolution), forward and
 gradients, with packed segments.
 
 Bounds: FP32 operands (ieee FP32 dots) 1e-4 of max |y| (FP32 rounding over T=256 positions,
 ~1e-6 typical; the margin covers differing summation orders); BF16 operands as on CPU (2e-2,
-1e-1 for dL/dA, see test_ssd.py); convolution 1e-5 (as on CPU, test_conv_kernel.py).
+1e-1 for dL/dA, see test_ssd.py); convolution and gated norm 1e-5 (FP32 sums over at most
+1024 terms; as on CPU, test_conv_kernel.py).
 """
 
 import functools
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 from maxfp4.model.conv_kernel import causal_conv_silu
-from maxfp4.model.mamba import causal_conv
+from maxfp4.model.gated_norm_kernel import gated_norm_fused
+from maxfp4.model.mamba import causal_conv, gated_group_norm
 from maxfp4.model.ssd import ssd_reference
 from maxfp4.model.ssd_kernel import ssd_fused
 from tests.test_ssd import ARG_NAMES, _inputs, _rel
@@ -65,3 +67,30 @@ def test_compiled_conv_kernel_matches_reference():
     g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * dout), argnums=(0, 1, 2)))(x, w, bias)
     for name, a, e in zip(("x", "w", "b"), g_got, g_ref):
         assert _rel(a, e) < 1e-5, name
+
+
+def test_compiled_gated_norm_kernel_matches_reference():
+    """D skip + gated norm epilogue through Triton against its jax.numpy form, FP32 (1e-5)."""
+    rng = np.random.default_rng(4)
+    b, t, e, groups, p = 2, 64, 1024, 2, 64
+    y = jnp.asarray(rng.standard_normal((b, t, e)), jnp.float32)
+    xbc = jnp.asarray(rng.standard_normal((b, t, e + 96)), jnp.float32)
+    zx = jnp.asarray(rng.standard_normal((b, t, e + 200)), jnp.float32)
+    d_h = jnp.asarray(rng.uniform(0.5, 1.5, e // p), jnp.float32)
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, e), jnp.float32)
+    dout = jnp.asarray(rng.standard_normal((b, t, e)), jnp.float32)
+
+    def kernel(y, xbc, zx, d_h, scale):
+        return gated_norm_fused(y, xbc, zx, jnp.repeat(d_h, p), scale, groups, 1e-5, jnp.float32, False)
+
+    def reference(y, xbc, zx, d_h, scale):
+        skip = (d_h[:, None] * xbc[..., :e].reshape(b, t, e // p, p)).reshape(b, t, e)
+        return gated_group_norm(y + skip, zx[..., :e], scale, groups, 1e-5)
+
+    args = (y, xbc, zx, d_h, scale)
+    assert "triton" in jax.jit(kernel).lower(*args).compile().as_text().lower()
+    assert _rel(jax.jit(kernel)(*args), reference(*args)) < 1e-5
+    g_got = jax.jit(jax.grad(lambda *a: jnp.sum(kernel(*a) * dout), argnums=range(5)))(*args)
+    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * dout), argnums=range(5)))(*args)
+    for name, a, r in zip(("y", "xbc", "zxbcdt", "D", "scale"), g_got, g_ref):
+        assert _rel(a, r) < 1e-5, name

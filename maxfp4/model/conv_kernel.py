@@ -13,7 +13,8 @@ Each program owns a [Tb, Cb] tile of one batch row. The forward reads the W - 1 
 tile from x padded at the front (zeros, segment id -1), so no program needs a neighbour's data.
 The backward is two kernels: the first recomputes the pre-activation, forms its gradient
 (through SiLU) and the tile's partial sums for the weight and bias gradients; the second
-gathers the input gradient from the next W - 1 rows of that gradient (padded at the end).
+gathers the input gradient from the next W - 1 rows of that gradient (the first writes it into
+a buffer W - 1 rows longer than T, whose last rows are never used: their segment id is -1).
 """
 
 from __future__ import annotations
@@ -43,18 +44,21 @@ def _rows(ref, bi, start, size, c0=None, cb=None):
     return ref[bi, pl.ds(start, size), pl.ds(c0, cb)]
 
 
+def _masked_input(x_ref, ids_ref, ids_Tb, bi, t0, c0, tb, cb, width, lag):
+    """The tile's input `lag` positions back, zero where that position is in an earlier document."""
+    x_TbCb = _rows(x_ref, bi, t0 + width - 1 - lag, tb, c0, cb).astype(jnp.float32)
+    keep_Tb = _rows(ids_ref, bi, t0 + width - 1 - lag, tb) == ids_Tb
+    return jnp.where(keep_Tb[:, None], x_TbCb, 0.0)
+
+
 def _preactivation(x_ref, ids_ref, w_ref, b_ref, bi, t0, c0, tb, cb, width):
-    """conv(x) + b on the tile (FP32) and the W masked input slices it used (lag order)."""
+    """conv(x) + b on the tile (FP32) and the tile's segment ids."""
     ids_Tb = _rows(ids_ref, bi, t0 + width - 1, tb)
     pre_TbCb = jnp.broadcast_to(b_ref[pl.ds(c0, cb)][None, :], (tb, cb)).astype(jnp.float32)
-    inputs = []
     for lag in range(width):
-        x_TbCb = _rows(x_ref, bi, t0 + width - 1 - lag, tb, c0, cb).astype(jnp.float32)
-        keep_Tb = _rows(ids_ref, bi, t0 + width - 1 - lag, tb) == ids_Tb
-        x_TbCb = jnp.where(keep_Tb[:, None], x_TbCb, 0.0)
-        inputs.append(x_TbCb)
+        x_TbCb = _masked_input(x_ref, ids_ref, ids_Tb, bi, t0, c0, tb, cb, width, lag)
         pre_TbCb += x_TbCb * w_ref[width - 1 - lag, pl.ds(c0, cb)][None, :]
-    return pre_TbCb, inputs
+    return pre_TbCb, ids_Tb
 
 
 def _forward_kernel(x_ref, ids_ref, w_ref, b_ref, out_ref, *, tb, cb, width):
@@ -66,15 +70,17 @@ def _forward_kernel(x_ref, ids_ref, w_ref, b_ref, out_ref, *, tb, cb, width):
 def _preactivation_grad_kernel(x_ref, ids_ref, w_ref, b_ref, dout_ref, dpre_ref, db_ref, *dw_refs,
                                tb, cb, width):
     bi, t0, c0 = pl.program_id(0), pl.program_id(1) * tb, pl.program_id(2) * cb
-    pre_TbCb, inputs = _preactivation(x_ref, ids_ref, w_ref, b_ref, bi, t0, c0, tb, cb, width)
+    pre_TbCb, ids_Tb = _preactivation(x_ref, ids_ref, w_ref, b_ref, bi, t0, c0, tb, cb, width)
     sig_TbCb = jax.nn.sigmoid(pre_TbCb)
     dpre_TbCb = dout_ref[...].astype(jnp.float32) * sig_TbCb * (1.0 + pre_TbCb * (1.0 - sig_TbCb))
-    dpre_ref[...] = dpre_TbCb
+    dpre_ref[bi, pl.ds(t0, tb), pl.ds(c0, cb)] = dpre_TbCb
     db_ref[...] = jnp.sum(dpre_TbCb, axis=0)
-    # Row W-1-lag of the weight multiplies the input `lag` positions back. One output per row:
-    # Triton cannot stack them into one tile.
+    # Row W-1-lag of the weight multiplies the input `lag` positions back. The shifted inputs
+    # are loaded again here (from cache) rather than kept from the pre-activation: W tiles held
+    # at once spilled registers. One output per row: Triton cannot stack them into one tile.
     for row in range(width):
-        dw_refs[row][...] = jnp.sum(inputs[width - 1 - row] * dpre_TbCb, axis=0)
+        x_TbCb = _masked_input(x_ref, ids_ref, ids_Tb, bi, t0, c0, tb, cb, width, width - 1 - row)
+        dw_refs[row][...] = jnp.sum(x_TbCb * dpre_TbCb, axis=0)
 
 
 def _input_grad_kernel(dpre_ref, ids_ref, w_ref, dx_ref, *, tb, cb, width):
@@ -117,34 +123,37 @@ def _padded_ids(segment_ids_BT, front: int, back: int):
 def causal_conv_silu(x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array, segment_ids_BT: jax.Array,
                      interpret: bool = False) -> jax.Array:
     """silu(causal depthwise conv of x within each packed document + b), in x's dtype."""
-    width = w_WC.shape[0]
-    x_pad = jnp.pad(x_BTC, ((0, 0), (width - 1, 0), (0, 0)))
-    return _launch(_forward_kernel, x_BTC.shape, _tile_spec, jax.ShapeDtypeStruct(x_BTC.shape, x_BTC.dtype),
-                   4, interpret, x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C)
+    return _fwd(x_BTC, w_WC, b_C, segment_ids_BT, interpret)[0]
 
 
 def _fwd(x_BTC, w_WC, b_C, segment_ids_BT, interpret):
-    return causal_conv_silu(x_BTC, w_WC, b_C, segment_ids_BT, interpret), (x_BTC, w_WC, b_C, segment_ids_BT)
+    width = w_WC.shape[0]
+    # The padded copy is the backward pass's residual too, so it is made once.
+    x_pad = jnp.pad(x_BTC, ((0, 0), (width - 1, 0), (0, 0)))
+    out = _launch(_forward_kernel, x_BTC.shape, _tile_spec, jax.ShapeDtypeStruct(x_BTC.shape, x_BTC.dtype),
+                  4, interpret, x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C)
+    return out, (x_pad, w_WC, b_C, segment_ids_BT)
 
 
 def _bwd(interpret, residuals, dout_BTC):
-    x_BTC, w_WC, b_C, segment_ids_BT = residuals
-    b, t, c = x_BTC.shape
+    x_pad, w_WC, b_C, segment_ids_BT = residuals
     width = w_WC.shape[0]
+    b, t, c = x_pad.shape[0], x_pad.shape[1] - (width - 1), x_pad.shape[2]
     tb = _tile(t, _TILE_T)
-    x_pad = jnp.pad(x_BTC, ((0, 0), (width - 1, 0), (0, 0)))
 
     def grad_specs(tb, cb):
         per_tile = pl.BlockSpec((pl.squeezed, pl.squeezed, cb), lambda bi, ti, ci: (bi, ti, ci))
-        return [_tile_spec(tb, cb)] + [per_tile] * (1 + width)
+        # dpre is written whole-array, into rows 0..T-1 of a buffer W - 1 rows longer: the input
+        # gradient reads past T there without a padded copy; it never uses those rows (their
+        # segment id is -1), so they are left unwritten.
+        return [pl.no_block_spec] + [per_tile] * (1 + width)
 
     partial_sums = jax.ShapeDtypeStruct((b, t // tb, c), jnp.float32)
-    shapes = [jax.ShapeDtypeStruct((b, t, c), jnp.float32)] + [partial_sums] * (1 + width)
-    dpre_BTC, db_parts, *dw_parts = _launch(
-        _preactivation_grad_kernel, x_BTC.shape, grad_specs, shapes, 4, interpret,
+    shapes = [jax.ShapeDtypeStruct((b, t + width - 1, c), jnp.float32)] + [partial_sums] * (1 + width)
+    dpre_pad, db_parts, *dw_parts = _launch(
+        _preactivation_grad_kernel, (b, t, c), grad_specs, shapes, 4, interpret,
         x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, dout_BTC)
-    dpre_pad = jnp.pad(dpre_BTC, ((0, 0), (0, width - 1), (0, 0)))
-    dx_BTC = _launch(_input_grad_kernel, x_BTC.shape, _tile_spec, jax.ShapeDtypeStruct(x_BTC.shape, x_BTC.dtype),
+    dx_BTC = _launch(_input_grad_kernel, (b, t, c), _tile_spec, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype),
                      3, interpret, dpre_pad, _padded_ids(segment_ids_BT, 0, width - 1), w_WC)
     dw_WC = jnp.stack([jnp.sum(part, axis=(0, 1)) for part in dw_parts]).astype(w_WC.dtype)
     db_C = jnp.sum(db_parts, axis=(0, 1)).astype(b_C.dtype)

@@ -3,8 +3,9 @@ SSD with per-head scalar decay -> D skip -> gated RMSNorm per group -> out_proj.
 
 Only ``in_proj`` (class ``mamba_in``) and ``out_proj`` (``mamba_out``) go through the precision
 policy; the convolution, the SSD (A, dt, decays, states) and the norm stay in FP32. The
-convolution and the SSD run as Pallas kernels (``conv_kernel``, ``ssd_kernel``) or in XLA
-(``causal_conv`` here, the chunked form of ``ssd``), by ``model.mamba.kernels``.
+convolution, the SSD and the D skip + gated norm run as Pallas kernels (``conv_kernel``,
+``ssd_kernel``, ``gated_norm_kernel``) or in XLA (``causal_conv`` and ``gated_group_norm`` here,
+the chunked form of ``ssd``), by ``model.mamba.kernels``.
 
 Dimension letters: B batch, T sequence, D d_model, E inner width (expand x D), H Mamba heads,
 P head dim (E = H x P), G groups, N state size, W conv kernel width.
@@ -22,6 +23,7 @@ from maxfp4.config import ModelConfig
 from maxfp4.model.layers import ACT_DTYPE, normal_init
 from maxfp4.model.ssd import ssd_chunked
 from maxfp4.model.conv_kernel import causal_conv_silu, conv_kernel_supported
+from maxfp4.model.gated_norm_kernel import gated_norm_fused, gated_norm_supported
 from maxfp4.model.ssd_kernel import kernel_supported, ssd_fused
 from maxfp4.precision import LayerPrecision
 
@@ -102,12 +104,20 @@ def use_conv_kernel(cfg: ModelConfig, t: int, channels: int) -> bool:
     return cfg.mamba.kernels == "pallas" or jax.default_backend() == "gpu"
 
 
+def use_norm_kernel(cfg: ModelConfig, t: int, e: int) -> bool:
+    """model.mamba.kernels resolved for the D skip + gated norm epilogue, as for the convolution."""
+    if cfg.mamba.kernels == "xla" or not gated_norm_supported(t, e, cfg.mamba.n_groups):
+        return False
+    return cfg.mamba.kernels == "pallas" or jax.default_backend() == "gpu"
+
+
 def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: ModelConfig,
                 lp: LayerPrecision) -> jax.Array:
     d = dims(cfg)
     b, t, _ = x_BTD.shape
     e, h, pd, g, n = d["E"], d["H"], d["P"], d["G"], d["N"]
-    zxbcdt = lp.dot(x_BTD, p["in_proj"], "mamba_in").astype(jnp.float32)
+    zxbcdt_gemm = lp.dot(x_BTD, p["in_proj"], "mamba_in")
+    zxbcdt = zxbcdt_gemm.astype(jnp.float32)
     z_BTE = zxbcdt[..., :e]
     xbc_BTC = zxbcdt[..., e:e + d["conv"]]
     dt_BTH = jax.nn.softplus(zxbcdt[..., e + d["conv"]:] + p["dt_bias"])
@@ -126,6 +136,11 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     ssd = ssd_fused if use_ssd_kernel(cfg) else ssd_chunked
     y_BTHP = ssd(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
                  matmul_dtype=jnp.bfloat16 if cfg.mamba.ssd_matmul == "bf16" else None)
-    y_BTHP = y_BTHP + p["D_skip"][:, None] * x_BTHP
-    y_BTE = gated_group_norm(y_BTHP.reshape(b, t, e), z_BTE, p["norm"], g, cfg.norm_eps)
+    if use_norm_kernel(cfg, t, e):
+        # x and z are read in place from the convolution output and the GEMM output.
+        y_BTE = gated_norm_fused(y_BTHP.reshape(b, t, e), xbc_BTC, zxbcdt_gemm, jnp.repeat(p["D_skip"], pd),
+                                 p["norm"], g, cfg.norm_eps, ACT_DTYPE, jax.default_backend() != "gpu")
+    else:
+        y_BTHP = y_BTHP + p["D_skip"][:, None] * x_BTHP
+        y_BTE = gated_group_norm(y_BTHP.reshape(b, t, e), z_BTE, p["norm"], g, cfg.norm_eps)
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
