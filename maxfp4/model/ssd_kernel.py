@@ -9,12 +9,12 @@ layer) and reads them back several times in the backward pass. Here one kernel p
     y_i = sum_{j<=i, same segment} (C_i . B_j) exp(cs_i - cs_j) dt_j x_j      (intra-chunk)
         + [no segment starts in 0..i] exp(cs_i) C_i . entry_state              (entry state)
 
-C_i . entry_state is one batched matmul in XLA; the kernel applies the decay and the mask.
-
-with cs the inclusive cumulative sum of a = dt * A inside the chunk. The other steps (chunk end
-states, the K x K recurrence between chunks, the cumulative sums) are batched matmuls and small
-reductions that XLA already runs well, so they stay in XLA and XLA differentiates them; only the
-kernel carries a hand-written VJP (a second kernel that rebuilds the tiles).
+with cs the inclusive cumulative sum of a = dt * A inside the chunk. C_i . entry_state is one
+batched matmul in XLA; the kernel applies the decay and the mask (so its backward reduces the
+entry term's gradient over P in place, where XLA had transposed a [B, T, H, P] product to do it).
+The chunk end states and the cumulative sums are batched matmuls and small reductions that XLA
+runs well and differentiates; the recurrence between chunks is a kernel of its own
+(``state_passing_kernel``). Each kernel carries a hand-written VJP (the SSD's rebuilds the tiles).
 
 Decays inside the kernel are exp(cs_i - cs_j), the difference of two running sums, as Mamba-2's
 own kernels do, instead of the reference's cancellation-free segment sum: with a <= 0 the
