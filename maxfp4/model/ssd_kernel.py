@@ -84,13 +84,15 @@ def _backward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, dy_ref
     cs_Q, seg_Q = cs_ref[...], seg_ref[...]
     scores_QQ, decay_QQ = _decayed_scores(cb_QQ, dt_Q, cs_Q, seg_Q)
     dx_ref[...] = _dot(scores_QQ.T, dy_QP, matmul_dtype, cdt).astype(dx_ref.dtype)
-    dscores_QQ = _dot(dy_QP, x_ref[...].T, matmul_dtype, cdt)
-    decay_dscores_QQ = dscores_QQ * decay_QQ
+    # From here on scores is not used (dscores * scores is rebuilt from cb below), so one Q x Q
+    # FP32 tile fewer is live through the rest of the kernel.
+    decay_dscores_QQ = _dot(dy_QP, x_ref[...].T, matmul_dtype, cdt) * decay_QQ
     dcb_ref[...] = (decay_dscores_QQ * dt_Q[None, :]).astype(dcb_ref.dtype)
-    ddt_ref[...] = jnp.sum(decay_dscores_QQ * cb_QQ, axis=0).astype(ddt_ref.dtype)
+    cb_decay_dscores_QQ = decay_dscores_QQ * cb_QQ
+    ddt_ref[...] = jnp.sum(cb_decay_dscores_QQ, axis=0).astype(ddt_ref.dtype)
     # exp(cs_i - cs_j) sends its gradient with + to row i and - to column j; the entry term
-    # exp(cs_i) C_i . entry sends its own to row i.
-    g_QQ = dscores_QQ * scores_QQ
+    # exp(cs_i) C_i . entry sends its own to row i. g = dscores * scores.
+    g_QQ = cb_decay_dscores_QQ * dt_Q[None, :]
     entry_Q = _entry_factor(cs_Q, seg_Q)
     from_entry_Q = entry_Q * jnp.sum(dy_QP * c_entry_ref[...].astype(cdt), axis=1)
     dcs_ref[...] = (jnp.sum(g_QQ, axis=1) - jnp.sum(g_QQ, axis=0) + from_entry_Q).astype(dcs_ref.dtype)
