@@ -54,6 +54,12 @@ def test_include_merges_presets(tmp_path):
     ("precision.rules=[{classes: [mlp_up], recipe: int3}]", "precision.rules[0].recipe='int3': unknown recipe"),
     ("precision.rules=[{classes: [mlp_sideways], recipe: bf16}]", "unknown layer class 'mlp_sideways'"),
     ("precision.rules=[{layers: '10:', recipe: bf16}]", "selects no block"),
+    # YAML lists and mappings where a name is expected (unhashable: refused, not a TypeError)
+    ("precision.rules={recipe: []}", "precision.rules[0].recipe=[]: unknown recipe"),
+    ("precision.rules=[{recipe: {a: 1}}]", "precision.rules[0].recipe={'a': 1}: unknown recipe"),
+    ("precision.rules=[{recipe: bf16, classes: 3}]", "precision.rules[0].classes=3: expected a layer class"),
+    ("precision.rules=[{recipe: bf16, classes: [[mlp_up]]}]", "unknown layer class ['mlp_up']"),
+    ("precision.default=[bf16]", "precision.default=['bf16']: expected a string"),
     ("data.source=parquet", "data.source='parquet': expected one of"),
     ("data.source=text", "data.paths=[]: expected at least one file"),
     ("optim.lr=0", "optim.lr=0.0: expected a positive learning rate"),

@@ -67,6 +67,11 @@ class Rule:
     recipe: str
 
 
+def _is_recipe(value: Any) -> bool:
+    # A YAML list or mapping is unhashable: test the type before looking it up.
+    return isinstance(value, str) and value in RECIPES
+
+
 def _parse_rule(raw: Any, i: int, n_layers: int) -> Rule:
     key = f"precision.rules[{i}]"
     if not isinstance(raw, dict):
@@ -77,13 +82,15 @@ def _parse_rule(raw: Any, i: int, n_layers: int) -> Rule:
     if "recipe" not in raw:
         raise ConfigError(f"{key}: missing recipe; expected one of {', '.join(RECIPES)}")
     recipe = raw["recipe"]
-    if recipe not in RECIPES:
+    if not _is_recipe(recipe):
         raise ConfigError(f"{key}.recipe={recipe!r}: unknown recipe; expected one of {', '.join(RECIPES)}")
     classes = raw.get("classes", list(LAYER_CLASSES))
     if isinstance(classes, str):
         classes = [classes]
+    if not isinstance(classes, list):
+        raise ConfigError(f"{key}.classes={classes!r}: expected a layer class or a list of them")
     for c in classes:
-        if c not in LAYER_CLASSES:
+        if not isinstance(c, str) or c not in LAYER_CLASSES:
             raise ConfigError(f"{key}.classes: unknown layer class {c!r}; expected one of {', '.join(LAYER_CLASSES)}")
     layers = _parse_layers(raw["layers"], n_layers, key + ".layers") if "layers" in raw else None
     return Rule(frozenset(classes), layers, recipe)
@@ -153,7 +160,7 @@ def _check_option(recipe: str, key: str, value: Any, default: Any) -> None:
 def _resolve_options(cfg: PrecisionConfig) -> dict[str, dict]:
     out = {}
     for name, opts in cfg.recipes.items():
-        if name not in RECIPES:
+        if not _is_recipe(name):
             raise ConfigError(f"precision.recipes.{name}: unknown recipe; expected one of {', '.join(RECIPES)}")
         defaults = RECIPES[name][1]
         if not isinstance(opts, dict):
@@ -168,7 +175,7 @@ def _resolve_options(cfg: PrecisionConfig) -> dict[str, dict]:
 
 
 def resolve_policy(cfg: PrecisionConfig, n_layers: int) -> PrecisionPolicy:
-    if cfg.default not in RECIPES:
+    if not _is_recipe(cfg.default):
         raise ConfigError(f"precision.default={cfg.default!r}: unknown recipe; expected one of {', '.join(RECIPES)}")
     rules = [_parse_rule(r, i, n_layers) for i, r in enumerate(cfg.rules)]
     options = _resolve_options(cfg)
