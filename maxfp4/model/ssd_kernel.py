@@ -53,15 +53,18 @@ def _dot(a, b, matmul_dtype, out_dtype):
     return jnp.dot(a.astype(matmul_dtype), b.astype(matmul_dtype), preferred_element_type=out_dtype)
 
 
-def _decayed_scores(cb_QQ, dt_Q, cs_Q, seg_Q):
-    """scores_ij = (C_i . B_j) exp(cs_i - cs_j) dt_j on j <= i in one segment, else exactly 0;
-    also returns the masked decay exp(cs_i - cs_j) alone (the backward needs it)."""
+def _decay(cs_Q, seg_Q):
+    """exp(cs_i - cs_j) on j <= i in one segment, else exactly 0 (the mask is inside the exp)."""
     q = cs_Q.shape[0]
     rows_QQ = jax.lax.broadcasted_iota(jnp.int32, (q, q), 0)
     cols_QQ = jax.lax.broadcasted_iota(jnp.int32, (q, q), 1)
     keep_QQ = (rows_QQ >= cols_QQ) & (seg_Q[:, None] == seg_Q[None, :])
-    decay_QQ = jnp.exp(jnp.where(keep_QQ, cs_Q[:, None] - cs_Q[None, :], -jnp.inf))
-    return cb_QQ * decay_QQ * dt_Q[None, :], decay_QQ
+    return jnp.exp(jnp.where(keep_QQ, cs_Q[:, None] - cs_Q[None, :], -jnp.inf))
+
+
+def _decayed_scores(cb_QQ, dt_Q, cs_Q, seg_Q):
+    """scores_ij = (C_i . B_j) exp(cs_i - cs_j) dt_j on j <= i in one segment, else exactly 0."""
+    return cb_QQ * _decay(cs_Q, seg_Q) * dt_Q[None, :]
 
 
 def _entry_factor(cs_Q, seg_Q):
@@ -72,31 +75,37 @@ def _entry_factor(cs_Q, seg_Q):
 
 def _forward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, y_ref, *, matmul_dtype, cdt):
     cs_Q, seg_Q = cs_ref[...], seg_ref[...]
-    scores_QQ, _ = _decayed_scores(cb_ref[...].astype(cdt), dt_ref[...], cs_Q, seg_Q)
+    scores_QQ = _decayed_scores(cb_ref[...].astype(cdt), dt_ref[...], cs_Q, seg_Q)
     y_QP = _dot(scores_QQ, x_ref[...], matmul_dtype, cdt)
     y_QP += _entry_factor(cs_Q, seg_Q)[:, None] * c_entry_ref[...].astype(cdt)
     y_ref[...] = y_QP.astype(y_ref.dtype)
 
 
-def _backward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, dy_ref,
-                     dcb_ref, dx_ref, ddt_ref, dcs_ref, dc_entry_ref, *, matmul_dtype, cdt):
-    cb_QQ, dt_Q, dy_QP = cb_ref[...].astype(cdt), dt_ref[...], dy_ref[...].astype(cdt)
-    cs_Q, seg_Q = cs_ref[...], seg_ref[...]
-    scores_QQ, decay_QQ = _decayed_scores(cb_QQ, dt_Q, cs_Q, seg_Q)
+# The backward is two kernels, each rebuilding what it needs from the chunk's inputs: one for
+# the gradients that flow through dy alone (x, the entry term), one for those of the scores
+# (C.B, dt, the cumulative sums). One kernel doing both held too many Q x Q FP32 tiles at once.
+
+def _backward_dx_kernel(cb_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, dy_ref,
+                        dx_ref, dc_entry_ref, dcs_entry_ref, *, matmul_dtype, cdt):
+    cs_Q, seg_Q, dy_QP = cs_ref[...], seg_ref[...], dy_ref[...].astype(cdt)
+    scores_QQ = _decayed_scores(cb_ref[...].astype(cdt), dt_ref[...], cs_Q, seg_Q)
     dx_ref[...] = _dot(scores_QQ.T, dy_QP, matmul_dtype, cdt).astype(dx_ref.dtype)
-    # From here on scores is not used (dscores * scores is rebuilt from cb below), so one Q x Q
-    # FP32 tile fewer is live through the rest of the kernel.
-    decay_dscores_QQ = _dot(dy_QP, x_ref[...].T, matmul_dtype, cdt) * decay_QQ
+    # The entry term exp(cs_i) C_i . entry sends its cumulative-sum gradient to row i.
+    entry_Q = _entry_factor(cs_Q, seg_Q)
+    dcs_entry_ref[...] = (entry_Q * jnp.sum(dy_QP * c_entry_ref[...].astype(cdt), axis=1)).astype(dcs_entry_ref.dtype)
+    dc_entry_ref[...] = (entry_Q[:, None] * dy_QP).astype(dc_entry_ref.dtype)
+
+
+def _backward_scores_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, dy_ref,
+                            dcb_ref, ddt_ref, dcs_ref, *, matmul_dtype, cdt):
+    cb_QQ, dt_Q, dy_QP = cb_ref[...].astype(cdt), dt_ref[...], dy_ref[...].astype(cdt)
+    decay_dscores_QQ = _dot(dy_QP, x_ref[...].T, matmul_dtype, cdt) * _decay(cs_ref[...], seg_ref[...])
     dcb_ref[...] = (decay_dscores_QQ * dt_Q[None, :]).astype(dcb_ref.dtype)
     cb_decay_dscores_QQ = decay_dscores_QQ * cb_QQ
     ddt_ref[...] = jnp.sum(cb_decay_dscores_QQ, axis=0).astype(ddt_ref.dtype)
-    # exp(cs_i - cs_j) sends its gradient with + to row i and - to column j; the entry term
-    # exp(cs_i) C_i . entry sends its own to row i. g = dscores * scores.
+    # exp(cs_i - cs_j) sends its gradient with + to row i and - to column j; g = dscores * scores.
     g_QQ = cb_decay_dscores_QQ * dt_Q[None, :]
-    entry_Q = _entry_factor(cs_Q, seg_Q)
-    from_entry_Q = entry_Q * jnp.sum(dy_QP * c_entry_ref[...].astype(cdt), axis=1)
-    dcs_ref[...] = (jnp.sum(g_QQ, axis=1) - jnp.sum(g_QQ, axis=0) + from_entry_Q).astype(dcs_ref.dtype)
-    dc_entry_ref[...] = (entry_Q[:, None] * dy_QP).astype(dc_entry_ref.dtype)
+    dcs_ref[...] = (jnp.sum(g_QQ, axis=1) - jnp.sum(g_QQ, axis=0)).astype(dcs_ref.dtype)
 
 
 class _Launch:
@@ -152,19 +161,25 @@ def _chunk_outputs_bwd(matmul_dtype, interpret, num_warps, residuals, dy):
     cdt = dt.dtype
     b, k, g, q, _ = cb.shape
     h = x.shape[2]
-    kernel = functools.partial(_backward_kernel, matmul_dtype=matmul_dtype, cdt=cdt)
-    in_specs = [launch.group_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP,
-                launch.head_QP]
-    out_specs = [launch.head_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.head_QP]
+    params = {"matmul_dtype": matmul_dtype, "cdt": cdt}
+    dx, dc_entry, dcs_entry = launch.call(
+        functools.partial(_backward_dx_kernel, **params),
+        [launch.group_QQ, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP, launch.head_QP],
+        [launch.head_QP, launch.head_QP, launch.head_Q],
+        [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(c_entry.shape, c_entry.dtype),
+         jax.ShapeDtypeStruct(cs.shape, cdt)],
+        cb, dt, cs, seg, c_entry, dy)
     # d(C.B) comes out per head (each program owns one head) in the matmul operand dtype and is
     # summed over the heads of a group here, in cdt, in a fixed order (deterministic).
-    out_shape = [jax.ShapeDtypeStruct((b, k, h, q, q), matmul_dtype or cdt), jax.ShapeDtypeStruct(x.shape, x.dtype),
-                 jax.ShapeDtypeStruct(dt.shape, cdt), jax.ShapeDtypeStruct(cs.shape, cdt),
-                 jax.ShapeDtypeStruct(c_entry.shape, c_entry.dtype)]
-    dcb_h, dx, ddt, dcs, dc_entry = launch.call(kernel, in_specs, out_specs, out_shape,
-                                                cb, x, dt, cs, seg, c_entry, dy)
+    dcb_h, ddt, dcs = launch.call(
+        functools.partial(_backward_scores_kernel, **params),
+        [launch.group_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP],
+        [launch.head_QQ, launch.head_Q, launch.head_Q],
+        [jax.ShapeDtypeStruct((b, k, h, q, q), matmul_dtype or cdt), jax.ShapeDtypeStruct(dt.shape, cdt),
+         jax.ShapeDtypeStruct(cs.shape, cdt)],
+        cb, x, dt, cs, seg, dy)
     dcb = dcb_h.reshape(b, k, g, h // g, q, q).sum(axis=3, dtype=cdt).astype(cb.dtype)
-    return dcb, dx, ddt, dcs, None, dc_entry
+    return dcb, dx, ddt, dcs + dcs_entry, None, dc_entry
 
 
 chunk_outputs.defvjp(_chunk_outputs_fwd, _chunk_outputs_bwd)
