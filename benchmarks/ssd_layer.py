@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,16 +26,7 @@ from maxfp4.metrics import ssd_flops_per_token
 from maxfp4.model.mamba import dims
 from maxfp4.model.ssd import ssd_chunked
 from maxfp4.model.ssd_kernel import chunk_outputs, kernel_inputs, ssd_fused
-
-
-def median_ms(fn, *args, iters: int = 10) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
+from timing import median_ms
 
 
 def split(x, dt, A, B, C, ids, q: int, warps: int, iters: int) -> list[tuple[str, float]]:

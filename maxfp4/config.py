@@ -26,7 +26,7 @@ MODEL_KINDS = ("dense", "hybrid")
 MLP_KINDS = ("swiglu", "relu2")
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp"}
 REMAT_POLICIES = ("none", "full", "save_gemm")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_mask")
 
 
 class ConfigError(UserError):
@@ -70,7 +70,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    attention: str = "auto"  # auto (cuDNN fused on GPU, XLA elsewhere), xla, cudnn
+    attention: str = "auto"  # auto (cuDNN fused on GPU, XLA elsewhere), xla, cudnn, cudnn_mask
+    # cudnn: documents per row the packed kernel takes; a batch with a row of more runs of
+    # segment ids (padding counts as one) takes the masked kernel (maxfp4.model.attention)
+    attention_max_segments: int = 16
     smooth_swiglu: bool = False  # per-channel scaling around the SwiGLU product (FP8 outliers)
     pattern: str = ""  # hybrid: one character a block, M Mamba-2, * attention, - MLP
     rope: bool = True  # rotary position embeddings in attention (Nemotron-H uses none)
@@ -110,6 +113,9 @@ class TrainConfig:
     log_every: int = 10
     microbatches: int = 1  # gradient accumulation: global_batch is split into this many
     remat: str = "none"  # none | full | save_gemm (maxfp4.model.remat)
+    # one lax.scan per run of identical blocks (compile time flat in depth), or false: blocks
+    # unrolled (no stacked residual buffers; longer compiles) -- maxfp4.model.layer_loop
+    scan_layers: bool = True
     compiler_options: dict = field(default_factory=dict)  # XLA options, e.g. {xla_gpu_enable_triton_gemm: true}
     profile_steps: tuple[int, ...] = ()  # [first, last]: JAX profiler trace of these steps in <run>/profile
     eval_every: int = 0  # held-out loss every this many steps and at the end; 0 = off
@@ -489,6 +495,8 @@ def validate(cfg: Config) -> None:
     _require(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "a positive number")
     _require(m.attention in ATTENTION_IMPLS, "model.attention", m.attention,
              f"one of {', '.join(ATTENTION_IMPLS)}")
+    _require(m.attention_max_segments >= 1, "model.attention_max_segments", m.attention_max_segments,
+             "a positive number of segments per row")
     _require(m.init_std > 0, "model.init_std", m.init_std, "a positive number")
 
     _require(d.source in DATA_SOURCES, "data.source", d.source, f"one of {', '.join(DATA_SOURCES)}")

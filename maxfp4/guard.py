@@ -23,8 +23,6 @@ The state is a dict of arrays inside ``TrainState.guard`` and so is checkpointed
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
@@ -73,12 +71,6 @@ def judge(guard: dict[str, jax.Array], loss: jax.Array, grad_norm: jax.Array, *,
            "skipped": guard["skipped"] + (~ok).astype(jnp.int32),
            "consecutive": jnp.where(ok, 0, guard["consecutive"] + 1).astype(jnp.int32)}
     return ok, new
-
-
-def keep_unless(ok: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``ok`` else ``old``, leaf by leaf. A select passes good steps' values through
-    bit for bit, so a run without bad steps computes exactly what it did without the guard."""
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def guard_metrics(guard: dict[str, jax.Array], ok: jax.Array) -> dict[str, jax.Array]:

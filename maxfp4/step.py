@@ -17,7 +17,7 @@ import optax
 
 from maxfp4.config import Config
 from maxfp4.faults import poison_gradients
-from maxfp4.guard import guard_metrics, judge, keep_unless
+from maxfp4.guard import guard_metrics, judge
 from maxfp4.model import get_model
 from maxfp4.model.decoder import token_losses
 from maxfp4.precision import PrecisionPolicy
@@ -34,7 +34,7 @@ def make_loss_fn(cfg: Config, policy: PrecisionPolicy, constrain: Callable) -> C
         """Summed token loss of ``batch`` divided by ``denom`` (FP32)."""
         logits_BTV = forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
                              cfg=cfg.model, policy=policy, scales=scales, key=key,
-                             remat=cfg.train.remat, constrain=constrain)
+                             remat=cfg.train.remat, scan_layers=cfg.train.scan_layers, constrain=constrain)
         mask_BT = batch["loss_mask"].astype(jnp.float32)
         return jnp.sum(token_losses(logits_BTV, batch["targets"]) * mask_BT) / denom
     return loss_fn
@@ -80,16 +80,23 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
         if nan_steps:
             grads = poison_gradients(grads, state.step + 1, nan_steps)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        precision = update_precision_state(state.precision, amaxes, policy)
+
+        def apply_update():
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            return (optax.apply_updates(state.params, updates), opt_state,
+                    update_precision_state(state.precision, amaxes, policy))
+
         guard = state.guard
         ok = jnp.array(True)
         if res.guard:
             # A bad step keeps the old state; the step counter still advances (maxfp4.guard).
+            # The update runs inside the cond, so a good step writes its new state once instead
+            # of computing it and then selecting between the new and the old state.
             ok, guard = judge(state.guard, loss, grad_norm, sigmas=res.spike_sigmas, warmup=res.spike_warmup)
-            params, opt_state, precision = keep_unless(
-                ok, (params, opt_state, precision), (state.params, state.opt_state, state.precision))
+            params, opt_state, precision = jax.lax.cond(
+                ok, apply_update, lambda: (state.params, state.opt_state, state.precision))
+        else:
+            params, opt_state, precision = apply_update()
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,

@@ -29,22 +29,25 @@ def _inputs(seed=0, B=2, T=256, N=8, K=2, H=64):
     return q, k, v, jnp.asarray(seg)
 
 
-def test_cudnn_attention_respects_segments_forward_and_backward():
+# max_segments 16: the packed kernel with 4 run slots (row 0 holds four documents); 5: the
+# 5-slot packed kernel; 2: too few slots, the masked kernel; "cudnn_mask": always masked.
+@pytest.mark.parametrize("impl,max_segments", [("cudnn", 16), ("cudnn", 5), ("cudnn", 2), ("cudnn_mask", 16)])
+def test_cudnn_attention_respects_segments_forward_and_backward(impl, max_segments):
     assert jax.devices()[0].platform in ("gpu", "cuda")
     q, k, v, seg = _inputs()
 
     def loss(impl):
         def f(q, k, v):
-            out = attend(q, k, v, seg, impl).astype(jnp.float32)
+            out = attend(q, k, v, seg, impl, max_segments).astype(jnp.float32)
             return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
         return f
 
-    out_cudnn = attend(q, k, v, seg, "cudnn").astype(jnp.float32)
+    out_cudnn = attend(q, k, v, seg, impl, max_segments).astype(jnp.float32)
     out_xla = attend(q, k, v, seg, "xla").astype(jnp.float32)
     # BF16 inputs and output: agreement to 2e-2 absolute on outputs of order 1.
     np.testing.assert_allclose(np.asarray(out_cudnn), np.asarray(out_xla), atol=2e-2, rtol=0)
 
-    g_cudnn = jax.grad(loss("cudnn"), argnums=(0, 1, 2))(q, k, v)
+    g_cudnn = jax.grad(loss(impl), argnums=(0, 1, 2))(q, k, v)
     g_xla = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(g_cudnn, g_xla):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -52,7 +55,7 @@ def test_cudnn_attention_respects_segments_forward_and_backward():
 
     # Changing the second document changes nothing in the others.
     v2 = v.at[0, 41:170].set(-v[0, 41:170])
-    out2 = attend(q, k, v2, seg, "cudnn").astype(jnp.float32)
+    out2 = attend(q, k, v2, seg, impl, max_segments).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(out2[0, :41]), np.asarray(out_cudnn[0, :41]))
     np.testing.assert_array_equal(np.asarray(out2[0, 170:]), np.asarray(out_cudnn[0, 170:]))
     assert np.abs(np.asarray(out2[0, 41:170] - out_cudnn[0, 41:170])).max() > 0.1
@@ -73,22 +76,26 @@ def test_cudnn_is_what_auto_picks_on_gpu():
 @pytest.mark.parametrize("remat,forward_kernels", [("none", 1), ("save_gemm", 1), ("full", 2)])
 def test_save_gemm_remat_does_not_rerun_the_attention_forward_kernel(remat, forward_kernels):
     """train.remat=save_gemm keeps cuDNN attention's outputs and softmax statistics, so the
-    backward pass runs no second forward kernel (full remat does, by design)."""
+    backward pass runs no second forward kernel (full remat does, by design). Each kernel
+    appears once per branch of the packed/masked switch (maxfp4.model.attention)."""
+    from maxfp4.model.attention import packed_capacities
     from maxfp4.model.remat import remat_body
+
+    branches = len(packed_capacities(16)) + 1
 
     q, k, v, seg = _inputs()
 
-    def body(x, _):
-        out = attend(x, k, v, seg, "cudnn")
-        return jnp.tanh(out), None
+    def loss(q, seg):  # seg an argument: as constants, XLA would fold the switch to one branch
+        def body(x, _):
+            return jnp.tanh(attend(x, k, v, seg, "cudnn")), None
 
-    def loss(q):
         y, _ = jax.lax.scan(remat_body(body, remat), q, None, length=2)
         return jnp.sum(y.astype(jnp.float32))
 
-    hlo = jax.jit(jax.grad(loss)).lower(q).compile().as_text()
+    hlo = jax.jit(jax.grad(loss)).lower(q, seg).compile().as_text()
     calls = [line for line in hlo.splitlines() if "custom_call_target=\"__cudnn$fmha" in line]
     forward = [c for c in calls if "Backward" not in c]
     backward = [c for c in calls if "Backward" in c]
-    assert len(backward) == 1, calls  # one per scan body
-    assert len(forward) == forward_kernels, calls
+    counts = f"{len(forward)} forward, {len(backward)} backward kernels, {branches} branches"
+    assert len(backward) == branches, counts  # one per branch in the scan body
+    assert len(forward) == branches * forward_kernels, counts

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from maxfp4.config import ModelConfig
 from maxfp4.model.attention import attention_block, resolve_implementation
 from maxfp4.model.layers import ACT_DTYPE, normal_init, output_logits, rms_norm, swiglu_mlp
+from maxfp4.model.layer_loop import run_layers
 from maxfp4.model.remat import remat_body
 from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
@@ -78,14 +79,15 @@ def _block(x_BTD: jax.Array, p: Params, positions_BT: jax.Array, segment_ids_BT:
     h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
     x_BTD = x_BTD + attention_block(
         h, p["w_qkv"], p["w_o"], positions_BT, segment_ids_BT, rope_theta=cfg.rope_theta,
-        implementation=attn_impl, lp=lp)
+        implementation=attn_impl, lp=lp, max_segments=cfg.attention_max_segments)
     h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
     return x_BTD + swiglu_mlp(h, p["w_up"], p["w_down"], lp, smooth=cfg.smooth_swiglu)
 
 
 def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
             *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
-            key: jax.Array | None = None, remat: str = "none", constrain=lambda x, axes: x) -> jax.Array:
+            key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
+            constrain=lambda x, axes: x) -> jax.Array:
     """Logits [B, T, V] in BF16.
 
     ``scales``: the delayed-scaling scales (:func:`maxfp4.precision.state.scales_of`); ``key``
@@ -93,13 +95,13 @@ def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segme
     """
     x_BTD = jnp.take(params["embed"], inputs_BT, axis=0).astype(ACT_DTYPE)
     return forward_embedded(params, x_BTD, positions_BT, segment_ids_BT, cfg=cfg, policy=policy,
-                            scales=scales, key=key, remat=remat, constrain=constrain)
+                            scales=scales, key=key, remat=remat, scan_layers=scan_layers, constrain=constrain)
 
 
 def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
                      segment_ids_BT: jax.Array, *, cfg: ModelConfig, policy: PrecisionPolicy,
                      scales: dict | None = None, key: jax.Array | None = None,
-                     remat: str = "none", constrain=lambda x, axes: x) -> jax.Array:
+                     remat: str = "none", scan_layers: bool = True, constrain=lambda x, axes: x) -> jax.Array:
     """The model after the embedding lookup (separate so tests can differentiate by position)."""
     attn_impl = resolve_implementation(cfg.attention)
     scales = scales or {}
@@ -121,7 +123,7 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
             return constrain(y, ("batch", "seq", "embed")), None
 
         body = remat_body(body, remat)
-        x_BTD, _ = jax.lax.scan(body, x_BTD, (group, group_scales, group_keys))
+        x_BTD = run_layers(body, x_BTD, (group, group_scales, group_keys), end - start, scan=scan_layers)
     return output_logits(params, x_BTD, cfg=cfg, policy=policy, scales=scales, key=key, constrain=constrain)
 
 

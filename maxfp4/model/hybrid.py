@@ -22,6 +22,7 @@ from maxfp4.config import ModelConfig
 from maxfp4.model.attention import attention_block, resolve_implementation
 from maxfp4.model.layers import ACT_DTYPE, mlp_block, normal_init, output_logits, rms_norm
 from maxfp4.model.mamba import MAMBA_AXES, init_mamba, mamba_mixer
+from maxfp4.model.layer_loop import run_layers
 from maxfp4.model.remat import remat_body
 from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
@@ -115,7 +116,8 @@ def _block(ch: str, x_BTD, p, positions_BT, segment_ids_BT, cfg: ModelConfig, lp
         y = mamba_mixer(h, p, segment_ids_BT, cfg, lp)
     elif ch == "*":
         y = attention_block(h, p["w_qkv"], p["w_o"], positions_BT, segment_ids_BT,
-                            rope_theta=cfg.rope_theta if cfg.rope else None, implementation=attn_impl, lp=lp)
+                            rope_theta=cfg.rope_theta if cfg.rope else None, implementation=attn_impl, lp=lp,
+                            max_segments=cfg.attention_max_segments)
     else:
         y = mlp_block(h, p["w_up"], p["w_down"], lp, kind=cfg.mlp, smooth=cfg.smooth_swiglu)
     return x_BTD + y.astype(x_BTD.dtype)
@@ -123,15 +125,17 @@ def _block(ch: str, x_BTD, p, positions_BT, segment_ids_BT, cfg: ModelConfig, lp
 
 def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
             *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
-            key: jax.Array | None = None, remat: str = "none", constrain=lambda x, axes: x) -> jax.Array:
+            key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
+            constrain=lambda x, axes: x) -> jax.Array:
     x_BTD = jnp.take(params["embed"], inputs_BT, axis=0).astype(ACT_DTYPE)
     return forward_embedded(params, x_BTD, positions_BT, segment_ids_BT, cfg=cfg, policy=policy,
-                            scales=scales, key=key, remat=remat, constrain=constrain)
+                            scales=scales, key=key, remat=remat, scan_layers=scan_layers, constrain=constrain)
 
 
 def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
                      *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
-                     key: jax.Array | None = None, remat: str = "none", constrain=lambda x, axes: x) -> jax.Array:
+                     key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
+                     constrain=lambda x, axes: x) -> jax.Array:
     attn_impl = resolve_implementation(cfg.attention)
     scales = scales or {}
     block_scales = scales.get("blocks", {})
@@ -163,5 +167,5 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, 
             return x, None
 
         body = remat_body(body, remat)
-        x_BTD, _ = jax.lax.scan(body, x_BTD, xs)
+        x_BTD = run_layers(body, x_BTD, xs, reps, scan=scan_layers)
     return output_logits(params, x_BTD, cfg=cfg, policy=policy, scales=scales, key=key, constrain=constrain)

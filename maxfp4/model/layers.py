@@ -6,6 +6,8 @@ kv head (N = K*G), H head dim, F MLP hidden, V vocabulary, L blocks.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -14,11 +16,83 @@ from maxfp4.precision import LayerPrecision
 ACT_DTYPE = jnp.bfloat16
 
 
+# The element-wise pieces between GEMMs (RMSNorm, the SwiGLU and squared-ReLU products) have
+# hand-written VJPs. Plain autodiff of their FP32 formulas keeps FP32 copies of their inputs and
+# intermediates for the backward pass ([B, T, F] FP32 tensors, several per layer, stacked over
+# the scanned layers): on dense-1p3b without remat that was ~44 GB written and read back each
+# step. These keep only their BF16 inputs (the GEMM outputs, which remat=save_gemm keeps anyway)
+# and a [B, T] FP32 statistic, and recompute the rest in one fused backward pass.
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x_BTD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in FP32 (never quantized), returned in the activation dtype."""
+    return _rms_norm_fwd(x_BTD, scale_D, eps)[0]
+
+
+def _rms_norm_fwd(x_BTD, scale_D, eps):
     x = x_BTD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return (x * scale_D.astype(jnp.float32)).astype(ACT_DTYPE)
+    rinv_BT1 = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    y = (x * rinv_BT1 * scale_D.astype(jnp.float32)).astype(ACT_DTYPE)
+    return y, (x_BTD, scale_D, rinv_BT1)
+
+
+def _rms_norm_bwd(eps, res, dy_BTD):
+    del eps
+    x_BTD, scale_D, rinv_BT1 = res
+    xhat = x_BTD.astype(jnp.float32) * rinv_BT1
+    dy = dy_BTD.astype(jnp.float32)
+    dscale_D = jnp.sum((dy * xhat).reshape(-1, xhat.shape[-1]), axis=0)
+    dxhat = dy * scale_D.astype(jnp.float32)
+    dx = rinv_BT1 * (dxhat - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True))
+    return dx.astype(x_BTD.dtype), dscale_D.astype(scale_D.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+@jax.custom_vjp
+def swiglu_product(gate_up_BTF2: jax.Array) -> jax.Array:
+    """``silu(gate) * up`` in FP32 from the interleaved [..., F, 2] output of the gate/up GEMM."""
+    g = gate_up_BTF2[..., 0].astype(jnp.float32)
+    return jax.nn.silu(g) * gate_up_BTF2[..., 1].astype(jnp.float32)
+
+
+def _swiglu_product_fwd(gate_up_BTF2):
+    return swiglu_product(gate_up_BTF2), gate_up_BTF2
+
+
+def _swiglu_product_bwd(gate_up_BTF2, dh_BTF):
+    # Written over the interleaved [..., F, 2] cotangent directly (both halves from one set of
+    # broadcast operands): a stack of two separate halves made XLA write sigmoid(gate) to memory
+    # in FP32 and then interleave in a second pass.
+    gu = gate_up_BTF2.astype(jnp.float32)
+    g, u = gu[..., :1], gu[..., 1:]
+    sig = jax.nn.sigmoid(g)
+    first = jax.lax.broadcasted_iota(jnp.int32, gu.shape, gu.ndim - 1) == 0
+    coef = jnp.where(first, u * sig * (1.0 + g * (1.0 - sig)), g * sig)
+    return ((dh_BTF.astype(jnp.float32)[..., None] * coef).astype(gate_up_BTF2.dtype),)
+
+
+swiglu_product.defvjp(_swiglu_product_fwd, _swiglu_product_bwd)
+
+
+@jax.custom_vjp
+def relu2(a_BTF: jax.Array) -> jax.Array:
+    """``relu(a)^2`` in FP32."""
+    return jnp.square(jax.nn.relu(a_BTF.astype(jnp.float32)))
+
+
+def _relu2_fwd(a_BTF):
+    return relu2(a_BTF), a_BTF
+
+
+def _relu2_bwd(a_BTF, dh_BTF):
+    da = 2.0 * jax.nn.relu(a_BTF.astype(jnp.float32)) * dh_BTF.astype(jnp.float32)
+    return (da.astype(a_BTF.dtype),)
+
+
+relu2.defvjp(_relu2_fwd, _relu2_bwd)
 
 
 def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
@@ -46,8 +120,7 @@ def swiglu_mlp(x_BTD: jax.Array, w_up_DF2: jax.Array, w_down_FD: jax.Array,
     """
     d, f, _ = w_up_DF2.shape
     gate_up_BTF2 = lp.dot(x_BTD, w_up_DF2.reshape(d, 2 * f), "mlp_up")
-    gate_up_BTF2 = gate_up_BTF2.reshape(*x_BTD.shape[:-1], f, 2)
-    h_BTF = jax.nn.silu(gate_up_BTF2[..., 0].astype(jnp.float32)) * gate_up_BTF2[..., 1].astype(jnp.float32)
+    h_BTF = swiglu_product(gate_up_BTF2.reshape(*x_BTD.shape[:-1], f, 2))
     if smooth:
         s_F = jax.lax.stop_gradient(jnp.max(jnp.abs(h_BTF), axis=(0, 1)))
         s_F = jnp.where(s_F > 0, s_F, 1.0)
@@ -63,8 +136,7 @@ def normal_init(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array
 def relu2_mlp(x_BTD: jax.Array, w_up_DF1: jax.Array, w_down_FD: jax.Array, lp: LayerPrecision) -> jax.Array:
     """Squared-ReLU MLP, not gated (Nemotron-H): relu(x W_up)^2 W_down."""
     d, f, _ = w_up_DF1.shape
-    a_BTF = lp.dot(x_BTD, w_up_DF1.reshape(d, f), "mlp_up").astype(jnp.float32)
-    h_BTF = jnp.square(jax.nn.relu(a_BTF))
+    h_BTF = relu2(lp.dot(x_BTD, w_up_DF1.reshape(d, f), "mlp_up"))
     return lp.dot(h_BTF.astype(ACT_DTYPE), w_down_FD, "mlp_down")
 
 

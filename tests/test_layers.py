@@ -1,0 +1,91 @@
+"""Hand-written VJPs of the element-wise layers against autodiff of their plain formulas, and
+the packed-attention layout computed from segment ids against a NumPy reading of the rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxfp4.model.attention import segment_runs
+from maxfp4.model.layers import relu2, rms_norm, swiglu_product
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _vjp_pair(fn, ref, args, seed):
+    """Gradients of <fn(args), c> and <ref(args), c> for a fixed random cotangent c."""
+    out = ref(*args)
+    c = jax.random.normal(jax.random.key(seed), out.shape, jnp.float32)
+    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) * c)
+    n = len(args)
+    return (jax.grad(loss(fn), argnums=tuple(range(n)))(*args),
+            jax.grad(loss(ref), argnums=tuple(range(n)))(*args))
+
+
+def test_rms_norm_gradients_match_autodiff_of_the_formula():
+    x = jax.random.normal(jax.random.key(0), (2, 8, 64), jnp.float32) * 3.0
+    scale = 1.0 + 0.1 * jax.random.normal(jax.random.key(1), (64,), jnp.float32)
+
+    def ref32(x, s):
+        r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5)
+        return x * r * s
+
+    # The layer returns BF16, so its incoming gradient is BF16 too: the reference rounds alike.
+    ref = lambda x, s: ref32(x, s).astype(jnp.bfloat16)
+
+    got, want = _vjp_pair(lambda x, s: rms_norm(x, s, 1e-5), ref, (x, scale), 2)
+    # FP32 arithmetic in both, different order: relative error far under 1e-5.
+    for g, w in zip(got, want):
+        assert _rel(g, w) < 1e-5
+    # The forward is the FP32 formula rounded once to BF16.
+    np.testing.assert_allclose(np.asarray(rms_norm(x, scale, 1e-5), np.float32), np.asarray(ref32(x, scale)),
+                               rtol=2 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_product_gradient_matches_autodiff(dtype):
+    gu = (2.0 * jax.random.normal(jax.random.key(3), (2, 8, 32, 2), jnp.float32)).astype(dtype)
+    ref = lambda a: jax.nn.silu(a[..., 0].astype(jnp.float32)) * a[..., 1].astype(jnp.float32)
+    (got,), (want,) = _vjp_pair(swiglu_product, ref, (gu,), 4)
+    assert got.dtype == dtype and got.shape == gu.shape
+    # FP32: rounding only (< 1e-5); BF16 gradients: one BF16 rounding of each element (2^-8).
+    assert _rel(got, want) < (1e-5 if dtype == jnp.float32 else 2 ** -8)
+    np.testing.assert_array_equal(np.asarray(swiglu_product(gu)), np.asarray(ref(gu)))
+
+
+def test_relu2_gradient_matches_autodiff():
+    a = 2.0 * jax.random.normal(jax.random.key(5), (2, 8, 32), jnp.float32)
+    ref = lambda a: jnp.square(jax.nn.relu(a))
+    (got,), (want,) = _vjp_pair(relu2, ref, (a,), 6)
+    assert _rel(got, want) < 1e-6
+    assert np.all(np.asarray(got)[np.asarray(a) < 0] == 0.0)
+
+
+def _runs_numpy(seg_row):
+    """(start, length) of each run of equal ids in one row."""
+    cuts = [0] + [t for t in range(1, len(seg_row)) if seg_row[t] != seg_row[t - 1]] + [len(seg_row)]
+    return [(s, e - s) for s, e in zip(cuts[:-1], cuts[1:])]
+
+
+def test_segment_runs_describe_every_run_including_the_padding_tail():
+    rng = np.random.default_rng(0)
+    rows = [np.array([1, 1, 1, 2, 2, 3, 0, 0]), np.ones(8, int), np.array([1, 2, 3, 4, 5, 6, 7, 0])]
+    for _ in range(5):
+        cuts = np.sort(rng.choice(np.arange(1, 8), size=rng.integers(0, 4), replace=False))
+        rows.append(np.searchsorted(cuts, np.arange(8), side="right") + 1)
+    seg = jnp.asarray(np.stack(rows), jnp.int32)
+    m = 4
+    lengths, starts, runs = (np.asarray(a) for a in segment_runs(seg, m))
+    assert lengths.shape == (len(rows), m) and starts.shape == (len(rows), m + 1)
+    for b, row in enumerate(rows):
+        want = _runs_numpy(row)
+        assert runs[b] == len(want)
+        if len(want) > m:
+            continue  # such a batch takes the masked kernel
+        k = len(want)
+        assert [tuple(x) for x in zip(starts[b, :k], lengths[b, :k])] == want
+        assert np.all(lengths[b, k:] == -1) and np.all(starts[b, k:] == -1)
+        assert lengths[b, :k].sum() == len(row)  # every token, the padding too, is in a run
