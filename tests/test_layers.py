@@ -89,3 +89,25 @@ def test_segment_runs_describe_every_run_including_the_padding_tail():
         assert [tuple(x) for x in zip(starts[b, :k], lengths[b, :k])] == want
         assert np.all(lengths[b, k:] == -1) and np.all(starts[b, k:] == -1)
         assert lengths[b, :k].sum() == len(row)  # every token, the padding too, is in a run
+
+
+def test_token_losses_forward_and_gradient_match_the_formula():
+    from maxfp4.model.decoder import token_losses
+
+    logits = (3.0 * jax.random.normal(jax.random.key(7), (2, 8, 50), jnp.float32)).astype(jnp.bfloat16)
+    targets = jax.random.randint(jax.random.key(8), (2, 8), 0, 50)
+    g = jax.random.normal(jax.random.key(9), (2, 8), jnp.float32)
+
+    def ref(lg):
+        lg = lg.astype(jnp.float32)
+        return jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, targets[..., None], -1)[..., 0]
+
+    # Forward: float64 NumPy from the same BF16 logits, within FP32 rounding.
+    l64 = np.asarray(logits, np.float64)
+    want = np.log(np.exp(l64).sum(-1)) - np.take_along_axis(l64, np.asarray(targets)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(token_losses(logits, targets)), want, rtol=1e-5, atol=1e-5)
+    got = jax.grad(lambda lg: jnp.sum(token_losses(lg, targets) * g))(logits)
+    ref_grad = jax.grad(lambda lg: jnp.sum(ref(lg) * g))(logits)
+    assert got.dtype == jnp.bfloat16
+    # Both are the FP32 gradient rounded once to BF16: equal up to one BF16 rounding (2^-8).
+    assert _rel(got, ref_grad) < 2 ** -8

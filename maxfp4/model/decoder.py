@@ -127,9 +127,30 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
     return output_logits(params, x_BTD, cfg=cfg, policy=policy, scales=scales, key=key, constrain=constrain)
 
 
+@jax.custom_vjp
 def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Per-token cross entropy in FP32."""
+    """Per-token cross entropy in FP32.
+
+    Hand-written VJP: the gradient ``(softmax - onehot) * g`` is computed from the BF16 logits
+    and written once in their dtype. Autodiff wrote it in FP32 over the whole [B, T, V] and
+    converted it to BF16 in a second pass (a 128K vocabulary: 8.4 GB and 4 ms a step at 2048 x 8).
+    """
+    return _token_losses_fwd(logits_BTV, targets_BT)[0]
+
+
+def _token_losses_fwd(logits_BTV, targets_BT):
     logits = logits_BTV.astype(jnp.float32)
     logz_BT = jax.nn.logsumexp(logits, axis=-1)
     picked_BT = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
-    return logz_BT - picked_BT
+    return logz_BT - picked_BT, (logits_BTV, targets_BT, logz_BT)
+
+
+def _token_losses_bwd(res, g_BT):
+    logits_BTV, targets_BT, logz_BT = res
+    p = jnp.exp(logits_BTV.astype(jnp.float32) - logz_BT[..., None])
+    onehot = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, logits_BTV.ndim - 1) == targets_BT[..., None]
+    dlogits = (p - onehot.astype(jnp.float32)) * g_BT[..., None]
+    return dlogits.astype(logits_BTV.dtype), None
+
+
+token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
