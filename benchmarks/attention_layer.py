@@ -70,7 +70,8 @@ def main() -> None:
                     err = max(float(np.linalg.norm(x - r) / np.linalg.norm(r))
                               for x, r in zip([out, *grads], [ref[0], *ref[1]]))
                 row = {"shape": shape, "docs": docs, "variant": variant,
-                       "fwd_ms": median_ms(fwd, q, kk, v, seg, iters=20), "fwd_bwd_ms": median_ms(fwd_bwd, q, kk, v, seg, iters=20),
+                       "fwd_ms": median_ms(fwd, q, kk, v, seg, iters=20),
+                       "fwd_bwd_ms": median_ms(fwd_bwd, q, kk, v, seg, iters=20),
                        "rel_err_vs_first": err}
                 rows.append(row)
                 print(f"{shape:<18}{docs:>5}  {variant:<12}{row['fwd_ms']:>9.3f}{row['fwd_bwd_ms']:>11.3f}"

@@ -79,7 +79,7 @@ def test_segment_runs_describe_every_run_including_the_padding_tail():
     seg = jnp.asarray(np.stack(rows), jnp.int32)
     m = 4
     lengths, starts, runs = (np.asarray(a) for a in segment_runs(seg, m))
-    assert lengths.shape == (len(rows), m) and starts.shape == (len(rows), m + 1)
+    assert lengths.shape == (len(rows), m) and starts.shape == (len(rows), m)
     for b, row in enumerate(rows):
         want = _runs_numpy(row)
         assert runs[b] == len(want)

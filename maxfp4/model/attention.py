@@ -46,9 +46,9 @@ def segment_runs(segment_ids_BT: jax.Array, max_runs: int) -> tuple[jax.Array, j
     tail as one more run, so every token belongs to a run and gets an output).
 
     Returns ``lengths_BM`` (int32 [B, M]: run lengths, -1 past the row's last run),
-    ``starts_BM1`` (int32 [B, M+1]: run start offsets, -1 past the last run) and ``runs_B``
+    ``starts_BM`` (int32 [B, M]: run start offsets, -1 past the last run) and ``runs_B``
     (int32 [B]: runs in the row; rows with more than M runs are not described correctly and
-    must not take the packed kernel).
+    must not take the packed kernel). The first m columns describe the rows for m slots.
     """
     b, t = segment_ids_BT.shape
     new_run_BT = jnp.concatenate(
@@ -61,15 +61,16 @@ def segment_runs(segment_ids_BT: jax.Array, max_runs: int) -> tuple[jax.Array, j
     present_BM = m_M < runs_B[:, None]
     lengths_BM = jnp.where(present_BM, lengths_BM, -1)
     starts_BM = jnp.where(present_BM, starts_BM, -1)
-    starts_BM1 = jnp.concatenate([starts_BM, jnp.full((b, 1), -1, jnp.int32)], axis=1)
-    return lengths_BM, starts_BM1, runs_B
+    return lengths_BM, starts_BM, runs_B
 
 
-def _cudnn_packed(q_BTNH, k_BTKH, v_BTKH, lengths_BM, starts_BM1):
+def _cudnn_packed(q_BTNH, k_BTKH, v_BTKH, lengths_BM, starts_BM):
     # jax.nn.dot_product_attention does not take segment offsets; the cuDNN module behind it
-    # does (the packed layout of jax's own sequence-packing tests).
+    # does (the packed layout of jax's own sequence-packing tests). Its offsets are [B, M+1],
+    # the last column -1.
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
+    starts_BM1 = jnp.concatenate([starts_BM, jnp.full((starts_BM.shape[0], 1), -1, jnp.int32)], axis=1)
     return dot_product_attention(
         q_BTNH, k_BTKH, v_BTKH, q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=starts_BM1,
         kv_offsets=starts_BM1, scale=q_BTNH.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL)
@@ -94,16 +95,14 @@ def packed_capacities(max_segments: int) -> tuple[int, ...]:
 
 def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, segment_ids_BT: jax.Array,
            implementation: str, max_segments: int = 16) -> jax.Array:
-    if implementation == "cudnn_mask":
-        return _masked(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, "cudnn")
     if implementation != "cudnn":
-        return _masked(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation)
+        kernel = "cudnn" if implementation == "cudnn_mask" else implementation
+        return _masked(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kernel)
     capacities = packed_capacities(max_segments)
-    lengths_BM, starts_BM1, runs_B = segment_runs(segment_ids_BT, max_segments)
+    lengths_BM, starts_BM, runs_B = segment_runs(segment_ids_BT, max_segments)
 
     def packed(m):
-        return lambda q, k, v: _cudnn_packed(q, k, v, lengths_BM[:, :m],
-                                             jnp.concatenate([starts_BM1[:, :m], starts_BM1[:, -1:]], axis=1))
+        return lambda q, k, v: _cudnn_packed(q, k, v, lengths_BM[:, :m], starts_BM[:, :m])
 
     # Branch i: the i-th capacity holds every row; the last branch is the masked kernel.
     branch = jnp.sum(jnp.max(runs_B) > jnp.asarray(capacities, jnp.int32))
