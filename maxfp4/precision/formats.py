@@ -300,7 +300,12 @@ def quantize_nvfp4(
     """
     _check_blockable(tuple(x.shape), two_d, NVFP4_BLOCK, "quantize_nvfp4")
     x = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x))
+    x_blk = _to_blocks(x, two_d)
+    axes = _block_axes(two_d)
+    block_amax = jnp.max(jnp.abs(x_blk), axis=axes, keepdims=True)
+    # The tensor's amax as the max of its block amaxes (exact: max is associative), so the
+    # tensor is read once for both instead of once more for a whole-tensor reduction.
+    amax = jnp.max(block_amax)
     # Divisions are div_rn (IEEE on every backend): a 1-ulp difference in a scale can flip the
     # rounding of an element or a block scale.
     s_enc = div_rn(E4M3_MAX * E2M1_MAX, amax)
@@ -312,9 +317,6 @@ def quantize_nvfp4(
         (div_rn(1.0, s_enc), s_enc * jnp.float32(1.0 / E2M1_MAX))
     )
 
-    x_blk = _to_blocks(x, two_d)
-    axes = _block_axes(two_d)
-    block_amax = jnp.max(jnp.abs(x_blk), axis=axes, keepdims=True)
     s_f32 = jnp.minimum(block_amax * block_enc, jnp.float32(E4M3_MAX))
     # The barrier keeps XLA from folding the f32 -> e4m3 -> f32 round trip below away.
     s_e4m3 = jax.lax.optimization_barrier(s_f32.astype(FP8_E4M3))
@@ -358,17 +360,25 @@ def hadamard16_matrix() -> np.ndarray:
 def _walsh16(v: jax.Array) -> jax.Array:
     """``H16 @ g`` for every trailing group g of 16 (H16 Sylvester, unnormalised), by butterflies.
 
-    Sylvester's H16 is the Kronecker power H2 x H2 x H2 x H2, so viewing the group as a 2x2x2x2
-    array and applying ``(a, b) -> (a + b, a - b)`` along each of those axes is the product. Adds
+    Sylvester's H16 is the Kronecker power H2 x H2 x H2 x H2, so four butterfly stages, one per
+    bit of the index within the group (bit 3 first), compute the product: the element whose
+    bit is 0 becomes ``a + b`` and its partner (the index with that bit set) ``a - b``. Adds
     only: no matmul, hence no TF32/bf16 matmul precision to worry about on GPU.
+
+    Each stage pairs elements by reversing the two halves of every 2 * 2^bit run (a reverse
+    and a select, both element-wise), so XLA fuses the four stages into the ops around them:
+    one pass over memory. Slicing the halves and stacking them again (the first version) made
+    every stage a separate f32 pass: ~60 ms of a 517 ms NVFP4 step of dense-1p3b on an H200.
     """
     lead = v.shape[:-1]
-    t = v.reshape(*lead, 2, 2, 2, 2)
-    for ax in range(-4, 0):
-        a = jnp.take(t, 0, axis=ax)
-        b = jnp.take(t, 1, axis=ax)
-        t = jnp.stack([a + b, a - b], axis=ax)
-    return t.reshape(*lead, 16)
+    lane = np.arange(16)
+    for bit in (3, 2, 1, 0):
+        stride = 1 << bit
+        runs = v.reshape(*lead, 16 // (2 * stride), 2, stride)
+        partner = jnp.flip(runs, axis=-2).reshape(*lead, 16)
+        low = ((lane >> bit) & 1) == 0  # this element is the "a" of its pair
+        v = jnp.where(low, v + partner, partner - v)
+    return v
 
 
 def _grouped(x: jax.Array, axis: int, fn) -> jax.Array:

@@ -212,8 +212,10 @@ def _nvfp4(x, w, options, key):
 
 def _nvfp4_fwd(x, w, options, key):
     opts = dict(options)
-    x_MK = _flat(x)  # kept in its own (BF16) dtype for the wgrad re-quantization
-    qx = F.quantize_nvfp4(x_MK.astype(jnp.float32), two_d=False)
+    # x stays in its own (BF16) dtype, here and in the residuals: the quantizer widens it to
+    # FP32 inside its fusions, so no FP32 copy of an activation is written (same values).
+    x_MK = _flat(x)
+    qx = F.quantize_nvfp4(x_MK, two_d=False)
     # Weights: 16x16 tiles, so W and W^T quantize to the same values and dgrad reuses them.
     two_d = bool(opts["weight_2d"])
     qw_NK = F.quantize_nvfp4(w.T, two_d=two_d)
@@ -225,8 +227,9 @@ def _nvfp4_bwd(options, res, dy):
     opts = dict(options)
     x_MK, w, qw_NK, key = res
     x_dtype = x_MK.dtype
-    x_MK = x_MK.astype(jnp.float32)
-    dy_MN = _flat(dy).astype(jnp.float32)
+    # dY stays BF16 as it arrives: widening it here made XLA write FP32 copies of dY (and of
+    # its transpose) for the three quantizations to read. Each widens inside its own fusion.
+    dy_MN = _flat(dy)
     sr = bool(opts["stochastic_rounding"])
     k_dgrad, k_wgrad = jax.random.split(key) if (sr and key is not None) else (None, None)
 
@@ -237,12 +240,14 @@ def _nvfp4_bwd(options, res, dy):
     dx = nvfp4_gemm_tn(qdy, qw_KN)
 
     # wgrad: contract over tokens; the 16-point Hadamard transform along M spreads outliers
-    # before both operands are quantized (H^T H = I, so the product is unchanged).
+    # before both operands are quantized (H^T H = I, so the product is unchanged). Applied to
+    # the transposed operands along their last axis: the same values as along axis 0 before
+    # transposing, without moving M to the minor axis and back.
+    x_KM, dy_NM = x_MK.T, dy_MN.T
     if opts["rht"]:
-        x_MK = F.hadamard16(x_MK, axis=0)
-        dy_MN = F.hadamard16(dy_MN, axis=0)
-    qxt = F.quantize_nvfp4(x_MK.T)
-    qdyt = F.quantize_nvfp4(dy_MN.T, key=k_wgrad)
+        x_KM, dy_NM = F.hadamard16(x_KM), F.hadamard16(dy_NM)
+    qxt = F.quantize_nvfp4(x_KM)
+    qdyt = F.quantize_nvfp4(dy_NM, key=k_wgrad)
     dw = nvfp4_gemm_tn(qxt, qdyt).astype(jnp.float32)
     return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_dtype), dw, None
 
