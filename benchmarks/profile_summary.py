@@ -47,16 +47,20 @@ def newest_trace(folder: pathlib.Path) -> pathlib.Path:
     return traces[-1]
 
 
-def gpu_kernel_times(trace: dict) -> collections.Counter:
-    """Total microseconds per event name over the processes that are GPU devices."""
+def gpu_kernel_times(trace: dict) -> tuple[collections.Counter, collections.Counter]:
+    """Total microseconds and launch count per event name over the processes that are GPU
+    devices. XLA reuses one compiled kernel for identical fusions, so a name can stand for many
+    launches a step (one per block, say): the count tells one big kernel from many small ones."""
     gpu_pids = {e["pid"] for e in trace["traceEvents"]
                 if e.get("ph") == "M" and e.get("name") == "process_name"
                 and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
     totals: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
     for e in trace["traceEvents"]:
         if e.get("ph") == "X" and e.get("pid") in gpu_pids:
             totals[e["name"]] += float(e.get("dur", 0.0))
-    return totals
+            counts[e["name"]] += 1
+    return totals, counts
 
 
 _HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) .*?metadata=\{([^}]*)\}")
@@ -86,7 +90,7 @@ def main() -> None:
     a = ap.parse_args()
     path = newest_trace(a.folder)
     with gzip.open(path, "rt", encoding="utf-8") as fh:
-        totals = gpu_kernel_times(json.load(fh))
+        totals, counts = gpu_kernel_times(json.load(fh))
     if not totals:
         sys.exit(f"error: {path} holds no GPU events")
     all_ms = sum(totals.values()) / 1e3 / a.steps
@@ -97,10 +101,12 @@ def main() -> None:
     print(f"\n{'kind':<24}{'ms/step':>10}{'share':>8}")
     for kind, us in kinds.most_common():
         print(f"{kind:<24}{us / 1e3 / a.steps:>10.2f}{us / 1e3 / a.steps / all_ms:>8.1%}")
-    print(f"\n{'kernel':<72}{'ms/step':>10}{'share':>8}")
+    print(f"\n{'kernel':<64}{'calls/step':>11}{'us/call':>9}{'ms/step':>10}{'share':>8}")
     origins = hlo_origins(a.hlo) if a.hlo else {}
     for name, us in totals.most_common(a.top):
-        print(f"{name[:71]:<72}{us / 1e3 / a.steps:>10.2f}{us / 1e3 / a.steps / all_ms:>8.1%}")
+        calls = counts[name] / a.steps
+        print(f"{name[:63]:<64}{calls:>11g}{us / counts[name]:>9.1f}"
+              f"{us / 1e3 / a.steps:>10.2f}{us / 1e3 / a.steps / all_ms:>8.1%}")
         if name in origins:
             print(f"    from {origins[name]}")
 

@@ -616,6 +616,15 @@ def test_hadamard16_on_token_axis_preserves_wgrad():
     np.testing.assert_allclose(hx_TK.astype(np.float64).T @ hdy_TN, dw_KN, rtol=0, atol=1e-4)
 
 
+def test_hadamard16_after_transpose_is_bitwise_the_transform_along_axis_0():
+    """The NVFP4 recipe transforms the wgrad operands after transposing them (tokens last): the
+    same float32 operations on the same 16-groups, so the same bits, jitted or not."""
+    x = np.random.default_rng(14).standard_normal((64, 40)).astype(F32)
+    along_0 = np.asarray(F.hadamard16(jnp.asarray(x), axis=0)).T
+    np.testing.assert_array_equal(np.asarray(F.hadamard16(jnp.asarray(x).T)), along_0)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: F.hadamard16(a.T))(x)), along_0)
+
+
 def test_hadamard16_shape_error():
     with pytest.raises(ValueError, match="divisible by 16"):
         F.hadamard16(jnp.ones((8, 24)))

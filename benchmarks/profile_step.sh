@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Profile two steps of a training run and summarise where the GPU time goes, kernel by kernel,
+# each with the JAX operation XLA compiled it from. One call per configuration:
+#   bash benchmarks/profile_step.sh NAME CONFIG [PRECISION] [key=value ...]
+# e.g. bash benchmarks/profile_step.sh hybrid_fp8 configs/hybrid-1b.yaml configs/precision/fp8.yaml
+# Writes OUT_DIR/prof_NAME.txt (OUT_DIR: $OUT, else /tmp/maxfp4-profiles) and, gzipped, the
+# optimized HLO of the step (OUT_DIR/hlo_NAME.txt.gz) for reading fusions and GEMM types.
+# Synthetic data as the configs set it; checkpoints off; steps 5 and 6 traced (1-4 warm up).
+set -uo pipefail
+if [ $# -lt 2 ]; then
+  echo "usage: bash benchmarks/profile_step.sh NAME CONFIG [PRECISION] [key=value ...]" >&2
+  exit 2
+fi
+NAME=$1; shift
+OUT_DIR=${OUT:-/tmp/maxfp4-profiles}
+mkdir -p "$OUT_DIR"
+if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks, as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+DUMP=/tmp/maxfp4-dump-$NAME RUNS=/tmp/maxfp4-runs-$NAME
+rm -rf "$DUMP" "$RUNS"
+XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$DUMP --xla_dump_hlo_as_text" python3 -m maxfp4.train "$@" \
+  train.steps=7 optim.warmup_steps=2 'train.profile_steps=[5,6]' run.output_dir="$RUNS" \
+  checkpoint.enabled=false train.log_every=1 2>&1 | tail -2
+python3 benchmarks/profile_summary.py "$RUNS"/*/profile --steps 2 --top "${TOP:-60}" --hlo "$DUMP" \
+  > "$OUT_DIR/prof_$NAME.txt" 2>&1
+head -12 "$OUT_DIR/prof_$NAME.txt"
+gzip -c "$(ls -S "$DUMP"/*after_optimizations.txt | head -1)" > "$OUT_DIR/hlo_$NAME.txt.gz"
