@@ -5,13 +5,7 @@
 set -uo pipefail
 OUT_DIR=${1:-${OUT:-/tmp/maxfp4-gpu}}
 mkdir -p "$OUT_DIR"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+. benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT_DIR/device.txt"
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
 python3 -m pytest -q -m gpu tests/test_gpu_attention.py 2>&1 | tail -15 | tee "$OUT_DIR/gpu_tests.txt"

@@ -14,13 +14,7 @@ fi
 NAME=$1; shift
 OUT_DIR=${OUT:-/tmp/maxfp4-profiles}
 mkdir -p "$OUT_DIR"
-if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks, as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+. benchmarks/device_env.sh
 DUMP=/tmp/maxfp4-dump-$NAME RUNS=/tmp/maxfp4-runs-$NAME
 rm -rf "$DUMP" "$RUNS"
 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$DUMP --xla_dump_hlo_as_text" python3 -m maxfp4.train "$@" \

@@ -10,10 +10,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # data=2 x fsdp=N/2 of llama3-8b needs more than JAX's default 75% of the GPU's memory to pass the
 # trainer's memory preflight (docs/PERFORMANCE.md, four GPUs).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+. benchmarks/device_env.sh
 BATCH=$((4 * N))
 for model in llama3-8b nemotron-h-8b; do
   for prec in bf16 fp8; do

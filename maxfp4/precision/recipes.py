@@ -226,7 +226,6 @@ def _nvfp4_fwd(x, w, options, key):
 def _nvfp4_bwd(options, res, dy):
     opts = dict(options)
     x_MK, w, qw_NK, key = res
-    x_dtype = x_MK.dtype
     # dY stays BF16 as it arrives: widening it here made XLA write FP32 copies of dY (and of
     # its transpose) for the three quantizations to read. Each widens inside its own fusion.
     dy_MN = _flat(dy)
@@ -249,7 +248,7 @@ def _nvfp4_bwd(options, res, dy):
     qxt = F.quantize_nvfp4(x_KM)
     qdyt = F.quantize_nvfp4(dy_NM, key=k_wgrad)
     dw = nvfp4_gemm_tn(qxt, qdyt).astype(jnp.float32)
-    return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_dtype), dw, None
+    return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_MK.dtype), dw, None
 
 
 _nvfp4.defvjp(_nvfp4_fwd, _nvfp4_bwd)
