@@ -67,8 +67,10 @@ def _write_run_files(cfg: Config, run_dir: str, table: str) -> None:
         fh.write(table + "\n")
 
 
-def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation, policy=None):
-    """Initialise the train state directly into its shardings (no full copy on one device)."""
+def state_maker(cfg: Config, mesh, optimizer: optax.GradientTransformation, policy=None):
+    """``(make, state_shardings)``: ``make(key)`` builds the train state; jitted with
+    ``out_shardings=state_shardings`` it initialises each shard in place, and under
+    ``jax.eval_shape`` it gives the state's shapes without allocating it."""
     policy = policy or resolve_policy(cfg.precision, cfg.model.n_layers)
     model = get_model(cfg.model)
     axes = model.param_axes(cfg.model)
@@ -92,7 +94,13 @@ def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation, polic
                           precision=init_precision_state(policy, model.block_layer_classes),
                           guard=init_guard_state(cfg.resilience.spike_window))
 
-    state = jax.jit(make, out_shardings=state_sh)(key)
+    return make, state_sh
+
+
+def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation, policy=None):
+    """Initialise the train state directly into its shardings (no full copy on one device)."""
+    make, state_sh = state_maker(cfg, mesh, optimizer, policy)
+    state = jax.jit(make, out_shardings=state_sh)(jax.random.key(cfg.run.seed))
     return state, state_sh
 
 

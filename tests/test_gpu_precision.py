@@ -1,6 +1,6 @@
 """On GPU: the FP8 recipes compile all three GEMMs of a linear layer to cuBLASLt FP8 GEMMs with
-the fast operand layout (both operands contracting on their minor dimension, "TN")."""
-
+the fast operand layout (both operands contracting on their minor dimension, "TN"), and the
+scale arithmetic (div_rn, the NVFP4 quantizer) gives the CPU's bits."""
 import json
 import re
 
@@ -50,3 +50,33 @@ def test_all_three_gemms_are_cublaslt_fp8_tn(recipe):
     cpu = [np.asarray(a, np.float32) for a in jax.jit(layer)(*(jax.device_put(a, cpu_dev) for a in (x, w, dy)))]
     for g, c in zip(gpu, cpu):
         assert np.linalg.norm(g - c) <= 1e-2 * np.linalg.norm(c)
+
+
+def test_div_rn_and_nvfp4_on_gpu_match_ieee_and_the_cpu_bitwise():
+    """The scale arithmetic is backend-independent: div_rn on the GPU is NumPy's IEEE float32
+    division bit for bit (where XLA's own GPU division is up to 2 ulp off), and quantize_nvfp4
+    (scales, elements, stochastic rounding with the same key) gives the CPU's bits."""
+    from maxfp4.precision import formats as F
+
+    rng = np.random.default_rng(5)
+    n = 1_000_000
+    a = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-60, 60, n)).astype(np.float32)
+    b = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-60, 60, n)).astype(np.float32)
+    a[: n // 4] = 1.0
+    gpu, cpu = jax.devices("gpu")[0], jax.devices("cpu")[0]
+    got = np.asarray(jax.jit(F.div_rn)(jax.device_put(a, gpu), jax.device_put(b, gpu)))
+    np.testing.assert_array_equal(got.view(np.uint32), (a / b).view(np.uint32))
+
+    x = (rng.standard_normal((256, 512)) * np.exp(rng.standard_normal((256, 1)))).astype(np.float32)
+    key = jax.random.key(3)
+
+    def bits(q):
+        return (np.asarray(q.elements.astype(jnp.float32)), np.asarray(q.block_scales.astype(jnp.float32)),
+                np.asarray(q.global_decode_scale))
+
+    for two_d, k in ((False, None), (True, None), (False, key)):
+        quantize = jax.jit(lambda x, k: F.quantize_nvfp4(x, two_d=two_d, key=k))
+        on_gpu = bits(quantize(*jax.device_put((x, k), gpu)))
+        on_cpu = bits(quantize(*jax.device_put((x, k), cpu)))
+        for g, c in zip(on_gpu, on_cpu):
+            np.testing.assert_array_equal(g, c)
