@@ -20,7 +20,7 @@ from maxfp4.errors import UserError, exit_code_of
 from maxfp4.mesh import resolve_mesh_shape
 from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, block_linear_params, attention_flops_per_token,
                             matmul_params, ssd_flops_per_token)
-from maxfp4.model import get_model
+from maxfp4.model import get_model, linear_shapes
 
 PRECISIONS = ("bf16", "fp8", "nvfp4")
 
@@ -50,6 +50,7 @@ OPTIMIZER_TRAFFIC_BYTES = 4 * 4 + 3 * 4
 # Activations kept for the backward pass, bytes per token per block (BF16, flash attention).
 ACT_BYTES_NO_REMAT = 34  # x d_model
 ACT_BYTES_FULL_REMAT = 2  # x d_model: only the block input
+GEMM_OUT_BYTES = 2  # per output feature: train.remat=save_gemm keeps each linear layer's BF16 output
 LOGIT_BYTES = 4  # x vocab per token: FP32 logits in the loss
 # The emulated NVFP4 policy keeps the last 15% of blocks in BF16 (configs/precision/nvfp4.yaml).
 NVFP4_BF16_TAIL = 0.15
@@ -130,10 +131,15 @@ def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, prec
     largest_block = max(sum(b.values()) for b in blocks)
     working = max(largest_block * WORKING_BYTES[precision], m.d_model * m.vocab_size * 2) / tensor
     tokens = _tokens_per_device(cfg, mesh) / cfg.train.microbatches
-    per_block = ACT_BYTES_NO_REMAT if remat == "none" else ACT_BYTES_FULL_REMAT
-    acts = tokens * m.d_model * per_block * len(blocks) / tensor
-    if remat == "full":  # the block being recomputed holds its full activations
-        acts += tokens * m.d_model * ACT_BYTES_NO_REMAT / tensor
+    if remat == "none":
+        per_token = ACT_BYTES_NO_REMAT * m.d_model * len(blocks)
+    else:
+        per_token = ACT_BYTES_FULL_REMAT * m.d_model * len(blocks)
+        if remat == "save_gemm":  # plus each linear layer's output (attention's output included)
+            out = {c: n for c, (_, n) in linear_shapes(m).items()}
+            per_token += GEMM_OUT_BYTES * sum(out[c] + m.d_model * (c == "attn_qkv") for b in blocks for c in b)
+        per_token += ACT_BYTES_NO_REMAT * m.d_model  # the block being recomputed holds its activations
+    acts = tokens * per_token / tensor
     logits = tokens * m.vocab_size * LOGIT_BYTES / tensor
     return {"master": params * MASTER_BYTES / shards, "adam": params * ADAM_BYTES / shards,
             "grads": params * GRAD_BYTES / shards, "working_copy": working,
@@ -143,14 +149,16 @@ def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, prec
 # ----------------------------------------------------------------------------- time
 
 
-def _non_gemm_bytes_per_token(m: ModelConfig) -> float:
+def _non_gemm_bytes_per_token(m: ModelConfig, recompute: bool = False) -> float:
     """Elementwise traffic (norms, residuals, RoPE, gates, conv, softmax of the loss): a block
     reads and writes about 10 x d_model + 3 x its widest intermediate BF16 values forward, and
-    the backward pass moves twice that; the loss moves the FP32 logits about 4 times."""
+    the backward pass moves twice that (with remat, the forward's share once more); the loss
+    moves the FP32 logits about 4 times."""
+    passes = 4 if recompute else 3
     total = 0.0
     for block in block_linear_params(m):
         wide = max(v for v in block.values()) / m.d_model
-        total += 3 * 2 * (10 * m.d_model + 3 * wide)
+        total += passes * 2 * (10 * m.d_model + 3 * wide)
     return total + 4 * LOGIT_BYTES * m.vocab_size
 
 
@@ -187,9 +195,12 @@ def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, fl
     if utilisation is not None:
         peak = datasheet_tflops(gpu, precision) * 1e12
         return tokens * (fast / (utilisation * peak) + slow / (utilisation * datasheet_tflops(gpu, "bf16") * 1e12))
+    if cfg.train.remat == "full":  # the blocks' forward runs again: a third of their FLOPs
+        lm_head = flops["lm_head"]
+        fast, slow = fast * 4 / 3, lm_head + (slow - lm_head) * 4 / 3
     gemm = tokens * (fast / (gemm_tflops(gpu, precision) * 1e12) + slow / (gemm_tflops(gpu, "bf16") * 1e12))
     hbm = GPUS[gpu]["hbm_tbs"] * 1e12
-    elementwise = tokens * _non_gemm_bytes_per_token(cfg.model) / hbm
+    elementwise = tokens * _non_gemm_bytes_per_token(cfg.model, recompute=cfg.train.remat != "none") / hbm
     optimizer = params / (mesh[1] * mesh[2]) * OPTIMIZER_TRAFFIC_BYTES / hbm
     return gemm + elementwise + optimizer
 

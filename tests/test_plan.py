@@ -77,6 +77,38 @@ def test_full_remat_saves_activation_memory():
     assert full < none / 5
 
 
+def test_save_gemm_keeps_the_linear_outputs_between_full_and_no_remat():
+    cfg = load_config("configs/dense-1p3b.yaml")
+    params = plan.param_count(cfg.model)
+    act = {r: plan.memory_per_device(cfg, (1, 1, 1), params, "bf16", r)["activations"]
+           for r in ("none", "save_gemm", "full")}
+    m = cfg.model
+    # qkv (q + 2 kv heads), the attention op's output, its projection, gated MLP up
+    # (2 x d_ff), down: BF16 per token
+    saved = 2 * ((m.n_heads + 2 * m.n_kv_heads) * m.resolved_head_dim + m.d_model + m.d_model
+                 + 2 * m.d_ff + m.d_model)
+    tokens = cfg.data.global_batch * cfg.data.seq_len
+    assert act["save_gemm"] - act["full"] == pytest.approx(tokens * m.n_layers * saved)
+    assert act["full"] < act["save_gemm"] < act["none"]
+
+
+def test_full_remat_costs_one_more_forward_of_the_blocks():
+    """Full remat adds the blocks' forward FLOPs (a third of their training FLOPs, the LM head
+    excluded) at the BF16 GEMM rate; save_gemm and full both re-run the forward's element-wise
+    passes, so they differ by exactly that GEMM time."""
+    times = {}
+    for remat in ("none", "save_gemm", "full"):
+        cfg = load_config("configs/dense-1p3b.yaml", [f"train.remat={remat}"])
+        flops = plan.flops_by_block_type(cfg.model, cfg.data.seq_len)
+        params = plan.param_count(cfg.model)
+        times[remat] = plan.compute_seconds(cfg, (1, 1, 1), flops, params, "bf16", "h200", None)
+    tokens = cfg.data.global_batch * cfg.data.seq_len
+    block_flops = sum(flops.values()) - flops["lm_head"]
+    forward = tokens * block_flops / 3 / (plan.gemm_tflops("h200", "bf16") * 1e12)
+    assert times["full"] - times["save_gemm"] == pytest.approx(forward, rel=1e-9)
+    assert times["none"] < times["save_gemm"] < times["full"]
+
+
 def test_json_output(capsys):
     code = plan.main(["configs/llama3-8b.yaml", "--gpus", "16", "--gpu", "h100", "--tokens", "15e12", "--json"])
     assert code == 0
