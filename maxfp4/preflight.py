@@ -202,19 +202,14 @@ def check_output(cfg: Config, n_params: int, precision_bytes: int) -> Check:
 
 
 def memory_per_device(cfg: Config, n_params: int, mesh_shape: dict[str, int]) -> float:
-    """Rough bytes per device: FP32 weights, gradients and two Adam moments split over fsdp x
-    tensor; activations saved for the backward pass (~34 bytes per token and model dimension per
-    block in mixed precision without remat, Korthikanti et al. 2022; the block inputs in BF16 plus
-    one block's worth with full remat) and FP32 logits with their gradient, over the local rows."""
-    m, d = cfg.model, cfg.data
-    model_split = mesh_shape["fsdp"] * mesh_shape["tensor"]
-    rows = d.global_batch / cfg.train.microbatches / (mesh_shape["data"] * mesh_shape["fsdp"])
-    tokens = rows * d.seq_len
-    per_block = 34 * tokens * m.d_model / mesh_shape["tensor"]
-    blocks = m.n_layers if cfg.train.remat == "none" else 1
-    saved_inputs = 0 if cfg.train.remat == "none" else 2 * tokens * m.d_model * m.n_layers
-    logits = 2 * 4 * tokens * m.vocab_size / mesh_shape["tensor"]
-    return 16 * n_params / model_split + per_block * blocks + saved_inputs + logits
+    """Bytes per device by the planner's memory model (``maxfp4.plan.memory_per_device``: state
+    over fsdp x tensor, one block's working weights, activations by ``train.remat``, FP32 logits;
+    docs/PLANNING.md gives it with its calibration against measured peaks). The working copy is
+    taken in BF16, the widest a policy uses: it is one block's weights, so the recipe barely
+    moves the total."""
+    from maxfp4.plan import memory_per_device as planned
+    mesh = (mesh_shape["data"], mesh_shape["fsdp"], mesh_shape["tensor"])
+    return sum(planned(cfg, mesh, n_params, "bf16", cfg.train.remat).values())
 
 
 def check_memory(cfg: Config, devices: Sequence[jax.Device], n_params: int, mesh_shape: dict[str, int]) -> Check:
