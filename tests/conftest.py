@@ -1,10 +1,21 @@
-"""Test setup: 8 virtual CPU devices for mesh tests (must happen before JAX starts)."""
+"""Test setup (before JAX starts): 8 virtual CPU devices for mesh tests, and one persistent
+compilation cache for the session, shared with the training processes the tests start (through
+the environment), so a rerun or resume of the same config loads its step instead of compiling
+it again."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="maxfp4-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
