@@ -112,6 +112,9 @@ class TrainConfig:
     steps: int = 100
     log_every: int = 10
     microbatches: int = 1  # gradient accumulation: global_batch is split into this many
+    # the LM head and loss over this many slices of the sequence, each recomputed in the backward
+    # pass: 1/loss_chunks of the [B, T, V] logits live at once (maxfp4.model.decoder.chunked_loss_sum)
+    loss_chunks: int = 1
     remat: str = "none"  # none | full | save_gemm (maxfp4.model.remat)
     # one lax.scan per run of identical blocks (compile time flat in depth), or false: blocks
     # unrolled (no stacked residual buffers; longer compiles) -- maxfp4.model.layer_loop
@@ -534,6 +537,8 @@ def validate(cfg: Config) -> None:
     _require(t.microbatches >= 1, "train.microbatches", t.microbatches, "an integer >= 1")
     _require(d.global_batch % t.microbatches == 0, "train.microbatches", t.microbatches,
              f"a divisor of data.global_batch={d.global_batch}")
+    _require(t.loss_chunks >= 1 and d.seq_len % t.loss_chunks == 0, "train.loss_chunks", t.loss_chunks,
+             f"an integer >= 1 dividing data.seq_len={d.seq_len}")
     _require(t.remat in REMAT_POLICIES, "train.remat", t.remat, f"one of {', '.join(REMAT_POLICIES)}")
     _require(t.profile_steps == () or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
              "train.profile_steps", list(t.profile_steps), "[] or [first, last] with 1 <= first <= last")

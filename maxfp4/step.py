@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxfp4.config import Config
+from maxfp4.config import Config, ConfigError
 from maxfp4.faults import poison_gradients
 from maxfp4.guard import guard_metrics, judge
 from maxfp4.model import get_model
-from maxfp4.model.decoder import token_losses
+from maxfp4.model.decoder import chunked_loss_sum, token_losses
 from maxfp4.precision import PrecisionPolicy
 from maxfp4.precision.state import scales_of, update_precision_state
 from maxfp4.state import TrainState
@@ -27,16 +27,30 @@ from maxfp4.state import TrainState
 Batch = dict[str, jax.Array]
 
 
+def check_loss_chunks(cfg: Config, policy: PrecisionPolicy) -> None:
+    """train.loss_chunks > 1 computes the LM head a slice of the sequence at a time, which only
+    keeps the recipe's arithmetic when the head is BF16 (no tensor-wide scale or amax)."""
+    chunks, recipe = cfg.train.loss_chunks, policy.recipe_for("lm_head", None)
+    if chunks > 1 and recipe != "bf16":
+        raise ConfigError(f"train.loss_chunks={chunks}: needs the lm_head layer class in bf16, the "
+                          f"precision policy gives it {recipe!r} (its scales span the whole tensor)")
+
+
 def make_loss_fn(cfg: Config, policy: PrecisionPolicy, constrain: Callable) -> Callable:
     forward = get_model(cfg.model).forward
+    chunks = cfg.train.loss_chunks
+    check_loss_chunks(cfg, policy)
 
     def loss_fn(params: Any, scales: Any, batch: Batch, key: jax.Array, denom: jax.Array) -> jax.Array:
         """Summed token loss of ``batch`` divided by ``denom`` (FP32)."""
-        logits_BTV = forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
-                             cfg=cfg.model, policy=policy, scales=scales, key=key,
-                             remat=cfg.train.remat, scan_layers=cfg.train.scan_layers, constrain=constrain)
+        out = forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
+                      cfg=cfg.model, policy=policy, scales=scales, key=key, remat=cfg.train.remat,
+                      scan_layers=cfg.train.scan_layers, constrain=constrain, logits=chunks == 1)
         mask_BT = batch["loss_mask"].astype(jnp.float32)
-        return jnp.sum(token_losses(logits_BTV, batch["targets"]) * mask_BT) / denom
+        if chunks == 1:
+            return jnp.sum(token_losses(out, batch["targets"]) * mask_BT) / denom
+        return chunked_loss_sum(params, out, batch["targets"], mask_BT, chunks, cfg=cfg.model,
+                                policy=policy, scales=scales, key=key, constrain=constrain) / denom
     return loss_fn
 
 

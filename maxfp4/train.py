@@ -41,7 +41,7 @@ from maxfp4.preflight import preflight_summary
 from maxfp4.resilience import InjectedFault, PreemptionWatch, write_crash_report
 from maxfp4.rollback import Diverged, Rollbacks
 from maxfp4.state import TrainState
-from maxfp4.step import make_train_step
+from maxfp4.step import check_loss_chunks, make_train_step
 from maxfp4.stragglers import StragglerMonitor
 from maxfp4.watchdog import HangWatchdog
 
@@ -114,6 +114,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     block_classes = get_model(cfg.model).block_layer_classes
     model_classes = set(block_classes) | {"lm_head"}
     check_block_divisibility(policy, {c: s for c, s in linear_shapes(cfg.model).items() if c in model_classes})
+    check_loss_chunks(cfg, policy)
     table = policy.format_table(block_classes)
     mesh = make_mesh(cfg.mesh, devices)
     check_model_fits_mesh(cfg.model, mesh)

@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from maxfp4.config import ConfigError
 from maxfp4.mesh import batch_sharding, make_constrain, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
@@ -81,13 +82,14 @@ def test_microbatches_equal_full_batch(tiny_cfg):
 
 
 @pytest.mark.parametrize("kind,recipe,variants", [
-    ("dense", "bf16", ("full", "save_gemm", "unrolled")),
+    ("dense", "bf16", ("full", "save_gemm", "unrolled", "loss_chunks")),
     ("hybrid", "fp8_current", ("full", "save_gemm")),
-    ("hybrid", "bf16", ("unrolled",)),
+    ("hybrid", "bf16", ("unrolled", "loss_chunks")),
 ])
 def test_remat_policies_and_unrolled_layers_give_the_same_gradients(tiny_cfg, kind, recipe, variants):
-    """Recomputing activations, or running the blocks unrolled instead of scanned, must not
-    change the math: every variant's gradients match the scanned no-remat gradients. (Unrolled
+    """Recomputing activations, running the blocks unrolled instead of scanned, or the LM head
+    and loss over 4 slices of the sequence must not change the math: every variant's gradients
+    match the scanned no-remat gradients. (Unrolled
     FP8 is not compared: cross-block fusion moves BF16 roundings, which move FP8 scales.)
     Recomputed BF16 chains may fuse differently, so the bound is 1e-2 relative L2 per leaf
     (BF16 rounding), and the loss matches to 1e-5 relative (1e-4 unrolled: XLA then fuses
@@ -95,7 +97,8 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(tiny_cfg, ki
     extra = ["model.kind=hybrid", "model.pattern=M*-", "model.mamba.d_state=8", "model.mamba.head_dim=16",
              "model.mamba.chunk_size=8"] if kind == "hybrid" else []
     overrides_of = {"none": ["train.remat=none"], "full": ["train.remat=full"],
-                    "save_gemm": ["train.remat=save_gemm"], "unrolled": ["train.scan_layers=false"]}
+                    "save_gemm": ["train.remat=save_gemm"], "unrolled": ["train.scan_layers=false"],
+                    "loss_chunks": ["train.loss_chunks=4"]}
     results = {}
     for name in ("none", *variants):
         overrides = overrides_of[name]
@@ -112,3 +115,25 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(tiny_cfg, ki
         assert abs(loss - loss0) <= (1e-4 if name == "unrolled" else 1e-5) * abs(loss0), name
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
             assert _rel(a, b) <= 1e-2, (name, _rel(a, b))
+
+
+def test_loss_chunks_keep_one_slice_of_logits_and_refuse_a_quantized_head(tiny_cfg):
+    """With a vocabulary much wider than the model, the [B, T, V] logits and their gradient are
+    most of the step's temporary memory; over 8 slices of the sequence the compiled gradient
+    needs less than half of it. A quantized LM head (its scales span the whole tensor) and a
+    slice count that does not divide data.seq_len are refused, naming the key."""
+    temp = {}
+    for chunks in (1, 8):
+        cfg = tiny_cfg("model.vocab_size=8192", "data.seq_len=256", f"train.loss_chunks={chunks}")
+        mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+        state, _ = init_state(cfg, mesh, make_optimizer(cfg))
+        loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), make_constrain(mesh))
+        grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, {}, b, jax.random.key(0), 1.0)))
+        temp[chunks] = grad.lower(state.params, _batch(cfg)).compile().memory_analysis().temp_size_in_bytes
+    logits_bytes = 8 * 256 * 8192 * 2  # B x T x V in BF16
+    assert temp[1] > 2 * logits_bytes and temp[8] < temp[1] / 2, temp
+    cfg = tiny_cfg("train.loss_chunks=2", "precision.default=fp8_delayed")
+    with pytest.raises(ConfigError, match=r"train\.loss_chunks=2: needs the lm_head layer class in bf16"):
+        make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), lambda x, axes: x)
+    with pytest.raises(ConfigError, match=r"train\.loss_chunks"):
+        tiny_cfg("train.loss_chunks=3")

@@ -87,7 +87,7 @@ def _block(x_BTD: jax.Array, p: Params, positions_BT: jax.Array, segment_ids_BT:
 def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
             *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
             key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
-            constrain=lambda x, axes: x) -> jax.Array:
+            constrain=lambda x, axes: x, logits: bool = True) -> jax.Array:
     """Logits [B, T, V] in BF16.
 
     ``scales``: the delayed-scaling scales (:func:`maxfp4.precision.state.scales_of`); ``key``
@@ -95,14 +95,17 @@ def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segme
     """
     x_BTD = jnp.take(params["embed"], inputs_BT, axis=0).astype(ACT_DTYPE)
     return forward_embedded(params, x_BTD, positions_BT, segment_ids_BT, cfg=cfg, policy=policy,
-                            scales=scales, key=key, remat=remat, scan_layers=scan_layers, constrain=constrain)
+                            scales=scales, key=key, remat=remat, scan_layers=scan_layers, constrain=constrain,
+                            logits=logits)
 
 
 def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
                      segment_ids_BT: jax.Array, *, cfg: ModelConfig, policy: PrecisionPolicy,
                      scales: dict | None = None, key: jax.Array | None = None,
-                     remat: str = "none", scan_layers: bool = True, constrain=lambda x, axes: x) -> jax.Array:
-    """The model after the embedding lookup (separate so tests can differentiate by position)."""
+                     remat: str = "none", scan_layers: bool = True, constrain=lambda x, axes: x,
+                     logits: bool = True) -> jax.Array:
+    """The model after the embedding lookup (separate so tests can differentiate by position).
+    ``logits=False`` returns the last block's output [B, T, D] instead of the logits."""
     attn_impl = resolve_implementation(cfg.attention)
     scales = scales or {}
     key = jax.random.key(0) if key is None else key
@@ -124,6 +127,8 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
 
         body = remat_body(body, remat)
         x_BTD = run_layers(body, x_BTD, (group, group_scales, group_keys), end - start, scan=scan_layers)
+    if not logits:  # the last block's output, for a loss that applies the head itself
+        return x_BTD
     return output_logits(params, x_BTD, cfg=cfg, policy=policy, scales=scales, key=key, constrain=constrain)
 
 
@@ -154,3 +159,32 @@ def _token_losses_bwd(res, g_BT):
 
 
 token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
+
+
+def chunked_loss_sum(params: Params, x_BTD: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array,
+                     chunks: int, *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict,
+                     key: jax.Array, constrain=lambda x, axes: x) -> jax.Array:
+    """``sum(token_losses(output_logits(x)) * mask)`` over ``chunks`` slices of the sequence at
+    a time (``train.loss_chunks``): one slice's [B, T/chunks, V] logits live at once, and the
+    backward pass recomputes each slice's LM head instead of keeping the logits, which costs a
+    third more LM-head FLOPs. The head must be BF16 (``check_loss_chunks``): a quantized head's
+    scales and amaxes span the whole tensor."""
+    b, t, d = x_BTD.shape
+    tc = t // chunks
+
+    def per_chunk(x_BcD, targets_Bc, mask_Bc):
+        x_BcD = constrain(x_BcD, ("batch", "seq", "embed"))
+        logits = output_logits(params, x_BcD, cfg=cfg, policy=policy, scales=scales, key=key,
+                               constrain=constrain)
+        return jnp.sum(token_losses(logits, targets_Bc) * mask_Bc)
+
+    per_chunk = jax.checkpoint(per_chunk)
+
+    def body(total, xs):
+        return total + per_chunk(*xs), None
+
+    def split(a):  # [B, T, ...] -> [chunks, B, T / chunks, ...]
+        return jnp.swapaxes(a.reshape(b, chunks, tc, *a.shape[2:]), 0, 1)
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x_BTD), split(targets_BT), split(mask_BT)))
+    return total

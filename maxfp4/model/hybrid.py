@@ -126,16 +126,17 @@ def _block(ch: str, x_BTD, p, positions_BT, segment_ids_BT, cfg: ModelConfig, lp
 def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
             *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
             key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
-            constrain=lambda x, axes: x) -> jax.Array:
+            constrain=lambda x, axes: x, logits: bool = True) -> jax.Array:
     x_BTD = jnp.take(params["embed"], inputs_BT, axis=0).astype(ACT_DTYPE)
     return forward_embedded(params, x_BTD, positions_BT, segment_ids_BT, cfg=cfg, policy=policy,
-                            scales=scales, key=key, remat=remat, scan_layers=scan_layers, constrain=constrain)
+                            scales=scales, key=key, remat=remat, scan_layers=scan_layers, constrain=constrain,
+                            logits=logits)
 
 
 def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
                      *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
                      key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
-                     constrain=lambda x, axes: x) -> jax.Array:
+                     constrain=lambda x, axes: x, logits: bool = True) -> jax.Array:
     attn_impl = resolve_implementation(cfg.attention)
     scales = scales or {}
     block_scales = scales.get("blocks", {})
@@ -168,4 +169,6 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, 
 
         body = remat_body(body, remat)
         x_BTD = run_layers(body, x_BTD, xs, reps, scan=scan_layers)
+    if not logits:  # the last block's output, for a loss that applies the head itself
+        return x_BTD
     return output_logits(params, x_BTD, cfg=cfg, policy=policy, scales=scales, key=key, constrain=constrain)
