@@ -140,7 +140,7 @@ def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, prec
             per_token += GEMM_OUT_BYTES * sum(out[c] + m.d_model * (c == "attn_qkv") for b in blocks for c in b)
         per_token += ACT_BYTES_NO_REMAT * m.d_model  # the block being recomputed holds its activations
     acts = tokens * per_token / tensor
-    logits = tokens * m.vocab_size * LOGIT_BYTES / tensor
+    logits = tokens * m.vocab_size * LOGIT_BYTES / tensor / cfg.train.loss_chunks
     return {"master": params * MASTER_BYTES / shards, "adam": params * ADAM_BYTES / shards,
             "grads": params * GRAD_BYTES / shards, "working_copy": working,
             "activations": acts, "logits": logits}
@@ -195,9 +195,11 @@ def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, fl
     if utilisation is not None:
         peak = datasheet_tflops(gpu, precision) * 1e12
         return tokens * (fast / (utilisation * peak) + slow / (utilisation * datasheet_tflops(gpu, "bf16") * 1e12))
+    lm_head = flops["lm_head"]
     if cfg.train.remat == "full":  # the blocks' forward runs again: a third of their FLOPs
-        lm_head = flops["lm_head"]
         fast, slow = fast * 4 / 3, lm_head + (slow - lm_head) * 4 / 3
+    if cfg.train.loss_chunks > 1:  # each slice's LM head runs again in the backward pass
+        slow += lm_head / 3
     gemm = tokens * (fast / (gemm_tflops(gpu, precision) * 1e12) + slow / (gemm_tflops(gpu, "bf16") * 1e12))
     hbm = GPUS[gpu]["hbm_tbs"] * 1e12
     elementwise = tokens * _non_gemm_bytes_per_token(cfg.model, recompute=cfg.train.remat != "none") / hbm

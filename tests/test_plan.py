@@ -165,3 +165,17 @@ def test_results_file_without_utilisation_is_refused(tmp_path, capsys):
     args = ["configs/quickstart.yaml", "--gpus", "1", "--gpu", "h100", "--tokens", "1e9", "--mfu-from", str(bad)]
     assert plan.main(args) == 2
     assert "mfu" in capsys.readouterr().err
+
+
+def test_loss_chunks_divide_the_logits_and_rerun_the_head_forward():
+    rows = {}
+    for chunks in (1, 4):
+        cfg = load_config("configs/dense-1p3b.yaml", [f"train.loss_chunks={chunks}"])
+        flops = plan.flops_by_block_type(cfg.model, cfg.data.seq_len)
+        params = plan.param_count(cfg.model)
+        rows[chunks] = (plan.memory_per_device(cfg, (1, 1, 1), params, "bf16", "none")["logits"],
+                        plan.compute_seconds(cfg, (1, 1, 1), flops, params, "bf16", "h200", None))
+    tokens = cfg.data.global_batch * cfg.data.seq_len
+    head_forward = tokens * 2 * cfg.model.d_model * cfg.model.vocab_size / (plan.gemm_tflops("h200", "bf16") * 1e12)
+    assert rows[4][0] == pytest.approx(rows[1][0] / 4)
+    assert rows[4][1] - rows[1][1] == pytest.approx(head_forward, rel=1e-9)
