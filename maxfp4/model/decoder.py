@@ -169,7 +169,7 @@ def chunked_loss_sum(params: Params, x_BTD: jax.Array, targets_BT: jax.Array, ma
     backward pass recomputes each slice's LM head instead of keeping the logits, which costs a
     third more LM-head FLOPs. The head must be BF16 (``check_loss_chunks``): a quantized head's
     scales and amaxes span the whole tensor."""
-    b, t, d = x_BTD.shape
+    b, t = x_BTD.shape[:2]
     tc = t // chunks
 
     def per_chunk(x_BcD, targets_Bc, mask_Bc):
@@ -183,8 +183,9 @@ def chunked_loss_sum(params: Params, x_BTD: jax.Array, targets_BT: jax.Array, ma
     def body(total, xs):
         return total + per_chunk(*xs), None
 
-    def split(a):  # [B, T, ...] -> [chunks, B, T / chunks, ...]
-        return jnp.swapaxes(a.reshape(b, chunks, tc, *a.shape[2:]), 0, 1)
+    def split(a):  # [B, T, ...] -> [chunks, B, T / chunks, ...], still sharded over B
+        a = jnp.swapaxes(a.reshape(b, chunks, tc, *a.shape[2:]), 0, 1)
+        return constrain(a, (None, "batch", "seq", "embed")[:a.ndim])
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x_BTD), split(targets_BT), split(mask_BT)))
     return total
