@@ -121,3 +121,27 @@ def test_block_scaled_recipe_on_untileable_layer_fails_before_compiling(tmp_path
     with pytest.raises(ConfigError, match="recipe nvfp4 on mamba_in needs its features"):
         train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
     assert not os.path.exists(tmp_path / "hybrid-tiny")  # nothing written
+
+
+def test_unrolled_blocks_recompute_what_the_remat_policy_does_not_save():
+    """With unrolled blocks, save_gemm must really recompute the element-wise forward (the SSD's
+    decays, SiLU, softmax) in the backward pass instead of XLA merging the recomputation into
+    the forward values, which keeps every residual alive. Counted on the compiled gradient by its
+    exponentials: save_gemm recomputes (nearly) all that full remat does (every exponential is
+    element-wise work, which save_gemm does not keep)."""
+    import re
+
+    cfg, model, params, policy = _setup()
+    T = 64
+    tok = jnp.zeros((2, T), jnp.int32)
+    pos, seg = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (2, T)), jnp.ones((2, T), jnp.int32)
+    exps = {}
+    for remat in ("none", "save_gemm", "full"):
+        def loss(p, remat=remat):
+            logits = model.forward(p, tok, pos, seg, cfg=cfg.model, policy=policy, remat=remat, scan_layers=False)
+            return jnp.sum(logits.astype(jnp.float32))
+        hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+        exps[remat] = len(re.findall(r" exponential\(", hlo))
+    recomputed_by_full = exps["full"] - exps["none"]
+    assert recomputed_by_full > 0, exps
+    assert exps["save_gemm"] - exps["none"] >= 0.8 * recomputed_by_full, exps

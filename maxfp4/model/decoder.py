@@ -125,7 +125,7 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
             y = _block(x, p, positions_BT, segment_ids_BT, cfg, lp, attn_impl)
             return constrain(y, ("batch", "seq", "embed")), None
 
-        body = remat_body(body, remat)
+        body = remat_body(body, remat, scanned=scan_layers)
         x_BTD = run_layers(body, x_BTD, (group, group_scales, group_keys), end - start, scan=scan_layers)
     if not logits:  # the last block's output, for a loss that applies the head itself
         return x_BTD

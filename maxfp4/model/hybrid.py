@@ -167,7 +167,7 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, 
                               ("batch", "seq", "embed"))
             return x, None
 
-        body = remat_body(body, remat)
+        body = remat_body(body, remat, scanned=scan_layers)
         x_BTD = run_layers(body, x_BTD, xs, reps, scan=scan_layers)
     if not logits:  # the last block's output, for a loss that applies the head itself
         return x_BTD
