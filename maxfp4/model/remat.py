@@ -49,7 +49,7 @@ def remat_body(body: Callable, remat: str, *, scanned: bool = True) -> Callable:
     recomputation needs no barrier (``prevent_cse=False``, cheaper). Unrolled blocks need it:
     without it XLA merged them, and the remat policy saved nothing. (An H200 build of hybrid-1b
     with unrolled blocks and save_gemm ran each Mamba-2 forward kernel once, as without remat,
-    and peaked at 59 GiB against 43 GiB scanned.)
+    and peaked at 63 GiB against 43 GiB scanned.)
     """
     if remat == "none":
         return body
