@@ -94,3 +94,31 @@ def test_compiled_gated_norm_kernel_matches_reference():
     g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * dout), argnums=range(5)))(*args)
     for name, a, r in zip(("y", "xbc", "zxbcdt", "D", "scale"), g_got, g_ref):
         assert _rel(a, r) < 1e-5, name
+
+
+def test_unrolled_save_gemm_runs_the_forward_kernels_again_in_the_backward_pass():
+    """With unrolled blocks and train.remat=save_gemm, the compiled gradient launches each
+    Mamba-2 forward kernel twice per block (forward, then recomputed for the backward pass); with
+    remat none, once. (Before the recomputation had its barrier, XLA merged the two.)"""
+    import re
+
+    from maxfp4.config import load_config
+    from maxfp4.model import get_model
+    from maxfp4.precision import resolve_policy
+
+    cfg = load_config("configs/hybrid-tiny.yaml", ["model.mamba.kernels=pallas", "model.mamba.head_dim=16",
+                                                   "model.mamba.chunk_size=16"])
+    model = get_model(cfg.model)
+    params = model.init_params(cfg.model, jax.random.key(0))
+    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+    t = cfg.data.seq_len
+    tok = jnp.zeros((2, t), jnp.int32)
+    pos, seg = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (2, t)), jnp.ones((2, t), jnp.int32)
+    launches = {}
+    for remat in ("none", "save_gemm"):
+        def loss(p, remat=remat):
+            logits = model.forward(p, tok, pos, seg, cfg=cfg.model, policy=policy, remat=remat, scan_layers=False)
+            return jnp.sum(logits.astype(jnp.float32))
+        hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+        launches[remat] = len(re.findall(r'name = "_forward_kernel', hlo))
+    assert launches["none"] > 0 and launches["save_gemm"] == 2 * launches["none"], launches
