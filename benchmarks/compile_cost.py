@@ -22,15 +22,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4.compiler import compiler_options
-from maxfp4.config import load_config
-from maxfp4.mesh import batch_sharding, make_constrain, make_mesh
+from maxfp4.config import Config, add_config_arguments, config_from_arguments
+from maxfp4.mesh import batch_sharding, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
-from maxfp4.step import make_train_step
-from maxfp4.train import state_maker
+from maxfp4.train import jit_train_step, state_maker
 
 # Functions whose instructions are counted under their own name (the innermost one in an
 # instruction's op_name wins); everything else is counted under its primitive.
@@ -64,9 +62,7 @@ def abstract(shapes, shardings):
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def compile_cost(args: list[str], top: int) -> dict:
-    files = [a for a in args if "=" not in a]
-    cfg = load_config(files, [a for a in args if "=" in a])
+def compile_cost(cfg: Config, top: int) -> dict:
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     mesh = make_mesh(cfg.mesh, None)
     optimizer = make_optimizer(cfg)
@@ -77,29 +73,27 @@ def compile_cost(args: list[str], top: int) -> dict:
     batch = {k: jax.ShapeDtypeStruct(bt, jnp.int32, sharding=b_sh)
              for k in ("inputs", "targets", "positions", "segment_ids")}
     batch["loss_mask"] = jax.ShapeDtypeStruct(bt, jnp.float32, sharding=b_sh)
-    step = make_train_step(cfg, policy, optimizer, make_schedule(cfg), make_constrain(mesh))
     platform = mesh.devices.flat[0].platform
-    jitted = jax.jit(step, in_shardings=(state_sh, b_sh),
-                     out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=0,
-                     compiler_options=compiler_options(platform, cfg.train.compiler_options))
+    jitted = jit_train_step(cfg, policy, optimizer, make_schedule(cfg), mesh, state_sh,
+                            compiler_options(platform, cfg.train.compiler_options))
     t0 = time.perf_counter()
     lowered = jitted.lower(state, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    return {"args": args, "platform": platform, "devices": int(mesh.devices.size),
+    return {"platform": platform, "devices": int(mesh.devices.size),
             "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
             **hlo_census(compiled.as_text(), top)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("args", nargs="+", help="config files, then dotted overrides")
+    add_config_arguments(parser)
     parser.add_argument("--top", type=int, default=12, help="origins listed")
     parser.add_argument("--json", help="also write the result here")
     ns = parser.parse_args(argv)
-    result = compile_cost(ns.args, ns.top)
-    print(f"{' '.join(ns.args)} on {result['devices']} {result['platform']} device(s): lower "
+    result = {"args": [ns.config, *ns.overrides], **compile_cost(config_from_arguments(ns), ns.top)}
+    print(f"{' '.join(result['args'])} on {result['devices']} {result['platform']} device(s): lower "
           f"{result['lower_s']} s, compile {result['compile_s']} s, {result['instructions']} HLO "
           f"instructions, {result['fusions']} fusions")
     for name, n in result["by_origin"].items():

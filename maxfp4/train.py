@@ -104,6 +104,16 @@ def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation, polic
     return state, state_sh
 
 
+def jit_train_step(cfg: Config, policy, optimizer: optax.GradientTransformation, schedule, mesh,
+                   state_sh, xla_options: dict):
+    """The train step jitted as the loop runs it: state and batch in their shardings, metrics
+    replicated, the old state's buffers donated to the new one."""
+    step_fn = make_train_step(cfg, policy, optimizer, schedule, make_constrain(mesh))
+    return jax.jit(step_fn, in_shardings=(state_sh, batch_sharding(mesh)),
+                   out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=0,
+                   compiler_options=xla_options)
+
+
 def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=None) -> list[dict[str, Any]]:
     """Run the training loop described by ``cfg``; returns the logged metric records."""
     run_dir = cfg.run_dir
@@ -156,12 +166,9 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
              f"attention {resolve_implementation(cfg.model.attention)}, remat {cfg.train.remat}")
 
     constrain = make_constrain(mesh)
-    step_fn = make_train_step(cfg, policy, optimizer, schedule, constrain)
     b_sh = batch_sharding(mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
-    jitted = jax.jit(step_fn, in_shardings=(state_sh, b_sh), out_shardings=(state_sh, replicated),
-                     donate_argnums=0,
-                     compiler_options=xla_options)
+    jitted = jit_train_step(cfg, policy, optimizer, schedule, mesh, state_sh, xla_options)
 
     eval_fn = jax.jit(make_eval_step(cfg, policy, constrain), in_shardings=(state_sh, b_sh),
                       out_shardings=(replicated, replicated))
