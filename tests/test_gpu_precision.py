@@ -15,35 +15,42 @@ from maxfp4.precision.recipes import fp8_current_dot, fp8_delayed_dot
 pytestmark = pytest.mark.gpu
 
 
-def _f8_gemm_configs(hlo: str) -> list[dict]:
-    configs = []
+def _f8_gemms(hlo: str) -> list[tuple[str, dict]]:
+    """(output dtype, dot dimension numbers) of each cuBLASLt FP8 GEMM of an optimized HLO."""
+    gemms = []
     for line in hlo.splitlines():
         if "__cublas$lt$matmul$f8" in line and "custom-call(" in line:
             m = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', line)
-            configs.append(json.loads(m.group(1)) if m else {})
-    return configs
+            out = re.search(r"=\s*\(?(\w+)\[", line)
+            gemms.append((out.group(1) if out else "?", json.loads(m.group(1)) if m else {}))
+    return gemms
 
 
-@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current"])
-def test_all_three_gemms_are_cublaslt_fp8_tn(recipe):
+@pytest.mark.parametrize("recipe, power_2", [("fp8_delayed", False), ("fp8_current", False),
+                                             ("fp8_delayed", True), ("fp8_current", True)])
+def test_all_three_gemms_are_cublaslt_fp8_tn(recipe, power_2):
     fn = fp8_delayed_dot if recipe == "fp8_delayed" else fp8_current_dot
+    options = (("power_2_scale", power_2),)
     x = jax.random.normal(jax.random.key(0), (4, 512, 1024), jnp.bfloat16)
     w = 0.02 * jax.random.normal(jax.random.key(1), (1024, 2048), jnp.float32)
     dy = jax.random.normal(jax.random.key(2), (4, 512, 2048), jnp.bfloat16)
     scales = jnp.asarray([50.0, 5000.0, 1000.0], jnp.float32)
 
     def layer(x, w, dy):
-        y, vjp = jax.vjp(lambda x, w: fn(x, w, (), scales, None), x, w)
+        y, vjp = jax.vjp(lambda x, w: fn(x, w, options, scales, None), x, w)
         return (y,) + vjp(dy)[:2]
 
     # Compiled with the trainer's options (maxfp4.compiler): Triton GEMM fusions would take one GEMM.
     jitted = jax.jit(layer, compiler_options=compiler_options("gpu"))
     hlo = jitted.lower(x, w, dy).compile().as_text()
-    configs = _f8_gemm_configs(hlo)
-    assert len(configs) == 3, f"expected 3 FP8 GEMMs, found {len(configs)}"
-    for c in configs:
+    gemms = _f8_gemms(hlo)
+    assert len(gemms) == 3, f"expected 3 FP8 GEMMs, found {len(gemms)}"
+    for _, c in gemms:
         assert c.get("lhs_contracting_dimensions") == ["1"], c
         assert c.get("rhs_contracting_dimensions") == ["1"], c
+    # Power-of-two scales: fprop and dgrad write BF16 straight from the GEMM; otherwise all FP32.
+    want = ["bf16", "bf16", "f32"] if power_2 else ["f32", "f32", "f32"]
+    assert sorted(d for d, _ in gemms) == want, gemms
     # And the numbers are right: compare with the same recipe's GEMMs run on the CPU.
     gpu = [np.asarray(a, np.float32) for a in jitted(x, w, dy)]
     cpu_dev = jax.devices("cpu")[0]

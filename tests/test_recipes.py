@@ -90,6 +90,71 @@ def test_fp8_delayed_uses_the_given_scales_and_reports_amaxes():
     np.testing.assert_allclose(np.asarray(amaxes), expected, rtol=0)
 
 
+def _pow2_floor_reference(v):
+    """2**floor(log2(v)) in float64 from the float32 value (NumPy's frexp: v = m 2^e, m in [0.5, 1))."""
+    _, e = np.frexp(np.asarray(v, np.float64))
+    return np.ldexp(1.0, e - 1)
+
+
+def test_power_2_floor_clears_the_significand():
+    rng = np.random.default_rng(7)
+    v = np.concatenate([np.exp(rng.uniform(-80, 80, 5000)), [1.0, 2.0, 3.0, 0.75,
+                        np.finfo(np.float32).max, np.finfo(np.float32).tiny]]).astype(np.float32)
+    got = np.asarray(F.power_2_floor(jnp.asarray(v)), np.float64)
+    np.testing.assert_array_equal(got, _pow2_floor_reference(v))
+    # Subnormal scales clear to the smallest normal, not to zero.
+    assert float(F.power_2_floor(jnp.float32(1e-40))) == np.finfo(np.float32).tiny
+
+
+def test_power_2_scale_from_amax_rounds_the_float32_quotient_down():
+    rng = np.random.default_rng(8)
+    amax = np.exp(rng.uniform(-20, 20, 5000)).astype(np.float32)
+    for dtype, m in ((F.FP8_E4M3, 448.0), (F.FP8_E5M2, 57344.0)):
+        got = np.asarray(F.scale_from_amax(jnp.asarray(amax), dtype, power_2=True), np.float64)
+        # From the correctly rounded float32 quotient, as Transformer Engine's kernel does.
+        np.testing.assert_array_equal(got, _pow2_floor_reference(np.float32(m) / amax))
+    # A zero amax keeps the old scale; an overflowing quotient gives 2^127 (float32 max, floored).
+    got = F.scale_from_amax(jnp.asarray([0.0, 2e-38], jnp.float32), F.FP8_E4M3, power_2=True)
+    np.testing.assert_array_equal(np.asarray(got), [1.0, 2.0 ** 127])
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+def test_power_2_scale_recipes_match_float64_of_power_2_quantized_operands(recipe):
+    x, w, dy = _operands(4)
+    amax = lambda a: jnp.max(jnp.abs(a.astype(jnp.float32)))
+    options = (("power_2_scale", True),)
+    if recipe == "fp8_current":
+        y, dx, dw = _run(fp8_current_dot, x, w, dy, options)
+        exact = [F.scale_from_amax(amax(x), F.FP8_E4M3), F.scale_from_amax(amax(w), F.FP8_E4M3),
+                 F.scale_from_amax(amax(dy), F.FP8_E5M2)]
+    else:
+        # Given scales that are not powers of two (a state written without the option): the
+        # recipe uses them rounded down.
+        exact = [jnp.float32(3.0), jnp.float32(500.0), jnp.float32(2.0e6)]
+        y, dx, dw = _run(fp8_delayed_dot, x, w, dy, options, jnp.stack(exact))
+    pow2 = [jnp.float32(_pow2_floor_reference(float(s))) for s in exact]
+    assert [float(p) for p in pow2] != [float(s) for s in exact]
+    ry, rdx, rdw = _fp8_reference(x, w, dy, *pow2)
+    _assert_bf16_close(y.reshape(M, N), ry, "fprop")
+    _assert_bf16_close(dx.reshape(M, K), rdx, "dgrad")
+    _assert_bf16_close(dw, rdw, "wgrad")
+    # The bound tells the scales apart: the unrounded scales' operands miss it.
+    ey, _, _ = _fp8_reference(x, w, dy, *exact)
+    with pytest.raises(AssertionError):
+        _assert_bf16_close(y.reshape(M, N), ey, "fprop with unrounded scales")
+
+
+def test_power_2_delayed_state_keeps_powers_of_two():
+    cfg = load_config(None, ["model.n_layers=2", "precision.default=fp8_delayed",
+                             "precision.recipes={fp8_delayed: {amax_history: 4, power_2_scale: true}}"])
+    policy = resolve_policy(cfg.precision, 2)
+    state = init_precision_state(policy, ("mlp_up",))
+    amaxes = jax.tree.map(lambda s: jnp.full(s.shape, 3.0, jnp.float32), scales_of(state))
+    new = update_precision_state(state, amaxes, policy)
+    # 448 / 3 = 149.3 -> 128; 57344 / 3 = 19114.7 -> 16384.
+    np.testing.assert_array_equal(new["blocks"]["mlp_up"]["scale"][0], [128.0, 128.0, 16384.0])
+
+
 def test_delayed_state_rolls_history_and_keeps_old_scale_on_zero():
     cfg = load_config(None, ["model.n_layers=3", "precision.default=fp8_delayed",
                              "precision.recipes={fp8_delayed: {amax_history: 4, margin: 1}}"])
@@ -184,6 +249,8 @@ def test_policy_first_matching_rule_wins():
     ("precision.recipes={nvfp4: {rht: 1}}", "precision.recipes.nvfp4.rht=1: expected true or false"),
     ("precision.recipes={nvfp4: {hadamard: true}}", "precision.recipes.nvfp4.hadamard: unknown option"),
     ("precision.recipes={fp8_delayed: {amax_algo: mean}}", "expected one of max, most_recent"),
+    ("precision.recipes={fp8_current: {power_2_scale: yes please}}",
+     "precision.recipes.fp8_current.power_2_scale='yes please': expected true or false"),
     ("precision.recipes={fp9: {}}", "precision.recipes.fp9: unknown recipe"),
     ("precision.rules=[{layers: [9], recipe: bf16}]", "index 9 out of range"),
 ])
@@ -208,10 +275,12 @@ def bf16_final_loss(tmp_path_factory):
     return recs[-1]["loss"]
 
 
-@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current", "nvfp4"])
-def test_tiny_model_trains_close_to_bf16(recipe, bf16_final_loss, tmp_path):
+@pytest.mark.parametrize("recipe, extra", [
+    ("fp8_delayed", []), ("fp8_current", []), ("nvfp4", []),
+    ("fp8_delayed", ["precision.recipes={fp8_delayed: {amax_history: 16, power_2_scale: true}}"])])
+def test_tiny_model_trains_close_to_bf16(recipe, extra, bf16_final_loss, tmp_path):
     from maxfp4.train import train
-    recs = train(load_config(None, TINY_TRAIN + [f"run.output_dir={tmp_path}", f"precision.default={recipe}"]),
+    recs = train(load_config(None, TINY_TRAIN + [f"run.output_dir={tmp_path}", f"precision.default={recipe}"] + extra),
                  devices=jax.devices()[:1], stream=io.StringIO())
     first, last = recs[0]["loss"], recs[-1]["loss"]
     assert first - last > 1.5  # it learns

@@ -144,13 +144,28 @@ def fp8_max(dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
-def scale_from_amax(amax, fp8_dtype, margin=0, old_scale=None) -> jax.Array:
+def power_2_floor(scale) -> jax.Array:
+    """``2**floor(log2(scale))`` for positive normal float32 ``scale``: its significand bits
+    cleared, as Transformer Engine's ``force_pow_2_scales``. Idempotent; 1.0 stays 1.0.
+
+    A power-of-two scale makes ``1/scale`` exact in BF16, so the FP8 GEMM can take its inverse
+    scales as BF16 operand factors and write a BF16 output (see ``recipes.fp8_gemm_tn``).
+    """
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32), jnp.uint32)
+    floor = jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFF800000), jnp.float32)
+    # A subnormal scale (an amax above fp8_max * 2**126) would clear to zero: keep the smallest
+    # normal instead, so nothing quantizes to zero by accident.
+    return jnp.maximum(floor, jnp.float32(np.finfo(np.float32).tiny))
+
+
+def scale_from_amax(amax, fp8_dtype, margin=0, old_scale=None, power_2=False) -> jax.Array:
     """Transformer Engine's scale update: ``(fp8_max / amax) / 2**margin`` as float32.
 
     A zero, negative or non-finite ``amax`` keeps ``old_scale`` (1.0 when None), so an all-zero
     or diverged step does not wreck the scale. An ``amax`` so small that the quotient overflows
     gives float32's max instead of inf (as Transformer Engine does), so ``0 * scale`` stays 0.
     Works elementwise on arrays of amaxes. ``margin`` is an integer (Python or traced).
+    ``power_2``: round the new scale down to a power of two (:func:`power_2_floor`).
     """
     amax = jnp.asarray(amax, jnp.float32)
     old = jnp.ones_like(amax) if old_scale is None else jnp.asarray(old_scale, jnp.float32)
@@ -160,6 +175,8 @@ def scale_from_amax(amax, fp8_dtype, margin=0, old_scale=None) -> jax.Array:
         pow2 = _exp2_int(-jnp.asarray(margin, jnp.int32))
     new = div_rn(fp8_max(fp8_dtype), amax) * pow2
     new = jnp.where(jnp.isinf(new), jnp.float32(_F32_MAX), new)
+    if power_2:
+        new = power_2_floor(new)
     keep = ~(jnp.isfinite(amax) & (amax > 0))
     return jnp.where(keep, old, new).astype(jnp.float32)
 
@@ -537,6 +554,7 @@ __all__ = [
     "HADAMARD16_SIGNS",
     "div_rn",
     "fp8_max",
+    "power_2_floor",
     "scale_from_amax",
     "quantize_fp8",
     "dequantize_fp8",

@@ -79,34 +79,48 @@ def bf16_dot(x, w, options=(), scales=None, key=None):
 
 
 def fp8_gemm_tn(a_q: jax.Array, a_scale: jax.Array, b_q: jax.Array, b_scale: jax.Array,
-                out_dtype=COMPUTE_DTYPE) -> jax.Array:
+                out_dtype=COMPUTE_DTYPE, power_2: bool = False) -> jax.Array:
     """``(a/sa)[M,K] @ (b/sb)[N,K]^T`` for FP8 ``a``, ``b`` with per-tensor scales.
 
-    The FP8 values are exact in BF16, so this is a BF16 GEMM of the raw FP8 values with FP32
-    accumulation, scaled by ``1/(sa*sb)`` afterwards in FP32. XLA's GEMM rewriter turns this
-    pattern into a cuBLASLt FP8 GEMM on Hopper; dequantizing the operands first with a scale
-    computed in the program (as delayed and current scaling do) was not rewritten on jax 0.11.
+    Either way it is one FP32-accumulated product scaled by ``1/(sa*sb)`` in FP32 and rounded
+    once to ``out_dtype``, and XLA's GEMM rewriter turns it into a cuBLASLt FP8 GEMM on Hopper:
+
+    - any scales: a BF16 GEMM of the raw FP8 values (exact in BF16) with an FP32 result, times
+      ``1/(sa*sb)``, then cast. XLA folds the factor into the GEMM but not the cast, so the GEMM
+      writes FP32 and its consumers read FP32. (Dequantizing the operands with FP32 scales
+      first is not rewritten at all on jax 0.11.)
+    - ``power_2`` scales: the operands are dequantized in BF16 (``1/s`` is a power of two, so
+      ``bf16(q) * bf16(1/s)`` is exact) and the dot is typed ``out_dtype``. XLA takes the two
+      BF16 factors as the GEMM's scales and writes ``out_dtype`` directly: half the output
+      traffic for BF16 outputs. With other scales this form would round ``1/s`` to BF16.
     """
+    if power_2:
+        a = a_q.astype(COMPUTE_DTYPE) * F.div_rn(1.0, a_scale).astype(COMPUTE_DTYPE)
+        b = b_q.astype(COMPUTE_DTYPE) * F.div_rn(1.0, b_scale).astype(COMPUTE_DTYPE)
+        return jax.lax.dot_general(a, b, TN, preferred_element_type=out_dtype)
     acc = jax.lax.dot_general(a_q.astype(COMPUTE_DTYPE), b_q.astype(COMPUTE_DTYPE), TN,
                               preferred_element_type=jnp.float32)
     return (acc * (F.div_rn(1.0, a_scale) * F.div_rn(1.0, b_scale))).astype(out_dtype)
 
 
-def _fp8_forward(x, w, sx, sw):
+def _fp8_forward(x, w, sx, sw, power_2):
     x_MK = _flat(x)
     qx_MK = F.quantize_fp8(x_MK, sx, F.FP8_E4M3)
     qw_KN = F.quantize_fp8(w, sw, F.FP8_E4M3)
-    y_MN = fp8_gemm_tn(qx_MK, sx, qw_KN.T, sw)
+    y_MN = fp8_gemm_tn(qx_MK, sx, qw_KN.T, sw, power_2=power_2)
     return y_MN.reshape(*x.shape[:-1], w.shape[1]), (qx_MK, qw_KN)
 
 
-def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw):
+def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2):
     dy_MN = _flat(dy)
     qdy_MN = F.quantize_fp8(dy_MN, sdy, F.FP8_E5M2)
-    dx_MK = fp8_gemm_tn(qdy_MN, sdy, qw_KN, sw)  # dY[M,N] . W[K,N]^T
-    dw_KN = fp8_gemm_tn(qx_MK.T, sx, qdy_MN.T, sdy, jnp.float32)  # X^T[K,M] . dY^T[N,M]^T
+    dx_MK = fp8_gemm_tn(qdy_MN, sdy, qw_KN, sw, power_2=power_2)  # dY[M,N] . W[K,N]^T
+    dw_KN = fp8_gemm_tn(qx_MK.T, sx, qdy_MN.T, sdy, jnp.float32, power_2)  # X^T[K,M] . dY^T[N,M]^T
     return dx_MK.reshape(*dy.shape[:-1], qx_MK.shape[1]), dw_KN
 
+
+def _power_2(options) -> bool:
+    return bool(dict(options).get("power_2_scale", False))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -114,17 +128,25 @@ def _fp8_delayed(x, w, options, scales, key):
     return _fp8_delayed_fwd(x, w, options, scales, key)[0]
 
 
+def _delayed_scales(scales, options):
+    # With power_2_scale the state's scales are already powers of two (state.py rounds them);
+    # rounding again here is a no-op then, and keeps the BF16 GEMM form exact for a state
+    # written without the option (a resumed run that switched it on).
+    return F.power_2_floor(scales) if _power_2(options) else scales
+
+
 def _fp8_delayed_fwd(x, w, options, scales, key):
-    del options, key
-    y, (qx, qw) = _fp8_forward(x, w, scales[0], scales[1])
+    del key
+    s = _delayed_scales(scales, options)
+    y, (qx, qw) = _fp8_forward(x, w, s[0], s[1], _power_2(options))
     amax_xw = jnp.stack([_amax(x), _amax(w)])
     return y, (qx, qw, scales, amax_xw, _dtype_token(x))
 
 
 def _fp8_delayed_bwd(options, res, dy):
-    del options
     qx, qw, scales, amax_xw, x_token = res
-    dx, dw = _fp8_backward(dy, scales[2], qx, scales[0], qw, scales[1])
+    s = _delayed_scales(scales, options)
+    dx, dw = _fp8_backward(dy, s[2], qx, s[0], qw, s[1], _power_2(options))
     # The scales' "gradient" is this step's amaxes (x, w, dY): see the module docstring.
     amaxes = jnp.concatenate([amax_xw, _amax(dy)[None]])
     return dx.astype(x_token.dtype), dw, amaxes, None
@@ -141,22 +163,22 @@ def fp8_delayed_dot(x, w, options=(), scales=None, key=None):
     return _fp8_delayed(x, w, options, scales, key)
 
 
-@jax.custom_vjp
-def _fp8_current(x, w):
-    return _fp8_current_fwd(x, w)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_current(x, w, power_2):
+    return _fp8_current_fwd(x, w, power_2)[0]
 
 
-def _fp8_current_fwd(x, w):
-    sx = F.scale_from_amax(_amax(x), F.FP8_E4M3)
-    sw = F.scale_from_amax(_amax(w), F.FP8_E4M3)
-    y, (qx, qw) = _fp8_forward(x, w, sx, sw)
+def _fp8_current_fwd(x, w, power_2):
+    sx = F.scale_from_amax(_amax(x), F.FP8_E4M3, power_2=power_2)
+    sw = F.scale_from_amax(_amax(w), F.FP8_E4M3, power_2=power_2)
+    y, (qx, qw) = _fp8_forward(x, w, sx, sw, power_2)
     return y, (qx, qw, sx, sw, _dtype_token(x))
 
 
-def _fp8_current_bwd(res, dy):
+def _fp8_current_bwd(power_2, res, dy):
     qx, qw, sx, sw, x_token = res
-    sdy = F.scale_from_amax(_amax(dy), F.FP8_E5M2)
-    dx, dw = _fp8_backward(dy, sdy, qx, sx, qw, sw)
+    sdy = F.scale_from_amax(_amax(dy), F.FP8_E5M2, power_2=power_2)
+    dx, dw = _fp8_backward(dy, sdy, qx, sx, qw, sw, power_2)
     return dx.astype(x_token.dtype), dw
 
 
@@ -165,8 +187,8 @@ _fp8_current.defvjp(_fp8_current_fwd, _fp8_current_bwd)
 
 def fp8_current_dot(x, w, options=(), scales=None, key=None):
     """Per-tensor FP8 with each scale from the tensor's own current amax (no state)."""
-    del options, scales, key
-    return _fp8_current(x, w)
+    del scales, key
+    return _fp8_current(x, w, _power_2(options))
 
 
 # ----------------------------------------------------------------------------- NVFP4
@@ -266,4 +288,7 @@ def nvfp4_dot(x, w, options=(), scales=None, key=None):
 # ----------------------------------------------------------------------------- defaults
 
 NVFP4_DEFAULTS = {"rht": True, "stochastic_rounding": True, "weight_2d": True}
-FP8_DELAYED_DEFAULTS = {"amax_history": 1024, "margin": 0, "amax_algo": "max"}
+# power_2_scale: scales rounded down to powers of two (Transformer Engine's QParams.power_2_scale),
+# which lets the FP8 GEMMs write BF16 outputs exactly (fp8_gemm_tn).
+FP8_DELAYED_DEFAULTS = {"amax_history": 1024, "margin": 0, "amax_algo": "max", "power_2_scale": False}
+FP8_CURRENT_DEFAULTS = {"power_2_scale": False}

@@ -64,12 +64,14 @@ def scales_of(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _update_slot(slot: dict[str, jax.Array], amax: jax.Array, margin: int, algo: str) -> dict[str, jax.Array]:
+def _update_slot(slot: dict[str, jax.Array], amax: jax.Array, margin: int, algo: str,
+                 power_2: bool) -> dict[str, jax.Array]:
     """Roll this step's amax into the history (newest at index 0) and compute the next scales
-    ``(fp8_max / amax_h) / 2**margin``; a zero or non-finite amax_h keeps the old scale."""
+    ``(fp8_max / amax_h) / 2**margin`` (rounded down to a power of two with ``power_2``); a zero
+    or non-finite amax_h keeps the old scale."""
     history = jnp.roll(slot["amax_history"], 1, axis=-1).at[..., 0].set(amax)
     amax_h = jnp.max(history, axis=-1) if algo == "max" else history[..., 0]
-    scales = [F.scale_from_amax(amax_h[..., i], SLOT_DTYPES[i], margin, slot["scale"][..., i])
+    scales = [F.scale_from_amax(amax_h[..., i], SLOT_DTYPES[i], margin, slot["scale"][..., i], power_2)
               for i in range(3)]
     return {"scale": jnp.stack(scales, axis=-1), "amax_history": history}
 
@@ -81,10 +83,11 @@ def update_precision_state(state: dict[str, Any], amaxes: dict[str, Any],
         return state
     opts = policy.options_for("fp8_delayed")
     margin, algo = int(opts.get("margin", 0)), str(opts.get("amax_algo", "max"))
+    power_2 = bool(opts.get("power_2_scale", False))
     new: dict[str, Any] = {}
     if "blocks" in state:
-        new["blocks"] = {c: _update_slot(s, amaxes["blocks"][c], margin, algo)
+        new["blocks"] = {c: _update_slot(s, amaxes["blocks"][c], margin, algo, power_2)
                          for c, s in state["blocks"].items()}
     if "lm_head" in state:
-        new["lm_head"] = _update_slot(state["lm_head"], amaxes["lm_head"], margin, algo)
+        new["lm_head"] = _update_slot(state["lm_head"], amaxes["lm_head"], margin, algo, power_2)
     return new
