@@ -130,8 +130,8 @@ def _fp8_delayed(x, w, options, scales, key):
 
 def _delayed_scales(scales, options):
     # With power_2_scale the state's scales are already powers of two (state.py rounds them);
-    # rounding again here is a no-op then, and keeps the BF16 GEMM form exact for a state
-    # written without the option (a resumed run that switched it on).
+    # rounding again here is a no-op then, and keeps the BF16 GEMM form exact for scales that
+    # are not (a state initialised or restored by other code, scales passed in by a caller).
     return F.power_2_floor(scales) if _power_2(options) else scales
 
 

@@ -6,8 +6,8 @@ from typing import Callable
 
 from maxfp4.precision.compare import (FP8_BLOCK_DEFAULTS, MXFP4_DEFAULTS, MXFP8_DEFAULTS, fp8_block_dot,
                                       mxfp4_dot, mxfp8_dot)
-from maxfp4.precision.recipes import (FP8_CURRENT_DEFAULTS, FP8_DELAYED_DEFAULTS, NVFP4_DEFAULTS, bf16_dot, fp8_current_dot,
-                                      fp8_delayed_dot, nvfp4_dot)
+from maxfp4.precision.recipes import (FP8_CURRENT_DEFAULTS, FP8_DELAYED_DEFAULTS, NVFP4_DEFAULTS, bf16_dot,
+                                      fp8_current_dot, fp8_delayed_dot, nvfp4_dot)
 
 RECIPES: dict[str, tuple[Callable, dict]] = {
     "bf16": (bf16_dot, {}),
