@@ -144,6 +144,38 @@ def test_power_2_scale_recipes_match_float64_of_power_2_quantized_operands(recip
         _assert_bf16_close(y.reshape(M, N), ey, "fprop with unrounded scales")
 
 
+def _dot_output_dtypes(fn, *args) -> list[str]:
+    """Result dtypes of the dot_generals in fn's jaxpr (custom VJP rules included)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(str(eqn.outvars[0].aval.dtype))
+            for value in eqn.params.values():  # sub-jaxprs: custom VJP rules, closed calls
+                for v in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(v, "jaxpr", v)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return sorted(found)
+
+
+@pytest.mark.parametrize("power_2", [False, True])
+def test_fp8_gemms_write_bf16_only_with_power_2_scales(power_2):
+    # What the GPU build turns into BF16-output cuBLASLt FP8 GEMMs (tests/test_gpu_precision.py):
+    # fprop and dgrad typed BF16 with power-of-two scales; otherwise FP32 results scaled after.
+    x, w, dy = _operands(5)
+    options = (("power_2_scale", power_2),)
+
+    def layer(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: fp8_current_dot(x, w, options), x, w)
+        return (y,) + vjp(dy)
+
+    want = ["bfloat16", "bfloat16", "float32"] if power_2 else ["float32"] * 3
+    assert _dot_output_dtypes(layer, x, w, dy) == want
+
+
 def test_power_2_delayed_state_keeps_powers_of_two():
     cfg = load_config(None, ["model.n_layers=2", "precision.default=fp8_delayed",
                              "precision.recipes={fp8_delayed: {amax_history: 4, power_2_scale: true}}"])
