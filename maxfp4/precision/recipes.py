@@ -137,15 +137,14 @@ def _delayed_scales(scales, options):
 
 def _fp8_delayed_fwd(x, w, options, scales, key):
     del key
-    s = _delayed_scales(scales, options)
+    s = _delayed_scales(scales, options)  # kept for the backward pass as used here
     y, (qx, qw) = _fp8_forward(x, w, s[0], s[1], _power_2(options))
     amax_xw = jnp.stack([_amax(x), _amax(w)])
-    return y, (qx, qw, scales, amax_xw, _dtype_token(x))
+    return y, (qx, qw, s, amax_xw, _dtype_token(x))
 
 
 def _fp8_delayed_bwd(options, res, dy):
-    qx, qw, scales, amax_xw, x_token = res
-    s = _delayed_scales(scales, options)
+    qx, qw, s, amax_xw, x_token = res
     dx, dw = _fp8_backward(dy, s[2], qx, s[0], qw, s[1], _power_2(options))
     # The scales' "gradient" is this step's amaxes (x, w, dY): see the module docstring.
     amaxes = jnp.concatenate([amax_xw, _amax(dy)[None]])
