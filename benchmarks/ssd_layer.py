@@ -46,10 +46,10 @@ def split(x, dt, A, B, C, ids, q: int, warps: int, iters: int) -> list[tuple[str
     seg = inputs[4]
 
     def kernel(cb, xx, dtt, cs, c_entry):
-        return chunk_outputs(cb, xx, dtt, cs, seg, c_entry, mdt, jax.default_backend() != "gpu", warps)
+        return chunk_outputs(cb, xx, dtt, cs, seg, c_entry, x.dtype, mdt, jax.default_backend() != "gpu", warps)
 
     def kernel_vjp(*args):
-        return jax.vjp(kernel, *args)[1](jnp.ones(x.shape, jnp.float32))
+        return jax.vjp(kernel, *args)[1](jnp.ones(x.shape, x.dtype))
 
     kernel_args = [inputs[i] for i in (0, 1, 2, 3, 5)]
     return [("XLA part forward", median_ms(jax.jit(prep), x, dt, B, C, iters=iters)),

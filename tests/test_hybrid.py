@@ -128,7 +128,10 @@ def test_unrolled_blocks_recompute_what_the_remat_policy_does_not_save():
     decays, SiLU, softmax) in the backward pass instead of XLA merging the recomputation into
     the forward values, which keeps every residual alive. Counted on the compiled gradient by its
     exponentials: save_gemm recomputes (nearly) all that full remat does (every exponential is
-    element-wise work, which save_gemm does not keep)."""
+    element-wise work, which save_gemm does not keep). Only the exponentials of the
+    recomputation count (their op names say rematted_computation): XLA copies an exponential
+    into several fusions or shares one, differently with each policy, so totals drift by a few
+    (merged away, save_gemm here keeps 10 of full remat's 18; recomputed, 16)."""
     import re
 
     cfg, model, params, policy = _setup()
@@ -141,7 +144,6 @@ def test_unrolled_blocks_recompute_what_the_remat_policy_does_not_save():
             logits = model.forward(p, tok, pos, seg, cfg=cfg.model, policy=policy, remat=remat, scan_layers=False)
             return jnp.sum(logits.astype(jnp.float32))
         hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
-        exps[remat] = len(re.findall(r" exponential\(", hlo))
-    recomputed_by_full = exps["full"] - exps["none"]
-    assert recomputed_by_full > 0, exps
-    assert exps["save_gemm"] - exps["none"] >= 0.8 * recomputed_by_full, exps
+        exps[remat] = len(re.findall(r" exponential\(.*rematted_computation", hlo))
+    assert exps["none"] == 0 and exps["full"] > 0, exps
+    assert exps["save_gemm"] >= 0.8 * exps["full"], exps

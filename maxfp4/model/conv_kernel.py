@@ -73,7 +73,7 @@ def _preactivation_grad_kernel(x_ref, ids_ref, w_ref, b_ref, dout_ref, dpre_ref,
     pre_TbCb, ids_Tb = _preactivation(x_ref, ids_ref, w_ref, b_ref, bi, t0, c0, tb, cb, width)
     sig_TbCb = jax.nn.sigmoid(pre_TbCb)
     dpre_TbCb = dout_ref[...].astype(jnp.float32) * sig_TbCb * (1.0 + pre_TbCb * (1.0 - sig_TbCb))
-    dpre_ref[bi, pl.ds(t0, tb), pl.ds(c0, cb)] = dpre_TbCb
+    dpre_ref[bi, pl.ds(t0, tb), pl.ds(c0, cb)] = dpre_TbCb.astype(dpre_ref.dtype)
     db_ref[...] = jnp.sum(dpre_TbCb, axis=0)
     # Row W-1-lag of the weight multiplies the input `lag` positions back. The shifted inputs
     # are loaded again here (from cache) rather than kept from the pre-activation: W tiles held
@@ -90,7 +90,7 @@ def _input_grad_kernel(dpre_ref, ids_ref, w_ref, dx_ref, *, tb, cb, width):
     ids_Tb = _rows(ids_ref, bi, t0, tb)
     dx_TbCb = jnp.zeros((tb, cb), jnp.float32)
     for lag in range(width):
-        dpre_TbCb = _rows(dpre_ref, bi, t0 + lag, tb, c0, cb)
+        dpre_TbCb = _rows(dpre_ref, bi, t0 + lag, tb, c0, cb).astype(jnp.float32)
         keep_Tb = _rows(ids_ref, bi, t0 + lag, tb) == ids_Tb
         dx_TbCb += jnp.where(keep_Tb[:, None], dpre_TbCb, 0.0) * w_ref[width - 1 - lag, pl.ds(c0, cb)][None, :]
     dx_ref[...] = dx_TbCb.astype(dx_ref.dtype)
@@ -149,7 +149,10 @@ def _bwd(interpret, residuals, dout_BTC):
         return [pl.no_block_spec] + [per_tile] * (1 + width)
 
     partial_sums = jax.ShapeDtypeStruct((b, t // tb, c), jnp.float32)
-    shapes = [jax.ShapeDtypeStruct((b, t + width - 1, c), jnp.float32)] + [partial_sums] * (1 + width)
+    # The pre-activation gradient is stored in x's dtype (BF16 in training): the input gradient,
+    # a W-tap sum of it, is rounded to that dtype anyway; the weight and bias gradients are
+    # summed from the FP32 values inside the first kernel.
+    shapes = [jax.ShapeDtypeStruct((b, t + width - 1, c), x_pad.dtype)] + [partial_sums] * (1 + width)
     dpre_pad, db_parts, *dw_parts = _launch(
         _preactivation_grad_kernel, (b, t, c), grad_specs, shapes, 4, interpret,
         x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, dout_BTC)

@@ -133,15 +133,18 @@ def _bwd(groups, eps, out_dtype, interpret, residuals, dout_BTE):
     y_BTE, xbc_BTC, zxbcdt_BTI, D_E, scale_E = residuals
     b, t, e = y_BTE.shape
     cdt = _compute_dtype(y_BTE)
-    full, partial = jax.ShapeDtypeStruct((b, t, e), cdt), jax.ShapeDtypeStruct((b, t // _BLOCK_ROWS, e), cdt)
+    # Each [B, T, E] gradient is written in its input's dtype (BF16 in training): FP32 copies
+    # would double the traffic of the kernel and of the adds that merge them downstream.
+    partial = jax.ShapeDtypeStruct((b, t // _BLOCK_ROWS, e), cdt)
+    full = [jax.ShapeDtypeStruct((b, t, e), a.dtype) for a in (y_BTE, xbc_BTC, zxbcdt_BTI)]
     du, dx, dz, dscale_parts, dd_parts = _launch(
-        _backward_kernel, _BLOCK_ROWS, b, t, e, groups, eps, interpret, [full, full, full, partial, partial],
+        _backward_kernel, _BLOCK_ROWS, b, t, e, groups, eps, interpret, [*full, partial, partial],
         y_BTE, xbc_BTC, zxbcdt_BTI, D_E.astype(cdt), scale_E.astype(cdt), dout_BTE)
 
     def widened(d_BTE, like):  # the gradient of a wider array whose first E columns were read
-        return jnp.pad(d_BTE, ((0, 0), (0, 0), (0, like.shape[-1] - e))).astype(like.dtype)
+        return jnp.pad(d_BTE, ((0, 0), (0, 0), (0, like.shape[-1] - e)))
 
-    return (du.astype(y_BTE.dtype), widened(dx, xbc_BTC), widened(dz, zxbcdt_BTI),
+    return (du, widened(dx, xbc_BTC), widened(dz, zxbcdt_BTI),
             jnp.sum(dd_parts, axis=(0, 1)).astype(D_E.dtype), jnp.sum(dscale_parts, axis=(0, 1)).astype(scale_E.dtype))
 
 

@@ -2,7 +2,8 @@
 SSD with per-head scalar decay -> D skip -> gated RMSNorm per group -> out_proj.
 
 Only ``in_proj`` (class ``mamba_in``) and ``out_proj`` (``mamba_out``) go through the precision
-policy; the convolution, the SSD (A, dt, decays, states) and the norm stay in FP32. The
+policy; the convolution, the SSD (A, dt, decays, states) and the norm compute in FP32 and store
+their inputs and outputs (and those gradients) in BF16 between steps. The
 convolution, the SSD and the D skip + gated norm run as Pallas kernels (``conv_kernel``,
 ``ssd_kernel``, ``gated_norm_kernel``) or in XLA (``causal_conv`` and ``gated_group_norm`` here,
 the chunked form of ``ssd``), by ``model.mamba.kernels``.
@@ -116,19 +117,19 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     d = dims(cfg)
     b, t, _ = x_BTD.shape
     e, h, pd, g, n = d["E"], d["H"], d["P"], d["G"], d["N"]
-    zxbcdt_gemm = lp.dot(x_BTD, p["in_proj"], "mamba_in")
-    zxbcdt = zxbcdt_gemm.astype(jnp.float32)
-    z_BTE = zxbcdt[..., :e]
-    xbc_BTC = zxbcdt[..., e:e + d["conv"]]
-    dt_BTH = jax.nn.softplus(zxbcdt[..., e + d["conv"]:] + p["dt_bias"])
-    # Convolution and SiLU in FP32. (Storing x, B and C in BF16, as Mamba-2's kernels do, measured
-    # 1.4% faster on mamba2-1p3b, but then a recomputation under remat that rounds one element
-    # differently flips BF16 and FP8 roundings downstream: up to 4% apart in a gradient of the
-    # tiny FP8 test model.)
+    # Activations between the kernels are stored in BF16 (the GEMM's output dtype), as Mamba-2's
+    # own kernels store them; each kernel computes in FP32 inside. FP32 storage doubled every
+    # kernel's traffic and added converts: mamba2-1p3b 523 -> 451 ms a step on an H200 with
+    # BF16 storage here and in the SSD (docs/PERFORMANCE.md).
+    zxbcdt_BTI = lp.dot(x_BTD, p["in_proj"], "mamba_in")
+    z_BTE = zxbcdt_BTI[..., :e]
+    xbc_BTC = zxbcdt_BTI[..., e:e + d["conv"]]
+    dt_BTH = jax.nn.softplus(zxbcdt_BTI[..., e + d["conv"]:].astype(jnp.float32) + p["dt_bias"])
     if use_conv_kernel(cfg, t, d["conv"]):
         xbc_BTC = causal_conv_silu(xbc_BTC, p["conv_w"], p["conv_b"], segment_ids_BT, jax.default_backend() != "gpu")
     else:
-        xbc_BTC = jax.nn.silu(causal_conv(xbc_BTC, p["conv_w"], p["conv_b"], segment_ids_BT))
+        conv_BTC = causal_conv(xbc_BTC.astype(jnp.float32), p["conv_w"], p["conv_b"], segment_ids_BT)
+        xbc_BTC = jax.nn.silu(conv_BTC).astype(xbc_BTC.dtype)
     x_BTHP = xbc_BTC[..., :e].reshape(b, t, h, pd)
     B_BTGN = xbc_BTC[..., e:e + g * n].reshape(b, t, g, n)
     C_BTGN = xbc_BTC[..., e + g * n:].reshape(b, t, g, n)
@@ -138,7 +139,7 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
                  matmul_dtype=jnp.bfloat16 if cfg.mamba.ssd_matmul == "bf16" else None)
     if use_norm_kernel(cfg, t, e):
         # x and z are read in place from the convolution output and the GEMM output.
-        y_BTE = gated_norm_fused(y_BTHP.reshape(b, t, e), xbc_BTC, zxbcdt_gemm, jnp.repeat(p["D_skip"], pd),
+        y_BTE = gated_norm_fused(y_BTHP.reshape(b, t, e), xbc_BTC, zxbcdt_BTI, jnp.repeat(p["D_skip"], pd),
                                  p["norm"], g, cfg.norm_eps, ACT_DTYPE, jax.default_backend() != "gpu")
     else:
         y_BTHP = y_BTHP + p["D_skip"][:, None] * x_BTHP

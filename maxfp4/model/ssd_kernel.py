@@ -138,24 +138,25 @@ class _Launch:
                               out_shape=out_shape, interpret=self.interpret, **kwargs)(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def chunk_outputs(cb, x, dt, cs, seg, c_entry, matmul_dtype, interpret, num_warps):
-    """y [B, T, H, P] (T a multiple of Q): the intra-chunk outputs plus exp(cs_i) times the
-    entry-state outputs c_entry_i = C_i . entry state (zero past a segment start); see module doc."""
-    return _chunk_outputs_fwd(cb, x, dt, cs, seg, c_entry, matmul_dtype, interpret, num_warps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def chunk_outputs(cb, x, dt, cs, seg, c_entry, out_dtype, matmul_dtype, interpret, num_warps):
+    """y [B, T, H, P] in out_dtype (T a multiple of Q): the intra-chunk outputs plus exp(cs_i)
+    times the entry-state outputs c_entry_i = C_i . entry state (zero past a segment start); see
+    module doc. The kernel writes out_dtype itself (no FP32 copy of y)."""
+    return _chunk_outputs_fwd(cb, x, dt, cs, seg, c_entry, out_dtype, matmul_dtype, interpret, num_warps)[0]
 
 
-def _chunk_outputs_fwd(cb, x, dt, cs, seg, c_entry, matmul_dtype, interpret, num_warps):
+def _chunk_outputs_fwd(cb, x, dt, cs, seg, c_entry, out_dtype, matmul_dtype, interpret, num_warps):
     launch = _Launch(x, cb, interpret, num_warps)
     cdt = dt.dtype
     kernel = functools.partial(_forward_kernel, matmul_dtype=matmul_dtype, cdt=cdt)
     in_specs = [launch.group_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP]
-    y = launch.call(kernel, in_specs, launch.head_QP, jax.ShapeDtypeStruct(c_entry.shape, cdt),
+    y = launch.call(kernel, in_specs, launch.head_QP, jax.ShapeDtypeStruct(c_entry.shape, out_dtype),
                     cb, x, dt, cs, seg, c_entry)
     return y, (cb, x, dt, cs, seg, c_entry)
 
 
-def _chunk_outputs_bwd(matmul_dtype, interpret, num_warps, residuals, dy):
+def _chunk_outputs_bwd(out_dtype, matmul_dtype, interpret, num_warps, residuals, dy):
     cb, x, dt, cs, seg, c_entry = residuals
     launch = _Launch(x, cb, interpret, num_warps)
     cdt = dt.dtype
@@ -207,8 +208,8 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
                          f"powers of two >= 16, got {chunk_size}, {p}, {n}")
     inputs = kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size, matmul_dtype,
                            interpret)
-    y_BTHP = chunk_outputs(*inputs, matmul_dtype, interpret, num_warps)
-    return y_BTHP[:, :t].astype(x_BTHP.dtype)
+    y_BTHP = chunk_outputs(*inputs, x_BTHP.dtype, matmul_dtype, interpret, num_warps)
+    return y_BTHP[:, :t]
 
 
 def _entry_states_unrolled(states_BKGNRP, decay_BKGR):
@@ -274,7 +275,7 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
     crosses_BK = starts_before_BKQ[..., -1] == 0
     chunk_decay_BKGR = jnp.where(crosses_BK[:, :, None, None], chunk_decay_BKGR, 0.0)
     if state_passing_supported(r, p):
-        entry_BKGNRP = entry_states(states_BKGNRP, chunk_decay_BKGR, interpret)
+        entry_BKGNRP = entry_states(states_BKGNRP, chunk_decay_BKGR, interpret, operand_dtype)
     else:
         entry_BKGNRP = _entry_states_unrolled(states_BKGNRP, chunk_decay_BKGR)
 
@@ -282,7 +283,14 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
     # scales the latter by exp(cs_i) and masks it past a segment start (so XLA never reduces a
     # [B, T, H, P] product to per-head factors in the backward pass).
     cb_BKGQQ = mm("bklgn,bksgn->bkgls", C_BKQGN, B_BKQGN)
-    c_entry_BKQGRP = mm("bklgn,bkgnrp->bklgrp", C_BKQGN, entry_BKGNRP)
+    if operand_dtype == cdt:
+        c_entry_BKQGRP = mm("bklgn,bkgnrp->bklgrp", C_BKQGN, entry_BKGNRP)
+    else:
+        # C_i . entry is a [B, T, H, P] array the kernels read forward and backward (and whose
+        # gradient they write): the GEMM writes it in the operand dtype, like x, which halves
+        # that traffic; the kernel adds it in cdt.
+        c_entry_BKQGRP = lowp_einsum("bklgn,bkgnrp->bklgrp", C_BKQGN.astype(operand_dtype),
+                                     entry_BKGNRP.astype(operand_dtype), operand_dtype)
 
     return (cb_BKGQQ, x_BTHP_.astype(operand_dtype), dt_BHT, cs_BHKQ.reshape(b, h, k * q),
             starts_before_BKQ.reshape(b, k * q), c_entry_BKQGRP.reshape(b, k * q, h, p))

@@ -44,21 +44,24 @@ def state_passing_supported(heads_per_group: int, head_dim: int) -> bool:
     return _power_of_two(heads_per_group) and _power_of_two(head_dim)
 
 
+# The recurrence runs in the states' dtype (FP32); entries may be stored narrower (see
+# ``entry_states``), so every load is widened and every store rounded once.
+
 def _forward_kernel(states_ref, decay_ref, entry_ref):
     k = states_ref.shape[0]
     end_RP = jnp.zeros(states_ref.shape[1:], states_ref.dtype)
     for z in range(k):
-        entry_ref[z] = end_RP
+        entry_ref[z] = end_RP.astype(entry_ref.dtype)
         end_RP = states_ref[z] + decay_ref[z][:, None] * end_RP
 
 
 def _backward_kernel(decay_ref, entry_ref, dentry_ref, dstates_ref, ddecay_ref):
     k = entry_ref.shape[0]
-    dend_RP = jnp.zeros(entry_ref.shape[1:], entry_ref.dtype)  # d end[K-1]: the last end is unused
+    dend_RP = jnp.zeros(entry_ref.shape[1:], dstates_ref.dtype)  # d end[K-1]: the last end is unused
     for z in reversed(range(k)):
         dstates_ref[z] = dend_RP
-        ddecay_ref[z] = jnp.sum(dend_RP * entry_ref[z], axis=1)
-        dend_RP = dentry_ref[z] + decay_ref[z][:, None] * dend_RP
+        ddecay_ref[z] = jnp.sum(dend_RP * entry_ref[z].astype(dend_RP.dtype), axis=1)
+        dend_RP = dentry_ref[z].astype(dend_RP.dtype) + decay_ref[z][:, None] * dend_RP
 
 
 def _launch(kernel, states_shape, interpret, in_kinds, out_kinds, out_shape, *args):
@@ -82,37 +85,41 @@ def _launch(kernel, states_shape, interpret, in_kinds, out_kinds, out_shape, *ar
                           interpret=interpret, **kwargs)(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _entry_states(states, decay, interpret):
-    return _entry_states_fwd(states, decay, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _entry_states(states, decay, out_dtype, interpret):
+    return _entry_states_fwd(states, decay, out_dtype, interpret)[0]
 
 
-def _entry_states_fwd(states, decay, interpret):
+def _entry_states_fwd(states, decay, out_dtype, interpret):
     (entry,) = _launch(_forward_kernel, states.shape, interpret, ("state", "decay"), ("state",),
-                       [jax.ShapeDtypeStruct(states.shape, states.dtype)], states, decay)
+                       [jax.ShapeDtypeStruct(states.shape, out_dtype)], states, decay)
     return entry, (decay, entry)
 
 
-def _entry_states_bwd(interpret, residuals, dentry):
+def _entry_states_bwd(out_dtype, interpret, residuals, dentry):
     decay, entry = residuals
     b, kp, g, n, r, _ = entry.shape
     dstates, ddecay_partial = _launch(
         _backward_kernel, entry.shape, interpret, ("decay", "state", "state"), ("state", "partial"),
-        [jax.ShapeDtypeStruct(entry.shape, entry.dtype), jax.ShapeDtypeStruct((b, kp, g, n, r), decay.dtype)],
-        decay, entry, dentry.astype(entry.dtype))
-    return dstates, ddecay_partial.sum(axis=3).astype(decay.dtype)
+        [jax.ShapeDtypeStruct(entry.shape, decay.dtype), jax.ShapeDtypeStruct((b, kp, g, n, r), decay.dtype)],
+        decay, entry, dentry)
+    return dstates, ddecay_partial.sum(axis=3)
 
 
 _entry_states.defvjp(_entry_states_fwd, _entry_states_bwd)
 
 
-def entry_states(states_BKGNRP: jax.Array, decay_BKGR: jax.Array, interpret: bool) -> jax.Array:
+def entry_states(states_BKGNRP: jax.Array, decay_BKGR: jax.Array, interpret: bool,
+                 out_dtype: jnp.dtype | None = None) -> jax.Array:
     """The state entering each chunk, [B, K, G, N, R, P] (zero for the first chunk), from each
     chunk's own end state and its whole-chunk decay (zero where a segment starts in the chunk).
-    K is padded to a power of two (zero states after the last chunk cannot reach an earlier one)."""
+    K is padded to a power of two (zero states after the last chunk cannot reach an earlier one).
+    ``out_dtype`` (default: the states') stores the entries narrower for a consumer that rounds
+    them anyway (the SSD's BF16 GEMM), so no separate cast pass reads them again."""
     k = states_BKGNRP.shape[1]
     kp = 1 << (k - 1).bit_length()
     if kp != k:
         states_BKGNRP = jnp.pad(states_BKGNRP, [(0, 0), (0, kp - k)] + [(0, 0)] * 4)
         decay_BKGR = jnp.pad(decay_BKGR, [(0, 0), (0, kp - k), (0, 0), (0, 0)])
-    return _entry_states(states_BKGNRP, decay_BKGR.astype(states_BKGNRP.dtype), interpret)[:, :k]
+    return _entry_states(states_BKGNRP, decay_BKGR.astype(states_BKGNRP.dtype),
+                         jnp.dtype(out_dtype or states_BKGNRP.dtype), interpret)[:, :k]
