@@ -96,14 +96,19 @@ def _input_grad_kernel(dpre_ref, ids_ref, w_ref, dx_ref, *, tb, cb, width):
     dx_ref[...] = dx_TbCb.astype(dx_ref.dtype)
 
 
-def _launch(kernel, x_shape, out_specs, out_shape, n_whole, interpret, *args):
+# Triton warps per program (H200, mamba2-1p3b shapes): the forward 0.29 ms with 8, 0.36 with 4;
+# the two backward kernels 0.23 ms with 4, 0.30 with 8.
+_FORWARD_WARPS, _BACKWARD_WARPS = 8, 4
+
+
+def _launch(kernel, x_shape, out_specs, out_shape, n_whole, interpret, *args, num_warps=_BACKWARD_WARPS):
     """Inputs: the first ``n_whole`` as whole arrays (indexed by hand), the rest tiled."""
     b, t, c = x_shape
     tb, cb = _tile(t, _TILE_T), _tile(c, _TILE_C)
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=1)
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
     return pl.pallas_call(
         functools.partial(kernel, tb=tb, cb=cb, width=args[2].shape[0]),
         grid=(b, t // tb, c // cb),
@@ -131,7 +136,8 @@ def _fwd(x_BTC, w_WC, b_C, segment_ids_BT, interpret):
     # The padded copy is the backward pass's residual too, so it is made once.
     x_pad = jnp.pad(x_BTC, ((0, 0), (width - 1, 0), (0, 0)))
     out = _launch(_forward_kernel, x_BTC.shape, _tile_spec, jax.ShapeDtypeStruct(x_BTC.shape, x_BTC.dtype),
-                  4, interpret, x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C)
+                  4, interpret, x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C,
+                  num_warps=_FORWARD_WARPS)
     return out, (x_pad, w_WC, b_C, segment_ids_BT)
 
 
