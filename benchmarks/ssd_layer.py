@@ -5,7 +5,7 @@ matmul FLOPs that maxfp4.metrics charges (training FLOPs per token x tokens).
 
 One row per variant (``--variants``): implementation (model.mamba.kernels: XLA's chunked form,
 or the Pallas kernel), operand precision of the token-length matmuls (model.mamba.ssd_matmul),
-chunk size and Triton warps; each row also gives its largest difference from the first row,
+chunk size and kernel tiling (Triton warps, heads per program, stages); each row also gives its largest difference from the first row,
 output and gradients, relative to that row's largest magnitude.
 
 ``--split`` instead times the Pallas variant's two parts apart: the XLA part around the kernel
@@ -25,11 +25,11 @@ from maxfp4.config import load_config
 from maxfp4.metrics import ssd_flops_per_token
 from maxfp4.model.mamba import dims
 from maxfp4.model.ssd import ssd_chunked
-from maxfp4.model.ssd_kernel import chunk_outputs, kernel_inputs, ssd_fused
+from maxfp4.model.ssd_kernel import Tiling, chunk_outputs, kernel_inputs, ssd_fused
 from timing import median_ms
 
 
-def split(x, dt, A, B, C, ids, q: int, warps: int, iters: int) -> list[tuple[str, float]]:
+def split(x, dt, A, B, C, ids, q: int, tiling: Tiling, iters: int) -> list[tuple[str, float]]:
     """Times of the XLA part and of the kernel, each alone, BF16 operands."""
     mdt = jnp.bfloat16
 
@@ -45,8 +45,10 @@ def split(x, dt, A, B, C, ids, q: int, warps: int, iters: int) -> list[tuple[str
 
     seg = inputs[4]
 
+    d = jnp.ones(x.shape[2:], jnp.float32)
+
     def kernel(cb, xx, dtt, cs, c_entry):
-        return chunk_outputs(cb, xx, dtt, cs, seg, c_entry, x.dtype, mdt, jax.default_backend() != "gpu", warps)
+        return chunk_outputs(cb, xx, dtt, cs, seg, c_entry, d, x.dtype, mdt, jax.default_backend() != "gpu", tiling)
 
     def kernel_vjp(*args):
         return jax.vjp(kernel, *args)[1](jnp.ones(x.shape, x.dtype))
@@ -64,10 +66,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default="ssd_layer.json")
     ap.add_argument("--variants", default="xla:fp32:128,xla:bf16:128,pallas:bf16:64:4,pallas:bf16:128:8",
-                    help="comma-separated IMPL:OPERANDS:CHUNK[:WARPS], IMPL xla or pallas, OPERANDS "
-                         "fp32 or bf16; the first is the reference of the diff column")
+                    help="comma-separated IMPL:OPERANDS:CHUNK[:WARPS[:HEADS[:STAGES]]], IMPL xla or pallas, "
+                         "OPERANDS fp32 or bf16, HEADS per kernel program, STAGES Triton pipelining "
+                         "stages; the first is the reference of the diff column")
     ap.add_argument("--split", action="store_true", help="time the Pallas SSD's XLA part and kernel apart")
-    ap.add_argument("--warps", type=int, default=8, help="Triton warps of the kernel, with --split")
+    ap.add_argument("--tiling", default="8:1:1", help="WARPS:HEADS:STAGES of the kernel, with --split")
     a = ap.parse_args()
     cfg = load_config(a.config)
     m = cfg.model
@@ -85,8 +88,9 @@ def main() -> None:
     flops = ssd_flops_per_token(m) / m.pattern.count("M") * b * t  # one layer, forward + backward
     if a.split:
         print(f"SSD split, {a.config}: B={b} T={t} H={h} P={p} G={g} N={n} Q={m.mamba.chunk_size} "
-              f"warps={a.warps}, {jax.devices()[0].device_kind}")
-        for label, ms in split(x, dt, A, B, C, ids, m.mamba.chunk_size, a.warps, a.iters):
+              f"tiling={a.tiling}, {jax.devices()[0].device_kind}")
+        tiling = Tiling(*map(int, a.tiling.split(":")))
+        for label, ms in split(x, dt, A, B, C, ids, m.mamba.chunk_size, tiling, a.iters):
             print(f"{label:<30}{ms:>9.2f} ms")
         return
     print(f"SSD, {a.config}: B={b} T={t} H={h} P={p} G={g} N={n}, "
@@ -94,13 +98,14 @@ def main() -> None:
     print(f"{'variant':<28}{'fwd ms':>9}{'fwd+bwd ms':>12}{'TFLOP/s':>10}{'max rel diff':>14}", flush=True)
     rows, baseline = [], None
     for spec in a.variants.split(","):
-        impl, operands, q, warps = (spec.split(":") + ["4"])[:4]
-        mdt, q, warps = (None if operands == "fp32" else jnp.bfloat16), int(q), int(warps)
+        impl, operands, q, *launch = spec.split(":")
+        mdt, q = (None if operands == "fp32" else jnp.bfloat16), int(q)
+        tiling = Tiling(*map(int, launch)) if launch else None
 
-        def forward(x, dt, B, C, impl=impl, mdt=mdt, q=q, warps=warps):
+        def forward(x, dt, B, C, impl=impl, mdt=mdt, q=q, tiling=tiling):
             if impl == "xla":
                 return ssd_chunked(x, dt, A, B, C, ids, q, matmul_dtype=mdt)
-            return ssd_fused(x, dt, A, B, C, ids, q, matmul_dtype=mdt, num_warps=warps)
+            return ssd_fused(x, dt, A, B, C, ids, q, matmul_dtype=mdt, tiling=tiling)
 
         def loss(x, dt, B, C, forward=forward):
             y = forward(x, dt, B, C)

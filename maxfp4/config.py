@@ -51,7 +51,7 @@ class MambaConfig:
     # Operands of the SSD's token-length matmuls: bf16 (FP32 accumulation, as Mamba-2's own kernels
     # do) or fp32 (HIGHEST precision). Decays, segment sums and states are FP32 either way.
     ssd_matmul: str = "bf16"
-    # Where the mixer's convolution, SSD and D skip + gated norm run: auto (each as a Pallas
+    # Where the mixer's convolution, SSD (with the D skip) and gated norm run: auto (each as a Pallas
     # kernel on GPU when its tile sizes allow, else in XLA), xla (jax.numpy), or pallas (the
     # kernels; interpreted off GPU, slowly).
     kernels: str = "auto"

@@ -27,24 +27,31 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("matmul_dtype", [None, jnp.bfloat16])
 def test_compiled_kernel_matches_reference(matmul_dtype):
+    """With the D skip (the kernel adds D x): y + D x of the scan, and D's gradient too."""
     b, t, h, p, g, n, q = 2, 256, 4, 64, 2, 64, 64
     args = _inputs(1, b, t, h, p, g, n, dtype=np.float32)
+    args += (jnp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, h), jnp.float32),)
     ids = jnp.asarray(np.repeat(np.array([[1, 2, 3], [4, 4, 5]], np.int32), [70, 100, 86], axis=1))
     w = jnp.asarray(np.random.default_rng(2).standard_normal((b, t, h, p)), jnp.float32)
-    fused = functools.partial(ssd_fused, chunk_size=q, matmul_dtype=matmul_dtype, interpret=False)
+
+    def fused(x, dt, A, B, C, D, ids):
+        return ssd_fused(x, dt, A, B, C, ids, q, matmul_dtype=matmul_dtype, interpret=False, D_H=D)
+
+    def reference(x, dt, A, B, C, D, ids):
+        return ssd_reference(x, dt, A, B, C, ids) + D[:, None] * x
     hlo = jax.jit(fused).lower(*args, ids).compile().as_text()
     assert "triton" in hlo.lower(), "the kernel did not compile through Triton"
 
     def loss(fn):
         return lambda *a: jnp.sum(fn(*a, ids) * w)
     with jax.default_matmul_precision("highest"):
-        y_ref = jax.jit(ssd_reference)(*args, ids)
-        g_ref = jax.jit(jax.grad(loss(ssd_reference), argnums=range(5)))(*args)
+        y_ref = jax.jit(reference)(*args, ids)
+        g_ref = jax.jit(jax.grad(loss(reference), argnums=range(6)))(*args)
     y = jax.jit(fused)(*args, ids)
-    g_got = jax.jit(jax.grad(loss(fused), argnums=range(5)))(*args)
+    g_got = jax.jit(jax.grad(loss(fused), argnums=range(6)))(*args)
     fwd_bound = 1e-4 if matmul_dtype is None else 2e-2
     assert _rel(y, y_ref) < fwd_bound
-    for name, a, e in zip(ARG_NAMES, g_got, g_ref):
+    for name, a, e in zip(ARG_NAMES + ("D",), g_got, g_ref):
         bound = fwd_bound if matmul_dtype is None else (1e-1 if name == "A" else 2e-2)
         assert _rel(a, e) < bound, name
 
@@ -70,29 +77,26 @@ def test_compiled_conv_kernel_matches_reference():
 
 
 def test_compiled_gated_norm_kernel_matches_reference():
-    """D skip + gated norm epilogue through Triton against its jax.numpy form, FP32 (1e-5)."""
+    """Gated norm epilogue through Triton against its jax.numpy form, FP32 (1e-5)."""
     rng = np.random.default_rng(4)
-    b, t, e, groups, p = 2, 64, 1024, 2, 64
-    y = jnp.asarray(rng.standard_normal((b, t, e)), jnp.float32)
-    xbc = jnp.asarray(rng.standard_normal((b, t, e + 96)), jnp.float32)
+    b, t, e, groups = 2, 64, 1024, 2
+    u = jnp.asarray(rng.standard_normal((b, t, e)), jnp.float32)
     zx = jnp.asarray(rng.standard_normal((b, t, e + 200)), jnp.float32)
-    d_h = jnp.asarray(rng.uniform(0.5, 1.5, e // p), jnp.float32)
     scale = jnp.asarray(rng.uniform(0.5, 1.5, e), jnp.float32)
     dout = jnp.asarray(rng.standard_normal((b, t, e)), jnp.float32)
 
-    def kernel(y, xbc, zx, d_h, scale):
-        return gated_norm_fused(y, xbc, zx, jnp.repeat(d_h, p), scale, groups, 1e-5, jnp.float32, False)
+    def kernel(u, zx, scale):
+        return gated_norm_fused(u, zx, scale, groups, 1e-5, jnp.float32, False)
 
-    def reference(y, xbc, zx, d_h, scale):
-        skip = (d_h[:, None] * xbc[..., :e].reshape(b, t, e // p, p)).reshape(b, t, e)
-        return gated_group_norm(y + skip, zx[..., :e], scale, groups, 1e-5)
+    def reference(u, zx, scale):
+        return gated_group_norm(u, zx[..., :e], scale, groups, 1e-5)
 
-    args = (y, xbc, zx, d_h, scale)
+    args = (u, zx, scale)
     assert "triton" in jax.jit(kernel).lower(*args).compile().as_text().lower()
     assert _rel(jax.jit(kernel)(*args), reference(*args)) < 1e-5
-    g_got = jax.jit(jax.grad(lambda *a: jnp.sum(kernel(*a) * dout), argnums=range(5)))(*args)
-    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * dout), argnums=range(5)))(*args)
-    for name, a, r in zip(("y", "xbc", "zxbcdt", "D", "scale"), g_got, g_ref):
+    g_got = jax.jit(jax.grad(lambda *a: jnp.sum(kernel(*a) * dout), argnums=range(3)))(*args)
+    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * dout), argnums=range(3)))(*args)
+    for name, a, r in zip(("u", "zxbcdt", "scale"), g_got, g_ref):
         assert _rel(a, r) < 1e-5, name
 
 

@@ -20,7 +20,7 @@ from maxfp4.model import get_model
 from maxfp4.model.layers import ACT_DTYPE
 from maxfp4.model.mamba import use_ssd_kernel
 from maxfp4.model.ssd import ssd_reference
-from maxfp4.model.ssd_kernel import kernel_supported, ssd_fused
+from maxfp4.model.ssd_kernel import Tiling, default_tiling, kernel_supported, ssd_fused
 from maxfp4.precision import resolve_policy
 from tests.test_hybrid import TINY
 from tests.test_ssd import ARG_NAMES, PACKED_IDS, _inputs, _rel
@@ -48,6 +48,63 @@ def test_kernel_keeps_segments_apart(x64):
         outside[0, lo:hi] = False
         np.testing.assert_array_equal(y[outside], base[outside])
         assert not np.allclose(y[0, lo:hi], base[0, lo:hi])
+
+
+@pytest.mark.parametrize("g,heads", [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)])
+def test_d_skip_and_heads_per_program_float64(x64, g, heads):
+    """The kernel's D skip (y + D x) and each number of heads per program: forward and every
+    gradient, D's included, against the sequential scan plus D x, float64 (bounds of
+    test_ssd.py: 1e-10 forward, 1e-9 gradients). A program of several heads loads their group's
+    C.B once and sums d(C.B) over them itself."""
+    b, t, h, p, n, q = 2, 21, 4, 4, 5, 8
+    args = _inputs(7, b, t, h, p, g, n) + (jnp.asarray(np.random.default_rng(8).uniform(0.5, 1.5, h)),)
+    ids = jnp.asarray(PACKED_IDS[:, :t])
+    w = jnp.asarray(np.random.default_rng(9).standard_normal((b, t, h, p)))
+
+    def fused(x, dt, A, B, C, D):
+        return ssd_fused(x, dt, A, B, C, ids, q, interpret=True, tiling=Tiling(heads=heads), D_H=D)
+
+    def reference(x, dt, A, B, C, D):
+        return ssd_reference(x, dt, A, B, C, ids) + D[:, None] * x
+
+    assert _rel(jax.jit(fused)(*args), _reference(*args[:5], ids) + args[5][:, None] * args[0]) < 1e-10
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(fused(*a) * w), argnums=range(6)))(*args)
+    ref = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * w), argnums=range(6)))(*args)
+    for name, a, e in zip(ARG_NAMES + ("D",), got, ref):
+        assert _rel(a, e) < 1e-9, name
+
+
+def test_x_read_in_place_from_a_wider_array(x64):
+    """x as the first H x P columns of a wider array (as the mixer passes the convolution output):
+    the same outputs, and the wider array's gradient is x's in those columns and exactly the
+    other uses' (here none: zero) past them. T a multiple of the chunk, as the kernel needs."""
+    b, t, h, p, g, n, q = 2, 24, 4, 4, 1, 5, 8
+    x, dt, A, B, C = _inputs(10, b, t, h, p, g, n)
+    wide = jnp.concatenate([x.reshape(b, t, h * p), jnp.full((b, t, 2 * p), 7.0)], axis=-1)
+    ids = jnp.asarray(PACKED_IDS[:, :t])
+    w = jnp.asarray(np.random.default_rng(11).standard_normal((b, t, h, p)))
+
+    def fused(wide, in_place):
+        x_BTHP = wide[..., :h * p].reshape(b, t, h, p)
+        return ssd_fused(x_BTHP, dt, A, B, C, ids, q, interpret=True, x_within_BTC=wide if in_place else None)
+
+    y_in_place, y_copy = jax.jit(fused, static_argnums=1)(wide, True), jax.jit(fused, static_argnums=1)(wide, False)
+    assert _rel(y_in_place, _reference(x, dt, A, B, C, ids)) < 1e-10
+    np.testing.assert_array_equal(np.asarray(y_in_place), np.asarray(y_copy))
+    grad = jax.jit(jax.grad(lambda a, m: jnp.sum(fused(a, m) * w)), static_argnums=1)
+    g_in_place, g_copy = np.asarray(grad(wide, True)), np.asarray(grad(wide, False))
+    assert np.all(g_in_place[..., h * p:] == 0) and np.any(g_in_place[..., :h * p] != 0)
+    assert _rel(g_in_place, g_copy) < 1e-12
+
+
+def test_heads_per_program_choice():
+    """The default walks the largest power of two of a group's heads up to 16 (Triton block sides
+    are powers of two); a count that does not divide the group's heads is refused."""
+    assert default_tiling(128, 64).heads == 16 and default_tiling(128, 12).heads == 4
+    assert default_tiling(128, 3).heads == 1 and default_tiling(64, 2) == Tiling(num_warps=4, heads=2)
+    args = _inputs(1, 1, 16, 4, 4, 2, 4, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"heads per program \(4\) must divide the heads per group \(2\)"):
+        ssd_fused(*args, jnp.ones((1, 16), jnp.int32), 8, interpret=True, tiling=Tiling(heads=4))
 
 
 def test_kernel_bf16_operands_stay_close_to_the_fp32_reference():

@@ -1,25 +1,26 @@
-"""The Mamba-2 mixer's epilogue as Pallas kernels, forward and backward: the D skip, the SiLU gate
-and the RMSNorm per group,
+"""The Mamba-2 mixer's epilogue as Pallas kernels, forward and backward: the SiLU gate and the
+RMSNorm per group,
 
-    u = y + D x,   g = u * silu(z),   out = g * rsqrt(mean over the group of g^2 + eps) * scale
+    g = u * silu(z),   out = g * rsqrt(mean over the group of g^2 + eps) * scale
 
-with y the SSD output [B, T, E] and x, z the first E columns of the convolution output and of
-the in_proj output, read in place (no sliced copies).
+with u the SSD output with its D skip already added ([B, T, E]; the SSD kernel adds D x, where
+it holds x anyway) and z the first E columns of the in_proj output, read in place (no sliced
+copy).
 
-Why a kernel: in XLA, the parameter gradients of this epilogue (D, the norm scale) are
-reductions over (B, T), and they made XLA's layout assignment give the [B, T, E] gradients a
+Why a kernel: in XLA, the parameter gradient of this epilogue (the norm scale) is a
+reduction over (B, T), and it made XLA's layout assignment give the [B, T, E] gradients a
 T-minor layout, with transposes of several [B, T, E] arrays around them in every Mamba layer
 (docs/PERFORMANCE.md). Here a forward program holds a [Tr, Eg] block (whole rows of one group,
 4096 elements) and reads and writes it once, as it lies in memory; a backward program walks 16
-rows that way and sums the parameter gradients over them (partial sums that XLA adds up).
+rows that way and sums the scale's gradient over them (partial sums that XLA adds up).
 (A first version walked each group in 256-column steps, twice: with Eg = 4096 the second walk
 read from memory again and both kernels were 2-4x slower than one pass.)
 
 Backward, with r = rsqrt(mean g^2 + eps) per row and group, and Eg the group width:
 
     dg = r scale dout - g r^3 mean(g scale dout)
-    du = dg z sig(z);  dz = dg u sig(z) (1 + z (1 - sig(z)));  dy = du;  dx = D du
-    dscale = sum over rows of dout g r;  dD = sum over rows and the head's columns of du x
+    du = dg z sig(z);  dz = dg u sig(z) (1 + z (1 - sig(z)))
+    dscale = sum over rows of dout g r
 
 Hand-written for the same reason as ``conv_kernel``; it runs in interpret mode off GPU.
 """
@@ -34,6 +35,10 @@ from jax.experimental import pallas as pl
 
 _TILE_ELEMENTS = 4096  # elements of one [Tr, Eg] tile: a row block of one group, held whole
 _BLOCK_ROWS = 16  # rows one backward program walks (its parameter-gradient partial sums cover them)
+# Triton warps per program. The backward holds about twice the forward's live values per row
+# (three inputs, two gradients); 16 warps spread them (H200, mamba2-1p3b shapes, the kernel and
+# its XLA epilogue: 0.70 ms with 8 warps, 0.48 with 16; the forward is no faster with 16).
+_FORWARD_WARPS, _BACKWARD_WARPS = 8, 16
 
 
 def _tile_rows(group_width: int) -> int:
@@ -50,102 +55,89 @@ def gated_norm_supported(t: int, e: int, groups: int) -> bool:
     return 16 <= eg <= _TILE_ELEMENTS and eg & (eg - 1) == 0
 
 
-def _gate(y_ref, x_ref, z_ref, d_ref, bi, t0, tr, c0, eg):
-    """u = y + D x, z, sigmoid(z) and x of the [tr, eg] tile at row t0, column c0, in the
-    compute dtype (the dtype of D: FP32, or float64 in tests)."""
+def _gate(u_ref, z_ref, cdt, bi, t0, tr, c0, eg):
+    """u, z and sigmoid(z) of the [tr, eg] tile at row t0, column c0, in the compute dtype cdt
+    (FP32, or float64 in tests)."""
     rows, cols = pl.ds(t0, tr), pl.ds(c0, eg)
-    d = d_ref[cols]
-    x = x_ref[bi, rows, cols].astype(d.dtype)
-    u = y_ref[bi, rows, cols].astype(d.dtype) + d[None, :] * x
-    z = z_ref[bi, rows, cols].astype(d.dtype)
-    return u, z, jax.nn.sigmoid(z), x
+    z = z_ref[bi, rows, cols].astype(cdt)
+    return u_ref[bi, rows, cols].astype(cdt), z, jax.nn.sigmoid(z)
 
 
-def _forward_kernel(y_ref, x_ref, z_ref, d_ref, scale_ref, out_ref, *, eg, tr, eps):
+def _forward_kernel(u_ref, z_ref, scale_ref, out_ref, *, eg, tr, eps):
     bi, t0, c0 = pl.program_id(0), pl.program_id(1) * tr, pl.program_id(2) * eg
-    u, z, sz, _ = _gate(y_ref, x_ref, z_ref, d_ref, bi, t0, tr, c0, eg)
+    u, z, sz = _gate(u_ref, z_ref, scale_ref.dtype, bi, t0, tr, c0, eg)
     g = u * z * sz
     r = jax.lax.rsqrt(jnp.mean(g * g, axis=1, keepdims=True) + eps)
     out_ref[bi, pl.ds(t0, tr), pl.ds(c0, eg)] = (g * r * scale_ref[pl.ds(c0, eg)][None, :]).astype(out_ref.dtype)
 
 
-def _backward_kernel(y_ref, x_ref, z_ref, d_ref, scale_ref, dout_ref,
-                     du_ref, dx_ref, dz_ref, dscale_ref, dd_ref, *, eg, tr, eps):
+def _backward_kernel(u_ref, z_ref, scale_ref, dout_ref, du_ref, dz_ref, dscale_ref, *, eg, tr, eps):
     bi, ti, c0 = pl.program_id(0), pl.program_id(1), pl.program_id(2) * eg
     cols = pl.ds(c0, eg)
-    d, scale = d_ref[cols][None, :], scale_ref[cols][None, :]
+    scale = scale_ref[cols][None, :]
 
-    def rows(i, sums):
-        dscale_sum, dd_sum = sums
+    def rows(i, dscale_sum):
         t0 = ti * _BLOCK_ROWS + i * tr
-        u, z, sz, x = _gate(y_ref, x_ref, z_ref, d_ref, bi, t0, tr, c0, eg)
+        u, z, sz = _gate(u_ref, z_ref, scale.dtype, bi, t0, tr, c0, eg)
         g = u * z * sz
         dout = dout_ref[bi, pl.ds(t0, tr), cols].astype(g.dtype)
         r = jax.lax.rsqrt(jnp.mean(g * g, axis=1, keepdims=True) + eps)
         dg = r * scale * dout - g * (r * r * r * jnp.mean(g * scale * dout, axis=1, keepdims=True))
         du = dg * z * sz
         du_ref[bi, pl.ds(t0, tr), cols] = du.astype(du_ref.dtype)
-        dx_ref[bi, pl.ds(t0, tr), cols] = (d * du).astype(dx_ref.dtype)
         dz_ref[bi, pl.ds(t0, tr), cols] = (dg * u * sz * (1.0 + z * (1.0 - sz))).astype(dz_ref.dtype)
-        return dscale_sum + jnp.sum(dout * g * r, axis=0), dd_sum + jnp.sum(du * x, axis=0)
+        return dscale_sum + jnp.sum(dout * g * r, axis=0)
 
-    zero = jnp.zeros((eg,), d_ref.dtype)
-    dscale_sum, dd_sum = jax.lax.fori_loop(0, _BLOCK_ROWS // tr, rows, (zero, zero))
-    dscale_ref[bi, ti, cols] = dscale_sum
-    dd_ref[bi, ti, cols] = dd_sum
+    dscale_ref[bi, ti, cols] = jax.lax.fori_loop(0, _BLOCK_ROWS // tr, rows, jnp.zeros((eg,), scale.dtype))
 
 
-def _launch(kernel, rows_per_program, b, t, e, groups, eps, interpret, out_shape, *args):
+def _launch(kernel, rows_per_program, num_warps, b, t, e, groups, eps, interpret, out_shape, *args):
     eg = e // groups
     kernel = functools.partial(kernel, eg=eg, tr=_tile_rows(eg), eps=eps)
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=8, num_stages=1)
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
     whole = [pl.no_block_spec] * len(args)
     outs = [pl.no_block_spec] * len(out_shape)
     return pl.pallas_call(kernel, grid=(b, t // rows_per_program, groups), in_specs=whole, out_specs=outs,
                           out_shape=out_shape, interpret=interpret, **params)(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def gated_norm_fused(y_BTE: jax.Array, xbc_BTC: jax.Array, zxbcdt_BTI: jax.Array, D_E: jax.Array,
-                     scale_E: jax.Array, groups: int, eps: float, out_dtype, interpret: bool) -> jax.Array:
-    """RMSNorm per group of (y + D x) * silu(z) times scale, in out_dtype; x and z are the first
-    E columns of xbc_BTC and zxbcdt_BTI, D_E is D repeated over each head's channels."""
-    return _fwd(y_BTE, xbc_BTC, zxbcdt_BTI, D_E, scale_E, groups, eps, out_dtype, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def gated_norm_fused(u_BTE: jax.Array, zxbcdt_BTI: jax.Array, scale_E: jax.Array, groups: int, eps: float,
+                     out_dtype, interpret: bool) -> jax.Array:
+    """RMSNorm per group of u * silu(z) times scale, in out_dtype; z is the first E columns of
+    zxbcdt_BTI."""
+    return _fwd(u_BTE, zxbcdt_BTI, scale_E, groups, eps, out_dtype, interpret)[0]
 
 
-def _compute_dtype(y_BTE):
-    return jnp.promote_types(y_BTE.dtype, jnp.float32)
+def _compute_dtype(u_BTE):
+    return jnp.promote_types(u_BTE.dtype, jnp.float32)
 
 
-def _fwd(y_BTE, xbc_BTC, zxbcdt_BTI, D_E, scale_E, groups, eps, out_dtype, interpret):
-    b, t, e = y_BTE.shape
-    cdt = _compute_dtype(y_BTE)
-    (out,) = _launch(_forward_kernel, _tile_rows(e // groups), b, t, e, groups, eps, interpret,
-                     [jax.ShapeDtypeStruct((b, t, e), out_dtype)],
-                     y_BTE, xbc_BTC, zxbcdt_BTI, D_E.astype(cdt), scale_E.astype(cdt))
-    return out, (y_BTE, xbc_BTC, zxbcdt_BTI, D_E, scale_E)
+def _fwd(u_BTE, zxbcdt_BTI, scale_E, groups, eps, out_dtype, interpret):
+    b, t, e = u_BTE.shape
+    cdt = _compute_dtype(u_BTE)
+    (out,) = _launch(_forward_kernel, _tile_rows(e // groups), _FORWARD_WARPS, b, t, e, groups, eps, interpret,
+                     [jax.ShapeDtypeStruct((b, t, e), out_dtype)], u_BTE, zxbcdt_BTI, scale_E.astype(cdt))
+    return out, (u_BTE, zxbcdt_BTI, scale_E)
 
 
 def _bwd(groups, eps, out_dtype, interpret, residuals, dout_BTE):
-    y_BTE, xbc_BTC, zxbcdt_BTI, D_E, scale_E = residuals
-    b, t, e = y_BTE.shape
-    cdt = _compute_dtype(y_BTE)
+    u_BTE, zxbcdt_BTI, scale_E = residuals
+    b, t, e = u_BTE.shape
+    cdt = _compute_dtype(u_BTE)
     # Each [B, T, E] gradient is written in its input's dtype (BF16 in training): FP32 copies
     # would double the traffic of the kernel and of the adds that merge them downstream.
     partial = jax.ShapeDtypeStruct((b, t // _BLOCK_ROWS, e), cdt)
-    full = [jax.ShapeDtypeStruct((b, t, e), a.dtype) for a in (y_BTE, xbc_BTC, zxbcdt_BTI)]
-    du, dx, dz, dscale_parts, dd_parts = _launch(
-        _backward_kernel, _BLOCK_ROWS, b, t, e, groups, eps, interpret, [*full, partial, partial],
-        y_BTE, xbc_BTC, zxbcdt_BTI, D_E.astype(cdt), scale_E.astype(cdt), dout_BTE)
-
-    def widened(d_BTE, like):  # the gradient of a wider array whose first E columns were read
-        return jnp.pad(d_BTE, ((0, 0), (0, 0), (0, like.shape[-1] - e)))
-
-    return (du, widened(dx, xbc_BTC), widened(dz, zxbcdt_BTI),
-            jnp.sum(dd_parts, axis=(0, 1)).astype(D_E.dtype), jnp.sum(dscale_parts, axis=(0, 1)).astype(scale_E.dtype))
+    full = [jax.ShapeDtypeStruct((b, t, e), a.dtype) for a in (u_BTE, zxbcdt_BTI)]
+    du, dz, dscale_parts = _launch(
+        _backward_kernel, _BLOCK_ROWS, _BACKWARD_WARPS, b, t, e, groups, eps, interpret, [*full, partial],
+        u_BTE, zxbcdt_BTI, scale_E.astype(cdt), dout_BTE)
+    # The gradient of the wider in_proj output whose first E columns were read.
+    dz_BTI = jnp.pad(dz, ((0, 0), (0, 0), (0, zxbcdt_BTI.shape[-1] - e)))
+    return du, dz_BTI, jnp.sum(dscale_parts, axis=(0, 1)).astype(scale_E.dtype)
 
 
 gated_norm_fused.defvjp(_fwd, _bwd)

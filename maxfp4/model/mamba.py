@@ -4,7 +4,7 @@ SSD with per-head scalar decay -> D skip -> gated RMSNorm per group -> out_proj.
 Only ``in_proj`` (class ``mamba_in``) and ``out_proj`` (``mamba_out``) go through the precision
 policy; the convolution, the SSD (A, dt, decays, states) and the norm compute in FP32 and store
 their inputs and outputs (and those gradients) in BF16 between steps. The
-convolution, the SSD and the D skip + gated norm run as Pallas kernels (``conv_kernel``,
+convolution, the SSD with the D skip, and the gated norm run as Pallas kernels (``conv_kernel``,
 ``ssd_kernel``, ``gated_norm_kernel``) or in XLA (``causal_conv`` and ``gated_group_norm`` here,
 the chunked form of ``ssd``), by ``model.mamba.kernels``.
 
@@ -106,7 +106,7 @@ def use_conv_kernel(cfg: ModelConfig, t: int, channels: int) -> bool:
 
 
 def use_norm_kernel(cfg: ModelConfig, t: int, e: int) -> bool:
-    """model.mamba.kernels resolved for the D skip + gated norm epilogue, as for the convolution."""
+    """model.mamba.kernels resolved for the gated norm epilogue, as for the convolution."""
     if cfg.mamba.kernels == "xla" or not gated_norm_supported(t, e, cfg.mamba.n_groups):
         return False
     return cfg.mamba.kernels == "pallas" or jax.default_backend() == "gpu"
@@ -134,14 +134,20 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     B_BTGN = xbc_BTC[..., e:e + g * n].reshape(b, t, g, n)
     C_BTGN = xbc_BTC[..., e + g * n:].reshape(b, t, g, n)
     A_H = -jnp.exp(p["A_log"])
-    ssd = ssd_fused if use_ssd_kernel(cfg) else ssd_chunked
-    y_BTHP = ssd(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
-                 matmul_dtype=jnp.bfloat16 if cfg.mamba.ssd_matmul == "bf16" else None)
-    if use_norm_kernel(cfg, t, e):
-        # x and z are read in place from the convolution output and the GEMM output.
-        y_BTE = gated_norm_fused(y_BTHP.reshape(b, t, e), xbc_BTC, zxbcdt_BTI, jnp.repeat(p["D_skip"], pd),
-                                 p["norm"], g, cfg.norm_eps, ACT_DTYPE, jax.default_backend() != "gpu")
+    matmul_dtype = jnp.bfloat16 if cfg.mamba.ssd_matmul == "bf16" else None
+    if use_ssd_kernel(cfg):
+        # The kernel adds the D skip itself, where it holds x anyway, and reads x in place from
+        # the convolution output (a sliced copy cost a [B, T, E] pass a layer).
+        u_BTHP = ssd_fused(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
+                           matmul_dtype=matmul_dtype, D_H=p["D_skip"], x_within_BTC=xbc_BTC)
     else:
-        y_BTHP = y_BTHP + p["D_skip"][:, None] * x_BTHP
-        y_BTE = gated_group_norm(y_BTHP.reshape(b, t, e), z_BTE, p["norm"], g, cfg.norm_eps)
+        y_BTHP = ssd_chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
+                             matmul_dtype=matmul_dtype)
+        u_BTHP = y_BTHP + p["D_skip"][:, None] * x_BTHP
+    if use_norm_kernel(cfg, t, e):
+        # z is read in place from the GEMM output.
+        y_BTE = gated_norm_fused(u_BTHP.reshape(b, t, e), zxbcdt_BTI, p["norm"], g, cfg.norm_eps, ACT_DTYPE,
+                                 jax.default_backend() != "gpu")
+    else:
+        y_BTE = gated_group_norm(u_BTHP.reshape(b, t, e), z_BTE, p["norm"], g, cfg.norm_eps)
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")

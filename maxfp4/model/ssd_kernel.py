@@ -30,6 +30,7 @@ resets. Pallas lowers through Triton on GPU; elsewhere the same kernel runs in i
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,9 @@ from maxfp4.model.ssd import _check_shapes, _compute_dtype, _masked_exp, _segmen
 from maxfp4.model.state_passing_kernel import entry_states, state_passing_supported
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+# Heads one program walks at most: 16 was the fastest of 1 to 32 on an H200 at the 1.3B benchmark
+# shapes (one layer forward + backward 3.27 ms with 1, 2.76-3.16 with 16; docs/PERFORMANCE.md).
+_MAX_HEADS_PER_PROGRAM = 16
 
 
 def kernel_supported(chunk_size: int, head_dim: int, d_state: int) -> bool:
@@ -73,114 +77,170 @@ def _entry_factor(cs_Q, seg_Q):
     return jnp.exp(jnp.where(seg_Q == 0, cs_Q, -jnp.inf))
 
 
-def _forward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, y_ref, *, matmul_dtype, cdt):
-    cs_Q, seg_Q = cs_ref[...], seg_ref[...]
-    scores_QQ = _decayed_scores(cb_ref[...].astype(cdt), dt_ref[...], cs_Q, seg_Q)
-    y_QP = _dot(scores_QQ, x_ref[...], matmul_dtype, cdt)
-    y_QP += _entry_factor(cs_Q, seg_Q)[:, None] * c_entry_ref[...].astype(cdt)
-    y_ref[...] = y_QP.astype(y_ref.dtype)
+def _forward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, y_ref, *, matmul_dtype, cdt):
+    cb_QQ, seg_Q = cb_ref[...].astype(cdt), seg_ref[...]
+
+    def head(j, carry):
+        cs_Q, x_QP = cs_ref[j, :], x_ref[:, j, :]
+        scores_QQ = _decayed_scores(cb_QQ, dt_ref[j, :], cs_Q, seg_Q)
+        y_QP = _dot(scores_QQ, x_QP, matmul_dtype, cdt)
+        y_QP += _entry_factor(cs_Q, seg_Q)[:, None] * c_entry_ref[:, j, :].astype(cdt)
+        y_QP += d_ref[j, :][None, :] * x_QP.astype(cdt)  # the D skip
+        y_ref[:, j, :] = y_QP.astype(y_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, x_ref.shape[1], head, 0)
 
 
 # The backward is two kernels, each rebuilding what it needs from the chunk's inputs: one for
 # the gradients that flow through dy alone (x, the entry term), one for those of the scores
 # (C.B, dt, the cumulative sums). One kernel doing both held too many Q x Q FP32 tiles at once.
 
-def _backward_dx_kernel(cb_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, dy_ref,
+def _backward_dx_kernel(cb_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, dy_ref,
                         dx_ref, dc_entry_ref, dcs_entry_ref, *, matmul_dtype, cdt):
-    cs_Q, seg_Q, dy_QP = cs_ref[...], seg_ref[...], dy_ref[...].astype(cdt)
-    scores_QQ = _decayed_scores(cb_ref[...].astype(cdt), dt_ref[...], cs_Q, seg_Q)
-    dx_ref[...] = _dot(scores_QQ.T, dy_QP, matmul_dtype, cdt).astype(dx_ref.dtype)
-    # The entry term exp(cs_i) C_i . entry sends its cumulative-sum gradient to row i.
-    entry_Q = _entry_factor(cs_Q, seg_Q)
-    dcs_entry_ref[...] = (entry_Q * jnp.sum(dy_QP * c_entry_ref[...].astype(cdt), axis=1)).astype(dcs_entry_ref.dtype)
-    dc_entry_ref[...] = (entry_Q[:, None] * dy_QP).astype(dc_entry_ref.dtype)
+    cb_QQ, seg_Q = cb_ref[...].astype(cdt), seg_ref[...]
+
+    def head(j, carry):
+        cs_Q, dy_QP = cs_ref[j, :], dy_ref[:, j, :].astype(cdt)
+        scores_QQ = _decayed_scores(cb_QQ, dt_ref[j, :], cs_Q, seg_Q)
+        dx_QP = _dot(scores_QQ.T, dy_QP, matmul_dtype, cdt) + d_ref[j, :][None, :] * dy_QP
+        dx_ref[:, j, :] = dx_QP.astype(dx_ref.dtype)
+        # The entry term exp(cs_i) C_i . entry sends its cumulative-sum gradient to row i.
+        entry_Q = _entry_factor(cs_Q, seg_Q)
+        dcs_entry_ref[j, :] = (entry_Q * jnp.sum(dy_QP * c_entry_ref[:, j, :].astype(cdt), axis=1)
+                               ).astype(dcs_entry_ref.dtype)
+        dc_entry_ref[:, j, :] = (entry_Q[:, None] * dy_QP).astype(dc_entry_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, dy_ref.shape[1], head, 0)
 
 
 def _backward_scores_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, dy_ref,
-                            dcb_ref, ddt_ref, dcs_ref, *, matmul_dtype, cdt):
-    cb_QQ, dt_Q, dy_QP = cb_ref[...].astype(cdt), dt_ref[...], dy_ref[...].astype(cdt)
-    decay_dscores_QQ = _dot(dy_QP, x_ref[...].T, matmul_dtype, cdt) * _decay(cs_ref[...], seg_ref[...])
-    dcb_ref[...] = (decay_dscores_QQ * dt_Q[None, :]).astype(dcb_ref.dtype)
-    cb_decay_dscores_QQ = decay_dscores_QQ * cb_QQ
-    ddt_ref[...] = jnp.sum(cb_decay_dscores_QQ, axis=0).astype(ddt_ref.dtype)
-    # exp(cs_i - cs_j) sends its gradient with + to row i and - to column j; g = dscores * scores.
-    g_QQ = cb_decay_dscores_QQ * dt_Q[None, :]
-    dcs_ref[...] = (jnp.sum(g_QQ, axis=1) - jnp.sum(g_QQ, axis=0)).astype(dcs_ref.dtype)
+                            dcb_ref, ddt_ref, dcs_ref, dd_ref, *, matmul_dtype, cdt):
+    cb_QQ, seg_Q = cb_ref[...].astype(cdt), seg_ref[...]
+
+    def head(j, dcb_QQ):
+        dt_Q, dy_QP, x_QP = dt_ref[j, :], dy_ref[:, j, :].astype(cdt), x_ref[:, j, :]
+        dd_ref[j, :] = jnp.sum(dy_QP * x_QP.astype(cdt), axis=0)  # the D skip's, per column of the head
+        decay_dscores_QQ = _dot(dy_QP, x_QP.T, matmul_dtype, cdt) * _decay(cs_ref[j, :], seg_Q)
+        cb_decay_dscores_QQ = decay_dscores_QQ * cb_QQ
+        ddt_ref[j, :] = jnp.sum(cb_decay_dscores_QQ, axis=0).astype(ddt_ref.dtype)
+        # exp(cs_i - cs_j) sends its gradient with + to row i and - to column j; g = dscores * scores.
+        g_QQ = cb_decay_dscores_QQ * dt_Q[None, :]
+        dcs_ref[j, :] = (jnp.sum(g_QQ, axis=1) - jnp.sum(g_QQ, axis=0)).astype(dcs_ref.dtype)
+        return dcb_QQ + decay_dscores_QQ * dt_Q[None, :]
+
+    # d(C.B) summed over this program's heads in cdt, in a fixed order (deterministic).
+    dcb_ref[...] = jax.lax.fori_loop(0, dy_ref.shape[1], head, jnp.zeros(cb_QQ.shape, cdt)).astype(dcb_ref.dtype)
+
+
+class Tiling(NamedTuple):
+    """How the kernels are launched on GPU: Triton warps and software-pipelining stages per
+    program, and how many heads of one group a program walks (``heads``; it must divide the
+    heads per group). A program loads its group's C.B tile once for all its heads, and the
+    backward sums d(C.B) over them in registers: one head per program wrote a [Q, Q] tile per
+    head (for the 1.3B benchmark shape 268 MB a layer) for XLA to sum over the group."""
+    num_warps: int = 8
+    heads: int = 1
+    num_stages: int = 1
+
+
+def default_tiling(chunk_size: int, heads_per_group: int) -> Tiling:
+    """Several Q x Q FP32 tiles are live at once; more warps spread them over more registers.
+    Heads per program: the largest power of two (Triton block sides are) that divides the heads
+    per group, at most _MAX_HEADS_PER_PROGRAM."""
+    heads = 1
+    while heads < _MAX_HEADS_PER_PROGRAM and heads_per_group % (2 * heads) == 0:
+        heads *= 2
+    return Tiling(num_warps=4 if chunk_size <= 64 else 8, heads=heads)
 
 
 class _Launch:
     """Grid, block specs and compiler settings shared by the forward and backward kernels.
 
     Layouts: C.B scores [B, K, G, Q, Q]; x, y [B, T, H, P]; dt, cs [B, H, T] (a chunk of one
-    head is then contiguous); segment counts [B, T]. One program per (b, k, h); heads vary
-    fastest so the programs that share a group's C.B tile run together.
+    head is then contiguous); segment counts [B, T]. One program per (b, k, block of heads);
+    head blocks vary fastest so the programs that share a group's C.B tile run together.
     """
 
-    def __init__(self, x, cb, interpret, num_warps):
+    def __init__(self, c_entry, cb, interpret, tiling: Tiling):
+        # H from c_entry [B, T, H, P]: x may be a view of a wider array (more head-sized blocks).
         b, k, g, q, _ = cb.shape
-        h, p = x.shape[2:]
-        r = h // g
+        h, p = c_entry.shape[2:]
+        hb = tiling.heads
+        if (h // g) % hb:
+            raise ValueError(f"heads per program ({hb}) must divide the heads per group ({h // g})")
         sq = pl.squeezed
-        self.grid = (b, k, h)
-        self.group_QQ = pl.BlockSpec((sq, sq, sq, q, q), lambda bi, ki, hi: (bi, ki, hi // r, 0, 0))
-        self.head_QQ = pl.BlockSpec((sq, sq, sq, q, q), lambda bi, ki, hi: (bi, ki, hi, 0, 0))
-        self.head_QP = pl.BlockSpec((sq, q, sq, p), lambda bi, ki, hi: (bi, ki, hi, 0))
-        self.head_Q = pl.BlockSpec((sq, sq, q), lambda bi, ki, hi: (bi, hi, ki))
+        self.grid = (b, k, h // hb)
+        self.group_QQ = pl.BlockSpec((sq, sq, sq, q, q), lambda bi, ki, hi: (bi, ki, hi * hb // (h // g), 0, 0))
+        self.block_QQ = pl.BlockSpec((sq, sq, sq, q, q), lambda bi, ki, hi: (bi, ki, hi, 0, 0))
+        self.heads_QP = pl.BlockSpec((sq, q, hb, p), lambda bi, ki, hi: (bi, ki, hi, 0))
+        self.heads_Q = pl.BlockSpec((sq, hb, q), lambda bi, ki, hi: (bi, hi, ki))
+        self.heads_P = pl.BlockSpec((hb, p), lambda bi, ki, hi: (hi, 0))
+        self.block_heads_P = pl.BlockSpec((sq, sq, hb, p), lambda bi, ki, hi: (bi, ki, hi, 0))
         self.seg_Q = pl.BlockSpec((sq, q), lambda bi, ki, hi: (bi, ki))
         self.interpret = interpret
-        self.num_warps = num_warps
+        self.tiling = tiling
 
     def call(self, kernel, in_specs, out_specs, out_shape, *args, **kwargs):
         if not self.interpret:
             from jax.experimental.pallas import triton as pltriton
-            kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=self.num_warps, num_stages=1)
+            kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=self.tiling.num_warps,
+                                                                num_stages=self.tiling.num_stages)
         return pl.pallas_call(kernel, grid=self.grid, in_specs=in_specs, out_specs=out_specs,
                               out_shape=out_shape, interpret=self.interpret, **kwargs)(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def chunk_outputs(cb, x, dt, cs, seg, c_entry, out_dtype, matmul_dtype, interpret, num_warps):
-    """y [B, T, H, P] in out_dtype (T a multiple of Q): the intra-chunk outputs plus exp(cs_i)
-    times the entry-state outputs c_entry_i = C_i . entry state (zero past a segment start); see
-    module doc. The kernel writes out_dtype itself (no FP32 copy of y)."""
-    return _chunk_outputs_fwd(cb, x, dt, cs, seg, c_entry, out_dtype, matmul_dtype, interpret, num_warps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def chunk_outputs(cb, x, dt, cs, seg, c_entry, d, out_dtype, matmul_dtype, interpret, tiling):
+    """y [B, T, H, P] in out_dtype (T a multiple of Q; x [B, T, W, P] with W >= H: heads past H
+    are not read, so x can be a view of a wider array): the intra-chunk outputs plus exp(cs_i)
+    times the entry-state outputs c_entry_i = C_i . entry state (zero past a segment start), plus
+    the D skip d * x (d [H, P], each head's D repeated over its columns); see module doc. The
+    kernel writes out_dtype itself (no FP32 copy of y)."""
+    return _chunk_outputs_fwd(cb, x, dt, cs, seg, c_entry, d, out_dtype, matmul_dtype, interpret, tiling)[0]
 
 
-def _chunk_outputs_fwd(cb, x, dt, cs, seg, c_entry, out_dtype, matmul_dtype, interpret, num_warps):
-    launch = _Launch(x, cb, interpret, num_warps)
+def _chunk_outputs_fwd(cb, x, dt, cs, seg, c_entry, d, out_dtype, matmul_dtype, interpret, tiling):
+    launch = _Launch(c_entry, cb, interpret, tiling)
     cdt = dt.dtype
     kernel = functools.partial(_forward_kernel, matmul_dtype=matmul_dtype, cdt=cdt)
-    in_specs = [launch.group_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP]
-    y = launch.call(kernel, in_specs, launch.head_QP, jax.ShapeDtypeStruct(c_entry.shape, out_dtype),
-                    cb, x, dt, cs, seg, c_entry)
-    return y, (cb, x, dt, cs, seg, c_entry)
+    in_specs = [launch.group_QQ, launch.heads_QP, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP,
+                launch.heads_P]
+    y = launch.call(kernel, in_specs, launch.heads_QP, jax.ShapeDtypeStruct(c_entry.shape, out_dtype),
+                    cb, x, dt, cs, seg, c_entry, d)
+    return y, (cb, x, dt, cs, seg, c_entry, d)
 
 
-def _chunk_outputs_bwd(out_dtype, matmul_dtype, interpret, num_warps, residuals, dy):
-    cb, x, dt, cs, seg, c_entry = residuals
-    launch = _Launch(x, cb, interpret, num_warps)
+def _chunk_outputs_bwd(out_dtype, matmul_dtype, interpret, tiling, residuals, dy):
+    cb, x, dt, cs, seg, c_entry, d = residuals
+    launch = _Launch(c_entry, cb, interpret, tiling)
     cdt = dt.dtype
     b, k, g, q, _ = cb.shape
-    h = x.shape[2]
+    h = c_entry.shape[2]
     params = {"matmul_dtype": matmul_dtype, "cdt": cdt}
     dx, dc_entry, dcs_entry = launch.call(
         functools.partial(_backward_dx_kernel, **params),
-        [launch.group_QQ, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP, launch.head_QP],
-        [launch.head_QP, launch.head_QP, launch.head_Q],
-        [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(c_entry.shape, c_entry.dtype),
+        [launch.group_QQ, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP, launch.heads_P,
+         launch.heads_QP],
+        [launch.heads_QP, launch.heads_QP, launch.heads_Q],
+        [jax.ShapeDtypeStruct(c_entry.shape, x.dtype), jax.ShapeDtypeStruct(c_entry.shape, c_entry.dtype),
          jax.ShapeDtypeStruct(cs.shape, cdt)],
-        cb, dt, cs, seg, c_entry, dy)
-    # d(C.B) comes out per head (each program owns one head) in the matmul operand dtype and is
-    # summed over the heads of a group here, in cdt, in a fixed order (deterministic).
-    dcb_h, ddt, dcs = launch.call(
+        cb, dt, cs, seg, c_entry, d, dy)
+    # d(C.B) comes out per block of heads, summed in the kernel; the blocks of a group are
+    # summed here, in cdt, in a fixed order (deterministic).
+    blocks = h // tiling.heads
+    dcb_blocks, ddt, dcs, dd_parts = launch.call(
         functools.partial(_backward_scores_kernel, **params),
-        [launch.group_QQ, launch.head_QP, launch.head_Q, launch.head_Q, launch.seg_Q, launch.head_QP],
-        [launch.head_QQ, launch.head_Q, launch.head_Q],
-        [jax.ShapeDtypeStruct((b, k, h, q, q), matmul_dtype or cdt), jax.ShapeDtypeStruct(dt.shape, cdt),
-         jax.ShapeDtypeStruct(cs.shape, cdt)],
+        [launch.group_QQ, launch.heads_QP, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP],
+        [launch.block_QQ, launch.heads_Q, launch.heads_Q, launch.block_heads_P],
+        [jax.ShapeDtypeStruct((b, k, blocks, q, q), cdt), jax.ShapeDtypeStruct(dt.shape, cdt),
+         jax.ShapeDtypeStruct(cs.shape, cdt), jax.ShapeDtypeStruct((b, k) + d.shape, cdt)],
         cb, x, dt, cs, seg, dy)
-    dcb = dcb_h.reshape(b, k, g, h // g, q, q).sum(axis=3, dtype=cdt).astype(cb.dtype)
-    return dcb, dx, ddt, dcs + dcs_entry, None, dc_entry
+    dcb = dcb_blocks.reshape(b, k, g, blocks // g, q, q).sum(axis=3).astype(cb.dtype)
+    if x.shape[2] > h:  # x was read in place from the first H head-sized column blocks of a wider array
+        dx = jnp.pad(dx, ((0, 0), (0, 0), (0, x.shape[2] - h), (0, 0)))
+    return dcb, dx, ddt, dcs + dcs_entry, None, dc_entry, dd_parts.sum(axis=(0, 1)).astype(d.dtype)
 
 
 chunk_outputs.defvjp(_chunk_outputs_fwd, _chunk_outputs_bwd)
@@ -189,18 +249,21 @@ chunk_outputs.defvjp(_chunk_outputs_fwd, _chunk_outputs_bwd)
 def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.Array,
               C_BTGN: jax.Array, segment_ids_BT: jax.Array, chunk_size: int,
               matmul_dtype: jnp.dtype | None = None, interpret: bool | None = None,
-              num_warps: int | None = None) -> jax.Array:
+              tiling: Tiling | None = None, D_H: jax.Array | None = None,
+              x_within_BTC: jax.Array | None = None) -> jax.Array:
     """Drop-in for ``ssd_chunked`` (same arguments, same result to rounding) with the intra-chunk
-    and entry-state outputs computed by the Pallas kernel. ``interpret`` defaults to True off GPU.
+    and entry-state outputs computed by the Pallas kernel. ``interpret`` defaults to True off GPU;
+    ``tiling`` to ``default_tiling``. With ``D_H`` the output includes the mixer's D skip,
+    y + D_h x_h, added by the kernel that holds x anyway (so no later pass reads x for it).
+    ``x_within_BTC``: an array whose first H x P columns are x (the convolution output, say);
+    the kernels then read x there in place instead of from a sliced copy, where they can.
     """
-    _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
+    g, r = _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if num_warps is None:
-        # Several Q x Q FP32 tiles are live at once; more warps spread them over more registers.
-        num_warps = 4 if chunk_size <= 64 else 8
+    tiling = tiling or default_tiling(chunk_size, r)
     b, t, h, p = x_BTHP.shape
     n = B_BTGN.shape[-1]
     if not interpret and not kernel_supported(chunk_size, p, n):
@@ -208,7 +271,12 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
                          f"powers of two >= 16, got {chunk_size}, {p}, {n}")
     inputs = kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size, matmul_dtype,
                            interpret)
-    y_BTHP = chunk_outputs(*inputs, x_BTHP.dtype, matmul_dtype, interpret, num_warps)
+    cdt = inputs[2].dtype
+    d_HP = jnp.broadcast_to((jnp.zeros((h,), cdt) if D_H is None else D_H.astype(cdt))[:, None], (h, p))
+    cb, x_kernel, *rest = inputs
+    if x_within_BTC is not None and t % chunk_size == 0 and x_within_BTC.shape[-1] % p == 0:
+        x_kernel = x_within_BTC.reshape(b, t, -1, p).astype(x_kernel.dtype)
+    y_BTHP = chunk_outputs(cb, x_kernel, *rest, d_HP, x_BTHP.dtype, matmul_dtype, interpret, tiling)
     return y_BTHP[:, :t]
 
 
