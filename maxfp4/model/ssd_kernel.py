@@ -269,14 +269,13 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     if not interpret and not kernel_supported(chunk_size, p, n):
         raise ValueError(f"the Pallas SSD kernel needs chunk size, head dim and state size to be "
                          f"powers of two >= 16, got {chunk_size}, {p}, {n}")
-    inputs = kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size, matmul_dtype,
-                           interpret)
-    cdt = inputs[2].dtype
-    d_HP = jnp.broadcast_to((jnp.zeros((h,), cdt) if D_H is None else D_H.astype(cdt))[:, None], (h, p))
-    cb, x_kernel, *rest = inputs
+    cb, x_kernel, dt, *rest = kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size,
+                                            matmul_dtype, interpret)
     if x_within_BTC is not None and t % chunk_size == 0 and x_within_BTC.shape[-1] % p == 0:
         x_kernel = x_within_BTC.reshape(b, t, -1, p).astype(x_kernel.dtype)
-    y_BTHP = chunk_outputs(cb, x_kernel, *rest, d_HP, x_BTHP.dtype, matmul_dtype, interpret, tiling)
+    # D repeated over each head's columns, in the compute dtype (zero: no skip).
+    d_HP = jnp.broadcast_to((jnp.zeros((h,), dt.dtype) if D_H is None else D_H.astype(dt.dtype))[:, None], (h, p))
+    y_BTHP = chunk_outputs(cb, x_kernel, dt, *rest, d_HP, x_BTHP.dtype, matmul_dtype, interpret, tiling)
     return y_BTHP[:, :t]
 
 
