@@ -15,6 +15,10 @@ The backward is two kernels: the first recomputes the pre-activation, forms its 
 (through SiLU) and the tile's partial sums for the weight and bias gradients; the second
 gathers the input gradient from the next W - 1 rows of that gradient (the first writes it into
 a buffer W - 1 rows longer than T, whose last rows are never used: their segment id is -1).
+
+The padded copy of x is kept on purpose: reading the in_proj output in place instead (masked or
+clamped rows, no copy) saved the copy's 4 ms and 6 GiB on an H200 mamba2-1p3b step but slowed
+these kernels by 13 ms (docs/PERFORMANCE.md, "Mamba-2 convolution read in place").
 """
 
 from __future__ import annotations

@@ -124,10 +124,13 @@ def _backward_scores_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, dy_ref,
         dd_ref[j, :] = jnp.sum(dy_QP * x_QP.astype(cdt), axis=0)  # the D skip's, per column of the head
         decay_dscores_QQ = _dot(dy_QP, x_QP.T, matmul_dtype, cdt) * _decay(cs_ref[j, :], seg_Q)
         cb_decay_dscores_QQ = decay_dscores_QQ * cb_QQ
-        ddt_ref[j, :] = jnp.sum(cb_decay_dscores_QQ, axis=0).astype(ddt_ref.dtype)
-        # exp(cs_i - cs_j) sends its gradient with + to row i and - to column j; g = dscores * scores.
-        g_QQ = cb_decay_dscores_QQ * dt_Q[None, :]
-        dcs_ref[j, :] = (jnp.sum(g_QQ, axis=1) - jnp.sum(g_QQ, axis=0)).astype(dcs_ref.dtype)
+        ddt_Q = jnp.sum(cb_decay_dscores_QQ, axis=0)
+        ddt_ref[j, :] = ddt_Q.astype(ddt_ref.dtype)
+        # exp(cs_i - cs_j) sends its gradient with + to row i and - to column j; g = dscores *
+        # scores = cb_decay_dscores * dt_j, whose column sums are dt_j * ddt_j: only its row sums
+        # need a reduction over the tile.
+        g_rows_Q = jnp.sum(cb_decay_dscores_QQ * dt_Q[None, :], axis=1)
+        dcs_ref[j, :] = (g_rows_Q - dt_Q * ddt_Q).astype(dcs_ref.dtype)
         return dcb_QQ + decay_dscores_QQ * dt_Q[None, :]
 
     # d(C.B) summed over this program's heads in cdt, in a fixed order (deterministic).
