@@ -4,8 +4,10 @@
 # data=2 x fsdp=N/2, plus the 2-GPU fsdp=2 baseline of each model at the same tokens a GPU;
 # then the planner's prediction for the same runs.
 # Sequences of 8192 tokens a GPU: llama3-8b 4 (as its 2- and 4-GPU runs in docs/PERFORMANCE.md);
-# nemotron-h-8b 2, because at 4 XLA asked 152.8 GiB a GPU on 4 H200s (out of memory). Override
-# with SEQS_LLAMA / SEQS_HYBRID.
+# nemotron-h-8b 2, because at 4 XLA asked 152.8 GiB a GPU on 4 H200s (out of memory), when the
+# Mamba-2 kernels still ran on the whole global batch on every GPU (docs/PERFORMANCE.md, "Mamba-2
+# kernels on several devices"); SEQS_HYBRID=4 checks whether 4 fit now. Override with SEQS_LLAMA
+# / SEQS_HYBRID.
 # Usage (repo root, wheels for packages the GPU image lacks in .whl/): bash benchmarks/scaling_8gpu.sh
 set -uo pipefail
 N=${N:-$(nvidia-smi -L | wc -l)}

@@ -9,7 +9,7 @@ parameters (which have no batch) shard ``embed`` over fsdp - that is FSDP.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -98,9 +98,38 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"], *([None] * (ndim - 1))))
 
 
-def make_constrain(mesh: Mesh):
-    """``constrain(x, logical_axes)``: pin an activation's sharding inside jit."""
-    def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-        spec = logical_to_spec(axes, x.shape, mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-    return constrain
+class ActivationSharding:
+    """``constrain(x, logical_axes)`` pins an activation's sharding inside jit;
+    ``constrain.per_batch_row(fn, batched, whole)`` runs ``fn`` on each device's rows of the batch.
+
+    The second is for Pallas kernels: XLA cannot partition a kernel (a custom call on GPU, a
+    loop over the grid in interpret mode), so without it every device gathers the whole global
+    batch and runs the kernel on all of it: N times the work and the memory on N devices."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+    def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+        spec = logical_to_spec(axes, x.shape, self.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def per_batch_row(self, fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) -> Any:
+        """``fn(*batched, *whole)``, where every array in ``batched`` and every output has the
+        batch first and is split over the batch axes, and ``whole`` (a pytree, parameters say)
+        is given whole to every device. ``fn`` must treat batch rows independently."""
+        (batch_axes,) = logical_to_spec(("batch",), batched[0].shape[:1], self.mesh)
+        if batch_axes is None:  # one device on the batch axes, or a batch they do not divide
+            return fn(*batched, *whole)
+        rows, replicated = PartitionSpec(batch_axes), PartitionSpec()
+        in_specs = (tuple(rows for _ in batched)
+                    + tuple(jax.tree.map(lambda _: replicated, w) for w in whole))
+        # check_vma=False: the kernels' outputs carry no varying-axis type; the cotangents of
+        # the whole inputs are summed over the devices by shard_map's transpose all the same.
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=rows,
+                             check_vma=False)(*batched, *whole)
+
+
+def make_constrain(mesh: Mesh) -> ActivationSharding:
+    """``constrain(x, logical_axes)``: pin an activation's sharding inside jit (see
+    :class:`ActivationSharding`)."""
+    return ActivationSharding(mesh)

@@ -110,10 +110,11 @@ def scan_groups(pattern: str, recipe_rows: tuple) -> tuple[tuple[int, str, int],
     return best[n][1]
 
 
-def _block(ch: str, x_BTD, p, positions_BT, segment_ids_BT, cfg: ModelConfig, lp: LayerPrecision, attn_impl):
+def _block(ch: str, x_BTD, p, positions_BT, segment_ids_BT, cfg: ModelConfig, lp: LayerPrecision, attn_impl,
+           constrain):
     h = rms_norm(x_BTD, p["pre_norm"], cfg.norm_eps)
     if ch == "M":
-        y = mamba_mixer(h, p, segment_ids_BT, cfg, lp)
+        y = mamba_mixer(h, p, segment_ids_BT, cfg, lp, constrain)
     elif ch == "*":
         y = attention_block(h, p["w_qkv"], p["w_o"], positions_BT, segment_ids_BT,
                             rope_theta=cfg.rope_theta if cfg.rope else None, implementation=attn_impl, lp=lp,
@@ -163,7 +164,7 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, 
                 seen[t] += 1
                 lp = LayerPrecision(policy, start + j, {c: s[j] for c, s in xs["scales"].items()},
                                     jax.random.fold_in(xs["keys"], j))
-                x = constrain(_block(ch, x, p, positions_BT, segment_ids_BT, cfg, lp, attn_impl),
+                x = constrain(_block(ch, x, p, positions_BT, segment_ids_BT, cfg, lp, attn_impl, constrain),
                               ("batch", "seq", "embed"))
             return x, None
 

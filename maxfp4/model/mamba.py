@@ -14,6 +14,7 @@ P head dim (E = H x P), G groups, N state size, W conv kernel width.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -113,15 +114,31 @@ def use_norm_kernel(cfg: ModelConfig, t: int, e: int) -> bool:
 
 
 def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: ModelConfig,
-                lp: LayerPrecision) -> jax.Array:
-    d = dims(cfg)
-    b, t, _ = x_BTD.shape
-    e, h, pd, g, n = d["E"], d["H"], d["P"], d["G"], d["N"]
+                lp: LayerPrecision, constrain=None) -> jax.Array:
+    """in_proj -> the per-row core (``_mixer_core``) -> out_proj. ``constrain`` (the model's
+    activation sharding, ``maxfp4.mesh.ActivationSharding``) runs the core on each device's
+    rows of the batch: its kernels cannot be partitioned by XLA."""
     # Activations between the kernels are stored in BF16 (the GEMM's output dtype), as Mamba-2's
     # own kernels store them; each kernel computes in FP32 inside. FP32 storage doubled every
     # kernel's traffic and added converts: mamba2-1p3b 523 -> 451 ms a step on an H200 with
     # BF16 storage here and in the SSD (docs/PERFORMANCE.md).
     zxbcdt_BTI = lp.dot(x_BTD, p["in_proj"], "mamba_in")
+    core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
+    core = functools.partial(_mixer_core, cfg=cfg)
+    per_batch_row = getattr(constrain, "per_batch_row", None)
+    if per_batch_row is None:
+        y_BTE = core(zxbcdt_BTI, segment_ids_BT, core_params)
+    else:
+        y_BTE = per_batch_row(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
+    return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
+
+
+def _mixer_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, *, cfg: ModelConfig) -> jax.Array:
+    """conv -> SiLU -> SSD -> D skip -> gated norm, from the in_proj output to out_proj's input;
+    each batch row on its own."""
+    d = dims(cfg)
+    b, t, _ = zxbcdt_BTI.shape
+    e, h, pd, g, n = d["E"], d["H"], d["P"], d["G"], d["N"]
     z_BTE = zxbcdt_BTI[..., :e]
     xbc_BTC = zxbcdt_BTI[..., e:e + d["conv"]]
     dt_BTH = jax.nn.softplus(zxbcdt_BTI[..., e + d["conv"]:].astype(jnp.float32) + p["dt_bias"])
@@ -146,8 +163,6 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
         u_BTHP = y_BTHP + p["D_skip"][:, None] * x_BTHP
     if use_norm_kernel(cfg, t, e):
         # z is read in place from the GEMM output.
-        y_BTE = gated_norm_fused(u_BTHP.reshape(b, t, e), zxbcdt_BTI, p["norm"], g, cfg.norm_eps, ACT_DTYPE,
-                                 jax.default_backend() != "gpu")
-    else:
-        y_BTE = gated_group_norm(u_BTHP.reshape(b, t, e), z_BTE, p["norm"], g, cfg.norm_eps)
-    return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
+        return gated_norm_fused(u_BTHP.reshape(b, t, e), zxbcdt_BTI, p["norm"], g, cfg.norm_eps, ACT_DTYPE,
+                                jax.default_backend() != "gpu")
+    return gated_group_norm(u_BTHP.reshape(b, t, e), z_BTE, p["norm"], g, cfg.norm_eps)
