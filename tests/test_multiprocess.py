@@ -74,3 +74,18 @@ def test_two_processes_match_one_process_and_one_device(reference, tmp_path):
     assert all("[process" in o for o in outs)
     assert "8 cpu device(s)" in outs[0]
     assert "step      3/3" in outs[0] and "step      3/3" not in outs[1]
+
+
+def test_two_processes_train_the_hybrid_with_its_kernels_on_each_devices_rows(reference, tmp_path):
+    """The hybrid's Mamba-2 kernels (interpret mode) run per device on its rows of the batch
+    (shard_map): across two real processes the losses match one device's, to 2e-3 relative as
+    above."""
+    tmp, _ = reference
+    hybrid = [f"data.tokenizer={tmp / 'one_device' / 'tokenizer.model'}", "model.kind=hybrid",
+              "model.pattern=M*-", "model.mamba.head_dim=16", "model.mamba.d_state=16",
+              "model.mamba.chunk_size=16", "model.mamba.kernels=pallas"]
+    one, _ = _train(tmp_path, "hybrid_one", 1, hybrid + ["mesh.data=1"])
+    two, _ = _train(tmp_path, "hybrid_two", 4, hybrid + ["mesh.data=2", "mesh.fsdp=4"], n_proc=2)
+    assert len(one) == len(two) == 3 and one[-1] < one[0]
+    for a, c in zip(one, two):
+        assert abs(a - c) <= 2e-3 * a, (one, two)
