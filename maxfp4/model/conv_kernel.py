@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from maxfp4.model.pallas_params import triton_params
+
 _TILE_T = (64, 32, 16, 8)
 _TILE_C = (128, 64, 32, 16)
 
@@ -109,10 +111,7 @@ def _launch(kernel, x_shape, out_specs, out_shape, n_whole, interpret, *args, nu
     """Inputs: the first ``n_whole`` as whole arrays (indexed by hand), the rest tiled."""
     b, t, c = x_shape
     tb, cb = _tile(t, _TILE_T), _tile(c, _TILE_C)
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    params = triton_params(interpret, num_warps)
     return pl.pallas_call(
         functools.partial(kernel, tb=tb, cb=cb, width=args[2].shape[0]),
         grid=(b, t // tb, c // cb),

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from maxfp4.model.pallas_params import triton_params
+
 _TILE_ELEMENTS = 4096  # elements of one [Tr, Eg] tile: a row block of one group, held whole
 _BLOCK_ROWS = 16  # rows one backward program walks (its parameter-gradient partial sums cover them)
 # Triton warps per program. The backward holds about twice the forward's live values per row
@@ -94,10 +96,7 @@ def _backward_kernel(u_ref, z_ref, scale_ref, dout_ref, du_ref, dz_ref, dscale_r
 def _launch(kernel, rows_per_program, num_warps, b, t, e, groups, eps, interpret, out_shape, *args):
     eg = e // groups
     kernel = functools.partial(kernel, eg=eg, tr=_tile_rows(eg), eps=eps)
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    params = triton_params(interpret, num_warps)
     whole = [pl.no_block_spec] * len(args)
     outs = [pl.no_block_spec] * len(out_shape)
     return pl.pallas_call(kernel, grid=(b, t // rows_per_program, groups), in_specs=whole, out_specs=outs,

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from maxfp4.model.pallas_params import triton_params
 from maxfp4.model.ssd import _check_shapes, _compute_dtype, _masked_exp, _segment_starts, lowp_einsum
 from maxfp4.model.state_passing_kernel import entry_states, state_passing_supported
 
@@ -186,10 +187,7 @@ class _Launch:
         self.tiling = tiling
 
     def call(self, kernel, in_specs, out_specs, out_shape, *args, **kwargs):
-        if not self.interpret:
-            from jax.experimental.pallas import triton as pltriton
-            kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=self.tiling.num_warps,
-                                                                num_stages=self.tiling.num_stages)
+        kwargs.update(triton_params(self.interpret, self.tiling.num_warps, self.tiling.num_stages))
         return pl.pallas_call(kernel, grid=self.grid, in_specs=in_specs, out_specs=out_specs,
                               out_shape=out_shape, interpret=self.interpret, **kwargs)(*args)
 

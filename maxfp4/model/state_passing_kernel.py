@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from maxfp4.model.pallas_params import triton_params
+
 # Elements of one program's state slice: 16 KiB in FP32, held in registers across the K steps.
 _SLICE_ELEMENTS = 4096
 
@@ -76,13 +78,9 @@ def _launch(kernel, states_shape, interpret, in_kinds, out_kinds, out_shape, *ar
         "decay": pl.BlockSpec((sq, kp, sq, r_t), lambda bi, gi, ni, ri: (bi, 0, gi, ri)),
         "partial": pl.BlockSpec((sq, kp, sq, sq, r_t), lambda bi, gi, ni, ri: (bi, 0, gi, ni, ri)),
     }
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=1)
     return pl.pallas_call(kernel, grid=(b, g, n, r // r_t), in_specs=[specs[s] for s in in_kinds],
                           out_specs=[specs[s] for s in out_kinds], out_shape=out_shape,
-                          interpret=interpret, **kwargs)(*args)
+                          interpret=interpret, **triton_params(interpret, num_warps=4))(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
