@@ -8,8 +8,6 @@ Bounds: FP32 operands (ieee FP32 dots) 1e-4 of max |y| (FP32 rounding over T=256
 1024 terms; as on CPU, test_conv_kernel.py).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
