@@ -5,6 +5,7 @@ import collections
 
 import jax
 import numpy as np
+import pytest
 
 from maxfp4.guard import REL_STD_FLOOR, init_guard_state, judge
 from maxfp4.mesh import batch_sharding, make_constrain, make_mesh
@@ -83,23 +84,31 @@ def _host(tree):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
-def test_guard_keeps_good_steps_bit_identical_and_skips_a_nan_step(tiny_cfg):
-    plain_state, plain_step, b_sh = _step_fn(tiny_cfg("mesh.data=1", "resilience.guard=false"))
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])
+def test_guard_keeps_good_steps_bit_identical_and_skips_a_nan_step(tiny_cfg, recipe):
+    """Parameters, optimizer state and (FP8) the delayed-scaling state: a good step's equal the
+    unguarded step's bit for bit, a skipped step keeps them."""
+    plain_state, plain_step, b_sh = _step_fn(tiny_cfg("mesh.data=1", "resilience.guard=false",
+                                                      f"precision.default={recipe}"))
     state, step, _ = _step_fn(tiny_cfg("mesh.data=1", "resilience.fault.nonfinite_at_steps=[2]",
-                                       "resilience.spike_warmup=2"))
+                                       "resilience.spike_warmup=2", f"precision.default={recipe}"))
+    initial_precision = _host(state.precision)
     batches = [{k: jax.device_put(v, b_sh) for k, v in _batch(tiny_cfg(), seed=i).items()} for i in range(3)]
 
     plain_state, plain_m = plain_step(plain_state, batches[0])
     s1, m1 = step(state, batches[0])
     assert float(m1["loss"]) == float(plain_m["loss"]) and int(m1["skipped"]) == 0
-    for a, b in zip(_host(s1.params) + _host(s1.opt_state), _host(plain_state.params) + _host(plain_state.opt_state)):
+    for a, b in zip(_host(s1.params) + _host(s1.opt_state) + _host(s1.precision),
+                    _host(plain_state.params) + _host(plain_state.opt_state) + _host(plain_state.precision)):
         assert np.array_equal(a, b)  # bit for bit: the guard does not touch a good step's math
+    if recipe == "fp8_delayed":  # the scaling state did move on the good step
+        assert any(not np.array_equal(a, b) for a, b in zip(_host(s1.precision), initial_precision))
 
-    after1 = _host(s1.params) + _host(s1.opt_state)
+    after1 = _host(s1.params) + _host(s1.opt_state) + _host(s1.precision)
     s2, m2 = step(s1, batches[1])
     assert not np.isfinite(float(m2["grad_norm"])) and int(m2["skipped"]) == 1 and int(m2["skipped_steps"]) == 1
     assert int(s2.step) == 2  # the step counter (and so the data) moved on
-    for a, b in zip(_host(s2.params) + _host(s2.opt_state), after1):
+    for a, b in zip(_host(s2.params) + _host(s2.opt_state) + _host(s2.precision), after1):
         assert np.array_equal(a, b)
 
     s3, m3 = step(s2, batches[2])
