@@ -1,6 +1,6 @@
 """A one-pass FP8 cast + transpose + amax kernel (Pallas, Triton on GPU) against XLA's passes at
 model shapes, tile sizes and warps, and its bits against XLA's cast. Tried as the FP8 recipes'
-caster and not kept (docs/PERFORMANCE.md, "One-pass FP8 cast kernel: tried, not kept"): XLA
+caster and not kept (docs/PERFORMANCE.md, section "FP8 casts: a one-pass cast kernel ..."): XLA
 fuses the producer of x or dY into its cast, which a kernel boundary prevents, and at these
 shapes the kernel was no faster than XLA's three passes.
 
@@ -18,8 +18,10 @@ from jax.experimental import pallas as pl
 sys.path.insert(0, "benchmarks")
 from timing import median_ms  # noqa: E402
 
+from maxfp4.model import layers  # noqa: E402
 from maxfp4.model.pallas_params import triton_params  # noqa: E402
 from maxfp4.precision import formats as F  # noqa: E402
+from maxfp4.precision.recipes import _amax  # noqa: E402  (the recipes' own amax form)
 
 _MAX_BLOCK = 128  # tile side: 128 x 128 BF16 is 32 KiB in, 2 x 16 KiB out
 _MIN_BLOCK = 16   # Triton's smallest tile side
@@ -55,7 +57,7 @@ def fp8_cast_transpose(x_MK: jax.Array, scale: jax.Array, dtype, interpret: bool
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(q[M, K], q^T[K, M], amax)``: ``q = fp8(clip(x * scale))`` in ``dtype`` (an FP8 type),
     its transpose, and ``max |x|`` in FP32, from one read of ``x``. ``scale`` is an FP32 scalar.
-    Not differentiable (the recipes call it inside their own VJPs)."""
+    ``transpose=False`` leaves the transpose out (``None``), to time the cast alone."""
     m, k = x_MK.shape
     if _block(m) is None or _block(k) is None:
         raise ValueError(f"fp8_cast_transpose: shape {x_MK.shape} does not tile into power-of-two blocks "
@@ -87,12 +89,14 @@ def fp8_cast_transpose(x_MK: jax.Array, scale: jax.Array, dtype, interpret: bool
 
 
 def relu2(a):
-    return jnp.square(jax.nn.relu(a.astype(jnp.float32))).astype(jnp.bfloat16)
+    """The model's squared ReLU, stored in the activation dtype as mlp_down's input is."""
+    return layers.relu2(a).astype(layers.ACT_DTYPE)
 
 
 def xla_form(a, s):
+    """What the FP8 recipes leave to XLA: the cast, its transpose and the amax."""
     x = relu2(a)
-    return F.quantize_fp8(x, s, F.FP8_E5M2).T, jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return F.quantize_fp8(x, s, F.FP8_E5M2).T, _amax(x)
 
 
 def main():
@@ -108,7 +112,7 @@ def main():
         bad = np.argwhere(qb != wb)
         print(f"{jnp.dtype(dtype).name}: {len(bad)} of {qb.size} differ", flush=True)
         for i, j in bad[:5]:
-            v = float(x[i, j]) * 64.0
+            v = float(x[i, j]) * float(s)
             print(f"   x*s={v!r} kernel={float(q[i, j])!r} xla={float(want[i, j])!r}")
     variants = [(128, 8, True), (128, 4, True), (64, 4, True), (64, 8, True), (32, 4, True),
                 (128, 8, False), (64, 4, False)]
