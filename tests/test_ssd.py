@@ -262,3 +262,23 @@ def test_bf16_matmul_operands_stay_close_to_the_fp32_reference():
     x2 = args[0].at[0, :8].multiply(-3.0)
     y1, y2 = low(*args, ids), low(x2, *args[1:], ids)
     np.testing.assert_array_equal(np.asarray(y1[0, 8:]), np.asarray(y2[0, 8:]))
+
+
+@pytest.mark.parametrize("spec", ["bksgn,bksgrp->bkgnrp", "bklgn,bkgnrp->bklgrp", "bklgn,bksgn->bkgls",
+                                  "bkgnrp,bklgn->bklgrp"])
+def test_ordered_dot_and_its_gradients_match_numpy_einsum(x64, spec):
+    """ordered_dot may swap its operands to write the output in place; the values are the einsum's
+    (float64: sums of <= 8 products of O(1) numbers agree to 1e-12), and lowp_einsum_grads are
+    the einsum's transposes (checked against NumPy's einsum of the cotangent)."""
+    from maxfp4.model.ssd import lowp_einsum_grads, ordered_dot
+
+    sizes = {"b": 2, "k": 3, "s": 4, "l": 4, "g": 2, "n": 5, "r": 3, "p": 6}
+    (spec_l, spec_r), spec_out = spec.split("->")[0].split(","), spec.split("->")[1]
+    rng = np.random.default_rng(3)
+    lhs, rhs, cot = (rng.standard_normal([sizes[c] for c in s]) for s in (spec_l, spec_r, spec_out))
+    out = ordered_dot(spec, jnp.asarray(lhs), jnp.asarray(rhs))
+    assert out.shape == tuple(sizes[c] for c in spec_out)
+    np.testing.assert_allclose(out, np.einsum(spec, lhs, rhs), rtol=0, atol=1e-12)
+    d_lhs, d_rhs = lowp_einsum_grads(spec, jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(cot))
+    np.testing.assert_allclose(d_lhs, np.einsum(f"{spec_out},{spec_r}->{spec_l}", cot, rhs), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(d_rhs, np.einsum(f"{spec_out},{spec_l}->{spec_r}", cot, lhs), rtol=0, atol=1e-12)

@@ -168,3 +168,35 @@ def test_kernel_choice_in_config():
         load_config(TINY, ["model.mamba.kernels=pallas"])  # hybrid-tiny's head_dim 8 cannot tile
     with pytest.raises(ConfigError, match=r"model.mamba.kernels='triton': expected auto, xla or pallas"):
         load_config(TINY, ["model.mamba.kernels=triton"])
+
+
+def test_chunk_entry_states_equals_the_matmul_then_the_recurrence():
+    """chunk_entry_states (one VJP, the states' gradient rounded to BF16 by the recurrence
+    kernel) against the two pieces it fuses, each differentiated on its own (the BF16 matmul
+    with its own VJP, then the recurrence kernel in FP32, whose FP32 state gradient the matmul's
+    VJP rounds to BF16): same products, same roundings, so equal bit for bit."""
+    from maxfp4.model.ssd import lowp_einsum
+    from maxfp4.model.ssd_kernel import chunk_entry_states
+    from maxfp4.model.state_passing_kernel import entry_states
+
+    b, k, q, g, r, p, n = 2, 3, 8, 2, 2, 16, 16
+    rng = np.random.default_rng(5)
+    B = jnp.asarray(rng.standard_normal((b, k, q, g, n)), jnp.bfloat16)
+    wx = jnp.asarray(rng.standard_normal((b, k, q, g, r, p)), jnp.bfloat16)
+    decay = jnp.asarray(rng.uniform(0.2, 1.0, (b, k, g, r)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((b, k, g, n, r, p)), jnp.float32)
+
+    def fused(B, wx, decay):
+        return jnp.sum(chunk_entry_states(B, wx, decay, True).astype(jnp.float32) * weights)
+
+    def pieces(B, wx, decay):
+        states = lowp_einsum("bksgn,bksgrp->bkgnrp", B, wx, jnp.float32)
+        return jnp.sum(entry_states(states, decay, True, jnp.bfloat16).astype(jnp.float32) * weights)
+
+    v_fused, g_fused = jax.value_and_grad(fused, argnums=(0, 1, 2))(B, wx, decay)
+    v_pieces, g_pieces = jax.value_and_grad(pieces, argnums=(0, 1, 2))(B, wx, decay)
+    assert v_fused == v_pieces
+    for name, a, e in zip(("B", "wx", "decay"), g_fused, g_pieces):
+        assert a.dtype == e.dtype, name
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32), err_msg=name)
+        assert np.any(np.asarray(a, np.float32) != 0), name

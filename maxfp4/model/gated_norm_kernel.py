@@ -124,18 +124,26 @@ def _fwd(u_BTE, zxbcdt_BTI, scale_E, groups, eps, out_dtype, interpret):
 
 
 def _bwd(groups, eps, out_dtype, interpret, residuals, dout_BTE):
+    du, dz_BTI, dscale = gated_norm_backward(residuals, dout_BTE, groups, eps, interpret)
+    # The gradient of the wider in_proj output whose first E columns were read: the rest is zero.
+    return du, dz_BTI.at[..., du.shape[-1]:].set(0), dscale
+
+
+def gated_norm_backward(residuals, dout_BTE: jax.Array, groups: int, eps: float, interpret: bool):
+    """(du, dz, dscale) from the forward residuals (``_fwd``). dz has the shape of the in_proj
+    output z was read from, [B, T, I], with only its first E columns written: the Mamba-2 mixer
+    fills the others in place with the gradients of x, B, C and dt (``gated_norm_fused``'s own
+    VJP zeroes them)."""
     u_BTE, zxbcdt_BTI, scale_E = residuals
     b, t, e = u_BTE.shape
     cdt = _compute_dtype(u_BTE)
     # Each [B, T, E] gradient is written in its input's dtype (BF16 in training): FP32 copies
     # would double the traffic of the kernel and of the adds that merge them downstream.
     partial = jax.ShapeDtypeStruct((b, t // _BLOCK_ROWS, e), cdt)
-    full = [jax.ShapeDtypeStruct((b, t, e), a.dtype) for a in (u_BTE, zxbcdt_BTI)]
-    du, dz, dscale_parts = _launch(
+    full = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (u_BTE, zxbcdt_BTI)]
+    du, dz_BTI, dscale_parts = _launch(
         _backward_kernel, _BLOCK_ROWS, _BACKWARD_WARPS, b, t, e, groups, eps, interpret, [*full, partial],
         u_BTE, zxbcdt_BTI, scale_E.astype(cdt), dout_BTE)
-    # The gradient of the wider in_proj output whose first E columns were read.
-    dz_BTI = jnp.pad(dz, ((0, 0), (0, 0), (0, zxbcdt_BTI.shape[-1] - e)))
     return du, dz_BTI, jnp.sum(dscale_parts, axis=(0, 1)).astype(scale_E.dtype)
 
 

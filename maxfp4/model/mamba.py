@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from maxfp4.config import ModelConfig
 from maxfp4.model.layers import ACT_DTYPE, normal_init
 from maxfp4.model.ssd import ssd_chunked
+from maxfp4.model import conv_kernel, gated_norm_kernel
 from maxfp4.model.conv_kernel import causal_conv_silu, conv_kernel_supported
 from maxfp4.model.gated_norm_kernel import gated_norm_fused, gated_norm_supported
 from maxfp4.model.ssd_kernel import kernel_supported, ssd_fused
@@ -137,32 +138,103 @@ def _mixer_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, *, 
     """conv -> SiLU -> SSD -> D skip -> gated norm, from the in_proj output to out_proj's input;
     each batch row on its own."""
     d = dims(cfg)
-    b, t, _ = zxbcdt_BTI.shape
-    e, h, pd, g, n = d["E"], d["H"], d["P"], d["G"], d["N"]
+    t = zxbcdt_BTI.shape[1]
+    if (use_conv_kernel(cfg, t, d["conv"]) and use_norm_kernel(cfg, t, d["E"])
+            and conv_kernel.into_columns_supported(d["conv"], d["E"])):
+        return _kernel_core(zxbcdt_BTI, segment_ids_BT, p, cfg)
+    return _composed_core(zxbcdt_BTI, segment_ids_BT, p, cfg)
+
+
+def _composed_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, cfg: ModelConfig) -> jax.Array:
+    """The core as a composition of its pieces, each differentiated on its own."""
+    d = dims(cfg)
+    t = zxbcdt_BTI.shape[1]
+    e = d["E"]
     z_BTE = zxbcdt_BTI[..., :e]
     xbc_BTC = zxbcdt_BTI[..., e:e + d["conv"]]
-    dt_BTH = jax.nn.softplus(zxbcdt_BTI[..., e + d["conv"]:].astype(jnp.float32) + p["dt_bias"])
+    dt_BTH = _dt(zxbcdt_BTI[..., e + d["conv"]:], p["dt_bias"])
     if use_conv_kernel(cfg, t, d["conv"]):
         xbc_BTC = causal_conv_silu(xbc_BTC, p["conv_w"], p["conv_b"], segment_ids_BT, jax.default_backend() != "gpu")
     else:
         conv_BTC = causal_conv(xbc_BTC.astype(jnp.float32), p["conv_w"], p["conv_b"], segment_ids_BT)
         xbc_BTC = jax.nn.silu(conv_BTC).astype(xbc_BTC.dtype)
+    u_BTE = _ssd_with_skip(xbc_BTC, dt_BTH, p["A_log"], p["D_skip"], segment_ids_BT, cfg)
+    if use_norm_kernel(cfg, t, e):
+        # z is read in place from the GEMM output.
+        return gated_norm_fused(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps, ACT_DTYPE,
+                                jax.default_backend() != "gpu")
+    return gated_group_norm(u_BTE, z_BTE, p["norm"], d["G"], cfg.norm_eps)
+
+
+def _dt(dt_raw_BTH: jax.Array, dt_bias_H: jax.Array) -> jax.Array:
+    return jax.nn.softplus(dt_raw_BTH.astype(jnp.float32) + dt_bias_H)
+
+
+def _ssd_with_skip(xbc_BTC: jax.Array, dt_BTH: jax.Array, A_log_H: jax.Array, D_H: jax.Array,
+                   segment_ids_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """SSD + D skip from the convolution output (x, B, C side by side), [B, T, E]."""
+    d = dims(cfg)
+    b, t, _ = xbc_BTC.shape
+    e, h, pd, g, n = d["E"], d["H"], d["P"], d["G"], d["N"]
     x_BTHP = xbc_BTC[..., :e].reshape(b, t, h, pd)
     B_BTGN = xbc_BTC[..., e:e + g * n].reshape(b, t, g, n)
     C_BTGN = xbc_BTC[..., e + g * n:].reshape(b, t, g, n)
-    A_H = -jnp.exp(p["A_log"])
+    A_H = -jnp.exp(A_log_H)
     matmul_dtype = jnp.bfloat16 if cfg.mamba.ssd_matmul == "bf16" else None
     if use_ssd_kernel(cfg):
         # The kernel adds the D skip itself, where it holds x anyway, and reads x in place from
         # the convolution output (a sliced copy cost a [B, T, E] pass a layer).
         u_BTHP = ssd_fused(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
-                           matmul_dtype=matmul_dtype, D_H=p["D_skip"], x_within_BTC=xbc_BTC)
+                           matmul_dtype=matmul_dtype, D_H=D_H, x_within_BTC=xbc_BTC)
     else:
         y_BTHP = ssd_chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
                              matmul_dtype=matmul_dtype)
-        u_BTHP = y_BTHP + p["D_skip"][:, None] * x_BTHP
-    if use_norm_kernel(cfg, t, e):
-        # z is read in place from the GEMM output.
-        return gated_norm_fused(u_BTHP.reshape(b, t, e), zxbcdt_BTI, p["norm"], g, cfg.norm_eps, ACT_DTYPE,
-                                jax.default_backend() != "gpu")
-    return gated_group_norm(u_BTHP.reshape(b, t, e), z_BTE, p["norm"], g, cfg.norm_eps)
+        u_BTHP = y_BTHP + D_H[:, None] * x_BTHP
+    return u_BTHP.reshape(b, t, e)
+
+
+# The core with the convolution and norm kernels, under one VJP. Differentiated piece by piece,
+# the in_proj output's gradient was the sum of three zero-padded pieces (z's from the norm,
+# x/B/C's from the convolution, dt's), one more pass over a [B, T, I] array a layer (8.3 ms a
+# step for mamba2-1p3b on an H200, docs/PERFORMANCE.md). Here the norm's backward kernel writes
+# z's columns of that array, dt's are set in place, and the convolution's backward kernel writes
+# x/B/C's columns into it (its output aliases the array). The values are those of the pieces.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _kernel_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, cfg: ModelConfig) -> jax.Array:
+    return _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg)[0]
+
+
+def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg):
+    d = dims(cfg)
+    e, c = d["E"], d["conv"]
+    interpret = jax.default_backend() != "gpu"
+    dt_BTH, dt_pull = jax.vjp(_dt, zxbcdt_BTI[..., e + c:], p["dt_bias"])
+    xbc_BTC, conv_res = conv_kernel._fwd(zxbcdt_BTI[..., e:e + c], p["conv_w"], p["conv_b"], segment_ids_BT,
+                                         interpret)
+    u_BTE, ssd_pull = jax.vjp(
+        lambda xbc, dt, A_log, D: _ssd_with_skip(xbc, dt, A_log, D, segment_ids_BT, cfg),
+        xbc_BTC, dt_BTH, p["A_log"], p["D_skip"])
+    out_BTE, norm_res = gated_norm_kernel._fwd(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps, ACT_DTYPE,
+                                               interpret)
+    return out_BTE, (dt_pull, conv_res, ssd_pull, norm_res)
+
+
+def _kernel_core_bwd(cfg, residuals, dout_BTE):
+    dt_pull, conv_res, ssd_pull, norm_res = residuals
+    d = dims(cfg)
+    e, c = d["E"], d["conv"]
+    interpret = jax.default_backend() != "gpu"
+    du_BTE, dzxbcdt_BTI, dnorm = gated_norm_kernel.gated_norm_backward(norm_res, dout_BTE, d["G"], cfg.norm_eps,
+                                                                       interpret)
+    dxbc_BTC, ddt_BTH, dA_log, dD = ssd_pull(du_BTE)
+    ddt_raw_BTH, ddt_bias = dt_pull(ddt_BTH)
+    dzxbcdt_BTI = dzxbcdt_BTI.at[..., e + c:].set(ddt_raw_BTH.astype(dzxbcdt_BTI.dtype))
+    dzxbcdt_BTI, dconv_w, dconv_b = conv_kernel.conv_backward(conv_res, dxbc_BTC, interpret,
+                                                              into_BTI=dzxbcdt_BTI, column_offset=e)
+    grads = {"conv_w": dconv_w, "conv_b": dconv_b, "A_log": dA_log, "D_skip": dD, "dt_bias": ddt_bias,
+             "norm": dnorm}
+    return dzxbcdt_BTI, None, grads
+
+
+_kernel_core.defvjp(_kernel_core_fwd, _kernel_core_bwd)

@@ -52,6 +52,32 @@ def _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT) -> tuple[
     return g, h // g
 
 
+def ordered_dot(spec: str, lhs: jax.Array, rhs: jax.Array, out_dtype: jnp.dtype | None = None,
+                precision=None) -> jax.Array:
+    """The two-operand einsum ``spec`` as one dot_general whose result is already laid out as
+    the output asks wherever the operands allow it.
+
+    A dot_general writes [batch, first operand's free dims, second operand's free dims].
+    jnp.einsum keeps the operands in the order given and transposes that result into the
+    output's order; for the SSD's state-sized matmuls (and for their gradients, as JAX derives
+    them) that was a separate transpose pass over a [B, K, G, N, H, P]-sized array each, about
+    3 ms a step apiece for mamba2-1p3b on an H200 (docs/PERFORMANCE.md). Here the operand whose
+    free dimensions come first in the output goes first, and the final transpose only moves
+    size-1 axes (the group axis with one group) in the common case, which is free.
+    """
+    (spec_a, spec_b), spec_out = spec.split("->")[0].split(","), spec.split("->")[1]
+    first_free = next(c for c in spec_out if not (c in spec_a and c in spec_b))
+    if first_free in spec_b:
+        spec_a, spec_b, lhs, rhs = spec_b, spec_a, rhs, lhs
+    batch = [c for c in spec_out if c in spec_a and c in spec_b]
+    contract = [c for c in spec_a if c in spec_b and c not in spec_out]
+    dims = (([spec_a.index(c) for c in contract], [spec_b.index(c) for c in contract]),
+            ([spec_a.index(c) for c in batch], [spec_b.index(c) for c in batch]))
+    out = jax.lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=out_dtype)
+    written = batch + [c for c in spec_a if c not in spec_b] + [c for c in spec_b if c not in spec_a]
+    return jnp.transpose(out, [written.index(c) for c in spec_out])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def lowp_einsum(spec: str, lhs: jax.Array, rhs: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
     """einsum of low-precision operands (both BF16, say) accumulated into ``out_dtype``.
@@ -60,9 +86,10 @@ def lowp_einsum(spec: str, lhs: jax.Array, rhs: jax.Array, out_dtype: jnp.dtype)
     matmuls also run on tensor cores; differentiating ``einsum(..., preferred_element_type=f32)``
     directly would multiply an FP32 cotangent by a BF16 operand, which XLA runs as an FP32 GEMM
     on CUDA cores (measured: ~15% of a Mamba-2 training step). The operand gradients come out in
-    the operands' dtype, as any BF16 matmul's do.
+    the operands' dtype, as any BF16 matmul's do. Every matmul, forward and backward, is an
+    ``ordered_dot`` (no transposes of its result).
     """
-    return jnp.einsum(spec, lhs, rhs, preferred_element_type=out_dtype)
+    return ordered_dot(spec, lhs, rhs, out_dtype)
 
 
 def _lowp_einsum_fwd(spec, lhs, rhs, out_dtype):
@@ -71,8 +98,17 @@ def _lowp_einsum_fwd(spec, lhs, rhs, out_dtype):
 
 def _lowp_einsum_bwd(spec, out_dtype, residuals, cotangent):
     lhs, rhs = residuals
-    _, pull = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), lhs, rhs)
-    return pull(cotangent.astype(jnp.result_type(lhs, rhs)))
+    return lowp_einsum_grads(spec, lhs, rhs, cotangent.astype(jnp.result_type(lhs, rhs)))
+
+
+def lowp_einsum_grads(spec: str, lhs: jax.Array, rhs: jax.Array, cotangent: jax.Array, precision=None):
+    """(d lhs, d rhs) of the einsum ``spec`` for an output cotangent already in the operands'
+    dtype: two ``ordered_dot``s, each result in its operand's layout. FP32 operands need
+    ``precision=HIGHEST`` to stay FP32 on GPU (the default rounds them to TF32)."""
+    (spec_l, spec_r), spec_out = spec.split("->")[0].split(","), spec.split("->")[1]
+    dtype = jnp.result_type(lhs, rhs)
+    return (ordered_dot(f"{spec_out},{spec_r}->{spec_l}", cotangent, rhs, dtype, precision),
+            ordered_dot(f"{spec_out},{spec_l}->{spec_r}", cotangent, lhs, dtype, precision))
 
 
 lowp_einsum.defvjp(_lowp_einsum_fwd, _lowp_einsum_bwd)

@@ -37,8 +37,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from maxfp4.model.pallas_params import triton_params
-from maxfp4.model.ssd import _check_shapes, _compute_dtype, _masked_exp, _segment_starts, lowp_einsum
-from maxfp4.model.state_passing_kernel import entry_states, state_passing_supported
+from maxfp4.model.ssd import (_check_shapes, _compute_dtype, _masked_exp, _segment_starts, lowp_einsum,
+                              lowp_einsum_grads, ordered_dot)
+from maxfp4.model.state_passing_kernel import (entry_states_backward, entry_states_forward, pad_chunks,
+                                               state_passing_supported)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Heads one program walks at most: 16 was the fastest of 1 to 32 on an H200 at the 1.3B benchmark
@@ -280,6 +282,50 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     return y_BTHP[:, :t]
 
 
+_CHUNK_STATES = "bksgn,bksgrp->bkgnrp"
+
+
+def _operand_precision(dtype):
+    """FP32 (or float64) operands are multiplied at full precision, never rounded to TF32."""
+    return _HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def chunk_entry_states(B_BKQGN, wx_BKQGRP, decay_BKGR, interpret):
+    """The state entering each chunk, [B, K, G, N, R, P] in the operands' dtype: each chunk's
+    own end state sum_s B_s (x) wx_s (a batched matmul accumulated in the decay's dtype, FP32),
+    then the recurrence between chunks (``state_passing_kernel``).
+
+    One VJP for both, so that the states' gradient, which the matmul's backward rounds to the
+    operands' dtype anyway, is written rounded by the recurrence kernel: as the gradient of an
+    FP32 array it had to be written in FP32 and cast in a pass of its own (4.6 ms a step for
+    mamba2-1p3b on an H200)."""
+    return _chunk_entry_states_fwd(B_BKQGN, wx_BKQGRP, decay_BKGR, interpret)[0]
+
+
+def _chunk_entry_states_fwd(B_BKQGN, wx_BKQGRP, decay_BKGR, interpret):
+    k = B_BKQGN.shape[1]
+    states_BKGNRP = ordered_dot(_CHUNK_STATES, B_BKQGN, wx_BKQGRP, decay_BKGR.dtype,
+                                _operand_precision(B_BKQGN.dtype))
+    states_BKGNRP, decay_BKGR = pad_chunks(states_BKGNRP, decay_BKGR)
+    entry_BKGNRP = entry_states_forward(states_BKGNRP, decay_BKGR, B_BKQGN.dtype, interpret)
+    return entry_BKGNRP[:, :k], (B_BKQGN, wx_BKQGRP, decay_BKGR, entry_BKGNRP)
+
+
+def _chunk_entry_states_bwd(interpret, residuals, dentry_BKGNRP):
+    B_BKQGN, wx_BKQGRP, decay_BKGR, entry_BKGNRP = residuals
+    k = B_BKQGN.shape[1]
+    dentry_BKGNRP = jnp.pad(dentry_BKGNRP, [(0, 0), (0, entry_BKGNRP.shape[1] - k)] + [(0, 0)] * 4)
+    dstates_BKGNRP, ddecay_BKGR = entry_states_backward(decay_BKGR, entry_BKGNRP, dentry_BKGNRP,
+                                                        B_BKQGN.dtype, interpret)
+    dB, dwx = lowp_einsum_grads(_CHUNK_STATES, B_BKQGN, wx_BKQGRP, dstates_BKGNRP[:, :k],
+                                _operand_precision(B_BKQGN.dtype))
+    return dB, dwx, ddecay_BKGR[:, :k]
+
+
+chunk_entry_states.defvjp(_chunk_entry_states_fwd, _chunk_entry_states_bwd)
+
+
 def _entry_states_unrolled(states_BKGNRP, decay_BKGR):
     """``entry_states`` as an unrolled loop in XLA, for head counts the kernel cannot tile."""
     end_states = [states_BKGNRP[:, 0]]
@@ -312,7 +358,7 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
     def mm(spec, lhs, rhs):
         """A token-length matmul in operand_dtype with cdt results (see ``ssd.lowp_einsum``)."""
         if operand_dtype == cdt:
-            return jnp.einsum(spec, lhs, rhs, precision=_HIGHEST)
+            return ordered_dot(spec, lhs, rhs, cdt, _HIGHEST)
         return lowp_einsum(spec, lhs.astype(operand_dtype), rhs.astype(operand_dtype), cdt)
 
     # States are kept as [B, K, G, N, R, P], the order a batched matmul over (b, k, g) writes
@@ -334,7 +380,6 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
     to_end_BHKQ = _masked_exp(cs_BHKQ[..., -1:] - cs_BHKQ, reaches_end_BKQ[:, None])
     weight_BKQGR = jnp.moveaxis(to_end_BHKQ * dt_BHT.reshape(b, h, k, q), 1, -1).reshape(b, k, q, g, r)
     weighted_x_BKQGRP = x_BTHP_.reshape(b, k, q, g, r, p).astype(cdt) * weight_BKQGR[..., None]
-    states_BKGNRP = mm("bksgn,bksgrp->bkgnrp", B_BKQGN, weighted_x_BKQGRP)
 
     # Between chunks, the recurrence over the K chunks (``state_passing_kernel``): a chunk's end
     # state is its own state plus the previous end state decayed over the whole chunk, which
@@ -343,9 +388,10 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
     crosses_BK = starts_before_BKQ[..., -1] == 0
     chunk_decay_BKGR = jnp.where(crosses_BK[:, :, None, None], chunk_decay_BKGR, 0.0)
     if state_passing_supported(r, p):
-        entry_BKGNRP = entry_states(states_BKGNRP, chunk_decay_BKGR, interpret, operand_dtype)
+        entry_BKGNRP = chunk_entry_states(B_BKQGN.astype(operand_dtype), weighted_x_BKQGRP.astype(operand_dtype),
+                                          chunk_decay_BKGR, interpret)
     else:
-        entry_BKGNRP = _entry_states_unrolled(states_BKGNRP, chunk_decay_BKGR)
+        entry_BKGNRP = _entry_states_unrolled(mm(_CHUNK_STATES, B_BKQGN, weighted_x_BKQGRP), chunk_decay_BKGR)
 
     # C.B once per group (shared by its R heads) and C_i . entry state per head; the kernel
     # scales the latter by exp(cs_i) and masks it past a segment start (so XLA never reduces a

@@ -59,9 +59,9 @@ def _forward_kernel(states_ref, decay_ref, entry_ref):
 
 def _backward_kernel(decay_ref, entry_ref, dentry_ref, dstates_ref, ddecay_ref):
     k = entry_ref.shape[0]
-    dend_RP = jnp.zeros(entry_ref.shape[1:], dstates_ref.dtype)  # d end[K-1]: the last end is unused
+    dend_RP = jnp.zeros(entry_ref.shape[1:], ddecay_ref.dtype)  # d end[K-1]: the last end is unused
     for z in reversed(range(k)):
-        dstates_ref[z] = dend_RP
+        dstates_ref[z] = dend_RP.astype(dstates_ref.dtype)
         ddecay_ref[z] = jnp.sum(dend_RP * entry_ref[z].astype(dend_RP.dtype), axis=1)
         dend_RP = dentry_ref[z].astype(dend_RP.dtype) + decay_ref[z][:, None] * dend_RP
 
@@ -83,25 +83,49 @@ def _launch(kernel, states_shape, interpret, in_kinds, out_kinds, out_shape, *ar
                           interpret=interpret, **triton_params(interpret, num_warps=4))(*args)
 
 
+def pad_chunks(states_BKGNRP: jax.Array, decay_BKGR: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """K padded to a power of two, as the kernels walk it: zero states after the last chunk
+    cannot reach an earlier one."""
+    k = states_BKGNRP.shape[1]
+    kp = 1 << (k - 1).bit_length()
+    if kp == k:
+        return states_BKGNRP, decay_BKGR
+    return (jnp.pad(states_BKGNRP, [(0, 0), (0, kp - k)] + [(0, 0)] * 4),
+            jnp.pad(decay_BKGR, [(0, 0), (0, kp - k), (0, 0), (0, 0)]))
+
+
+def entry_states_forward(states, decay, out_dtype, interpret):
+    """The forward kernel on K-padded inputs (``pad_chunks``); entries stored in out_dtype."""
+    (entry,) = _launch(_forward_kernel, states.shape, interpret, ("state", "decay"), ("state",),
+                       [jax.ShapeDtypeStruct(states.shape, out_dtype)], states, decay)
+    return entry
+
+
+def entry_states_backward(decay, entry, dentry, dstates_dtype, interpret):
+    """(d states stored in dstates_dtype, d decay) from the entries' gradient, K-padded. The
+    recurrence runs in the decay's dtype; a consumer that rounds d states anyway (the BF16
+    chunk-state GEMM's backward) gets them rounded here, with no separate cast pass."""
+    b, kp, g, n, r, _ = entry.shape
+    dstates, ddecay_partial = _launch(
+        _backward_kernel, entry.shape, interpret, ("decay", "state", "state"), ("state", "partial"),
+        [jax.ShapeDtypeStruct(entry.shape, dstates_dtype), jax.ShapeDtypeStruct((b, kp, g, n, r), decay.dtype)],
+        decay, entry, dentry)
+    return dstates, ddecay_partial.sum(axis=3)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _entry_states(states, decay, out_dtype, interpret):
-    return _entry_states_fwd(states, decay, out_dtype, interpret)[0]
+    return entry_states_forward(states, decay, out_dtype, interpret)
 
 
 def _entry_states_fwd(states, decay, out_dtype, interpret):
-    (entry,) = _launch(_forward_kernel, states.shape, interpret, ("state", "decay"), ("state",),
-                       [jax.ShapeDtypeStruct(states.shape, out_dtype)], states, decay)
+    entry = entry_states_forward(states, decay, out_dtype, interpret)
     return entry, (decay, entry)
 
 
 def _entry_states_bwd(out_dtype, interpret, residuals, dentry):
     decay, entry = residuals
-    b, kp, g, n, r, _ = entry.shape
-    dstates, ddecay_partial = _launch(
-        _backward_kernel, entry.shape, interpret, ("decay", "state", "state"), ("state", "partial"),
-        [jax.ShapeDtypeStruct(entry.shape, decay.dtype), jax.ShapeDtypeStruct((b, kp, g, n, r), decay.dtype)],
-        decay, entry, dentry)
-    return dstates, ddecay_partial.sum(axis=3)
+    return entry_states_backward(decay, entry, dentry, decay.dtype, interpret)
 
 
 _entry_states.defvjp(_entry_states_fwd, _entry_states_bwd)
@@ -111,13 +135,9 @@ def entry_states(states_BKGNRP: jax.Array, decay_BKGR: jax.Array, interpret: boo
                  out_dtype: jnp.dtype | None = None) -> jax.Array:
     """The state entering each chunk, [B, K, G, N, R, P] (zero for the first chunk), from each
     chunk's own end state and its whole-chunk decay (zero where a segment starts in the chunk).
-    K is padded to a power of two (zero states after the last chunk cannot reach an earlier one).
+    K is padded to a power of two (``pad_chunks``).
     ``out_dtype`` (default: the states') stores the entries narrower for a consumer that rounds
     them anyway (the SSD's BF16 GEMM), so no separate cast pass reads them again."""
     k = states_BKGNRP.shape[1]
-    kp = 1 << (k - 1).bit_length()
-    if kp != k:
-        states_BKGNRP = jnp.pad(states_BKGNRP, [(0, 0), (0, kp - k)] + [(0, 0)] * 4)
-        decay_BKGR = jnp.pad(decay_BKGR, [(0, 0), (0, kp - k), (0, 0), (0, 0)])
-    return _entry_states(states_BKGNRP, decay_BKGR.astype(states_BKGNRP.dtype),
-                         jnp.dtype(out_dtype or states_BKGNRP.dtype), interpret)[:, :k]
+    states_BKGNRP, decay_BKGR = pad_chunks(states_BKGNRP, decay_BKGR.astype(states_BKGNRP.dtype))
+    return _entry_states(states_BKGNRP, decay_BKGR, jnp.dtype(out_dtype or states_BKGNRP.dtype), interpret)[:, :k]
