@@ -138,10 +138,11 @@ def _padded_ids(segment_ids_BT, front: int, back: int):
 def causal_conv_silu(x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array, segment_ids_BT: jax.Array,
                      interpret: bool = False) -> jax.Array:
     """silu(causal depthwise conv of x within each packed document + b), in x's dtype."""
-    return _fwd(x_BTC, w_WC, b_C, segment_ids_BT, interpret)[0]
+    return conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret)[0]
 
 
-def _fwd(x_BTC, w_WC, b_C, segment_ids_BT, interpret):
+def conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret):
+    """(``causal_conv_silu``'s value, the residuals ``conv_backward`` takes)."""
     width = w_WC.shape[0]
     # The padded copy is the backward pass's residual too, so it is made once.
     x_pad = jnp.pad(x_BTC, ((0, 0), (width - 1, 0), (0, 0)))
@@ -164,7 +165,7 @@ def into_columns_supported(channels: int, column_offset: int) -> bool:
 
 def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax.Array | None = None,
                   column_offset: int = 0):
-    """(dx, dw, db) of ``causal_conv_silu`` from its forward residuals (``_fwd``).
+    """(dx, dw, db) of ``causal_conv_silu`` from its forward residuals (``conv_forward``).
 
     With ``into_BTI``, a wider [B, T, I] array, dx is written into its columns
     [column_offset, column_offset + C) in place (the kernel's output aliases it) and the whole
@@ -216,4 +217,4 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     return dx, dw_WC, db_C
 
 
-causal_conv_silu.defvjp(_fwd, _bwd)
+causal_conv_silu.defvjp(conv_forward, _bwd)

@@ -108,14 +108,15 @@ def gated_norm_fused(u_BTE: jax.Array, zxbcdt_BTI: jax.Array, scale_E: jax.Array
                      out_dtype, interpret: bool) -> jax.Array:
     """RMSNorm per group of u * silu(z) times scale, in out_dtype; z is the first E columns of
     zxbcdt_BTI."""
-    return _fwd(u_BTE, zxbcdt_BTI, scale_E, groups, eps, out_dtype, interpret)[0]
+    return gated_norm_forward(u_BTE, zxbcdt_BTI, scale_E, groups, eps, out_dtype, interpret)[0]
 
 
 def _compute_dtype(u_BTE):
     return jnp.promote_types(u_BTE.dtype, jnp.float32)
 
 
-def _fwd(u_BTE, zxbcdt_BTI, scale_E, groups, eps, out_dtype, interpret):
+def gated_norm_forward(u_BTE, zxbcdt_BTI, scale_E, groups, eps, out_dtype, interpret):
+    """(``gated_norm_fused``'s value, the residuals ``gated_norm_backward`` takes)."""
     b, t, e = u_BTE.shape
     cdt = _compute_dtype(u_BTE)
     (out,) = _launch(_forward_kernel, _tile_rows(e // groups), _FORWARD_WARPS, b, t, e, groups, eps, interpret,
@@ -130,7 +131,7 @@ def _bwd(groups, eps, out_dtype, interpret, residuals, dout_BTE):
 
 
 def gated_norm_backward(residuals, dout_BTE: jax.Array, groups: int, eps: float, interpret: bool):
-    """(du, dz, dscale) from the forward residuals (``_fwd``). dz has the shape of the in_proj
+    """(du, dz, dscale) from the forward residuals (``gated_norm_forward``). dz has the shape of the in_proj
     output z was read from, [B, T, I], with only its first E columns written: the Mamba-2 mixer
     fills the others in place with the gradients of x, B, C and dt (``gated_norm_fused``'s own
     VJP zeroes them)."""
@@ -147,4 +148,4 @@ def gated_norm_backward(residuals, dout_BTE: jax.Array, groups: int, eps: float,
     return du, dz_BTI, jnp.sum(dscale_parts, axis=(0, 1)).astype(scale_E.dtype)
 
 
-gated_norm_fused.defvjp(_fwd, _bwd)
+gated_norm_fused.defvjp(gated_norm_forward, _bwd)

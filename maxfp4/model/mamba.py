@@ -210,13 +210,13 @@ def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg):
     e, c = d["E"], d["conv"]
     interpret = jax.default_backend() != "gpu"
     dt_BTH, dt_pull = jax.vjp(_dt, zxbcdt_BTI[..., e + c:], p["dt_bias"])
-    xbc_BTC, conv_res = conv_kernel._fwd(zxbcdt_BTI[..., e:e + c], p["conv_w"], p["conv_b"], segment_ids_BT,
-                                         interpret)
+    xbc_BTC, conv_res = conv_kernel.conv_forward(zxbcdt_BTI[..., e:e + c], p["conv_w"], p["conv_b"],
+                                                 segment_ids_BT, interpret)
     u_BTE, ssd_pull = jax.vjp(
         lambda xbc, dt, A_log, D: _ssd_with_skip(xbc, dt, A_log, D, segment_ids_BT, cfg),
         xbc_BTC, dt_BTH, p["A_log"], p["D_skip"])
-    out_BTE, norm_res = gated_norm_kernel._fwd(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps, ACT_DTYPE,
-                                               interpret)
+    out_BTE, norm_res = gated_norm_kernel.gated_norm_forward(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps,
+                                                             ACT_DTYPE, interpret)
     return out_BTE, (dt_pull, conv_res, ssd_pull, norm_res)
 
 
