@@ -114,16 +114,19 @@ def _input_grad_kernel_into(dpre_ref, ids_ref, w_ref, into_ref, dx_ref, *, tb, c
 _FORWARD_WARPS, _BACKWARD_WARPS = 8, 4
 
 
-def _launch(kernel, x_shape, out_specs, out_shape, n_whole, interpret, *args, num_warps=_BACKWARD_WARPS):
-    """Inputs: the first ``n_whole`` as whole arrays (indexed by hand), the rest tiled."""
+def _launch(kernel, x_shape, out_specs, out_shape, n_whole, interpret, *args, num_warps=_BACKWARD_WARPS,
+            tiled_specs=None, input_output_aliases=None):
+    """Inputs: the first ``n_whole`` as whole arrays (indexed by hand), the rest tiled by
+    ``tiled_specs(tb, cb)`` (default: the program's own [tb, cb] tile)."""
     b, t, c = x_shape
     tb, cb = _tile(t, _TILE_T), _tile(c, _TILE_C)
     params = triton_params(interpret, num_warps)
     return pl.pallas_call(
         functools.partial(kernel, tb=tb, cb=cb, width=args[2].shape[0]),
         grid=(b, t // tb, c // cb),
-        in_specs=[pl.no_block_spec] * n_whole + [_tile_spec(tb, cb)] * (len(args) - n_whole),
-        out_specs=out_specs(tb, cb), out_shape=out_shape, interpret=interpret, **params)(*args)
+        in_specs=[pl.no_block_spec] * n_whole + [(tiled_specs or _tile_spec)(tb, cb)] * (len(args) - n_whole),
+        out_specs=out_specs(tb, cb), out_shape=out_shape, interpret=interpret,
+        input_output_aliases=input_output_aliases or {}, **params)(*args)
 
 
 def _tile_spec(tb, cb):
@@ -205,13 +208,9 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
 
         # The wider array goes in last, with the output's block spec, and is never read: it only
         # gives the output its buffer and its other columns.
-        cb = _tile(c, _TILE_C)
-        dx = pl.pallas_call(
-            functools.partial(_input_grad_kernel_into, tb=tb, cb=cb, width=width),
-            grid=(b, t // tb, c // cb), in_specs=[pl.no_block_spec] * 3 + [into_spec(tb, cb)],
-            out_specs=into_spec(tb, cb), out_shape=jax.ShapeDtypeStruct(into_BTI.shape, into_BTI.dtype),
-            input_output_aliases={3: 0}, interpret=interpret,
-            **triton_params(interpret, _BACKWARD_WARPS))(*grad_inputs, into_BTI)
+        dx = _launch(_input_grad_kernel_into, (b, t, c), into_spec,
+                     jax.ShapeDtypeStruct(into_BTI.shape, into_BTI.dtype), 3, interpret, *grad_inputs, into_BTI,
+                     tiled_specs=into_spec, input_output_aliases={3: 0})
     dw_WC = jnp.stack([jnp.sum(part, axis=(0, 1)) for part in dw_parts]).astype(w_WC.dtype)
     db_C = jnp.sum(db_parts, axis=(0, 1)).astype(b_C.dtype)
     return dx, dw_WC, db_C
