@@ -25,6 +25,8 @@ VARIANTS = [
     ("fp8_current", "fp8_current", ()),
     ("nvfp4", "nvfp4", (("rht", True), ("stochastic_rounding", True), ("weight_2d", True))),
     ("nvfp4 (no RHT, no SR)", "nvfp4", (("rht", False), ("stochastic_rounding", False), ("weight_2d", True))),
+    ("nvfp4 (RHT, no SR)", "nvfp4", (("rht", True), ("stochastic_rounding", False), ("weight_2d", True))),
+    ("nvfp4 (SR, no RHT)", "nvfp4", (("rht", False), ("stochastic_rounding", True), ("weight_2d", True))),
     ("mxfp8", "mxfp8", ()),
     ("mxfp4", "mxfp4", ()),
     ("fp8_block", "fp8_block", ()),
@@ -54,6 +56,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192, help="output features")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default="precision_matmul.json")
+    ap.add_argument("--only", default="", help="comma-separated recipe names (bf16 is always run)")
+    ap.add_argument("--prng-impl", default=None,
+                    help="the PRNG behind stochastic rounding's key (threefry2x32, rbg, unsafe_rbg; default JAX's)")
     ap.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an XLA option on top of maxfp4.compiler's defaults, e.g. xla_gpu_enable_triton_gemm=true")
     a = ap.parse_args()
@@ -62,12 +67,13 @@ def main() -> None:
     w = 0.02 * jax.random.normal(kw, (a.k, a.n), jnp.float32)
     dy = 1e-3 * jax.random.normal(kd, (a.m, a.n), jnp.bfloat16)
     scales = jnp.asarray([100.0, 20000.0, 1e7], jnp.float32)
-    key = jax.random.key(1)
+    key = jax.random.key(1, impl=a.prng_impl)
+    only = set(filter(None, a.only.split(","))) | {"bf16"} if a.only else None
     flops = 3 * 2.0 * a.m * a.k * a.n
     options = compiler_options(jax.devices()[0].platform, dict(_parse_option(o) for o in a.compiler_option))
     rows = []
     for label, name, opts in VARIANTS:
-        if name not in RECIPES:
+        if name not in RECIPES or (only and name not in only):
             continue
         fn = RECIPES[name][0]
 
@@ -82,7 +88,8 @@ def main() -> None:
                      "fp8_gemms": hlo.count("__cublas$lt$matmul$f8")})
     base = next(r for r in rows if r["recipe"] == "bf16")["tflops"]
     device = jax.devices()[0].device_kind
-    print(f"linear layer fwd+bwd, M={a.m} K={a.k} N={a.n}, {device}, jax {jax.__version__}")
+    print(f"linear layer fwd+bwd, M={a.m} K={a.k} N={a.n}, {device}, jax {jax.__version__}, "
+          f"PRNG {jax.random.key_impl(key)}")
     print(f"{'recipe':24s} {'ms':>8s} {'TFLOP/s':>9s} {'vs bf16':>8s} {'FP8 GEMMs':>10s}")
     for r in rows:
         r["vs_bf16"] = r["tflops"] / base

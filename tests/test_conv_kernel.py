@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from maxfp4.config import ConfigError, load_config
-from maxfp4.model.conv_kernel import causal_conv_silu, conv_kernel_supported
+from maxfp4.model.conv_kernel import (ConvTiling, causal_conv_silu, conv_backward, conv_forward, conv_kernel_supported,
+                                      default_conv_tiling)
 from maxfp4.model.mamba import causal_conv, use_conv_kernel
 from tests.test_hybrid import TINY
 
@@ -44,6 +45,38 @@ def test_kernel_matches_reference_with_packed_documents(width):
     g_ref = jax.grad(lambda *a: jnp.sum(_reference(*a, ids) * dout), argnums=(0, 1, 2))(x, w, bias)
     for name, a, e in zip(("x", "w", "b"), g_got, g_ref):
         assert _rel(a, e) < 1e-5, name
+
+
+@pytest.mark.parametrize("tiling", [ConvTiling(8, 16), ConvTiling(16, 32), ConvTiling(48, 16)])
+def test_any_launch_tiling_gives_the_defaults_values(tiling):
+    """The tile each program owns (rows x channels) changes no value: the output and the input
+    gradient are equal bit for bit; the weight and bias gradients, sums of per-tile partial
+    sums in another grouping, within FP32 rounding (1e-6 of the largest)."""
+    rng = np.random.default_rng(5)
+    b, t, c = 2, 48, 32
+    x = jnp.asarray(rng.standard_normal((b, t, c)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, c)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(c), jnp.float32)
+    ids = jnp.asarray(np.array([[1] * 3 + [2] * 20 + [3] * 25, [7] * 48], np.int32))
+    dout = jnp.asarray(rng.standard_normal((b, t, c)), jnp.float32)
+    default = default_conv_tiling(t, c)
+    assert default == ConvTiling(16, 32)
+
+    def run(tiling):
+        out, res = conv_forward(x, w, bias, ids, True, tiling)
+        return (out,) + conv_backward(res, dout, True, tiling=tiling)
+
+    got, want = run(tiling), run(default)
+    for name, a, e in zip(("out", "dx"), got[:2], want[:2]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
+    for name, a, e in zip(("dw", "db"), got[2:], want[2:]):
+        assert _rel(a, e) < 1e-6, name
+
+
+def test_a_tile_that_does_not_divide_the_input_is_refused():
+    x = jnp.zeros((1, 48, 32), jnp.float32)
+    with pytest.raises(ValueError, match=r"convolution tile 32 x 16 does not divide T x channels 48 x 32"):
+        conv_forward(x, jnp.zeros((4, 32)), jnp.zeros(32), jnp.ones((1, 48), jnp.int32), True, ConvTiling(32, 16))
 
 
 def test_kernel_never_reads_an_earlier_document():

@@ -24,6 +24,7 @@ these kernels by 13 ms (docs/PERFORMANCE.md, "Mamba-2 convolution read in place"
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -114,12 +115,28 @@ def _input_grad_kernel_into(dpre_ref, ids_ref, w_ref, into_ref, dx_ref, *, tb, c
 _FORWARD_WARPS, _BACKWARD_WARPS = 8, 4
 
 
-def _launch(kernel, x_shape, out_specs, out_shape, n_whole, interpret, *args, num_warps=_BACKWARD_WARPS,
+class ConvTiling(NamedTuple):
+    """How the kernels are launched on GPU: each program's tile (rows of T, channels) and the
+    Triton warps of the forward and the two backward kernels."""
+    rows: int
+    channels: int
+    forward_warps: int = _FORWARD_WARPS
+    backward_warps: int = _BACKWARD_WARPS
+
+
+def default_conv_tiling(t: int, channels: int) -> ConvTiling:
+    """The largest tile sides of _TILE_T and _TILE_C that divide T and the channels."""
+    return ConvTiling(_tile(t, _TILE_T), _tile(channels, _TILE_C))
+
+
+def _launch(kernel, x_shape, out_specs, out_shape, n_whole, interpret, *args, tiling: ConvTiling, num_warps: int,
             tiled_specs=None, input_output_aliases=None):
     """Inputs: the first ``n_whole`` as whole arrays (indexed by hand), the rest tiled by
     ``tiled_specs(tb, cb)`` (default: the program's own [tb, cb] tile)."""
     b, t, c = x_shape
-    tb, cb = _tile(t, _TILE_T), _tile(c, _TILE_C)
+    tb, cb = tiling.rows, tiling.channels
+    if t % tb or c % cb:
+        raise ValueError(f"convolution tile {tb} x {cb} does not divide T x channels {t} x {c}")
     params = triton_params(interpret, num_warps)
     return pl.pallas_call(
         functools.partial(kernel, tb=tb, cb=cb, width=args[2].shape[0]),
@@ -144,14 +161,16 @@ def causal_conv_silu(x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array, segment_
     return conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret)[0]
 
 
-def conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret):
-    """(``causal_conv_silu``'s value, the residuals ``conv_backward`` takes)."""
+def conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret, tiling: ConvTiling | None = None):
+    """(``causal_conv_silu``'s value, the residuals ``conv_backward`` takes). ``tiling``: the
+    launch (default ``default_conv_tiling``)."""
     width = w_WC.shape[0]
+    tiling = tiling or default_conv_tiling(*x_BTC.shape[1:])
     # The padded copy is the backward pass's residual too, so it is made once.
     x_pad = jnp.pad(x_BTC, ((0, 0), (width - 1, 0), (0, 0)))
     out = _launch(_forward_kernel, x_BTC.shape, _tile_spec, jax.ShapeDtypeStruct(x_BTC.shape, x_BTC.dtype),
                   4, interpret, x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C,
-                  num_warps=_FORWARD_WARPS)
+                  tiling=tiling, num_warps=tiling.forward_warps)
     return out, (x_pad, w_WC, b_C, segment_ids_BT)
 
 
@@ -167,17 +186,20 @@ def into_columns_supported(channels: int, column_offset: int) -> bool:
 
 
 def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax.Array | None = None,
-                  column_offset: int = 0):
+                  column_offset: int = 0, tiling: ConvTiling | None = None):
     """(dx, dw, db) of ``causal_conv_silu`` from its forward residuals (``conv_forward``).
 
     With ``into_BTI``, a wider [B, T, I] array, dx is written into its columns
     [column_offset, column_offset + C) in place (the kernel's output aliases it) and the whole
     array is returned as dx: the Mamba-2 mixer assembles the in_proj output's gradient that way
-    instead of adding zero-padded pieces (``into_columns_supported`` says where it can)."""
+    instead of adding zero-padded pieces (``into_columns_supported`` says where it can).
+    ``tiling``: the launch (default ``default_conv_tiling``)."""
     x_pad, w_WC, b_C, segment_ids_BT = residuals
     width = w_WC.shape[0]
     b, t, c = x_pad.shape[0], x_pad.shape[1] - (width - 1), x_pad.shape[2]
-    tb = _tile(t, _TILE_T)
+    tiling = tiling or default_conv_tiling(t, c)
+    tb = tiling.rows
+    launch = functools.partial(_launch, tiling=tiling, num_warps=tiling.backward_warps)
 
     def grad_specs(tb, cb):
         per_tile = pl.BlockSpec((pl.squeezed, pl.squeezed, cb), lambda bi, ti, ci: (bi, ti, ci))
@@ -191,15 +213,15 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     # a W-tap sum of it, is rounded to that dtype anyway; the weight and bias gradients are
     # summed from the FP32 values inside the first kernel.
     shapes = [jax.ShapeDtypeStruct((b, t + width - 1, c), x_pad.dtype)] + [partial_sums] * (1 + width)
-    dpre_pad, db_parts, *dw_parts = _launch(
+    dpre_pad, db_parts, *dw_parts = launch(
         _preactivation_grad_kernel, (b, t, c), grad_specs, shapes, 4, interpret,
         x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, dout_BTC)
     grad_inputs = (dpre_pad, _padded_ids(segment_ids_BT, 0, width - 1), w_WC)
     if into_BTI is None:
-        dx = _launch(_input_grad_kernel, (b, t, c), _tile_spec, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype),
+        dx = launch(_input_grad_kernel, (b, t, c), _tile_spec, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype),
                      3, interpret, *grad_inputs)
     else:
-        if not into_columns_supported(c, column_offset):
+        if column_offset % tiling.channels:
             raise ValueError(f"column offset {column_offset} is not a whole number of the channel tiles of {c}")
 
         def into_spec(tb, cb):
@@ -208,7 +230,7 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
 
         # The wider array goes in last, with the output's block spec, and is never read: it only
         # gives the output its buffer and its other columns.
-        dx = _launch(_input_grad_kernel_into, (b, t, c), into_spec,
+        dx = launch(_input_grad_kernel_into, (b, t, c), into_spec,
                      jax.ShapeDtypeStruct(into_BTI.shape, into_BTI.dtype), 3, interpret, *grad_inputs, into_BTI,
                      tiled_specs=into_spec, input_output_aliases={3: 0})
     dw_WC = jnp.stack([jnp.sum(part, axis=(0, 1)) for part in dw_parts]).astype(w_WC.dtype)
