@@ -5,7 +5,8 @@ matmul FLOPs that maxfp4.metrics charges (training FLOPs per token x tokens).
 
 One row per variant (``--variants``): implementation (model.mamba.kernels: XLA's chunked form,
 or the Pallas kernel), operand precision of the token-length matmuls (model.mamba.ssd_matmul),
-chunk size and kernel tiling (Triton warps, heads per program, stages); each row also gives its largest difference from the first row,
+chunk size and kernel tiling (Triton warps, heads per program, stages, where the dt gradient is
+formed); each row also gives its largest difference from the first row,
 output and gradients, relative to that row's largest magnitude.
 
 ``--split`` instead times the Pallas variant's two parts apart: the XLA part around the kernel
@@ -66,11 +67,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default="ssd_layer.json")
     ap.add_argument("--variants", default="xla:fp32:128,xla:bf16:128,pallas:bf16:64:4,pallas:bf16:128:8",
-                    help="comma-separated IMPL:OPERANDS:CHUNK[:WARPS[:HEADS[:STAGES]]], IMPL xla or pallas, "
-                         "OPERANDS fp32 or bf16, HEADS per kernel program, STAGES Triton pipelining "
-                         "stages; the first is the reference of the diff column")
+                    help="comma-separated IMPL:OPERANDS:CHUNK[:WARPS[:HEADS[:STAGES[:DDT_IN_DX]]]], IMPL xla or "
+                         "pallas, OPERANDS fp32 or bf16, HEADS per kernel program, STAGES Triton "
+                         "pipelining stages, DDT_IN_DX 1 for the dt gradient from the dx kernel; the "
+                         "first is the reference of the diff column")
     ap.add_argument("--split", action="store_true", help="time the Pallas SSD's XLA part and kernel apart")
-    ap.add_argument("--tiling", default="8:1:1", help="WARPS:HEADS:STAGES of the kernel, with --split")
+    ap.add_argument("--tiling", default="8:1:1", help="WARPS:HEADS:STAGES[:DDT_IN_DX] of the kernel, with --split")
     a = ap.parse_args()
     cfg = load_config(a.config)
     m = cfg.model

@@ -17,15 +17,17 @@ from maxfp4.model.conv_kernel import causal_conv_silu
 from maxfp4.model.gated_norm_kernel import gated_norm_fused
 from maxfp4.model.mamba import causal_conv, gated_group_norm
 from maxfp4.model.ssd import ssd_reference
-from maxfp4.model.ssd_kernel import ssd_fused
+from maxfp4.model.ssd_kernel import default_tiling, ssd_fused
 from tests.test_ssd import ARG_NAMES, _inputs, _rel
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("matmul_dtype", [None, jnp.bfloat16])
-def test_compiled_kernel_matches_reference(matmul_dtype):
-    """With the D skip (the kernel adds D x): y + D x of the scan, and D's gradient too."""
+@pytest.mark.parametrize("matmul_dtype,ddt_in_dx", [(None, False), (jnp.bfloat16, False), (None, True),
+                                                    (jnp.bfloat16, True)])
+def test_compiled_kernel_matches_reference(matmul_dtype, ddt_in_dx):
+    """With the D skip (the kernel adds D x): y + D x of the scan, and D's gradient too; the dt
+    gradient from the score kernel or the dx kernel (``Tiling.ddt_in_dx``)."""
     b, t, h, p, g, n, q = 2, 256, 4, 64, 2, 64, 64
     args = _inputs(1, b, t, h, p, g, n, dtype=np.float32)
     args += (jnp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, h), jnp.float32),)
@@ -33,7 +35,8 @@ def test_compiled_kernel_matches_reference(matmul_dtype):
     w = jnp.asarray(np.random.default_rng(2).standard_normal((b, t, h, p)), jnp.float32)
 
     def fused(x, dt, A, B, C, D, ids):
-        return ssd_fused(x, dt, A, B, C, ids, q, matmul_dtype=matmul_dtype, interpret=False, D_H=D)
+        return ssd_fused(x, dt, A, B, C, ids, q, matmul_dtype=matmul_dtype, interpret=False, D_H=D,
+                         tiling=default_tiling(q, h // g)._replace(ddt_in_dx=ddt_in_dx))
 
     def reference(x, dt, A, B, C, D, ids):
         return ssd_reference(x, dt, A, B, C, ids) + D[:, None] * x
