@@ -35,15 +35,13 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 sys.path.insert(0, "benchmarks")
+from conv_tiles import conv_inputs  # noqa: E402  (this folder is on the path when run as a script)
 from profile_summary import gpu_kernel_times, newest_trace  # noqa: E402
 
-from maxfp4.config import load_config  # noqa: E402
 from maxfp4.model.conv_kernel import conv_backward, conv_forward, default_conv_tiling  # noqa: E402
-from maxfp4.model.mamba import dims  # noqa: E402
 from maxfp4.model.pallas_params import triton_params  # noqa: E402
 
 STEPS = ("copy", "manual", "shifted", "masked", "conv", "dpre", "dpre_db", "dpre_dw")
@@ -163,14 +161,8 @@ def main() -> None:
     ap.add_argument("--config", default="configs/mamba2-1p3b.yaml")
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
-    cfg = load_config(a.config)
-    b, t, c = cfg.data.global_batch, cfg.data.seq_len, dims(cfg.model)["conv"]
-    width = cfg.model.mamba.conv_kernel
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((b, t, c)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((width, c)) * 0.5, jnp.float32)
-    bias = jnp.asarray(rng.standard_normal(c) * 0.1, jnp.float32)
-    ids = jnp.ones((b, t), jnp.int32)
+    x, w, bias, ids = conv_inputs(a.config)
+    (b, t, c), width = x.shape, w.shape[0]
     x_pad = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
     ids_pad = jnp.pad(ids, ((0, 0), (width - 1, 0)), constant_values=-1)
     tiling = default_conv_tiling(t, c)

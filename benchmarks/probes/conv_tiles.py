@@ -28,6 +28,19 @@ VARIANTS = ["64:128:8:4", "32:128:8:4", "16:128:4:4", "64:64:4:4", "32:64:4:2", 
             "128:64:8:4", "32:256:8:4", "16:256:4:4", "64:128:4:2", "64:128:8:8"]
 
 
+def conv_inputs(config: str):
+    """A model's convolution inputs, random (seed 0): x [B, T, C] BF16, weights [W, C] and bias
+    [C] in FP32, one document a row; and the config, for the probes beside this file."""
+    cfg = load_config(config)
+    b, t, c = cfg.data.global_batch, cfg.data.seq_len, dims(cfg.model)["conv"]
+    width = cfg.model.mamba.conv_kernel
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((b, t, c)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((width, c)) * 0.5, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(c) * 0.1, jnp.float32)
+    return x, w, bias, jnp.ones((b, t), jnp.int32)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/mamba2-1p3b.yaml")
@@ -35,15 +48,9 @@ def main() -> None:
                     help="comma-separated ROWS:CHANNELS:FORWARD_WARPS:BACKWARD_WARPS")
     ap.add_argument("--iters", type=int, default=20)
     a = ap.parse_args()
-    cfg = load_config(a.config)
-    b, t, c = cfg.data.global_batch, cfg.data.seq_len, dims(cfg.model)["conv"]
-    width = cfg.model.mamba.conv_kernel
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((b, t, c)), jnp.bfloat16)
-    dout = jnp.asarray(rng.standard_normal((b, t, c)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((width, c)) * 0.5, jnp.float32)
-    bias = jnp.asarray(rng.standard_normal(c) * 0.1, jnp.float32)
-    ids = jnp.ones((b, t), jnp.int32)
+    x, w, bias, ids = conv_inputs(a.config)
+    (b, t, c), width = x.shape, w.shape[0]
+    dout = jnp.asarray(np.random.default_rng(1).standard_normal((b, t, c)), jnp.bfloat16)
     elem = b * t * c * x.dtype.itemsize
     fwd_bytes, bwd_bytes = 2 * elem, 5 * elem
     default = default_conv_tiling(t, c)
