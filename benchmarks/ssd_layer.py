@@ -5,9 +5,9 @@ matmul FLOPs that maxfp4.metrics charges (training FLOPs per token x tokens).
 
 One row per variant (``--variants``): implementation (model.mamba.kernels: XLA's chunked form,
 or the Pallas kernel), operand precision of the token-length matmuls (model.mamba.ssd_matmul),
-chunk size and kernel tiling (Triton warps, heads per program, stages, where the dt gradient is
-formed); each row also gives its largest difference from the first row,
-output and gradients, relative to that row's largest magnitude.
+chunk size and kernel tiling (Triton warps, heads per program, stages); each row also gives its
+largest difference from the first row, output and gradients, relative to that row's largest
+magnitude.
 
 ``--split`` instead times the Pallas variant's two parts apart: the XLA part around the kernel
 (``kernel_inputs``) and the kernel itself (``chunk_outputs``), forward and forward+backward.
@@ -72,7 +72,7 @@ def main() -> None:
                          "pipelining stages, DDT_IN_DX 1 for the dt gradient from the dx kernel; the "
                          "first is the reference of the diff column")
     ap.add_argument("--split", action="store_true", help="time the Pallas SSD's XLA part and kernel apart")
-    ap.add_argument("--tiling", default="8:1:1", help="WARPS:HEADS:STAGES[:DDT_IN_DX] of the kernel, with --split")
+    ap.add_argument("--tiling", default="8:1:1", help="WARPS:HEADS:STAGES of the kernel, with --split")
     a = ap.parse_args()
     cfg = load_config(a.config)
     m = cfg.model

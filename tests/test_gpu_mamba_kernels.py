@@ -23,11 +23,9 @@ from tests.test_ssd import ARG_NAMES, _inputs, _rel
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("matmul_dtype,ddt_in_dx", [(None, False), (jnp.bfloat16, False), (None, True),
-                                                    (jnp.bfloat16, True)])
-def test_compiled_kernel_matches_reference(matmul_dtype, ddt_in_dx):
-    """With the D skip (the kernel adds D x): y + D x of the scan, and D's gradient too; the dt
-    gradient from the score kernel or the dx kernel (``Tiling.ddt_in_dx``)."""
+@pytest.mark.parametrize("matmul_dtype", [None, jnp.bfloat16])
+def test_compiled_kernel_matches_reference(matmul_dtype):
+    """With the D skip (the kernel adds D x): y + D x of the scan, and D's gradient too."""
     b, t, h, p, g, n, q = 2, 256, 4, 64, 2, 64, 64
     args = _inputs(1, b, t, h, p, g, n, dtype=np.float32)
     args += (jnp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, h), jnp.float32),)
@@ -36,7 +34,7 @@ def test_compiled_kernel_matches_reference(matmul_dtype, ddt_in_dx):
 
     def fused(x, dt, A, B, C, D, ids):
         return ssd_fused(x, dt, A, B, C, ids, q, matmul_dtype=matmul_dtype, interpret=False, D_H=D,
-                         tiling=default_tiling(q, h // g)._replace(ddt_in_dx=ddt_in_dx))
+                         tiling=default_tiling(q, h // g))
 
     def reference(x, dt, A, B, C, D, ids):
         return ssd_reference(x, dt, A, B, C, ids) + D[:, None] * x

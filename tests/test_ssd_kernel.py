@@ -50,21 +50,19 @@ def test_kernel_keeps_segments_apart(x64):
         assert not np.allclose(y[0, lo:hi], base[0, lo:hi])
 
 
-@pytest.mark.parametrize("g,heads,ddt_in_dx", [(1, 1, False), (1, 2, False), (1, 4, False), (2, 1, False),
-                                               (2, 2, False), (1, 2, True), (2, 1, True)])
-def test_d_skip_and_heads_per_program_float64(x64, g, heads, ddt_in_dx):
+@pytest.mark.parametrize("g,heads", [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)])
+def test_d_skip_and_heads_per_program_float64(x64, g, heads):
     """The kernel's D skip (y + D x) and each number of heads per program: forward and every
     gradient, D's included, against the sequential scan plus D x, float64 (bounds of
     test_ssd.py: 1e-10 forward, 1e-9 gradients). A program of several heads loads their group's
-    C.B once and sums d(C.B) over them itself. ``ddt_in_dx``: the dt gradient formed by the dx
-    kernel instead of the score kernel (``Tiling.ddt_in_dx``)."""
+    C.B once and sums d(C.B) over them itself."""
     b, t, h, p, n, q = 2, 21, 4, 4, 5, 8
     args = _inputs(7, b, t, h, p, g, n) + (jnp.asarray(np.random.default_rng(8).uniform(0.5, 1.5, h)),)
     ids = jnp.asarray(PACKED_IDS[:, :t])
     w = jnp.asarray(np.random.default_rng(9).standard_normal((b, t, h, p)))
 
     def fused(x, dt, A, B, C, D):
-        return ssd_fused(x, dt, A, B, C, ids, q, interpret=True, tiling=Tiling(heads=heads, ddt_in_dx=ddt_in_dx),
+        return ssd_fused(x, dt, A, B, C, ids, q, interpret=True, tiling=Tiling(heads=heads),
                          D_H=D)
 
     def reference(x, dt, A, B, C, D):
@@ -77,12 +75,10 @@ def test_d_skip_and_heads_per_program_float64(x64, g, heads, ddt_in_dx):
         assert _rel(a, e) < 1e-9, name
 
 
-@pytest.mark.parametrize("ddt_in_dx", [False, True])
-def test_x_read_in_place_from_a_wider_array(x64, ddt_in_dx):
+def test_x_read_in_place_from_a_wider_array(x64):
     """x as the first H x P columns of a wider array (as the mixer passes the convolution output):
     the same outputs, and the wider array's gradient is x's in those columns and exactly the
-    other uses' (here none: zero) past them. T a multiple of the chunk, as the kernel needs.
-    With ``ddt_in_dx`` the dx kernel reads x in place too."""
+    other uses' (here none: zero) past them. T a multiple of the chunk, as the kernel needs."""
     b, t, h, p, g, n, q = 2, 24, 4, 4, 1, 5, 8
     x, dt, A, B, C = _inputs(10, b, t, h, p, g, n)
     wide = jnp.concatenate([x.reshape(b, t, h * p), jnp.full((b, t, 2 * p), 7.0)], axis=-1)
@@ -91,8 +87,7 @@ def test_x_read_in_place_from_a_wider_array(x64, ddt_in_dx):
 
     def fused(wide, in_place):
         x_BTHP = wide[..., :h * p].reshape(b, t, h, p)
-        return ssd_fused(x_BTHP, dt, A, B, C, ids, q, interpret=True, x_within_BTC=wide if in_place else None,
-                         tiling=Tiling(ddt_in_dx=ddt_in_dx))
+        return ssd_fused(x_BTHP, dt, A, B, C, ids, q, interpret=True, x_within_BTC=wide if in_place else None)
 
     y_in_place, y_copy = jax.jit(fused, static_argnums=1)(wide, True), jax.jit(fused, static_argnums=1)(wide, False)
     assert _rel(y_in_place, _reference(x, dt, A, B, C, ids)) < 1e-10

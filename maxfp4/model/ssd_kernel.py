@@ -99,28 +99,19 @@ def _forward_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, 
 # the gradients that flow through dy alone (x, the entry term), one for those of the scores
 # (C.B, dt, the cumulative sums). One kernel doing both held too many Q x Q FP32 tiles at once.
 
-def _backward_dx_kernel(cb_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, dy_ref, *refs, matmul_dtype, cdt,
-                        ddt_in_dx):
-    if ddt_in_dx:
-        x_ref, dx_ref, dc_entry_ref, dcs_entry_ref, ddt_ref = refs
-    else:
-        dx_ref, dc_entry_ref, dcs_entry_ref = refs
+def _backward_dx_kernel(cb_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, dy_ref, x_ref, dx_ref, dc_entry_ref,
+                        dcs_entry_ref, ddt_ref, *, matmul_dtype, cdt):
     cb_QQ, seg_Q = cb_ref[...].astype(cdt), seg_ref[...]
 
     def head(j, carry):
-        cs_Q, dy_QP = cs_ref[j, :], dy_ref[:, j, :].astype(cdt)
-        if ddt_in_dx:
-            # dx_j = dt_j (S^T dy)_j with S = C.B x decay, and the intra-chunk dt gradient is
-            # x_j . (S^T dy)_j: a sum along each row of a [Q, P] tile here, where the score
-            # kernel summed the [Q, Q] tile down its columns.
-            dt_Q = dt_ref[j, :]
-            sdy_QP = _dot((cb_QQ * _decay(cs_Q, seg_Q)).T, dy_QP, matmul_dtype, cdt)
-            dx_QP = dt_Q[:, None] * sdy_QP + d_ref[j, :][None, :] * dy_QP
-            ddt_ref[j, :] = jnp.sum(sdy_QP * x_ref[:, j, :].astype(cdt), axis=1).astype(ddt_ref.dtype)
-        else:
-            scores_QQ = _decayed_scores(cb_QQ, dt_ref[j, :], cs_Q, seg_Q)
-            dx_QP = _dot(scores_QQ.T, dy_QP, matmul_dtype, cdt) + d_ref[j, :][None, :] * dy_QP
-        dx_ref[:, j, :] = dx_QP.astype(dx_ref.dtype)
+        cs_Q, dt_Q, dy_QP = cs_ref[j, :], dt_ref[j, :], dy_ref[:, j, :].astype(cdt)
+        # dx_j = dt_j (S^T dy)_j with S = C.B x decay, and the intra-chunk dt gradient is
+        # x_j . (S^T dy)_j: a sum along each row of a [Q, P] tile here. Summing the score
+        # kernel's [Q, Q] tile down its columns instead (cross-warp reductions) was 12% slower
+        # for the SSD's forward + backward kernels (docs/PERFORMANCE.md).
+        sdy_QP = _dot((cb_QQ * _decay(cs_Q, seg_Q)).T, dy_QP, matmul_dtype, cdt)
+        dx_ref[:, j, :] = (dt_Q[:, None] * sdy_QP + d_ref[j, :][None, :] * dy_QP).astype(dx_ref.dtype)
+        ddt_ref[j, :] = jnp.sum(sdy_QP * x_ref[:, j, :].astype(cdt), axis=1).astype(ddt_ref.dtype)
         # The entry term exp(cs_i) C_i . entry sends its cumulative-sum gradient to row i.
         entry_Q = _entry_factor(cs_Q, seg_Q)
         dcs_entry_ref[j, :] = (entry_Q * jnp.sum(dy_QP * c_entry_ref[:, j, :].astype(cdt), axis=1)
@@ -131,31 +122,20 @@ def _backward_dx_kernel(cb_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, dy_
     jax.lax.fori_loop(0, dy_ref.shape[1], head, 0)
 
 
-def _backward_scores_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, dy_ref, dcb_ref, *refs, matmul_dtype, cdt,
-                            ddt_in_dx):
-    """With ``ddt_in_dx`` the dx kernel forms the dt gradient, and this kernel writes the row sums
-    g_rows (below) where it wrote the cumulative sums' gradient; the caller subtracts dt * ddt."""
-    if ddt_in_dx:
-        g_rows_ref, dd_ref = refs
-    else:
-        ddt_ref, dcs_ref, dd_ref = refs
+def _backward_scores_kernel(cb_ref, x_ref, dt_ref, cs_ref, seg_ref, dy_ref, dcb_ref, g_rows_ref, dd_ref, *,
+                            matmul_dtype, cdt):
+    """Writes d(C.B), the D skip's gradient, and the row sums g_rows (below) from which the caller
+    forms the cumulative sums' gradient with the dx kernel's dt gradient."""
     cb_QQ, seg_Q = cb_ref[...].astype(cdt), seg_ref[...]
 
     def head(j, dcb_QQ):
         dt_Q, dy_QP, x_QP = dt_ref[j, :], dy_ref[:, j, :].astype(cdt), x_ref[:, j, :]
         dd_ref[j, :] = jnp.sum(dy_QP * x_QP.astype(cdt), axis=0)  # the D skip's, per column of the head
         decay_dscores_QQ = _dot(dy_QP, x_QP.T, matmul_dtype, cdt) * _decay(cs_ref[j, :], seg_Q)
-        cb_decay_dscores_QQ = decay_dscores_QQ * cb_QQ
         # exp(cs_i - cs_j) sends its gradient with + to row i and - to column j; g = dscores *
-        # scores = cb_decay_dscores * dt_j, whose column sums are dt_j * ddt_j: only its row sums
-        # need a reduction over the tile.
-        g_rows_Q = jnp.sum(cb_decay_dscores_QQ * dt_Q[None, :], axis=1)
-        if ddt_in_dx:
-            g_rows_ref[j, :] = g_rows_Q.astype(g_rows_ref.dtype)
-        else:
-            ddt_Q = jnp.sum(cb_decay_dscores_QQ, axis=0)
-            ddt_ref[j, :] = ddt_Q.astype(ddt_ref.dtype)
-            dcs_ref[j, :] = (g_rows_Q - dt_Q * ddt_Q).astype(dcs_ref.dtype)
+        # scores = decay_dscores * cb * dt_j, whose column sums are dt_j * ddt_j (ddt from the dx
+        # kernel): only its row sums need a reduction over the tile.
+        g_rows_ref[j, :] = jnp.sum(decay_dscores_QQ * cb_QQ * dt_Q[None, :], axis=1).astype(g_rows_ref.dtype)
         return dcb_QQ + decay_dscores_QQ * dt_Q[None, :]
 
     # d(C.B) summed over this program's heads in cdt, in a fixed order (deterministic).
@@ -171,10 +151,6 @@ class Tiling(NamedTuple):
     num_warps: int = 8
     heads: int = 1
     num_stages: int = 1
-    # The intra-chunk dt gradient formed in the dx kernel, as x_j . (S^T dy)_j (a row sum of a
-    # [Q, P] tile), instead of a column sum of the score kernel's [Q, Q] tile. Same values to
-    # rounding; not yet measured on a GPU, so off by default.
-    ddt_in_dx: bool = False
 
 
 def default_tiling(chunk_size: int, heads_per_group: int) -> Tiling:
@@ -247,32 +223,26 @@ def _chunk_outputs_bwd(out_dtype, matmul_dtype, interpret, tiling, residuals, dy
     cdt = dt.dtype
     b, k, g, q, _ = cb.shape
     h = c_entry.shape[2]
-    ddt_in_dx = tiling.ddt_in_dx
-    params = {"matmul_dtype": matmul_dtype, "cdt": cdt, "ddt_in_dx": ddt_in_dx}
+    params = {"matmul_dtype": matmul_dtype, "cdt": cdt}
     per_head_Q = jax.ShapeDtypeStruct(cs.shape, cdt)
-    dx_specs = [launch.group_QQ, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP, launch.heads_P,
-                launch.heads_QP] + [launch.heads_QP] * ddt_in_dx
-    dx, dc_entry, dcs_entry, *ddt_from_dx = launch.call(
-        functools.partial(_backward_dx_kernel, **params), dx_specs,
-        [launch.heads_QP, launch.heads_QP, launch.heads_Q] + [launch.heads_Q] * ddt_in_dx,
+    dx, dc_entry, dcs_entry, ddt = launch.call(
+        functools.partial(_backward_dx_kernel, **params),
+        [launch.group_QQ, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP, launch.heads_P,
+         launch.heads_QP, launch.heads_QP],
+        [launch.heads_QP, launch.heads_QP, launch.heads_Q, launch.heads_Q],
         [jax.ShapeDtypeStruct(c_entry.shape, x.dtype), jax.ShapeDtypeStruct(c_entry.shape, c_entry.dtype),
-         per_head_Q] + [per_head_Q] * ddt_in_dx,
-        cb, dt, cs, seg, c_entry, d, dy, *([x] if ddt_in_dx else []))
+         per_head_Q, per_head_Q],
+        cb, dt, cs, seg, c_entry, d, dy, x)
     # d(C.B) comes out per block of heads, summed in the kernel; the blocks of a group are
     # summed here, in cdt, in a fixed order (deterministic).
     blocks = h // tiling.heads
-    dcb_blocks, *per_head, dd_parts = launch.call(
+    dcb_blocks, g_rows, dd_parts = launch.call(
         functools.partial(_backward_scores_kernel, **params),
         [launch.group_QQ, launch.heads_QP, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP],
-        [launch.block_QQ] + [launch.heads_Q] * (1 if ddt_in_dx else 2) + [launch.block_heads_P],
-        [jax.ShapeDtypeStruct((b, k, blocks, q, q), cdt)] + [per_head_Q] * (1 if ddt_in_dx else 2)
-        + [jax.ShapeDtypeStruct((b, k) + d.shape, cdt)],
+        [launch.block_QQ, launch.heads_Q, launch.block_heads_P],
+        [jax.ShapeDtypeStruct((b, k, blocks, q, q), cdt), per_head_Q, jax.ShapeDtypeStruct((b, k) + d.shape, cdt)],
         cb, x, dt, cs, seg, dy)
-    if ddt_in_dx:
-        (ddt,), (g_rows,) = ddt_from_dx, per_head
-        dcs = g_rows - dt * ddt
-    else:
-        ddt, dcs = per_head
+    dcs = g_rows - dt * ddt
     dcb = dcb_blocks.reshape(b, k, g, blocks // g, q, q).sum(axis=3).astype(cb.dtype)
     if x.shape[2] > h:  # x was read in place from the first H head-sized column blocks of a wider array
         dx = jnp.pad(dx, ((0, 0), (0, 0), (0, x.shape[2] - h), (0, 0)))
