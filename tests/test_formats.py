@@ -448,6 +448,34 @@ def test_nvfp4_block_dequantize_is_exact_in_bf16():
     np.testing.assert_array_equal(bits32(blocks * q.global_decode_scale), bits32(q.dequantize()))
 
 
+@pytest.mark.parametrize("shape", [(64, 48), (32, 16)])
+def test_nvfp4_column_blocks_match_reference_of_the_transpose(shape):
+    """Blocks of 16 down axis 0, formed in x's layout: the NumPy reference of x^T (elements
+    times E4M3 scales, and S_dec) bit for bit, transposed back."""
+    x = varied_tensor(np.random.default_rng(12), shape[::-1]).T.copy()  # the reference's blocks down axis 0
+    ref = ref_nvfp4(x.T)
+    blocks_KM = code_values(ref["codes"], E2M1_GRID, 3).astype(F32) * np.repeat(
+        np.squeeze(ref["s_val"], -1), 16, axis=-1)
+    v, s_dec = jax.jit(F.block_dequantize_nvfp4_columns, static_argnames="dtype")(jnp.asarray(x), dtype=jnp.float32)
+    np.testing.assert_array_equal(bits32(v), bits32(blocks_KM.T))
+    assert bits32(s_dec) == bits32(ref["s_dec"])
+
+
+def test_nvfp4_column_blocks_equal_the_transposed_quantizer_with_stochastic_rounding():
+    """The same random bits reach each element as in quantize_nvfp4 of the transpose (they are
+    drawn for the [K, M] layout), so stochastic rounding agrees bit for bit; BF16 output too."""
+    x = jnp.asarray(varied_tensor(np.random.default_rng(13), (48, 64)).T)  # [64, 48]
+    key = jax.random.key(5)
+    for k in (None, key):
+        v, s_dec = jax.jit(F.block_dequantize_nvfp4_columns)(x, k)
+        q = jax.jit(lambda a, kk: F.quantize_nvfp4(a.T, key=kk))(x, k)
+        assert v.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(v, F32), np.asarray(q.block_dequantize(jnp.float32), F32).T)
+        assert bits32(s_dec) == bits32(q.global_decode_scale)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        F.block_dequantize_nvfp4_columns(jnp.ones((40, 16)))
+
+
 def test_nvfp4_is_a_pytree():
     q = quantize_nvfp4(jnp.ones((16, 32)), two_d=True)
     leaves, treedef = jax.tree_util.tree_flatten(q)

@@ -11,7 +11,7 @@ import pytest
 from maxfp4.config import ConfigError, load_config
 from maxfp4.precision import formats as F
 from maxfp4.precision import resolve_policy
-from maxfp4.precision.recipes import bf16_dot, fp8_current_dot, fp8_delayed_dot, nvfp4_dot
+from maxfp4.precision.recipes import bf16_dot, fp8_current_dot, fp8_delayed_dot, nvfp4_dot, nvfp4_gemm_tn, nvfp4_wgrad
 from maxfp4.precision.state import init_precision_state, scales_of, update_precision_state
 
 M, K, N = 64, 48, 32  # M and K multiples of 16 for NVFP4 blocks
@@ -230,6 +230,26 @@ def test_nvfp4_matches_float64_of_quantized_operands():
     qxt = _f64(F.qdq_nvfp4(F.hadamard16(x2, axis=0).T))  # [K, M], blocks along tokens
     qdyt = _f64(F.qdq_nvfp4(F.hadamard16(dy2, axis=0).T))  # [N, M]
     _assert_bf16_close(dw, qxt @ qdyt.T, "wgrad (RHT along tokens)")
+
+
+@pytest.mark.parametrize("rht,sr", [(False, False), (True, False), (True, True)])
+def test_nvfp4_wgrad_in_the_activations_layout_equals_the_transposed_form(rht, sr):
+    """Emulated wgrad contracts over the tokens of [M, K] and [M, N] operands; the FP4 GEMM's
+    form quantizes [K, M] and [N, M]. Same operand values bit for bit (random bits included),
+    so the products agree to FP32 summation order: bound 1e-6 of the largest |dW| (BF16 output
+    rounding can then differ by one BF16 ulp: bound 2^-8 of each element)."""
+    x, _, dy = _operands(6)
+    x_MK, dy_MN = x.reshape(M, K), dy.reshape(M, N)
+    key = jax.random.key(3) if sr else None
+    got = _f64(jax.jit(nvfp4_wgrad, static_argnums=(2, 4))(x_MK, dy_MN, rht, key, False))
+
+    def transposed(x_MK, dy_MN, key):
+        if rht:
+            x_MK, dy_MN = F.hadamard16(x_MK, axis=0), F.hadamard16(dy_MN, axis=0)
+        return nvfp4_gemm_tn(F.quantize_nvfp4(x_MK.T), F.quantize_nvfp4(dy_MN.T, key=key), block_scaled=False)
+    ref = _f64(jax.jit(transposed)(x_MK, dy_MN, key))
+    assert np.abs(ref).max() > 0
+    np.testing.assert_array_less(np.abs(got - ref), 2.0 ** -8 * np.abs(ref) + 1e-6 * np.abs(ref).max())
 
 
 def test_two_d_weight_tiles_quantize_w_and_w_transpose_identically():

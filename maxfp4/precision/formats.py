@@ -341,9 +341,21 @@ def quantize_nvfp4(
     The amax, and so ``S_enc``, is taken over the whole array, leading dimensions included.
     """
     _check_blockable(tuple(x.shape), two_d, NVFP4_BLOCK, "quantize_nvfp4")
-    x = x.astype(jnp.float32)
-    x_blk = _to_blocks(x, two_d)
-    axes = _block_axes(two_d)
+    x_blk = _to_blocks(x.astype(jnp.float32), two_d)
+    rand_bits = None if key is None else jax.random.bits(key, x_blk.shape, jnp.uint32)
+    q_blk, s_e4m3, s_dec = _quantize_blocks(x_blk, _block_axes(two_d), rand_bits)
+    return NVFP4Array(
+        elements=_from_blocks(q_blk, two_d).astype(FP4_E2M1),  # exact: values are on the grid
+        block_scales=jnp.squeeze(s_e4m3, axis=_block_axes(two_d)),
+        global_decode_scale=s_dec.astype(jnp.float32),
+        two_d=two_d,
+    )
+
+
+def _quantize_blocks(x_blk: jax.Array, axes: tuple[int, ...], rand_bits: jax.Array | None):
+    """The NVFP4 arithmetic (module docstring) on a float32 array whose blocks span ``axes``:
+    E2M1 values on the grid (float32, x_blk's shape), E4M3 block scales (``axes`` kept as 1s)
+    and the float32 global decode scale."""
     block_amax = jnp.max(jnp.abs(x_blk), axis=axes, keepdims=True)
     # The tensor's amax as the max of its block amaxes (exact: max is associative), so the
     # tensor is read once for both instead of once more for a whole-tensor reduction.
@@ -367,16 +379,27 @@ def quantize_nvfp4(
     enc = jnp.minimum(div_rn(1.0, s_dq * s_dec), _F32_MAX)
     enc = jnp.where(s_dq == 0, jnp.float32(0.0), enc)
     y_blk = jnp.clip(x_blk * enc, -E2M1_MAX, E2M1_MAX)
-    rand_bits = None if key is None else jax.random.bits(key, y_blk.shape, jnp.uint32)
-    q_blk = _round_e2m1(y_blk, rand_bits)
+    return _round_e2m1(y_blk, rand_bits), s_e4m3, s_dec
 
-    scales = jnp.squeeze(s_e4m3, axis=axes)
-    return NVFP4Array(
-        elements=_from_blocks(q_blk, two_d).astype(FP4_E2M1),  # exact: values are on the grid
-        block_scales=scales,
-        global_decode_scale=s_dec.astype(jnp.float32),
-        two_d=two_d,
-    )
+
+def block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | None = None,
+                                   dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+    """NVFP4 with blocks of 16 consecutive elements down axis 0 of ``x_MK``, in x's layout:
+    ``(v_MK, S_dec)`` with ``v_MK = quantize_nvfp4(x_MK.T, key=key).block_dequantize(dtype).T``
+    bit for bit (the random bits of stochastic rounding included: they are drawn for the
+    [K, M] layout), without the transposes.
+
+    For emulated GEMMs that contract over M (the weight gradient's tokens): a BF16 GEMM reads
+    either layout, so the operand need not be moved into [K, M] as an FP4 GEMM's would be.
+    """
+    m, k = x_MK.shape
+    _check_blockable((k, m), False, NVFP4_BLOCK, "block_dequantize_nvfp4_columns")
+    x_blk = x_MK.astype(jnp.float32).reshape(m // NVFP4_BLOCK, NVFP4_BLOCK, k)
+    rand_bits = None
+    if key is not None:
+        rand_bits = jax.random.bits(key, (k, m // NVFP4_BLOCK, NVFP4_BLOCK), jnp.uint32).transpose(1, 2, 0)
+    q_blk, s_e4m3, s_dec = _quantize_blocks(x_blk, (-2,), rand_bits)
+    return (q_blk * s_e4m3.astype(jnp.float32)).reshape(m, k).astype(dtype), s_dec.astype(jnp.float32)
 
 
 def qdq_nvfp4(x: jax.Array, *, two_d: bool = False, key: jax.Array | None = None) -> jax.Array:
@@ -399,8 +422,9 @@ def hadamard16_matrix() -> np.ndarray:
     return h @ np.diag(np.asarray(HADAMARD16_SIGNS, np.float64)) / 4.0
 
 
-def _walsh16(v: jax.Array) -> jax.Array:
-    """``H16 @ g`` for every trailing group g of 16 (H16 Sylvester, unnormalised), by butterflies.
+def _walsh16(v: jax.Array, axis: int = -1) -> jax.Array:
+    """``H16 @ g`` for every group g of 16 along ``axis`` of ``v`` (that axis has length 16; H16
+    Sylvester, unnormalised), by butterflies.
 
     Sylvester's H16 is the Kronecker power H2 x H2 x H2 x H2, so four butterfly stages, one per
     bit of the index within the group (bit 3 first), compute the product: the element whose
@@ -412,26 +436,34 @@ def _walsh16(v: jax.Array) -> jax.Array:
     Slicing the halves and stacking them again made every stage its own FP32 pass (profile of
     dense-1p3b's NVFP4 step on an H200: ~60 ms of 517).
     """
-    lead = v.shape[:-1]
-    lane = np.arange(16)
+    axis = axis % v.ndim
+    lead, trail = v.shape[:axis], v.shape[axis + 1:]
+    lane = np.arange(16).reshape((16,) + (1,) * len(trail))
     for bit in (3, 2, 1, 0):
         stride = 1 << bit
-        runs = v.reshape(*lead, 16 // (2 * stride), 2, stride)
-        partner = jnp.flip(runs, axis=-2).reshape(*lead, 16)
+        runs = v.reshape(*lead, 16 // (2 * stride), 2, stride, *trail)
+        partner = jnp.flip(runs, axis=axis + 1).reshape(v.shape)
         low = ((lane >> bit) & 1) == 0  # this element is the "a" of its pair
         v = jnp.where(low, v + partner, partner - v)
     return v
 
 
 def _grouped(x: jax.Array, axis: int, fn) -> jax.Array:
+    """``fn(groups, group_axis)`` on the groups of 16 along ``axis``, in place: the axis is split
+    into (n / 16, 16) where it lies, so no transpose moves it (a transform along the token axis
+    of an activation stays in the activation's layout)."""
     axis = axis % x.ndim
     n = x.shape[axis]
     if n % 16:
         raise ValueError(f"hadamard16: axis {axis} of shape {x.shape} must be divisible by 16")
-    v = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
-    lead = v.shape[:-1]
-    out = fn(v.reshape(*lead, n // 16, 16)).reshape(*lead, n)
-    return jnp.moveaxis(out, -1, axis)
+    lead, trail = x.shape[:axis], x.shape[axis + 1:]
+    out = fn(x.astype(jnp.float32).reshape(*lead, n // 16, 16, *trail), axis + 1)
+    return out.reshape(x.shape)
+
+
+def _signs_along(ndim: int, axis: int) -> jax.Array:
+    """HADAMARD16_SIGNS shaped to broadcast along ``axis`` of an ndim-dimensional array."""
+    return jnp.asarray(HADAMARD16_SIGNS, jnp.float32).reshape((16,) + (1,) * (ndim - 1 - axis))
 
 
 def hadamard16(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -443,15 +475,13 @@ def hadamard16(x: jax.Array, axis: int = -1) -> jax.Array:
     ``M`` is orthonormal; :func:`hadamard16_inverse` applies ``M.T``. Computed in float32 and
     returned as float32. ``sign = HADAMARD16_SIGNS``; :func:`hadamard16_matrix` returns ``M``.
     """
-    signs = jnp.asarray(HADAMARD16_SIGNS, jnp.float32)
-    return _grouped(x, axis, lambda g: _walsh16(g * signs) * jnp.float32(0.25))
+    return _grouped(x, axis, lambda g, a: _walsh16(g * _signs_along(g.ndim, a), a) * jnp.float32(0.25))
 
 
 def hadamard16_inverse(x: jax.Array, axis: int = -1) -> jax.Array:
     """Inverse of :func:`hadamard16`: every group ``g`` becomes ``M.T @ g``, i.e.
     ``diag(sign) @ (H16 @ g) / 4`` (Hadamard first, then the signs)."""
-    signs = jnp.asarray(HADAMARD16_SIGNS, jnp.float32)
-    return _grouped(x, axis, lambda g: _walsh16(g) * jnp.float32(0.25) * signs)
+    return _grouped(x, axis, lambda g, a: _walsh16(g, a) * jnp.float32(0.25) * _signs_along(g.ndim, a))
 
 
 # --------------------------------------------------------------------------------------------
@@ -562,6 +592,7 @@ __all__ = [
     "NVFP4Array",
     "quantize_nvfp4",
     "qdq_nvfp4",
+    "block_dequantize_nvfp4_columns",
     "hadamard16",
     "hadamard16_inverse",
     "hadamard16_matrix",

@@ -259,17 +259,30 @@ def _nvfp4_bwd(options, res, dy):
                          qw_NK.global_decode_scale, True) if w is None else F.quantize_nvfp4(w)
     dx = nvfp4_gemm_tn(qdy, qw_KN)
 
-    # wgrad: contract over tokens; the 16-point Hadamard transform along M spreads outliers
-    # before both operands are quantized (H^T H = I, so the product is unchanged). Applied to
-    # the transposed operands along their last axis: the same values as along axis 0 before
-    # transposing, without moving M to the minor axis and back.
-    x_KM, dy_NM = x_MK.T, dy_MN.T
-    if opts["rht"]:
-        x_KM, dy_NM = F.hadamard16(x_KM), F.hadamard16(dy_NM)
-    qxt = F.quantize_nvfp4(x_KM)
-    qdyt = F.quantize_nvfp4(dy_NM, key=k_wgrad)
-    dw = nvfp4_gemm_tn(qxt, qdyt).astype(jnp.float32)
+    dw = nvfp4_wgrad(x_MK, dy_MN, bool(opts["rht"]), k_wgrad).astype(jnp.float32)
     return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_MK.dtype), dw, None
+
+
+def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | None,
+                block_scaled: bool | None = None) -> jax.Array:
+    """dW[K, N] = X^T dY, contracting over the tokens M, both operands NVFP4 with blocks of 16
+    tokens; ``key`` rounds dY stochastically. With ``rht`` the 16-point Hadamard transform along
+    M spreads outliers first (H^T H = I, so the product is unchanged).
+
+    Blackwell's FP4 GEMM needs both operands K-major, so they are quantized as [K, M] and
+    [N, M]. Emulated, the same values (bit for bit) are formed in the activations' own [M, K]
+    and [M, N] layout and the BF16 GEMM contracts over their first axis: transposing the two
+    activations was ~13% of dense-1p3b's emulated NVFP4 step (docs/PERFORMANCE.md).
+    ``block_scaled`` forces one path (None: the device decides).
+    """
+    if rht:
+        x_MK, dy_MN = F.hadamard16(x_MK, axis=0), F.hadamard16(dy_MN, axis=0)
+    if block_scaled_fp4_available() if block_scaled is None else block_scaled:
+        return nvfp4_gemm_tn(F.quantize_nvfp4(x_MK.T), F.quantize_nvfp4(dy_MN.T, key=key), block_scaled=True)
+    v_x, s_x = F.block_dequantize_nvfp4_columns(x_MK, dtype=COMPUTE_DTYPE)
+    v_dy, s_dy = F.block_dequantize_nvfp4_columns(dy_MN, key=key, dtype=COMPUTE_DTYPE)
+    dw = jax.lax.dot_general(v_x, v_dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (dw * (s_x * s_dy)).astype(COMPUTE_DTYPE)
 
 
 _nvfp4.defvjp(_nvfp4_fwd, _nvfp4_bwd)
