@@ -4,12 +4,19 @@ Prints a table (TFLOP/s counting the three GEMMs, speed against the BF16 recipe,
 found in the compiled program) and writes JSON. Run on a GPU:
 
     python benchmarks/precision_matmul.py [--m 8192 --k 8192 --n 8192] [--json out.json]
+
+``--kernels N`` adds each variant's N longest GPU kernels from a profiler trace (names as in
+the compiled HLO, with their result shapes), to see where a recipe's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import pathlib
+import re
+import tempfile
 import time
 
 import jax
@@ -18,6 +25,7 @@ import numpy as np
 
 from maxfp4.compiler import compiler_options
 from maxfp4.precision.registry import RECIPES
+from profile_summary import gpu_kernel_times, newest_trace
 
 VARIANTS = [
     ("bf16", "bf16", ()),
@@ -44,6 +52,21 @@ def bench(fn, args, iters: int) -> float:
     return float(np.median(times))
 
 
+def top_kernels(fn, args, hlo: str, n: int, reps: int = 5) -> list[tuple[str, float, float, str]]:
+    """The n GPU kernels of ``fn`` with the most device time: (name, microseconds a call,
+    launches a call, the result shape of the HLO instruction of that name)."""
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder, create_perfetto_trace=True)
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        with gzip.open(newest_trace(pathlib.Path(folder))) as fh:
+            totals, counts = gpu_kernel_times(json.load(fh))
+    shapes = dict(re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+)", hlo, re.M))
+    return [(name, us / reps, counts[name] / reps, shapes.get(name, "?")) for name, us in totals.most_common(n)]
+
+
 def _parse_option(text: str) -> tuple[str, object]:
     key, _, value = text.partition("=")
     return key, {"true": True, "false": False}.get(value.lower(), value)
@@ -59,6 +82,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated recipe names (bf16 is always run)")
     ap.add_argument("--prng-impl", default=None,
                     help="the PRNG behind stochastic rounding's key (threefry2x32, rbg, unsafe_rbg; default JAX's)")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also print each variant's N longest GPU kernels (device time from a profiler trace)")
     ap.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an XLA option on top of maxfp4.compiler's defaults, e.g. xla_gpu_enable_triton_gemm=true")
     a = ap.parse_args()
@@ -71,7 +96,7 @@ def main() -> None:
     only = set(filter(None, a.only.split(","))) | {"bf16"} if a.only else None
     flops = 3 * 2.0 * a.m * a.k * a.n
     options = compiler_options(jax.devices()[0].platform, dict(_parse_option(o) for o in a.compiler_option))
-    rows = []
+    rows, kernels = [], {}
     for label, name, opts in VARIANTS:
         if name not in RECIPES or (only and name not in only):
             continue
@@ -86,6 +111,8 @@ def main() -> None:
         seconds = bench(jitted, (x, w, dy, scales, key), a.iters)
         rows.append({"recipe": label, "ms": 1e3 * seconds, "tflops": flops / seconds / 1e12,
                      "fp8_gemms": hlo.count("__cublas$lt$matmul$f8")})
+        if a.kernels:
+            kernels[label] = top_kernels(jitted, (x, w, dy, scales, key), hlo, a.kernels)
     base = next(r for r in rows if r["recipe"] == "bf16")["tflops"]
     device = jax.devices()[0].device_kind
     print(f"linear layer fwd+bwd, M={a.m} K={a.k} N={a.n}, {device}, jax {jax.__version__}, "
@@ -94,8 +121,13 @@ def main() -> None:
     for r in rows:
         r["vs_bf16"] = r["tflops"] / base
         print(f"{r['recipe']:24s} {r['ms']:8.2f} {r['tflops']:9.0f} {r['vs_bf16']:7.2f}x {r['fp8_gemms']:10d}")
+    for label, top in kernels.items():
+        print(f"\n{label}: longest GPU kernels, us a call (launches a call), result shape")
+        for name, us, launches, shape in top:
+            print(f"  {us:8.1f} ({launches:g})  {name:40s} {shape}")
     with open(a.json, "w") as fh:
-        json.dump({"device": device, "jax": jax.__version__, "shape": [a.m, a.k, a.n], "rows": rows}, fh, indent=1)
+        json.dump({"device": device, "jax": jax.__version__, "shape": [a.m, a.k, a.n], "rows": rows,
+                   "kernels": kernels}, fh, indent=1)
 
 
 if __name__ == "__main__":
