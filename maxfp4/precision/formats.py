@@ -431,24 +431,21 @@ def _walsh16(v: jax.Array, axis: int = -1) -> jax.Array:
     bit is 0 becomes ``a + b`` and its partner (the index with that bit set) ``a - b``. Adds
     only: no matmul, hence no TF32/bf16 matmul precision to worry about on GPU.
 
-    The 16 positions are taken apart as 16 slices, all four stages run on those, and one stack
-    puts them back, so XLA fuses the whole transform into the quantizer's passes with plain
-    offsets for indices. Each earlier form cost more (profiles on an H200, docs/PERFORMANCE.md):
-    a stack after every stage made every stage its own FP32 pass (~60 ms of dense-1p3b's 517 ms
-    NVFP4 step), and pairing by reversing halves (a reshape, a flip and a select per stage) made
-    the fused passes recompute multi-dimensional indices for each of the 16 inputs of an output
-    (one linear layer's NVFP4 forward + backward 4.24-4.30 ms, against 3.90-3.97 ms this way).
+    Each stage pairs elements by reversing the two halves of every 2 * 2^bit run (a reverse
+    and a select, both element-wise), so XLA can fuse the stages with the ops around them.
+    Slicing the halves and stacking them again made every stage its own FP32 pass (profile of
+    dense-1p3b's NVFP4 step on an H200: ~60 ms of 517).
     """
     axis = axis % v.ndim
-    parts = [jax.lax.index_in_dim(v, j, axis, keepdims=False) for j in range(16)]
+    lead, trail = v.shape[:axis], v.shape[axis + 1:]
+    lane = np.arange(16).reshape((16,) + (1,) * len(trail))
     for bit in (3, 2, 1, 0):
         stride = 1 << bit
-        staged = list(parts)
-        for j in range(16):
-            if not (j >> bit) & 1:  # j is the "a" of the pair (j, j + stride)
-                staged[j], staged[j | stride] = parts[j] + parts[j | stride], parts[j] - parts[j | stride]
-        parts = staged
-    return jnp.stack(parts, axis=axis)
+        runs = v.reshape(*lead, 16 // (2 * stride), 2, stride, *trail)
+        partner = jnp.flip(runs, axis=axis + 1).reshape(v.shape)
+        low = ((lane >> bit) & 1) == 0  # this element is the "a" of its pair
+        v = jnp.where(low, v + partner, partner - v)
+    return v
 
 
 def _grouped(x: jax.Array, axis: int, fn) -> jax.Array:
