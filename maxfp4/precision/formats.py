@@ -434,7 +434,10 @@ def _walsh16(v: jax.Array, axis: int = -1) -> jax.Array:
     Each stage pairs elements by reversing the two halves of every 2 * 2^bit run (a reverse
     and a select, both element-wise), so XLA can fuse the stages with the ops around them.
     Slicing the halves and stacking them again made every stage its own FP32 pass (profile of
-    dense-1p3b's NVFP4 step on an H200: ~60 ms of 517).
+    dense-1p3b's NVFP4 step on an H200: ~60 ms of 517). Still, the fused passes recompute
+    multi-dimensional indices for each of an output's 16 inputs; all four stages on 16 slices
+    with one stack at the end was 8% faster on one linear layer, but not measured on a whole
+    model, whose compile it may lengthen (docs/PERFORMANCE.md, sixth session).
     """
     axis = axis % v.ndim
     lead, trail = v.shape[:axis], v.shape[axis + 1:]
