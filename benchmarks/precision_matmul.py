@@ -12,11 +12,8 @@ the compiled HLO, with their result shapes), to see where a recipe's time goes.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import pathlib
 import re
-import tempfile
 import time
 
 import jax
@@ -25,7 +22,7 @@ import numpy as np
 
 from maxfp4.compiler import compiler_options
 from maxfp4.precision.registry import RECIPES
-from profile_summary import gpu_kernel_times, newest_trace
+from profile_summary import traced_kernel_times
 
 VARIANTS = [
     ("bf16", "bf16", ()),
@@ -55,14 +52,7 @@ def bench(fn, args, iters: int) -> float:
 def top_kernels(fn, args, hlo: str, n: int, reps: int = 5) -> list[tuple[str, float, float, str]]:
     """The n GPU kernels of ``fn`` with the most device time: (name, microseconds a call,
     launches a call, the result shape of the HLO instruction of that name)."""
-    with tempfile.TemporaryDirectory() as folder:
-        jax.profiler.start_trace(folder, create_perfetto_trace=True)
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        jax.profiler.stop_trace()
-        with gzip.open(newest_trace(pathlib.Path(folder))) as fh:
-            totals, counts = gpu_kernel_times(json.load(fh))
+    totals, counts = traced_kernel_times([lambda: fn(*args)], reps)
     shapes = dict(re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+)", hlo, re.M))
     return [(name, us / reps, counts[name] / reps, shapes.get(name, "?")) for name, us in totals.most_common(n)]
 

@@ -63,6 +63,27 @@ def gpu_kernel_times(trace: dict) -> tuple[collections.Counter, collections.Coun
     return totals, counts
 
 
+def traced_kernel_times(calls, reps: int) -> tuple[collections.Counter, collections.Counter]:
+    """``gpu_kernel_times`` of ``reps`` runs of each of ``calls`` (zero-argument functions, each
+    run once untraced first, so compiling stays out of the trace), traced here: what a probe or
+    benchmark uses to time its own kernels without dispatch overhead."""
+    import tempfile
+
+    import jax  # here, so reading a trace file needs no JAX
+
+    for call in calls:
+        jax.block_until_ready(call())
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder, create_perfetto_trace=True)
+        for call in calls:
+            for _ in range(reps):
+                out = call()
+            jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        with gzip.open(newest_trace(pathlib.Path(folder))) as fh:
+            return gpu_kernel_times(json.load(fh))
+
+
 _HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) .*?metadata=\{([^}]*)\}")
 
 

@@ -27,11 +27,7 @@ backward, are traced the same way, and an XLA element-wise pass over the array f
 
 import argparse
 import functools
-import gzip
-import json
-import pathlib
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +35,7 @@ from jax.experimental import pallas as pl
 
 sys.path.insert(0, "benchmarks")
 from conv_tiles import conv_inputs  # noqa: E402  (this folder is on the path when run as a script)
-from profile_summary import gpu_kernel_times, newest_trace  # noqa: E402
+from profile_summary import traced_kernel_times  # noqa: E402
 
 from maxfp4.model.conv_kernel import conv_backward, conv_forward, default_conv_tiling  # noqa: E402
 from maxfp4.model.pallas_params import triton_params  # noqa: E402
@@ -142,17 +138,7 @@ def ladder(x_pad, ids_pad, w, b, x, step, tb, cb, num_warps):
 def device_us(calls, reps: int) -> dict[str, tuple[float, int]]:
     """Per GPU kernel name: mean device microseconds a launch and launches, over ``reps`` runs of
     each of ``calls`` (zero-argument functions, each run once untraced first)."""
-    for call in calls:
-        jax.block_until_ready(call())
-    with tempfile.TemporaryDirectory() as folder:
-        jax.profiler.start_trace(folder, create_perfetto_trace=True)
-        for call in calls:
-            for _ in range(reps):
-                out = call()
-            jax.block_until_ready(out)
-        jax.profiler.stop_trace()
-        with gzip.open(newest_trace(pathlib.Path(folder))) as fh:
-            totals, counts = gpu_kernel_times(json.load(fh))
+    totals, counts = traced_kernel_times(calls, reps)
     return {name: (totals[name] / counts[name], counts[name]) for name in totals}
 
 
