@@ -67,10 +67,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default="ssd_layer.json")
     ap.add_argument("--variants", default="xla:fp32:128,xla:bf16:128,pallas:bf16:64:4,pallas:bf16:128:8",
-                    help="comma-separated IMPL:OPERANDS:CHUNK[:WARPS[:HEADS[:STAGES[:DDT_IN_DX]]]], IMPL xla or "
-                         "pallas, OPERANDS fp32 or bf16, HEADS per kernel program, STAGES Triton "
-                         "pipelining stages, DDT_IN_DX 1 for the dt gradient from the dx kernel; the "
-                         "first is the reference of the diff column")
+                    help="comma-separated IMPL:OPERANDS:CHUNK[:WARPS[:HEADS[:STAGES]]], IMPL xla or pallas, "
+                         "OPERANDS fp32 or bf16, HEADS per kernel program, STAGES Triton pipelining "
+                         "stages; the first is the reference of the diff column")
     ap.add_argument("--split", action="store_true", help="time the Pallas SSD's XLA part and kernel apart")
     ap.add_argument("--tiling", default="8:1:1", help="WARPS:HEADS:STAGES of the kernel, with --split")
     a = ap.parse_args()

@@ -17,7 +17,7 @@ from maxfp4.model.conv_kernel import causal_conv_silu
 from maxfp4.model.gated_norm_kernel import gated_norm_fused
 from maxfp4.model.mamba import causal_conv, gated_group_norm
 from maxfp4.model.ssd import ssd_reference
-from maxfp4.model.ssd_kernel import default_tiling, ssd_fused
+from maxfp4.model.ssd_kernel import ssd_fused
 from tests.test_ssd import ARG_NAMES, _inputs, _rel
 
 pytestmark = pytest.mark.gpu
@@ -33,8 +33,7 @@ def test_compiled_kernel_matches_reference(matmul_dtype):
     w = jnp.asarray(np.random.default_rng(2).standard_normal((b, t, h, p)), jnp.float32)
 
     def fused(x, dt, A, B, C, D, ids):
-        return ssd_fused(x, dt, A, B, C, ids, q, matmul_dtype=matmul_dtype, interpret=False, D_H=D,
-                         tiling=default_tiling(q, h // g))
+        return ssd_fused(x, dt, A, B, C, ids, q, matmul_dtype=matmul_dtype, interpret=False, D_H=D)
 
     def reference(x, dt, A, B, C, D, ids):
         return ssd_reference(x, dt, A, B, C, ids) + D[:, None] * x

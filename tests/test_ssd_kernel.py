@@ -62,8 +62,7 @@ def test_d_skip_and_heads_per_program_float64(x64, g, heads):
     w = jnp.asarray(np.random.default_rng(9).standard_normal((b, t, h, p)))
 
     def fused(x, dt, A, B, C, D):
-        return ssd_fused(x, dt, A, B, C, ids, q, interpret=True, tiling=Tiling(heads=heads),
-                         D_H=D)
+        return ssd_fused(x, dt, A, B, C, ids, q, interpret=True, tiling=Tiling(heads=heads), D_H=D)
 
     def reference(x, dt, A, B, C, D):
         return ssd_reference(x, dt, A, B, C, ids) + D[:, None] * x
