@@ -87,3 +87,24 @@ def test_div_rn_and_nvfp4_on_gpu_match_ieee_and_the_cpu_bitwise():
         on_cpu = bits(quantize(*jax.device_put((x, k), cpu)))
         for g, c in zip(on_gpu, on_cpu):
             np.testing.assert_array_equal(g, c)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_rht_kernels_on_gpu_equal_the_xla_path_and_the_cpu_bitwise(stochastic):
+    """The Triton-compiled Hadamard + NVFP4 column kernels give the bits of the XLA path
+    (hadamard16, then block_dequantize_nvfp4_columns) on the GPU, and those of the CPU."""
+    from maxfp4.precision import formats as F
+    from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns
+
+    rng = np.random.default_rng(6)
+    x = jnp.asarray((rng.standard_normal((2048, 1536)) * np.exp(2 * rng.standard_normal((2048, 1)))
+                     ).astype(np.float32), jnp.bfloat16)
+    key = jax.random.key(9) if stochastic else None
+    gpu, cpu = jax.devices("gpu")[0], jax.devices("cpu")[0]
+    kernel = jax.jit(hadamard_block_dequantize_nvfp4_columns)
+    xla = jax.jit(lambda x, k: F.block_dequantize_nvfp4_columns(F.hadamard16(x, axis=0), k))
+    v, s = kernel(*jax.device_put((x, key), gpu))
+    for v_ref, s_ref in (xla(*jax.device_put((x, key), gpu)), xla(*jax.device_put((x, key), cpu))):
+        np.testing.assert_array_equal(np.asarray(v, np.float32).view(np.uint32),
+                                      np.asarray(v_ref, np.float32).view(np.uint32))
+        assert np.asarray(s).view(np.uint32) == np.asarray(s_ref).view(np.uint32)

@@ -13,6 +13,7 @@ from maxfp4.precision import formats as F
 from maxfp4.precision import resolve_policy
 from maxfp4.precision.recipes import bf16_dot, fp8_current_dot, fp8_delayed_dot, nvfp4_dot, nvfp4_gemm_tn, nvfp4_wgrad
 from maxfp4.precision.state import init_precision_state, scales_of, update_precision_state
+from maxfp4.precision.rht_kernel import rht_columns_supported
 
 M, K, N = 64, 48, 32  # M and K multiples of 16 for NVFP4 blocks
 
@@ -237,11 +238,15 @@ def test_nvfp4_wgrad_in_the_activations_layout_equals_the_transposed_form(rht, s
     """Emulated wgrad contracts over the tokens of [M, K] and [M, N] operands; the FP4 GEMM's
     form quantizes [K, M] and [N, M]. Same operand values bit for bit (random bits included),
     so the products agree to FP32 summation order: bound 1e-6 of the largest |dW| (BF16 output
-    rounding can then differ by one BF16 ulp: bound 2^-8 of each element)."""
+    rounding can then differ by one BF16 ulp: bound 2^-8 of each element). The Pallas kernels
+    (interpret mode here) give the XLA path's result bit for bit."""
     x, _, dy = _operands(6)
     x_MK, dy_MN = x.reshape(M, K), dy.reshape(M, N)
     key = jax.random.key(3) if sr else None
-    got = _f64(jax.jit(nvfp4_wgrad, static_argnums=(2, 4))(x_MK, dy_MN, rht, key, False))
+    wgrad = jax.jit(nvfp4_wgrad, static_argnums=(2, 4, 5))
+    got = _f64(wgrad(x_MK, dy_MN, rht, key, False, False))
+    assert rht_columns_supported(M, K) and rht_columns_supported(M, N)
+    np.testing.assert_array_equal(_f64(wgrad(x_MK, dy_MN, rht, key, False, True)), got)
 
     def transposed(x_MK, dy_MN, key):
         if rht:

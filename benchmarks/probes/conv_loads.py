@@ -38,7 +38,7 @@ from conv_tiles import conv_inputs  # noqa: E402  (this folder is on the path wh
 from profile_summary import traced_kernel_times  # noqa: E402
 
 from maxfp4.model.conv_kernel import conv_backward, conv_forward, default_conv_tiling  # noqa: E402
-from maxfp4.model.pallas_params import triton_params  # noqa: E402
+from maxfp4.pallas_params import triton_params  # noqa: E402
 
 STEPS = ("copy", "manual", "shifted", "masked", "conv", "dpre", "dpre_db", "dpre_dw")
 

@@ -19,7 +19,7 @@ sys.path.insert(0, "benchmarks")
 from timing import median_ms  # noqa: E402
 
 from maxfp4.model import layers  # noqa: E402
-from maxfp4.model.pallas_params import triton_params  # noqa: E402
+from maxfp4.pallas_params import triton_params  # noqa: E402
 from maxfp4.precision import formats as F  # noqa: E402
 from maxfp4.precision.recipes import _amax  # noqa: E402  (the recipes' own amax form)
 

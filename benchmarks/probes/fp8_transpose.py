@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 sys.path.insert(0, "benchmarks")
 from timing import median_ms  # noqa: E402
 
-from maxfp4.model.pallas_params import triton_params  # noqa: E402
+from maxfp4.pallas_params import triton_params  # noqa: E402
 
 
 def _kernel(x_ref, o_ref):

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from maxfp4.model.pallas_params import triton_params
+from maxfp4.pallas_params import triton_params
 
 _TILE_T = (64, 32, 16, 8)
 _TILE_C = (128, 64, 32, 16)

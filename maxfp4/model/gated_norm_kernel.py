@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from maxfp4.model.pallas_params import triton_params
+from maxfp4.pallas_params import triton_params
 
 _TILE_ELEMENTS = 4096  # elements of one [Tr, Eg] tile: a row block of one group, held whole
 _BLOCK_ROWS = 16  # rows one backward program walks (its parameter-gradient partial sums cover them)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from maxfp4.model.pallas_params import triton_params
+from maxfp4.pallas_params import triton_params
 from maxfp4.model.ssd import (_check_shapes, _compute_dtype, _masked_exp, _segment_starts, lowp_einsum,
                               lowp_einsum_grads, ordered_dot)
 from maxfp4.model.state_passing_kernel import (entry_states_backward, entry_states_forward, pad_chunks,

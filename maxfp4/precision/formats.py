@@ -20,7 +20,9 @@ NVFP4 (NVIDIA, arXiv 2509.25149; Transformer Engine ``NVFP4BlockScaling``)
         x    ~= q * f32(s) * S_dec
 
     A block whose scale rounds to 0 quantizes to (signed) 0. With a PRNG key the E2M1 rounding
-    is stochastic and unbiased: E[q] equals the clipped scaled value (to 2^-32 of a grid step).
+    is stochastic with 8 random bits per element, as Blackwell's ``cvt.rs.satfinite.e2m1x4.f32``
+    takes them (one 32-bit word per 4 elements): E[q] equals the clipped scaled value to within
+    2^-9 of a grid step.
 
 OCP MX (microscaling v1.0; comparison recipes only)
     Blocks of 32 along the last axis share a power-of-two E8M0 scale
@@ -213,7 +215,48 @@ def qdq_fp8(x: jax.Array, scale, dtype) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 
 
-def _round_e2m1(y: jax.Array, rand_bits: jax.Array | None = None) -> jax.Array:
+SR_BITS = 8  # random bits per element in stochastic rounding (see _round_e2m1)
+
+
+def _random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The uint32 words behind :func:`_random_bytes` of ``shape``: ``shape[:-1] + (n // 4,)``."""
+    *lead, n = shape
+    return jax.random.bits(key, (*lead, n // 4), jnp.uint32)
+
+
+def _byte_of_word(words: jax.Array, byte: int | jax.Array) -> jax.Array:
+    """Byte ``byte`` (0 is the low byte) of every uint32 word, as uint32."""
+    return (words >> (jnp.uint32(SR_BITS) * jnp.uint32(byte))) & jnp.uint32(0xFF)
+
+
+def _random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform 8-bit random numbers (as uint32) of ``shape``, the last axis divisible by 4:
+    one 32-bit word is drawn per 4 consecutive elements of the last axis and element ``i`` takes
+    byte ``i % 4`` of word ``i // 4`` (low byte first). A quarter of the words of one draw per
+    element: the counter-based generator's hash is what stochastic rounding's fusion spends its
+    time on (docs/PERFORMANCE.md)."""
+    words = _random_words(key, shape)[..., None]
+    return _byte_of_word(words, jnp.arange(4, dtype=jnp.uint32)).reshape(shape)
+
+
+def _round_half_even(v: jax.Array) -> jax.Array:
+    """Non-negative float32 ``v`` rounded to the nearest integer, ties to even, from ``floor``
+    and exact arithmetic only, so the Pallas kernels (whose Triton lowering has no ``round``)
+    compute it with the same code."""
+    lo = jnp.floor(v)
+    d = v - lo  # exact
+    odd = jnp.floor(lo * 0.5) * 2.0 != lo
+    return lo + ((d > 0.5) | ((d == 0.5) & odd)).astype(jnp.float32)
+
+
+def _copysign(v: jax.Array, y: jax.Array) -> jax.Array:
+    """``|v|`` with the sign bit of ``y`` (float32), as bit operations (-0.0 keeps its sign)."""
+    bits = jax.lax.bitcast_convert_type
+    sign = bits(y, jnp.uint32) & jnp.uint32(0x80000000)
+    return bits(bits(v, jnp.uint32) | sign, jnp.float32)
+
+
+def _round_e2m1(y: jax.Array, rand_bytes: jax.Array | None = None) -> jax.Array:
     """Round float32 ``y`` (already clipped to [-6, 6]) onto the E2M1 grid; float32 result.
 
     The grid spacing is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so ``|y| / step`` is an exact
@@ -221,24 +264,28 @@ def _round_e2m1(y: jax.Array, rand_bits: jax.Array | None = None) -> jax.Array:
     rounding of ``|y| / step`` is E2M1 round-to-nearest-even (0.25 -> 0, 0.75 -> 1, 1.75 -> 2,
     2.5 -> 2, 5 -> 4).
 
-    With ``rand_bits`` (uniform uint32, same shape) it rounds stochastically: up with probability
-    ``ceil(frac * 2^32) / 2^32``, where ``frac = (|y| - lo) / step`` is the position between the
-    neighbours ``lo < |y| < lo + step``. So ``E[q] = y`` up to at most ``2^-32 * step`` (a 23-bit
-    uniform float would leave a bias of up to 2^-24 in absolute terms, large relative to tiny
-    gradients). Every operation here is exact, so the result does not depend on the backend.
+    With ``rand_bytes`` (uniform integers in [0, 256), same shape) it rounds stochastically: up
+    with probability ``t / 256``, ``t = round(frac * 256)`` (half to even), where
+    ``frac = (|y| - lo) / step`` is the position between the neighbours ``lo < |y| < lo + step``.
+    So ``|E[q] - y| <= 2^-9 * step``. Eight bits an element is the entropy Blackwell's
+    ``cvt.rs.satfinite.e2m1x4.f32`` spends (one 32-bit word per four E2M1 values), and it costs
+    a quarter of the generator's work of one 32-bit draw per element. Rounding ``frac * 256``
+    to nearest halves the worst bias of a truncation (which would also lose every fraction below
+    2^-8) and leaves fractions below 2^-9 of a step on ``lo``, as nearest rounding would. Every
+    operation here is exact, so the result does not depend on the backend.
     """
     a = jnp.abs(y)
     step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0)).astype(jnp.float32)
     inv_step = jnp.where(a < 2.0, 2.0, jnp.where(a < 4.0, 1.0, 0.5)).astype(jnp.float32)
     k = a * inv_step  # exact: multiplying by a power of two (no division, whatever the backend)
-    if rand_bits is None:
-        k = jnp.round(k)  # half to even
+    if rand_bytes is None:
+        k = _round_half_even(k)
     else:
         lo = jnp.floor(k)
-        # frac * 2^32 is exact (power-of-two scale) and below 2^32 - 255, so it fits a uint32.
-        threshold = jnp.ceil((k - lo) * jnp.float32(2.0**32)).astype(jnp.uint32)
-        k = lo + (rand_bits < threshold).astype(jnp.float32)
-    return jnp.copysign(k * step, y)
+        # frac * 256 is exact (power-of-two scale); its rounding is an integer in [0, 256].
+        threshold = _round_half_even((k - lo) * jnp.float32(2.0**SR_BITS)).astype(jnp.uint32)
+        k = lo + (rand_bytes < threshold).astype(jnp.float32)
+    return _copysign(k * step, y)
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,8 +389,8 @@ def quantize_nvfp4(
     """
     _check_blockable(tuple(x.shape), two_d, NVFP4_BLOCK, "quantize_nvfp4")
     x_blk = _to_blocks(x.astype(jnp.float32), two_d)
-    rand_bits = None if key is None else jax.random.bits(key, x_blk.shape, jnp.uint32)
-    q_blk, s_e4m3, s_dec = _quantize_blocks(x_blk, _block_axes(two_d), rand_bits)
+    rand_bytes = None if key is None else _random_bytes(key, x_blk.shape)
+    q_blk, s_e4m3, s_dec = _quantize_blocks(x_blk, _block_axes(two_d), rand_bytes)
     return NVFP4Array(
         elements=_from_blocks(q_blk, two_d).astype(FP4_E2M1),  # exact: values are on the grid
         block_scales=jnp.squeeze(s_e4m3, axis=_block_axes(two_d)),
@@ -352,11 +399,19 @@ def quantize_nvfp4(
     )
 
 
-def _quantize_blocks(x_blk: jax.Array, axes: tuple[int, ...], rand_bits: jax.Array | None):
+def _quantize_blocks(x_blk: jax.Array, axes: tuple[int, ...], rand_bytes: jax.Array | None):
     """The NVFP4 arithmetic (module docstring) on a float32 array whose blocks span ``axes``:
     E2M1 values on the grid (float32, x_blk's shape), E4M3 block scales (``axes`` kept as 1s)
     and the float32 global decode scale."""
     block_amax = jnp.max(jnp.abs(x_blk), axis=axes, keepdims=True)
+    s_e4m3, enc, s_dec = _block_scales(block_amax)
+    return _round_e2m1(_scale_to_e2m1_range(x_blk, enc), rand_bytes), s_e4m3, s_dec
+
+
+def _block_scales(block_amax: jax.Array):
+    """From the block amaxes of a tensor (any shape): its E4M3 block scales, the float32 factor
+    ``enc`` that takes each block's elements to the E2M1 range (0 where the scale is 0), and the
+    float32 global decode scale ``S_dec``."""
     # The tensor's amax as the max of its block amaxes (exact: max is associative), so the
     # tensor is read once for both instead of once more for a whole-tensor reduction.
     amax = jnp.max(block_amax)
@@ -378,8 +433,12 @@ def _quantize_blocks(x_blk: jax.Array, axes: tuple[int, ...], rand_bits: jax.Arr
 
     enc = jnp.minimum(div_rn(1.0, s_dq * s_dec), _F32_MAX)
     enc = jnp.where(s_dq == 0, jnp.float32(0.0), enc)
-    y_blk = jnp.clip(x_blk * enc, -E2M1_MAX, E2M1_MAX)
-    return _round_e2m1(y_blk, rand_bits), s_e4m3, s_dec
+    return s_e4m3, enc, s_dec
+
+
+def _scale_to_e2m1_range(x: jax.Array, enc: jax.Array) -> jax.Array:
+    """``clip(x * enc, -6, 6)``: one float32 multiply, then the clip."""
+    return jnp.clip(x * enc, -E2M1_MAX, E2M1_MAX)
 
 
 def block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | None = None,
@@ -395,11 +454,17 @@ def block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | None = None
     m, k = x_MK.shape
     _check_blockable((k, m), False, NVFP4_BLOCK, "block_dequantize_nvfp4_columns")
     x_blk = x_MK.astype(jnp.float32).reshape(m // NVFP4_BLOCK, NVFP4_BLOCK, k)
-    rand_bits = None
+    rand_bytes = None
     if key is not None:
-        rand_bits = jax.random.bits(key, (k, m // NVFP4_BLOCK, NVFP4_BLOCK), jnp.uint32).transpose(1, 2, 0)
-    q_blk, s_e4m3, s_dec = _quantize_blocks(x_blk, (-2,), rand_bits)
+        rand_bytes = _random_bytes(key, column_sr_shape(m, k)).transpose(1, 2, 0)
+    q_blk, s_e4m3, s_dec = _quantize_blocks(x_blk, (-2,), rand_bytes)
     return (q_blk * s_e4m3.astype(jnp.float32)).reshape(m, k).astype(dtype), s_dec.astype(jnp.float32)
+
+
+def column_sr_shape(m: int, k: int) -> tuple[int, int, int]:
+    """The shape stochastic rounding's random bytes are drawn in for blocks of 16 down axis 0 of
+    an [m, k] array: that of ``quantize_nvfp4`` of the [k, m] transpose, blocked."""
+    return (k, m // NVFP4_BLOCK, NVFP4_BLOCK)
 
 
 def qdq_nvfp4(x: jax.Array, *, two_d: bool = False, key: jax.Array | None = None) -> jax.Array:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from maxfp4.precision import formats as F
+from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
 
 COMPUTE_DTYPE = jnp.bfloat16
 TN = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands: the fast cuBLASLt FP8 layout
@@ -264,7 +265,7 @@ def _nvfp4_bwd(options, res, dy):
 
 
 def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | None,
-                block_scaled: bool | None = None) -> jax.Array:
+                block_scaled: bool | None = None, kernels: bool | None = None) -> jax.Array:
     """dW[K, N] = X^T dY, contracting over the tokens M, both operands NVFP4 with blocks of 16
     tokens; ``key`` rounds dY stochastically. With ``rht`` the 16-point Hadamard transform along
     M spreads outliers first (H^T H = I, so the product is unchanged).
@@ -272,17 +273,28 @@ def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | N
     Blackwell's FP4 GEMM needs both operands K-major, so they are quantized as [K, M] and
     [N, M]. Emulated, the same values (bit for bit) are formed in the activations' own [M, K]
     and [M, N] layout and the BF16 GEMM contracts over their first axis: transposing the two
-    activations cost ~10% of dense-1p3b's emulated NVFP4 step (docs/PERFORMANCE.md).
-    ``block_scaled`` forces one path (None: the device decides).
+    activations cost ~10% of dense-1p3b's emulated NVFP4 step (docs/PERFORMANCE.md). With
+    ``rht`` the emulated operands come from the Pallas kernels of ``rht_kernel`` (same bits).
+    ``block_scaled`` and ``kernels`` force one path each (None: the device decides).
     """
-    if rht:
-        x_MK, dy_MN = F.hadamard16(x_MK, axis=0), F.hadamard16(dy_MN, axis=0)
     if block_scaled_fp4_available() if block_scaled is None else block_scaled:
+        if rht:
+            x_MK, dy_MN = F.hadamard16(x_MK, axis=0), F.hadamard16(dy_MN, axis=0)
         return nvfp4_gemm_tn(F.quantize_nvfp4(x_MK.T), F.quantize_nvfp4(dy_MN.T, key=key), block_scaled=True)
-    v_x, s_x = F.block_dequantize_nvfp4_columns(x_MK, dtype=COMPUTE_DTYPE)
-    v_dy, s_dy = F.block_dequantize_nvfp4_columns(dy_MN, key=key, dtype=COMPUTE_DTYPE)
+    on_gpu = jax.default_backend() == "gpu"
+    v_x, s_x = _emulated_wgrad_operand(x_MK, rht, None, on_gpu if kernels is None else kernels, not on_gpu)
+    v_dy, s_dy = _emulated_wgrad_operand(dy_MN, rht, key, on_gpu if kernels is None else kernels, not on_gpu)
     dw = jax.lax.dot_general(v_x, v_dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return (dw * (s_x * s_dy)).astype(COMPUTE_DTYPE)
+
+
+def _emulated_wgrad_operand(a_MK: jax.Array, rht: bool, key: jax.Array | None, kernels: bool, interpret: bool):
+    """(block-dequantized BF16 values in a's layout, S_dec) of one emulated wgrad operand."""
+    if rht and kernels and rht_columns_supported(*a_MK.shape):
+        return hadamard_block_dequantize_nvfp4_columns(a_MK, key, COMPUTE_DTYPE, interpret)
+    if rht:
+        a_MK = F.hadamard16(a_MK, axis=0)
+    return F.block_dequantize_nvfp4_columns(a_MK, key=key, dtype=COMPUTE_DTYPE)
 
 
 _nvfp4.defvjp(_nvfp4_fwd, _nvfp4_bwd)

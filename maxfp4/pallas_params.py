@@ -1,4 +1,4 @@
-"""Compiler settings shared by the Mamba-2 Pallas kernels."""
+"""Compiler settings shared by the Pallas kernels (Mamba-2 mixer, NVFP4 quantization)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,110 @@
+"""NVFP4's weight-gradient operands with the random Hadamard transform, as two Pallas kernels.
+
+``hadamard_block_dequantize_nvfp4_columns(x_MK, key)`` returns, bit for bit,
+``formats.block_dequantize_nvfp4_columns(formats.hadamard16(x_MK, axis=0), key)``: the 16-point
+Hadamard transform down every group of 16 tokens, then NVFP4 with blocks of 16 tokens (the same
+groups), block-dequantized in x's own [M, K] layout for the emulated BF16 GEMM.
+
+Why kernels: in XLA the transform fuses into the quantizer's two passes (amaxes, then elements),
+and each output element re-evaluates its whole butterfly tree (16 loads and the index arithmetic
+of the pairings) in both. On an H100, with a 16384 x 2048 x 5632 layer, the transform made
+the emulated NVFP4 layer 1.4 ms slower (docs/PERFORMANCE.md). Here a program holds one group
+of 16 rows of a column tile, as 16 row vectors, and transforms them once with 32 adds per
+column; a group is also an NVFP4 block, so its amax is a maximum over the 16 vectors.
+
+  pass 1 (kernel): transform, block amax              -> f32[M/16, K]
+  between (XLA):   the tensor amax, E4M3 block scales and encode factors (formats._block_scales)
+  pass 2 (kernel): transform again, scale, round to E2M1 (stochastically with the bytes of
+                   random words drawn as formats draws them), times the block scale -> [M, K]
+
+Every operation is the one ``formats`` performs, in the same order (the butterflies pair the
+same elements; rounding is formats._round_e2m1 itself), so the result equals the XLA path's on
+any backend; off GPU the kernels run in interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from maxfp4.pallas_params import triton_params
+from maxfp4.precision import formats as F
+
+_GROUP = F.NVFP4_BLOCK  # rows of a Hadamard group, which is also an NVFP4 block
+_COLUMN_TILES = (512, 256, 128, 64, 32, 16)  # columns a program takes: the widest dividing K
+_NUM_WARPS = 4
+
+
+def _column_tile(k: int) -> int | None:
+    return next((t for t in _COLUMN_TILES if k % t == 0), None)
+
+
+def rht_columns_supported(m: int, k: int) -> bool:
+    """Whole groups of 16 rows, and a power-of-two column tile (Triton's) that divides K."""
+    return m % _GROUP == 0 and _column_tile(k) is not None
+
+
+def _transformed_rows(x_ref, g, c0, bk) -> list[jax.Array]:
+    """``hadamard16`` of rows 16 g .. 16 g + 15, columns c0 .. c0 + bk: 16 float32 vectors.
+    The signs first, then the butterflies (bit 3 first: element i with the bit clear becomes
+    a + b and its partner a - b, as formats._walsh16 pairs them), then 1/4."""
+    rows = [x_ref[g * _GROUP + i, pl.ds(c0, bk)].astype(jnp.float32) * jnp.float32(sign)
+            for i, sign in enumerate(F.HADAMARD16_SIGNS)]
+    for bit in (3, 2, 1, 0):
+        stride = 1 << bit
+        for i in range(_GROUP):
+            if not i & stride:
+                a, b = rows[i], rows[i | stride]
+                rows[i], rows[i | stride] = a + b, a - b
+    return [r * jnp.float32(0.25) for r in rows]
+
+
+def _amax_kernel(x_ref, amax_ref, *, bk):
+    g, c0 = pl.program_id(0), pl.program_id(1) * bk
+    rows = _transformed_rows(x_ref, g, c0, bk)
+    amax_ref[g, pl.ds(c0, bk)] = functools.reduce(jnp.maximum, [jnp.abs(r) for r in rows])
+
+
+def _quantize_kernel(x_ref, enc_ref, scale_ref, *refs, bk, stochastic):
+    words_ref, out_ref = refs if stochastic else (None, refs[0])
+    g, c0 = pl.program_id(0), pl.program_id(1) * bk
+    cols = pl.ds(c0, bk)
+    enc, scale = enc_ref[g, cols], scale_ref[g, cols]
+    for i, row in enumerate(_transformed_rows(x_ref, g, c0, bk)):
+        # Row i of the group is element i of its block: byte i % 4 of the block's word i // 4.
+        rand = F._byte_of_word(words_ref[g, i // 4, cols], i % 4) if stochastic else None
+        q = F._round_e2m1(F._scale_to_e2m1_range(row, enc), rand)
+        out_ref[g * _GROUP + i, cols] = (q * scale).astype(out_ref.dtype)
+
+
+def _launch(kernel, grid, out_shape, interpret, *args):
+    whole = [pl.no_block_spec] * len(args)
+    return pl.pallas_call(kernel, grid=grid, in_specs=whole, out_specs=pl.no_block_spec, out_shape=out_shape,
+                          interpret=interpret, **triton_params(interpret, _NUM_WARPS))(*args)
+
+
+def hadamard_block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | None = None, dtype=jnp.bfloat16,
+                                            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``(v_MK, S_dec)``, equal bit for bit to
+    ``formats.block_dequantize_nvfp4_columns(formats.hadamard16(x_MK, axis=0), key, dtype)``
+    (see the module docstring). Needs ``rht_columns_supported(*x_MK.shape)``."""
+    m, k = x_MK.shape
+    if not rht_columns_supported(m, k):
+        raise ValueError(f"hadamard_block_dequantize_nvfp4_columns: shape {x_MK.shape} needs rows divisible by "
+                         f"{_GROUP} and columns divisible by {_COLUMN_TILES[-1]}")
+    bk = _column_tile(k)
+    grid = (m // _GROUP, k // bk)
+    block_amax = _launch(functools.partial(_amax_kernel, bk=bk), grid,
+                         jax.ShapeDtypeStruct((m // _GROUP, k), jnp.float32), interpret, x_MK)
+    s_e4m3, enc, s_dec = F._block_scales(block_amax)
+    args = [x_MK, enc, s_e4m3.astype(jnp.float32)]
+    if key is not None:
+        # Drawn as formats draws them for the [K, M] transpose, then laid out [M/16, 4, K] so a
+        # program reads its block's four words per column as rows.
+        args.append(F._random_words(key, F.column_sr_shape(m, k)).transpose(1, 2, 0))
+    v = _launch(functools.partial(_quantize_kernel, bk=bk, stochastic=key is not None), grid,
+                jax.ShapeDtypeStruct((m, k), dtype), interpret, *args)
+    return v, s_dec.astype(jnp.float32)

@@ -1,0 +1,64 @@
+"""The Hadamard + NVFP4 column kernels (Pallas, interpret mode on CPU) against the XLA path they
+replace, bit for bit, and against a float64 NumPy Hadamard (the transform's own check lives in
+test_formats.py)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxfp4.precision import formats as F
+from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+def _operand(shape, seed, dtype=jnp.bfloat16):
+    """Magnitudes spread over a few decades row by row and column by column, some exact zeros,
+    a negative zero: blocks with very different scales."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * np.exp(rng.uniform(-4, 4, (shape[0], 1)) + rng.uniform(-2, 2, (1, shape[1])))
+    x[:16, :16] = 0.0
+    x[16, 0] = -0.0
+    return jnp.asarray(x.astype(np.float32), dtype)
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (32, 560), (48, 16)])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_kernels_equal_hadamard_then_column_quantization_bitwise(shape, stochastic):
+    x = _operand(shape, 1)
+    key = jax.random.key(7) if stochastic else None
+    v, s_dec = jax.jit(lambda x, k: hadamard_block_dequantize_nvfp4_columns(x, k, interpret=True))(x, key)
+    v_ref, s_ref = jax.jit(lambda x, k: F.block_dequantize_nvfp4_columns(F.hadamard16(x, axis=0), k))(x, key)
+    assert v.dtype == jnp.bfloat16 and v.shape == shape
+    np.testing.assert_array_equal(_bits(v), _bits(v_ref))
+    assert _bits(s_dec) == _bits(s_ref)
+
+
+def test_float32_input_and_output():
+    x = _operand((32, 64), 2, jnp.float32)
+    v, s_dec = hadamard_block_dequantize_nvfp4_columns(x, dtype=jnp.float32, interpret=True)
+    v_ref, _ = F.block_dequantize_nvfp4_columns(F.hadamard16(x, axis=0), dtype=jnp.float32)
+    assert v.dtype == jnp.float32
+    np.testing.assert_array_equal(_bits(v), _bits(v_ref))
+
+
+def test_dequantized_values_are_close_to_the_float64_transform():
+    """v * S_dec approximates M @ x per group of 16 rows (M the orthonormal Hadamard): E2M1
+    keeps 1 mantissa bit, so each element is within half a grid step of its block, i.e. at
+    most 1/6 of the block amax after the E4M3 scale (the scale's own rounding adds up to 2^-4
+    of it): bound (1/6 + 2^-4) * block amax, plus 1e-6 of the tensor amax for float32 noise."""
+    x = _operand((64, 32), 3, jnp.float32)
+    v, s_dec = hadamard_block_dequantize_nvfp4_columns(x, dtype=jnp.float32, interpret=True)
+    hx = np.einsum("ij,gjk->gik", F.hadamard16_matrix(), np.asarray(x, np.float64).reshape(4, 16, 32))
+    block_amax = np.abs(hx).max(axis=1, keepdims=True)
+    err = np.abs(np.asarray(v, np.float64).reshape(4, 16, 32) * float(s_dec) - hx)
+    assert np.all(err <= (1 / 6 + 2.0**-4) * block_amax + 1e-6 * np.abs(hx).max())
+
+
+def test_supported_shapes_and_the_error_otherwise():
+    assert rht_columns_supported(16384, 5632) and rht_columns_supported(32, 48)
+    assert not rht_columns_supported(40, 64) and not rht_columns_supported(32, 40)
+    with pytest.raises(ValueError, match=r"\(40, 64\)"):
+        hadamard_block_dequantize_nvfp4_columns(jnp.ones((40, 64)), interpret=True)
