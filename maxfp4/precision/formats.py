@@ -382,8 +382,8 @@ def quantize_nvfp4(
       x: float array; the last axis (and with ``two_d`` the last two axes) divisible by 16.
       two_d: one scale per 16x16 tile over the last two axes (weights: W and W^T then quantize
         to the same values) instead of per 16 consecutive elements of the last axis.
-      key: a JAX PRNG key; when given, elements are rounded stochastically (unbiased to 2^-9 of a grid step) instead of
-        to nearest even. Scales do not depend on the key.
+      key: a JAX PRNG key; when given, elements are rounded stochastically (unbiased to 2^-9 of
+        a grid step) instead of to nearest even. Scales do not depend on the key.
 
     The amax, and so ``S_enc``, is taken over the whole array, leading dimensions included.
     """
