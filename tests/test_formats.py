@@ -556,6 +556,27 @@ def test_e2m1_stochastic_threshold_resolution():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("key", [jax.random.key(3), jax.random.PRNGKey(7), jax.random.fold_in(jax.random.key(1), 5)])
+def test_random_words_are_jax_random_bits(key):
+    """The words are jax.random.bits of the key, and formats' own threefry (the kernels hash with
+    it) computes the same words from the flat index."""
+    want = np.asarray(jax.random.bits(key, (3, 5, 4), jnp.uint32))
+    np.testing.assert_array_equal(np.asarray(F._random_words(key, (3, 5, 16))), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(F._random_words, static_argnums=1)(key, (3, 5, 16))), want)
+    at = F.random_words_at(F.random_word_key(key), jnp.arange(60, dtype=jnp.uint32)).reshape(3, 5, 4)
+    np.testing.assert_array_equal(np.asarray(at), want)
+
+
+def test_random_words_from_another_key_implementation():
+    """A key of another implementation gives a threefry key of two drawn words; the own hash
+    and the draw still agree."""
+    key = jax.random.key(0, impl="rbg")
+    a, b = F._random_words(key, (64,)), F._random_words(jax.random.fold_in(key, 1), (64,))
+    assert a.shape == (16,) and a.dtype == jnp.uint32 and np.any(np.asarray(a) != np.asarray(b))
+    at = F.random_words_at(F.random_word_key(key), jnp.arange(16, dtype=jnp.uint32))
+    np.testing.assert_array_equal(np.asarray(at), np.asarray(a))
+
+
 def test_random_bytes_are_the_little_endian_bytes_of_one_word_per_four_elements():
     """Element i of the last axis takes byte i % 4 (low byte first) of word i // 4 of one
     uint32 draw of a quarter the size: the layout of a little-endian byte view of the words."""

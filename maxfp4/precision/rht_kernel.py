@@ -14,8 +14,13 @@ column; a group is also an NVFP4 block, so its amax is a maximum over the 16 vec
 
   pass 1 (kernel): transform, block amax              -> f32[M/16, K]
   between (XLA):   the tensor amax, E4M3 block scales and encode factors (formats._block_scales)
-  pass 2 (kernel): transform again, scale, round to E2M1 (stochastically with the bytes of
-                   random words drawn as formats draws them), times the block scale -> [M, K]
+  pass 2 (kernel): transform again, scale, round to E2M1 (stochastically, with random words
+                   hashed in the kernel as formats draws them), times the block scale -> [M, K]
+
+The random words are hashed inside pass 2 (formats.threefry2x32) rather than drawn by XLA
+into an array the kernel reads: a separate draw was a compute-bound pass of its own (145 us for
+the words of a [16384, 5632] dY on an H100), while inside the kernel the hash runs as the
+program waits on memory.
 
 Every operation is the one ``formats`` performs, in the same order (the butterflies pair the
 same elements; rounding is formats._round_e2m1 itself), so the result equals the XLA path's on
@@ -68,14 +73,24 @@ def _amax_kernel(x_ref, amax_ref, *, bk):
     amax_ref[g, pl.ds(c0, bk)] = functools.reduce(jnp.maximum, [jnp.abs(r) for r in rows])
 
 
-def _quantize_kernel(x_ref, enc_ref, scale_ref, *refs, bk, stochastic):
-    words_ref, out_ref = refs if stochastic else (None, refs[0])
+def _block_words(key_ref, g, c0, bk, groups) -> list[jax.Array]:
+    """The four random words of block g in each column c0 .. c0 + bk, as formats draws them for
+    the [K, M] transpose: words (column, g, 0..3) of a [K, M/16, 4] draw."""
+    key = (key_ref[0], key_ref[1])
+    column = (c0 + jnp.arange(bk, dtype=jnp.int32)).astype(jnp.uint32)
+    first = (column * jnp.uint32(groups) + g.astype(jnp.uint32)) * jnp.uint32(4)
+    return [F.random_words_at(key, first + jnp.uint32(w)) for w in range(4)]
+
+
+def _quantize_kernel(x_ref, enc_ref, scale_ref, *refs, bk, groups, stochastic):
+    key_ref, out_ref = refs if stochastic else (None, refs[0])
     g, c0 = pl.program_id(0), pl.program_id(1) * bk
     cols = pl.ds(c0, bk)
     enc, scale = enc_ref[g, cols], scale_ref[g, cols]
+    words = _block_words(key_ref, g, c0, bk, groups) if stochastic else None
     for i, row in enumerate(_transformed_rows(x_ref, g, c0, bk)):
         # Row i of the group is element i of its block: byte i % 4 of the block's word i // 4.
-        rand = F._byte_of_word(words_ref[g, i // 4, cols], i % 4) if stochastic else None
+        rand = F._byte_of_word(words[i // 4], i % 4) if stochastic else None
         q = F._round_e2m1(F._scale_to_e2m1_range(row, enc), rand)
         out_ref[g * _GROUP + i, cols] = (q * scale).astype(out_ref.dtype)
 
@@ -102,9 +117,9 @@ def hadamard_block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | No
     s_e4m3, enc, s_dec = F._block_scales(block_amax)
     args = [x_MK, enc, s_e4m3.astype(jnp.float32)]
     if key is not None:
-        # Drawn as formats draws them for the [K, M] transpose, then laid out [M/16, 4, K] so a
-        # program reads its block's four words per column as rows.
-        args.append(F._random_words(key, F.column_sr_shape(m, k)).transpose(1, 2, 0))
-    v = _launch(functools.partial(_quantize_kernel, bk=bk, stochastic=key is not None), grid,
-                jax.ShapeDtypeStruct((m, k), dtype), interpret, *args)
+        if k * m // 4 >= 2**32:
+            raise ValueError(f"stochastic rounding: shape {x_MK.shape} needs more words than a 32-bit counter")
+        args.append(F.random_word_key(key))
+    kernel = functools.partial(_quantize_kernel, bk=bk, groups=m // _GROUP, stochastic=key is not None)
+    v = _launch(kernel, grid, jax.ShapeDtypeStruct((m, k), dtype), interpret, *args)
     return v, s_dec.astype(jnp.float32)
