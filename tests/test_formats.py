@@ -563,7 +563,7 @@ def test_random_words_are_jax_random_bits(key):
     want = np.asarray(jax.random.bits(key, (3, 5, 4), jnp.uint32))
     np.testing.assert_array_equal(np.asarray(F._random_words(key, (3, 5, 16))), want)
     np.testing.assert_array_equal(np.asarray(jax.jit(F._random_words, static_argnums=1)(key, (3, 5, 16))), want)
-    at = F.random_words_at(F.random_word_key(key), jnp.arange(60, dtype=jnp.uint32)).reshape(3, 5, 4)
+    at = F._random_words_at(F._random_word_key(key), jnp.arange(60, dtype=jnp.uint32)).reshape(3, 5, 4)
     np.testing.assert_array_equal(np.asarray(at), want)
 
 
@@ -573,7 +573,7 @@ def test_random_words_from_another_key_implementation():
     key = jax.random.key(0, impl="rbg")
     a, b = F._random_words(key, (64,)), F._random_words(jax.random.fold_in(key, 1), (64,))
     assert a.shape == (16,) and a.dtype == jnp.uint32 and np.any(np.asarray(a) != np.asarray(b))
-    at = F.random_words_at(F.random_word_key(key), jnp.arange(16, dtype=jnp.uint32))
+    at = F._random_words_at(F._random_word_key(key), jnp.arange(16, dtype=jnp.uint32))
     np.testing.assert_array_equal(np.asarray(at), np.asarray(a))
 
 

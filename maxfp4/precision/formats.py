@@ -211,12 +211,10 @@ def qdq_fp8(x: jax.Array, scale, dtype) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------------------
-# E2M1 rounding (arithmetic on float32, then an exact cast)
+# Random bits for stochastic rounding
 # --------------------------------------------------------------------------------------------
 
-
 SR_BITS = 8  # random bits per element in stochastic rounding (see _round_e2m1)
-
 
 _THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _THREEFRY_PARITY = 0x1BD11BDA
@@ -242,7 +240,7 @@ def threefry2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) -> 
     return x1, x2
 
 
-def random_word_key(key: jax.Array) -> jax.Array:
+def _random_word_key(key: jax.Array) -> jax.Array:
     """The uint32[2] threefry key of a PRNG key: a threefry key's own data, otherwise (another
     implementation's key) two words drawn from it."""
     data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
@@ -251,7 +249,7 @@ def random_word_key(key: jax.Array) -> jax.Array:
     return data
 
 
-def random_words_at(word_key: jax.Array, index: jax.Array) -> jax.Array:
+def _random_words_at(word_key: jax.Array, index: jax.Array) -> jax.Array:
     """The uint32 word number ``index`` (uint32) of the stream of ``word_key``: threefry of the
     64-bit counter (0, index), its two halves xor-ed, as ``jax.random.bits`` forms word
     ``index`` of a uint32 draw."""
@@ -261,8 +259,8 @@ def random_words_at(word_key: jax.Array, index: jax.Array) -> jax.Array:
 
 def _random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """The uint32 words behind :func:`_random_bytes` of ``shape``: ``shape[:-1] + (n // 4,)``,
-    ``jax.random.bits`` of the threefry key ``random_word_key(key)`` (for a threefry key, the
-    key itself), which is word ``i`` = ``random_words_at(random_word_key(key), i)`` of the
+    ``jax.random.bits`` of the threefry key ``_random_word_key(key)`` (for a threefry key, the
+    key itself), which is word ``i`` = ``_random_words_at(_random_word_key(key), i)`` of the
     flattened shape. ``jax.random`` draws them here because XLA fuses its draw into the
     quantizer that reads it; drawn with :func:`threefry2x32` directly, XLA wrote the words out
     in a pass of their own (70 us for a [16384, 5632] dY on an H100)."""
@@ -270,7 +268,7 @@ def _random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     words_shape = (*lead, n // 4)
     if int(np.prod(words_shape)) >= 2**32:
         raise ValueError(f"stochastic rounding: {words_shape} words exceed the 32-bit counter")
-    threefry_key = jax.random.wrap_key_data(random_word_key(key), impl="threefry2x32")
+    threefry_key = jax.random.wrap_key_data(_random_word_key(key), impl="threefry2x32")
     return jax.random.bits(threefry_key, words_shape, jnp.uint32)
 
 
@@ -287,6 +285,11 @@ def _random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     time on (docs/PERFORMANCE.md)."""
     words = _random_words(key, shape)[..., None]
     return _byte_of_word(words, jnp.arange(4, dtype=jnp.uint32)).reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# E2M1 rounding (arithmetic on float32, then an exact cast)
+# --------------------------------------------------------------------------------------------
 
 
 def _round_half_even(v: jax.Array) -> jax.Array:
@@ -506,15 +509,9 @@ def block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | None = None
     x_blk = x_MK.astype(jnp.float32).reshape(m // NVFP4_BLOCK, NVFP4_BLOCK, k)
     rand_bytes = None
     if key is not None:
-        rand_bytes = _random_bytes(key, column_sr_shape(m, k)).transpose(1, 2, 0)
+        rand_bytes = _random_bytes(key, (k, m // NVFP4_BLOCK, NVFP4_BLOCK)).transpose(1, 2, 0)
     q_blk, s_e4m3, s_dec = _quantize_blocks(x_blk, (-2,), rand_bytes)
     return (q_blk * s_e4m3.astype(jnp.float32)).reshape(m, k).astype(dtype), s_dec.astype(jnp.float32)
-
-
-def column_sr_shape(m: int, k: int) -> tuple[int, int, int]:
-    """The shape stochastic rounding's random bytes are drawn in for blocks of 16 down axis 0 of
-    an [m, k] array: that of ``quantize_nvfp4`` of the [k, m] transpose, blocked."""
-    return (k, m // NVFP4_BLOCK, NVFP4_BLOCK)
 
 
 def qdq_nvfp4(x: jax.Array, *, two_d: bool = False, key: jax.Array | None = None) -> jax.Array:

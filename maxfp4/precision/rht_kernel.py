@@ -79,7 +79,7 @@ def _block_words(key_ref, g, c0, bk, groups) -> list[jax.Array]:
     key = (key_ref[0], key_ref[1])
     column = (c0 + jnp.arange(bk, dtype=jnp.int32)).astype(jnp.uint32)
     first = (column * jnp.uint32(groups) + g.astype(jnp.uint32)) * jnp.uint32(4)
-    return [F.random_words_at(key, first + jnp.uint32(w)) for w in range(4)]
+    return [F._random_words_at(key, first + jnp.uint32(w)) for w in range(4)]
 
 
 def _quantize_kernel(x_ref, enc_ref, scale_ref, *refs, bk, groups, stochastic):
@@ -119,7 +119,7 @@ def hadamard_block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | No
     if key is not None:
         if k * m // 4 >= 2**32:
             raise ValueError(f"stochastic rounding: shape {x_MK.shape} needs more words than a 32-bit counter")
-        args.append(F.random_word_key(key))
+        args.append(F._random_word_key(key))
     kernel = functools.partial(_quantize_kernel, bk=bk, groups=m // _GROUP, stochastic=key is not None)
     v = _launch(kernel, grid, jax.ShapeDtypeStruct((m, k), dtype), interpret, *args)
     return v, s_dec.astype(jnp.float32)
