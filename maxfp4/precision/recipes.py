@@ -282,8 +282,11 @@ def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | N
             x_MK, dy_MN = F.hadamard16(x_MK, axis=0), F.hadamard16(dy_MN, axis=0)
         return nvfp4_gemm_tn(F.quantize_nvfp4(x_MK.T), F.quantize_nvfp4(dy_MN.T, key=key), block_scaled=True)
     on_gpu = jax.default_backend() == "gpu"
-    v_x, s_x = _emulated_wgrad_operand(x_MK, rht, None, on_gpu if kernels is None else kernels, not on_gpu)
-    v_dy, s_dy = _emulated_wgrad_operand(dy_MN, rht, key, on_gpu if kernels is None else kernels, not on_gpu)
+    # One GPU only: XLA cannot partition a kernel, so on a mesh every device would gather the
+    # whole operands and quantize all of them; the XLA path partitions like the rest of the step.
+    kernels = (on_gpu and jax.device_count() == 1) if kernels is None else kernels
+    v_x, s_x = _emulated_wgrad_operand(x_MK, rht, None, kernels, not on_gpu)
+    v_dy, s_dy = _emulated_wgrad_operand(dy_MN, rht, key, kernels, not on_gpu)
     dw = jax.lax.dot_general(v_x, v_dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return (dw * (s_x * s_dy)).astype(COMPUTE_DTYPE)
 
