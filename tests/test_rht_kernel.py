@@ -24,7 +24,7 @@ def _operand(shape, seed, dtype=jnp.bfloat16):
     return jnp.asarray(x.astype(np.float32), dtype)
 
 
-@pytest.mark.parametrize("shape", [(64, 48), (32, 560), (48, 16)])
+@pytest.mark.parametrize("shape", [(32, 560), (48, 16)])
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_kernels_equal_hadamard_then_column_quantization_bitwise(shape, stochastic):
     x = _operand(shape, 1)
