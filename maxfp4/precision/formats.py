@@ -257,6 +257,12 @@ def _random_words_at(word_key: jax.Array, index: jax.Array) -> jax.Array:
     return b1 ^ b2
 
 
+def _check_word_count(words_shape: tuple[int, ...]) -> None:
+    """Word indices are uint32 counters (the kernels hash them as such): fewer than 2^32 words."""
+    if int(np.prod(words_shape)) >= 2**32:
+        raise ValueError(f"stochastic rounding: {words_shape} words exceed the 32-bit counter")
+
+
 def _random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """The uint32 words behind :func:`_random_bytes` of ``shape``: ``shape[:-1] + (n // 4,)``,
     ``jax.random.bits`` of the threefry key ``_random_word_key(key)`` (for a threefry key, the
@@ -266,8 +272,7 @@ def _random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     in a pass of their own (70 us for a [16384, 5632] dY on an H100)."""
     *lead, n = shape
     words_shape = (*lead, n // 4)
-    if int(np.prod(words_shape)) >= 2**32:
-        raise ValueError(f"stochastic rounding: {words_shape} words exceed the 32-bit counter")
+    _check_word_count(words_shape)
     threefry_key = jax.random.wrap_key_data(_random_word_key(key), impl="threefry2x32")
     return jax.random.bits(threefry_key, words_shape, jnp.uint32)
 

@@ -117,8 +117,7 @@ def hadamard_block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | No
     s_e4m3, enc, s_dec = F._block_scales(block_amax)
     args = [x_MK, enc, s_e4m3.astype(jnp.float32)]
     if key is not None:
-        if k * m // 4 >= 2**32:
-            raise ValueError(f"stochastic rounding: shape {x_MK.shape} needs more words than a 32-bit counter")
+        F._check_word_count((k, m // _GROUP, 4))  # the words of the [K, M/16, 4] draw (_block_words)
         args.append(F._random_word_key(key))
     kernel = functools.partial(_quantize_kernel, bk=bk, groups=m // _GROUP, stochastic=key is not None)
     v = _launch(kernel, grid, jax.ShapeDtypeStruct((m, k), dtype), interpret, *args)
