@@ -8,6 +8,7 @@ parameters (which have no batch) shard ``embed`` over fsdp - that is FSDP.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -112,6 +113,16 @@ class ActivationSharding:
     def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         spec = logical_to_spec(axes, x.shape, self.mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def traced_in_mesh(self, fn: Callable) -> Callable:
+        """``fn`` traced with this mesh as JAX's abstract mesh, so code deep in the step that
+        has no ``constrain`` (the precision recipes' backward passes) can split a kernel's work
+        over the devices as ``per_batch_row`` does (``jax.sharding.get_abstract_mesh``)."""
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                return fn(*args, **kwargs)
+        return traced
 
     def per_batch_row(self, fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) -> Any:
         """``fn(*batched, *whole)``, where every array in ``batched`` and every output has the

@@ -108,3 +108,27 @@ def test_rht_kernels_on_gpu_equal_the_xla_path_and_the_cpu_bitwise(stochastic):
         np.testing.assert_array_equal(np.asarray(v, np.float32).view(np.uint32),
                                       np.asarray(v_ref, np.float32).view(np.uint32))
         assert np.asarray(s).view(np.uint32) == np.asarray(s_ref).view(np.uint32)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_rht_kernels_split_over_the_gpus_equal_the_xla_path_bitwise(stochastic):
+    """Every visible GPU runs the kernels on its own rows (a mesh axis over all of them, one
+    GPU included): the bits of the XLA path over the whole tensor, and v split by rows."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from maxfp4.precision import formats as F
+    from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns
+
+    gpus = jax.devices("gpu")
+    mesh = jax.make_mesh((len(gpus),), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus)
+    rows = NamedSharding(mesh, PartitionSpec("data", None))
+    rng = np.random.default_rng(8)
+    x = jax.device_put(jnp.asarray((rng.standard_normal((4096, 1536)) * np.exp(2 * rng.standard_normal((4096, 1)))
+                                    ).astype(np.float32), jnp.bfloat16), rows)
+    key = jax.random.key(10) if stochastic else None
+    v, s = jax.jit(lambda x, k: hadamard_block_dequantize_nvfp4_columns(x, k, mesh=mesh, row_axes=("data",)))(x, key)
+    v_ref, s_ref = jax.jit(lambda x, k: F.block_dequantize_nvfp4_columns(F.hadamard16(x, axis=0), k))(x, key)
+    np.testing.assert_array_equal(np.asarray(v, np.float32).view(np.uint32),
+                                  np.asarray(v_ref, np.float32).view(np.uint32))
+    assert np.asarray(s).view(np.uint32) == np.asarray(s_ref).view(np.uint32)
+    assert v.sharding.is_equivalent_to(rows, 2)

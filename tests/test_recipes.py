@@ -257,6 +257,27 @@ def test_nvfp4_wgrad_in_the_activations_layout_equals_the_transposed_form(rht, s
     np.testing.assert_array_less(np.abs(got - ref), 2.0 ** -8 * np.abs(ref) + 1e-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("sr", [False, True])
+def test_nvfp4_wgrad_kernels_per_device_on_a_mesh_equal_the_xla_path(sr):
+    """Traced under a mesh (as maxfp4.train traces the step), the wgrad's kernels run on each
+    device's tokens (data x fsdp = 4 devices of 16 rows; the tensor axis is not split by them):
+    dW equals the XLA path's bit for bit."""
+    x, _, dy = _operands(7)
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None))
+    x_MK, dy_MN = jax.device_put((x.reshape(M, K), dy.reshape(M, N)), rows)
+    key = jax.random.key(5) if sr else None
+
+    def wgrad(x_MK, dy_MN, key, kernels):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return nvfp4_wgrad(x_MK, dy_MN, True, key, False, kernels)
+    assert "shard_map" in str(jax.make_jaxpr(wgrad, static_argnums=3)(x_MK, dy_MN, key, True))
+    per_device = jax.jit(wgrad, static_argnums=3)(x_MK, dy_MN, key, True)
+    whole = jax.jit(wgrad, static_argnums=3)(x_MK, dy_MN, key, False)
+    assert np.abs(_f64(whole)).max() > 0
+    np.testing.assert_array_equal(_f64(per_device), _f64(whole))
+
+
 def test_two_d_weight_tiles_quantize_w_and_w_transpose_identically():
     w = jax.random.normal(jax.random.key(0), (48, 32))
     np.testing.assert_array_equal(np.asarray(F.qdq_nvfp4(w, two_d=True)),

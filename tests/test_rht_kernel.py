@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4.precision import formats as F
 from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
@@ -62,3 +63,22 @@ def test_supported_shapes_and_the_error_otherwise():
     assert not rht_columns_supported(40, 64) and not rht_columns_supported(32, 40)
     with pytest.raises(ValueError, match=r"\(40, 64\)"):
         hadamard_block_dequantize_nvfp4_columns(jnp.ones((40, 64)), interpret=True)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_kernels_split_over_a_mesh_equal_one_device_bitwise(stochastic):
+    """On 8 devices (data 2 x fsdp 4) each device runs the kernels on its 32 rows: the tensor
+    amax is reduced over the mesh and each row draws the random words of its global position,
+    so v and S_dec equal the XLA path over the whole tensor bit for bit; v stays split by rows."""
+    mesh = jax.make_mesh((2, 4, 1), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
+    x = jax.device_put(_operand((256, 48), 5), rows)
+    key = jax.random.key(11) if stochastic else None
+    v, s_dec = jax.jit(lambda x, k: hadamard_block_dequantize_nvfp4_columns(
+        x, k, interpret=True, mesh=mesh, row_axes=("data", "fsdp")))(x, key)
+    v_ref, s_ref = jax.jit(lambda x, k: F.block_dequantize_nvfp4_columns(F.hadamard16(x, axis=0), k))(x, key)
+    np.testing.assert_array_equal(_bits(v), _bits(v_ref))
+    assert _bits(s_dec) == _bits(s_ref)
+    assert v.sharding.is_equivalent_to(rows, 2)
+    with pytest.raises(ValueError, match=r"16 x 8 device"):
+        hadamard_block_dequantize_nvfp4_columns(x[:64], interpret=True, mesh=mesh, row_axes=("data", "fsdp"))

@@ -466,13 +466,14 @@ def _quantize_blocks(x_blk: jax.Array, axes: tuple[int, ...], rand_bytes: jax.Ar
     return _round_e2m1(_scale_to_e2m1_range(x_blk, enc), rand_bytes), s_e4m3, s_dec
 
 
-def _block_scales(block_amax: jax.Array):
+def _block_scales(block_amax: jax.Array, amax: jax.Array | None = None):
     """From the block amaxes of a tensor (any shape): its E4M3 block scales, the float32 factor
     ``enc`` that takes each block's elements to the E2M1 range (0 where the scale is 0), and the
-    float32 global decode scale ``S_dec``."""
+    float32 global decode scale ``S_dec``. ``amax``: the whole tensor's amax, where
+    ``block_amax`` holds only one device's blocks of it (default: their max)."""
     # The tensor's amax as the max of its block amaxes (exact: max is associative), so the
     # tensor is read once for both instead of once more for a whole-tensor reduction.
-    amax = jnp.max(block_amax)
+    amax = jnp.max(block_amax) if amax is None else amax
     # Divisions are div_rn (IEEE on every backend): a 1-ulp difference in a scale can flip the
     # rounding of an element or a block scale.
     s_enc = div_rn(E4M3_MAX * E2M1_MAX, amax)

@@ -22,6 +22,11 @@ into an array the kernel reads: a separate draw was a compute-bound pass of its 
 the words of a [16384, 5632] dY on an H100), while inside the kernel the hash runs as the
 program waits on memory.
 
+On a mesh whose batch axes split the tokens, each device runs both kernels on its own rows
+(``mesh`` and ``row_axes``): XLA cannot partition a kernel and would otherwise gather the whole
+operand onto every device. Only the tensor amax crosses devices (one scalar max); each row's
+random words are those of its global position, so the bits equal one device's.
+
 Every operation is the one ``formats`` performs, in the same order (the butterflies pair the
 same elements; rounding is formats._round_e2m1 itself), so the result equals the XLA path's on
 any backend; off GPU the kernels run in interpret mode.
@@ -30,10 +35,12 @@ any backend; off GPU the kernels run in interpret mode.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec
 
 from maxfp4.pallas_params import triton_params
 from maxfp4.precision import formats as F
@@ -47,9 +54,15 @@ def _column_tile(k: int) -> int | None:
     return next((t for t in _COLUMN_TILES if k % t == 0), None)
 
 
-def rht_columns_supported(m: int, k: int) -> bool:
-    """Whole groups of 16 rows, and a power-of-two column tile (Triton's) that divides K."""
-    return m % _GROUP == 0 and _column_tile(k) is not None
+def rht_columns_supported(m: int, k: int, devices: int = 1) -> bool:
+    """Whole groups of 16 rows on each of ``devices`` that split the rows, and a power-of-two
+    column tile (Triton's) that divides K."""
+    return m % (_GROUP * devices) == 0 and _column_tile(k) is not None
+
+
+def split_size(mesh, axes: tuple[str, ...]) -> int:
+    """Devices that ``axes`` of ``mesh`` split an array over (1 for no axes)."""
+    return math.prod(mesh.shape[a] for a in axes) if axes else 1
 
 
 def _transformed_rows(x_ref, g, c0, bk) -> list[jax.Array]:
@@ -73,21 +86,23 @@ def _amax_kernel(x_ref, amax_ref, *, bk):
     amax_ref[g, pl.ds(c0, bk)] = functools.reduce(jnp.maximum, [jnp.abs(r) for r in rows])
 
 
-def _block_words(key_ref, g, c0, bk, groups) -> list[jax.Array]:
+def _block_words(stream_ref, g, c0, bk, groups) -> list[jax.Array]:
     """The four random words of block g in each column c0 .. c0 + bk, as formats draws them for
-    the [K, M] transpose: words (column, g, 0..3) of a [K, M/16, 4] draw."""
-    key = (key_ref[0], key_ref[1])
+    the [K, M] transpose: words (column, g, 0..3) of a [K, M/16, 4] draw. ``stream_ref`` holds
+    the uint32 threefry key and the global index of this operand's first group (its first row
+    / 16: nonzero for a device's rows of a tensor split over the mesh)."""
+    key = (stream_ref[0], stream_ref[1])
     column = (c0 + jnp.arange(bk, dtype=jnp.int32)).astype(jnp.uint32)
-    first = (column * jnp.uint32(groups) + g.astype(jnp.uint32)) * jnp.uint32(4)
+    first = (column * jnp.uint32(groups) + (g.astype(jnp.uint32) + stream_ref[2])) * jnp.uint32(4)
     return [F._random_words_at(key, first + jnp.uint32(w)) for w in range(4)]
 
 
 def _quantize_kernel(x_ref, enc_ref, scale_ref, *refs, bk, groups, stochastic):
-    key_ref, out_ref = refs if stochastic else (None, refs[0])
+    stream_ref, out_ref = refs if stochastic else (None, refs[0])
     g, c0 = pl.program_id(0), pl.program_id(1) * bk
     cols = pl.ds(c0, bk)
     enc, scale = enc_ref[g, cols], scale_ref[g, cols]
-    words = _block_words(key_ref, g, c0, bk, groups) if stochastic else None
+    words = _block_words(stream_ref, g, c0, bk, groups) if stochastic else None
     for i, row in enumerate(_transformed_rows(x_ref, g, c0, bk)):
         # Row i of the group is element i of its block: byte i % 4 of the block's word i // 4.
         rand = F._byte_of_word(words[i // 4], i % 4) if stochastic else None
@@ -101,24 +116,46 @@ def _launch(kernel, grid, out_shape, interpret, *args):
                           interpret=interpret, **triton_params(interpret, _NUM_WARPS))(*args)
 
 
-def hadamard_block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | None = None, dtype=jnp.bfloat16,
-                                            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """``(v_MK, S_dec)``, equal bit for bit to
-    ``formats.block_dequantize_nvfp4_columns(formats.hadamard16(x_MK, axis=0), key, dtype)``
-    (see the module docstring). Needs ``rht_columns_supported(*x_MK.shape)``."""
+def _rows_kernels(x_MK, word_key, dtype, interpret, row_axes, all_groups):
+    """Both passes over the rows this device holds (all of them when ``row_axes`` is empty)."""
     m, k = x_MK.shape
-    if not rht_columns_supported(m, k):
-        raise ValueError(f"hadamard_block_dequantize_nvfp4_columns: shape {x_MK.shape} needs rows divisible by "
-                         f"{_GROUP} and columns divisible by {_COLUMN_TILES[-1]}")
     bk = _column_tile(k)
     grid = (m // _GROUP, k // bk)
     block_amax = _launch(functools.partial(_amax_kernel, bk=bk), grid,
                          jax.ShapeDtypeStruct((m // _GROUP, k), jnp.float32), interpret, x_MK)
-    s_e4m3, enc, s_dec = F._block_scales(block_amax)
+    amax = jax.lax.pmax(jnp.max(block_amax), row_axes) if row_axes else None
+    s_e4m3, enc, s_dec = F._block_scales(block_amax, amax)
     args = [x_MK, enc, s_e4m3.astype(jnp.float32)]
-    if key is not None:
-        F._check_word_count((k, m // _GROUP, 4))  # the words of the [K, M/16, 4] draw (_block_words)
-        args.append(F._random_word_key(key))
-    kernel = functools.partial(_quantize_kernel, bk=bk, groups=m // _GROUP, stochastic=key is not None)
+    if word_key is not None:
+        first_group = jax.lax.axis_index(row_axes) * (m // _GROUP) if row_axes else 0
+        args.append(jnp.concatenate([word_key, jnp.asarray(first_group, jnp.uint32)[None]]))
+    kernel = functools.partial(_quantize_kernel, bk=bk, groups=all_groups, stochastic=word_key is not None)
     v = _launch(kernel, grid, jax.ShapeDtypeStruct((m, k), dtype), interpret, *args)
     return v, s_dec.astype(jnp.float32)
+
+
+def hadamard_block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | None = None, dtype=jnp.bfloat16,
+                                            interpret: bool = False, *, mesh=None,
+                                            row_axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+    """``(v_MK, S_dec)``, equal bit for bit to
+    ``formats.block_dequantize_nvfp4_columns(formats.hadamard16(x_MK, axis=0), key, dtype)``
+    (see the module docstring). With ``mesh`` and ``row_axes`` (mesh axes that split x's rows)
+    each device transforms and quantizes its own rows; v comes back split the same way. Needs
+    ``rht_columns_supported`` for the rows of one device."""
+    m, k = x_MK.shape
+    devices = split_size(mesh, row_axes)
+    if not rht_columns_supported(m, k, devices):
+        raise ValueError(f"hadamard_block_dequantize_nvfp4_columns: shape {x_MK.shape} needs rows divisible by "
+                         f"{_GROUP} x {devices} device(s) and columns divisible by {_COLUMN_TILES[-1]}")
+    word_key = None
+    if key is not None:
+        F._check_word_count((k, m // _GROUP, 4))  # the words of the [K, M/16, 4] draw (_block_words)
+        word_key = F._random_word_key(key)
+    run = functools.partial(_rows_kernels, dtype=dtype, interpret=interpret, row_axes=tuple(row_axes),
+                            all_groups=m // _GROUP)
+    if not row_axes:
+        return run(x_MK, word_key)
+    rows, whole = PartitionSpec(tuple(row_axes), None), PartitionSpec()
+    # check_vma=False: the kernels' outputs carry no varying-axis type (as mesh.per_batch_row).
+    return jax.shard_map(run, mesh=mesh, in_specs=(rows, whole), out_specs=(rows, whole),
+                         check_vma=False)(x_MK, word_key)
