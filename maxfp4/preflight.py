@@ -221,9 +221,11 @@ def check_memory(cfg: Config, devices: Sequence[jax.Device], n_params: int, mesh
         return Check("memory", None, f"~{need / 2**30:.2f} GiB per device estimated; "
                                      f"{local[0].platform} reports no memory limit, not compared")
     if need > MEMORY_HEADROOM * limit:
-        return Check("memory", False, f"about {need / 2**30:.1f} GiB per device estimated, the device has "
-                                      f"{limit / 2**30:.1f} GiB; shard more (mesh.fsdp), lower data.global_batch "
-                                      f"or raise train.microbatches, or set train.remat=full")
+        remat = "" if cfg.train.remat == "full" else ", or set train.remat=full"
+        return Check("memory", False, f"about {need / 2**30:.1f} GiB per device estimated, over "
+                                      f"{MEMORY_HEADROOM:.0%} of the device's {limit / 2**30:.1f} GiB; shard more "
+                                      f"(mesh.fsdp), lower data.global_batch or raise train.microbatches{remat} "
+                                      f"(the estimate is rough: resilience.preflight=false runs anyway)")
     return Check("memory", True, f"~{need / 2**30:.1f} of {limit / 2**30:.1f} GiB per device")
 
 

@@ -4,8 +4,8 @@ tests/test_fault_tolerance.py): the flagging rules, a real GEMM timing, the chec
 import jax
 import numpy as np
 
-from maxfp4.preflight import (checkpoint_bytes, format_table, gemm_rates, memory_per_device, run_checks,
-                              slow_devices, state_sizes)
+from maxfp4.preflight import (check_memory, checkpoint_bytes, format_table, gemm_rates, memory_per_device,
+                              run_checks, slow_devices, state_sizes)
 from maxfp4.stragglers import slow_processes
 
 
@@ -33,3 +33,28 @@ def test_checks_pass_for_a_tiny_config_and_estimates_scale(tiny_cfg):
     one = memory_per_device(cfg, n_params, {"data": 8, "fsdp": 1, "tensor": 1})
     sharded = memory_per_device(cfg, n_params, {"data": 1, "fsdp": 8, "tensor": 1})
     assert sharded < one  # FSDP splits the weights and moments
+
+
+class _DeviceWithLimit:
+    """A device as check_memory reads one: its process and a memory limit (a GPU's
+    ``memory_stats()``; the CPU reports none)."""
+    process_index = 0
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit}
+
+
+def test_memory_check_fails_over_the_headroom_and_names_what_to_change(tiny_cfg):
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+    for remat, suggests_full in (("none", True), ("full", False)):
+        cfg = tiny_cfg(f"train.remat={remat}")
+        n_params, _ = state_sizes(cfg)
+        need = memory_per_device(cfg, n_params, mesh)
+        assert check_memory(cfg, [_DeviceWithLimit(int(need / 0.8))], n_params, mesh).ok
+        failed = check_memory(cfg, [_DeviceWithLimit(int(need / 0.95))], n_params, mesh)
+        assert failed.ok is False and "over 90% of the device's" in failed.detail
+        assert ("set train.remat=full" in failed.detail) == suggests_full
+        assert "resilience.preflight=false" in failed.detail
