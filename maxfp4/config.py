@@ -38,6 +38,9 @@ class RunConfig:
     name: str = "quickstart"  # run directory is <output_dir>/<name>; same name resumes
     output_dir: str = "runs"
     seed: int = 0
+    # JAX's persistent compilation cache: a rerun or resume loads its compiled step from here
+    # instead of compiling it again ("" = off; JAX_COMPILATION_CACHE_DIR, when set, wins)
+    compile_cache_dir: str = "~/.cache/maxfp4/jax"
 
 
 @dataclass(frozen=True)

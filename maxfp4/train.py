@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4 import distributed
 from maxfp4.checkpoint import Checkpointer, refuse_changed_run
-from maxfp4.compiler import check_compiler_options, compiler_options
+from maxfp4.compiler import check_compiler_options, compiler_options, use_compile_cache
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
 from maxfp4.data import make_batches, make_eval_batches
 from maxfp4.errors import exit_code_of
@@ -119,6 +119,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     run_dir = cfg.run_dir
     is_writer = jax.process_index() == 0
 
+    compile_cache = use_compile_cache(cfg.run.compile_cache_dir)  # before anything compiles
     # Everything that can be refused is checked before the run directory is touched.
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     block_classes = get_model(cfg.model).block_layer_classes
@@ -148,6 +149,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         _say(f"run directory {run_dir}")
         _say("precision policy:\n" + table)
         _say(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)")
+        _say(f"compilation cache {compile_cache or 'off'}")
 
     optimizer = make_optimizer(cfg)
     schedule = make_schedule(cfg)

@@ -68,3 +68,29 @@ def test_unknown_compiler_option_is_a_config_error_before_the_run_dir_exists(tin
     with pytest.raises(ConfigError, match="xla_no_such_option"):
         train(cfg, devices=jax.devices()[:1])
     assert not (tmp_path / "badopt").exists()
+
+
+def test_compile_cache_is_written_where_configured_and_an_existing_one_wins(tiny_cfg, tmp_path):
+    """A training process with no cache set writes its compiled programs under
+    run.compile_cache_dir (the next run with the same config loads them); in this process the
+    test session's JAX_COMPILATION_CACHE_DIR is set, and the configured directory is left alone."""
+    import subprocess
+    import sys
+
+    from maxfp4.compiler import use_compile_cache
+
+    cache = tmp_path / "xla-cache"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "maxfp4.train", "configs/quickstart.yaml", "train.steps=2",
+                           "model.n_layers=1", "data.global_batch=8", "optim.warmup_steps=1", "checkpoint.enabled=false",
+                           f"run.output_dir={tmp_path}", "run.name=cached", f"run.compile_cache_dir={cache}"],
+                          env=env, cwd=env["PYTHONPATH"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"compilation cache {cache}" in proc.stdout
+    assert cache.is_dir() and any(cache.iterdir())  # the train step, at least
+
+    elsewhere = tmp_path / "unused"
+    session_cache = jax.config.jax_compilation_cache_dir
+    assert session_cache and use_compile_cache(str(elsewhere)) == session_cache
+    assert jax.config.jax_compilation_cache_dir == session_cache and not elsewhere.exists()
