@@ -51,7 +51,11 @@ OPTIMIZER_TRAFFIC_BYTES = 4 * 4 + 3 * 4
 ACT_BYTES_NO_REMAT = 34  # x d_model
 ACT_BYTES_FULL_REMAT = 2  # x d_model: only the block input
 GEMM_OUT_BYTES = 2  # per output feature: train.remat=save_gemm keeps each linear layer's BF16 output
-LOGIT_BYTES = 4  # x vocab per token: FP32 logits in the loss
+LOGIT_BYTES = 4  # x vocab per token: the loss streams the logits in FP32 (traffic)
+# x vocab per token held at the loss's peak: the BF16 logits kept for the backward pass, their
+# BF16 gradient and ~2 more bytes of temporaries. Fitted to measured peaks: with 4 (FP32 logits
+# alone) the model was 4-12 GB under every Llama-3-8B peak (docs/PLANNING.md, calibration).
+LOGIT_MEMORY_BYTES = 6
 # The emulated NVFP4 policy keeps the last 15% of blocks in BF16 (configs/precision/nvfp4.yaml).
 NVFP4_BF16_TAIL = 0.15
 
@@ -140,9 +144,11 @@ def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, prec
             per_token += GEMM_OUT_BYTES * sum(out[c] + m.d_model * (c == "attn_qkv") for b in blocks for c in b)
         per_token += ACT_BYTES_NO_REMAT * m.d_model  # the block being recomputed holds its activations
     acts = tokens * per_token / tensor
-    logits = tokens * m.vocab_size * LOGIT_BYTES / tensor / cfg.train.loss_chunks
+    logits = tokens * m.vocab_size * LOGIT_MEMORY_BYTES / tensor / cfg.train.loss_chunks
     return {"master": params * MASTER_BYTES / shards, "adam": params * ADAM_BYTES / shards,
-            "grads": params * GRAD_BYTES / shards, "working_copy": working,
+            # with microbatches, the FP32 accumulator and one microbatch's gradients (maxfp4.step)
+            "grads": params * GRAD_BYTES * (2 if cfg.train.microbatches > 1 else 1) / shards,
+            "working_copy": working,
             "activations": acts, "logits": logits}
 
 
