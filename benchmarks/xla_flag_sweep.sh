@@ -13,9 +13,12 @@ fi
 LHS="--xla_gpu_enable_latency_hiding_scheduler=true"
 PIPE="--xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true --xla_gpu_enable_pipelined_all_reduce=true --xla_gpu_enable_while_loop_double_buffering=true"
 COMB="--xla_gpu_all_gather_combine_threshold_bytes=1073741824 --xla_gpu_reduce_scatter_combine_threshold_bytes=1073741824 --xla_gpu_all_reduce_combine_threshold_bytes=1073741824"
-run() {  # LABEL FLAGS [ENV=VALUE ...]
+run() {  # LABEL FLAGS [ENV=VALUE ...]; the label must not contain '='
   local label=$1 flags=$2; shift 2
-  env "$@" XLA_FLAGS="${XLA_FLAGS:-} $flags" python3 benchmarks/train_throughput.py --steps "${STEPS:-3}" \
+  local vars=("$@") all="${XLA_FLAGS:-}${XLA_FLAGS:+ }$flags"
+  # An XLA_FLAGS of blanks would be read as a file name: set it only when there are flags.
+  if [ -n "$all" ]; then vars+=("XLA_FLAGS=$all"); fi
+  env "${vars[@]}" python3 benchmarks/train_throughput.py --steps "${STEPS:-3}" \
     --warmup "${WARMUP:-2}" --timeout 600 --run "$label=$CONFIG" | tail -1
 }
 CONFIG=$1
@@ -24,4 +27,4 @@ run "lhs" "$LHS"
 run "lhs+pipe" "$LHS $PIPE"
 run "lhs+pipe+comb" "$LHS $PIPE $COMB"
 run "lhs+comb" "$LHS $COMB"
-run "NCCL_PROTO=Simple" "" NCCL_PROTO=Simple
+run "nccl-proto-simple" "" NCCL_PROTO=Simple
