@@ -36,7 +36,11 @@ def check_loss_chunks(cfg: Config, policy: PrecisionPolicy) -> None:
                           f"precision policy gives it {recipe!r} (its scales span the whole tensor)")
 
 
-def make_loss_fn(cfg: Config, policy: PrecisionPolicy, constrain: Callable) -> Callable:
+def make_loss_fn(cfg: Config, policy: PrecisionPolicy, constrain: Callable,
+                 runs_per_row: int | None = None) -> Callable:
+    """``runs_per_row``: a bound on the segment runs in any row of the batches the loss will see
+    (the training data's, from its packing layout), so attention picks its kernel when tracing
+    (:func:`maxfp4.model.attention.attend`); None decides on the device per batch."""
     forward = get_model(cfg.model).forward
     chunks = cfg.train.loss_chunks
     check_loss_chunks(cfg, policy)
@@ -45,7 +49,8 @@ def make_loss_fn(cfg: Config, policy: PrecisionPolicy, constrain: Callable) -> C
         """Summed token loss of ``batch`` divided by ``denom`` (FP32)."""
         out = forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
                       cfg=cfg.model, policy=policy, scales=scales, key=key, remat=cfg.train.remat,
-                      scan_layers=cfg.train.scan_layers, constrain=constrain, logits=chunks == 1)
+                      scan_layers=cfg.train.scan_layers, constrain=constrain, logits=chunks == 1,
+                      runs_per_row=runs_per_row)
         mask_BT = batch["loss_mask"].astype(jnp.float32)
         if chunks == 1:
             return jnp.sum(token_losses(out, batch["targets"]) * mask_BT) / denom
@@ -65,8 +70,9 @@ def _split_microbatches(batch: Batch, m: int, constrain: Callable) -> Batch:
 
 
 def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule, constrain: Callable = lambda x, axes: x) -> Callable:
-    grad_fn = jax.value_and_grad(make_loss_fn(cfg, policy, constrain), argnums=(0, 1))
+                    schedule: optax.Schedule, constrain: Callable = lambda x, axes: x,
+                    runs_per_row: int | None = None) -> Callable:
+    grad_fn = jax.value_and_grad(make_loss_fn(cfg, policy, constrain, runs_per_row), argnums=(0, 1))
     m = cfg.train.microbatches
     res = cfg.resilience
     nan_steps = tuple(res.fault.nonfinite_at_steps)
@@ -95,26 +101,25 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
             grads = poison_gradients(grads, state.step + 1, nan_steps)
         grad_norm = optax.tree.norm(grads)
 
-        def apply_update():
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            return optax.apply_updates(state.params, updates), opt_state
-
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
         precision = update_precision_state(state.precision, amaxes, policy)
         guard = state.guard
         ok = jnp.array(True)
         if res.guard:
             # A bad step keeps the old state; the step counter still advances (maxfp4.guard).
-            # The optimizer update runs inside the cond, so a good step writes its new state
-            # once instead of computing it and then selecting between the new and the old state.
-            # The FP8 scaling state is a few KB: it is updated outside the cond and selected,
-            # because on GPU the host reads the cond's predicate and only then launches the
-            # branch, so each small kernel left in the branch adds launch latency (measured:
-            # the cond cost hybrid-1b's FP8 step 2.2 ms with the update inside, BF16's 0.4 ms).
+            # The old or the new state is selected element-wise rather than by a cond: XLA fuses
+            # the select into the optimizer's own update passes (it reads the old values there
+            # anyway), while a cond makes the host read the predicate from the device in the
+            # middle of every step and only then launch the branch (hybrid-1b on an H100: the
+            # select made the FP8 step 1.1-1.8 ms faster than the cond, docs/PERFORMANCE.md).
             ok, guard = judge(state.guard, loss, grad_norm, sigmas=res.spike_sigmas, warmup=res.spike_warmup)
-            params, opt_state = jax.lax.cond(ok, apply_update, lambda: (state.params, state.opt_state))
-            precision = jax.tree.map(lambda new, old: jnp.where(ok, new, old), precision, state.precision)
-        else:
-            params, opt_state = apply_update()
+
+            def keep_old_if_bad(new, old):
+                return jnp.where(ok, new, old)
+
+            params, opt_state, precision = jax.tree.map(
+                keep_old_if_bad, (params, opt_state, precision), (state.params, state.opt_state, state.precision))
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,

@@ -105,10 +105,11 @@ def init_state(cfg: Config, mesh, optimizer: optax.GradientTransformation, polic
 
 
 def jit_train_step(cfg: Config, policy, optimizer: optax.GradientTransformation, schedule, mesh,
-                   state_sh, xla_options: dict):
+                   state_sh, xla_options: dict, runs_per_row: int | None = None):
     """The train step jitted as the loop runs it: state and batch in their shardings, metrics
-    replicated, the old state's buffers donated to the new one."""
-    step_fn = make_train_step(cfg, policy, optimizer, schedule, make_constrain(mesh))
+    replicated, the old state's buffers donated to the new one. ``runs_per_row``: the data's
+    bound on segment runs per row (:func:`maxfp4.step.make_loss_fn`)."""
+    step_fn = make_train_step(cfg, policy, optimizer, schedule, make_constrain(mesh), runs_per_row)
     return jax.jit(step_fn, in_shardings=(state_sh, batch_sharding(mesh)),
                    out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=0,
                    compiler_options=xla_options)
@@ -170,7 +171,9 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     constrain = make_constrain(mesh)
     b_sh = batch_sharding(mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
-    jitted = jit_train_step(cfg, policy, optimizer, schedule, mesh, state_sh, xla_options)
+    # The data's bound on documents per row is the same on every process (the packing layout
+    # is global), so every process compiles the same attention kernel.
+    jitted = jit_train_step(cfg, policy, optimizer, schedule, mesh, state_sh, xla_options, data.max_runs_per_row)
 
     eval_fn = jax.jit(make_eval_step(cfg, policy, constrain), in_shardings=(state_sh, b_sh),
                       out_shardings=(replicated, replicated))

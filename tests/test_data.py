@@ -10,6 +10,7 @@ import pytest
 
 from maxfp4.config import load_config
 from maxfp4.data import BatchIterator, load_documents, make_batches
+from maxfp4.data.packing import PackedRowSource, runs_per_row
 from maxfp4.data.pipeline import chunk_document, pack_chunks, tokenize_documents
 from maxfp4.errors import DataError
 
@@ -97,6 +98,28 @@ def test_pack_chunks_first_fit_layout():
     np.testing.assert_array_equal(rows.targets_RT[0], [11, 12, 13, 14, 21, 22, 23, 51])
     np.testing.assert_array_equal(rows.targets_RT[1], np.arange(31, 39))
     np.testing.assert_array_equal(rows.inputs_RT[2], [40] + [pad] * 7)
+    # Runs per row (documents, and a padding tail as one more): 3, 1 and 2.
+    np.testing.assert_array_equal(runs_per_row(rows.segment_ids_RT), [3, 1, 2])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layout_bounds_runs_per_row(seed):
+    """The bound the train step compiles its attention kernel for, read off the packing layout
+    before any row exists, is the most runs any materialised row holds (counted from its ids)."""
+    rng = np.random.default_rng(seed)
+    seq_len = 16
+    # Short documents (many a row), exact fills, and documents longer than a row.
+    lengths = rng.choice([2, 3, 5, seq_len + 1, 2 * seq_len + 3], size=60)
+    docs = [np.arange(n, dtype=np.int32) for n in lengths]
+    source = PackedRowSource(docs, np.arange(len(docs)), lengths, seq_len, 0)
+    counted = runs_per_row(source.materialise().segment_ids_RT)
+    assert source.max_runs_per_row == counted.max()
+    assert counted.max() > 1  # the bound is not trivially 1 here
+
+
+def test_runs_per_row_counts_changes_of_segment_id():
+    seg = np.array([[1, 1, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 0]])
+    np.testing.assert_array_equal(runs_per_row(seg), [3, 1, 1, 6])
 
 
 def test_packed_batches_follow_documents(tmp_path):
@@ -115,6 +138,7 @@ def test_packed_batches_follow_documents(tmp_path):
         assert batch["loss_mask"].dtype == np.float32
         np.testing.assert_array_equal(batch["loss_mask"], (batch["segment_ids"] > 0).astype(np.float32))
         assert np.all(batch["inputs"][batch["segment_ids"] == 0] == max(tok.pad_id, 0))
+        assert runs_per_row(batch["segment_ids"]).max() <= it.max_runs_per_row
         got += segments(batch)
     # Every segment is a chunk of one document (so each target is that document's next token and no
     # pair crosses documents), and no chunk is served more often in an epoch than the data holds it.
@@ -297,6 +321,7 @@ def test_synthetic_batches(tmp_path):
             assert b[key].min() >= 4 and b[key].max() < 37
         np.testing.assert_array_equal(b["targets"][:, :-1], b["inputs"][:, 1:])
         assert np.all(b["segment_ids"] == 1) and np.all(b["loss_mask"] == 1.0)
+        assert it.max_runs_per_row == 1  # so the train step compiles the smallest packed kernel
         np.testing.assert_array_equal(b["positions"], np.tile(np.arange(SEQ_LEN), (4, 1)))
     assert len(np.unique(np.concatenate([b["inputs"] for b in batches]))) == 33  # all of [4, 37) drawn
     assert not np.array_equal(batches[0]["inputs"], batches[1]["inputs"])

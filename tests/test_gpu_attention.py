@@ -65,6 +65,33 @@ def test_cudnn_attention_respects_segments_forward_and_backward(impl, max_segmen
     assert np.abs(np.asarray(unmasked.astype(jnp.float32)[0, 41:]) - np.asarray(out_cudnn[0, 41:])).max() > 0.1
 
 
+# The data's bound on runs per row picks the kernel when tracing: 1 and 4 (the packed kernel of 4
+# slots), 16 (16 slots), 17 (more than max_segments: the masked kernel).
+@pytest.mark.parametrize("runs_per_row", [1, 4, 16, 17])
+def test_kernel_chosen_from_the_bound_matches_the_switch(runs_per_row):
+    q, k, v, seg = _inputs(2)
+    if runs_per_row == 1:
+        seg = jnp.ones_like(seg)  # one document a row: what synthetic data gives
+
+    def loss(bound):
+        def f(q, k, v):
+            out = attend(q, k, v, seg, "cudnn", 16, bound).astype(jnp.float32)
+            return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+        return f
+
+    hlo = jax.jit(jax.grad(loss(runs_per_row), argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    assert "conditional" not in hlo  # no switch: nothing for the host to wait on
+    out_static = attend(q, k, v, seg, "cudnn", 16, runs_per_row).astype(jnp.float32)
+    out_xla = attend(q, k, v, seg, "xla").astype(jnp.float32)
+    # BF16 inputs and output: agreement to 2e-2 absolute on outputs of order 1 (as above).
+    np.testing.assert_allclose(np.asarray(out_static), np.asarray(out_xla), atol=2e-2, rtol=0)
+    g_static = jax.grad(loss(runs_per_row), argnums=(0, 1, 2))(q, k, v)
+    g_switch = jax.grad(loss(None), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_static, g_switch):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
+
+
 def test_cudnn_is_what_auto_picks_on_gpu():
     from maxfp4.model.attention import resolve_implementation
     assert resolve_implementation("auto") == "cudnn"

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxfp4.model.attention import attend
+from maxfp4.model.attention import attend, packed_capacities, static_kernel
 from maxfp4.model.decoder import forward, forward_embedded, init_params
 from maxfp4.model.layers import ACT_DTYPE
 from maxfp4.precision import resolve_policy
@@ -89,3 +89,20 @@ def test_attention_matches_float64_reference(n_heads, n_kv):
     ref = _reference_attention(q, k, v, seg)
     # float32 inputs and arithmetic: error bound 1e-5 relative to the output scale (~1).
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("max_segments", [1, 2, 5, 16, 64])
+def test_static_attention_kernel_holds_the_bound(max_segments):
+    """With a bound on runs per row known when tracing, cuDNN attention is chosen without a
+    switch: the smallest compiled packed capacity that holds the bound, else the masked kernel.
+    A packed capacity below the bound would describe the rows wrongly."""
+    capacities = packed_capacities(max_segments)
+    for runs in range(1, max_segments + 3):
+        kernel = static_kernel(max_segments, runs)
+        if runs > max_segments:
+            assert kernel == "masked"
+            continue
+        assert kernel in capacities and kernel >= runs
+        assert all(c < runs for c in capacities if c < kernel)  # no smaller capacity holds them
+    with pytest.raises(ValueError, match="runs_per_row=0"):
+        static_kernel(max_segments, 0)

@@ -66,6 +66,22 @@ def first_fit_layout(pairs_C: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.
     return row_C, col_C, seg_C
 
 
+def _max_runs_per_row(pairs_C: np.ndarray, row_first_chunk_R1: np.ndarray, seq_len: int) -> int:
+    """The most runs of equal segment ids in any row of a layout: its chunks, plus the padding
+    tail where the chunks leave one (at least 1: an empty layout has no rows to bound)."""
+    if len(pairs_C) == 0:
+        return 1
+    chunks_R = np.diff(row_first_chunk_R1)
+    used_R = np.add.reduceat(pairs_C, row_first_chunk_R1[:-1])
+    return int(np.max(chunks_R + (used_R < seq_len)))
+
+
+def runs_per_row(segment_ids_BT: np.ndarray) -> np.ndarray:
+    """int [B]: runs of equal segment ids in each row (documents, and a padding tail as one)."""
+    segment_ids_BT = np.asarray(segment_ids_BT)
+    return 1 + np.count_nonzero(segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1], axis=1)
+
+
 def empty_row(seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
     return {
         "inputs": np.full(seq_len, pad_id, np.int32),
@@ -115,6 +131,7 @@ class PackedRowSource:
         # Chunks of a row are consecutive (first-fit in order), so a row is a range of chunks.
         self.row_first_chunk_R1 = np.searchsorted(row_C, np.arange(self.num_rows + 1))
         self.num_tokens = int(pairs_C.sum())
+        self.max_runs_per_row = _max_runs_per_row(pairs_C, self.row_first_chunk_R1, seq_len)
 
     def __len__(self) -> int:
         return self.num_rows

@@ -88,14 +88,17 @@ class BatchIterator:
     """Infinite iterator of this process's share of each global batch, read through grain.
 
     ``next(it)`` -> dict: "inputs", "targets", "segment_ids", "positions" int32 [B, T] and
-    "loss_mask" float32 [B, T]. ``get_state()`` -> dict of plain ints: ``next_index`` (grain's
+    "loss_mask" float32 [B, T]. ``max_runs_per_row``: no row of any batch holds more runs of
+    equal segment ids (documents, and a padding tail) than this, known before the first batch
+    from the packing layout (synthetic rows: 1), so the train step can pick its attention kernel
+    when it is compiled. ``get_state()`` -> dict of plain ints: ``next_index`` (grain's
     iterator position) plus what identifies the data, checked by ``set_state``, which makes the
     next batch the one that followed when the state was taken.
     """
 
     def __init__(self, cfg: Config, dataset, *, tokenizer: Tokenizer | None, num_tokens: int, num_rows: int,
                  batches_per_epoch: int | None = None, row_source: PackedRowSource | None = None,
-                 parts: list[Part] | None = None):
+                 parts: list[Part] | None = None, max_runs_per_row: int = 1):
         import grain
 
         self._dataset = dataset.map(with_loss_mask)
@@ -104,6 +107,7 @@ class BatchIterator:
         self.corpus = (tokenizer, parts) if parts is not None else None
         self.num_tokens = num_tokens
         self.num_rows = num_rows
+        self.max_runs_per_row = max_runs_per_row
         self.global_batch = cfg.data.global_batch
         self.batches_per_epoch = batches_per_epoch
         self._row_source = row_source
@@ -226,7 +230,8 @@ def make_batches(cfg: Config, run_dir: str, *, process_index: int = 0, process_c
         dataset = (grain.MapDataset.source(rows).shuffle(grain_seed(seed, STREAM_EPOCH))[:batches_per_epoch * G]
                    .batch(local_batch, drop_remainder=True)[process_index::process_count].repeat())
         return BatchIterator(cfg, dataset, tokenizer=tokenizer, num_tokens=num_tokens, num_rows=num_rows,
-                             batches_per_epoch=batches_per_epoch, row_source=rows, parts=parts)
+                             batches_per_epoch=batches_per_epoch, row_source=rows, parts=parts,
+                             max_runs_per_row=rows.max_runs_per_row)
     for part, rows in zip(parts, sources):
         if rows.num_rows == 0:
             raise DataError(f"data.mixture part {part.name}: no rows to train on")
@@ -234,7 +239,8 @@ def make_batches(cfg: Config, run_dir: str, *, process_index: int = 0, process_c
                for i, rows in enumerate(sources)]
     mixed = grain.MapDataset.mix(streams, [part.weight for part in parts])
     dataset = mixed.batch(local_batch, drop_remainder=True)[process_index::process_count]
-    return BatchIterator(cfg, dataset, tokenizer=tokenizer, num_tokens=num_tokens, num_rows=num_rows, parts=parts)
+    return BatchIterator(cfg, dataset, tokenizer=tokenizer, num_tokens=num_tokens, num_rows=num_rows, parts=parts,
+                         max_runs_per_row=max(rows.max_runs_per_row for rows in sources))
 
 
 def _check_synthetic_vocab(cfg: Config) -> None:

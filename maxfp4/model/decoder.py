@@ -75,11 +75,11 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
 
 
 def _block(x_BTD: jax.Array, p: Params, positions_BT: jax.Array, segment_ids_BT: jax.Array,
-           cfg: ModelConfig, lp: LayerPrecision, attn_impl: str) -> jax.Array:
+           cfg: ModelConfig, lp: LayerPrecision, attn_impl: str, runs_per_row: int | None) -> jax.Array:
     h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
     x_BTD = x_BTD + attention_block(
         h, p["w_qkv"], p["w_o"], positions_BT, segment_ids_BT, rope_theta=cfg.rope_theta,
-        implementation=attn_impl, lp=lp, max_segments=cfg.attention_max_segments)
+        implementation=attn_impl, lp=lp, max_segments=cfg.attention_max_segments, runs_per_row=runs_per_row)
     h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
     return x_BTD + swiglu_mlp(h, p["w_up"], p["w_down"], lp, smooth=cfg.smooth_swiglu)
 
@@ -87,23 +87,25 @@ def _block(x_BTD: jax.Array, p: Params, positions_BT: jax.Array, segment_ids_BT:
 def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
             *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
             key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
-            constrain=lambda x, axes: x, logits: bool = True) -> jax.Array:
+            constrain=lambda x, axes: x, logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
     """Logits [B, T, V] in BF16.
 
     ``scales``: the delayed-scaling scales (:func:`maxfp4.precision.state.scales_of`); ``key``
-    seeds stochastic rounding; ``constrain(x, logical_axes)`` pins activation shardings.
+    seeds stochastic rounding; ``constrain(x, logical_axes)`` pins activation shardings;
+    ``runs_per_row``: a bound on the segment runs of every row, when the data gives one
+    (:func:`maxfp4.model.attention.attend`).
     """
     x_BTD = jnp.take(params["embed"], inputs_BT, axis=0).astype(ACT_DTYPE)
     return forward_embedded(params, x_BTD, positions_BT, segment_ids_BT, cfg=cfg, policy=policy,
                             scales=scales, key=key, remat=remat, scan_layers=scan_layers, constrain=constrain,
-                            logits=logits)
+                            logits=logits, runs_per_row=runs_per_row)
 
 
 def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
                      segment_ids_BT: jax.Array, *, cfg: ModelConfig, policy: PrecisionPolicy,
                      scales: dict | None = None, key: jax.Array | None = None,
                      remat: str = "none", scan_layers: bool = True, constrain=lambda x, axes: x,
-                     logits: bool = True) -> jax.Array:
+                     logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
     """The model after the embedding lookup (separate so tests can differentiate by position).
     ``logits=False`` returns the last block's output [B, T, D] instead of the logits."""
     attn_impl = resolve_implementation(cfg.attention)
@@ -122,7 +124,7 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
         def body(x, xs, start=start):
             p, s, k = xs
             lp = LayerPrecision(policy, start, s, k)
-            y = _block(x, p, positions_BT, segment_ids_BT, cfg, lp, attn_impl)
+            y = _block(x, p, positions_BT, segment_ids_BT, cfg, lp, attn_impl, runs_per_row)
             return constrain(y, ("batch", "seq", "embed")), None
 
         body = remat_body(body, remat, scanned=scan_layers)

@@ -111,14 +111,14 @@ def scan_groups(pattern: str, recipe_rows: tuple) -> tuple[tuple[int, str, int],
 
 
 def _block(ch: str, x_BTD, p, positions_BT, segment_ids_BT, cfg: ModelConfig, lp: LayerPrecision, attn_impl,
-           constrain):
+           constrain, runs_per_row: int | None):
     h = rms_norm(x_BTD, p["pre_norm"], cfg.norm_eps)
     if ch == "M":
         y = mamba_mixer(h, p, segment_ids_BT, cfg, lp, constrain)
     elif ch == "*":
         y = attention_block(h, p["w_qkv"], p["w_o"], positions_BT, segment_ids_BT,
                             rope_theta=cfg.rope_theta if cfg.rope else None, implementation=attn_impl, lp=lp,
-                            max_segments=cfg.attention_max_segments)
+                            max_segments=cfg.attention_max_segments, runs_per_row=runs_per_row)
     else:
         y = mlp_block(h, p["w_up"], p["w_down"], lp, kind=cfg.mlp, smooth=cfg.smooth_swiglu)
     return x_BTD + y.astype(x_BTD.dtype)
@@ -127,17 +127,17 @@ def _block(ch: str, x_BTD, p, positions_BT, segment_ids_BT, cfg: ModelConfig, lp
 def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
             *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
             key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
-            constrain=lambda x, axes: x, logits: bool = True) -> jax.Array:
+            constrain=lambda x, axes: x, logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
     x_BTD = jnp.take(params["embed"], inputs_BT, axis=0).astype(ACT_DTYPE)
     return forward_embedded(params, x_BTD, positions_BT, segment_ids_BT, cfg=cfg, policy=policy,
                             scales=scales, key=key, remat=remat, scan_layers=scan_layers, constrain=constrain,
-                            logits=logits)
+                            logits=logits, runs_per_row=runs_per_row)
 
 
 def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
                      *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
                      key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
-                     constrain=lambda x, axes: x, logits: bool = True) -> jax.Array:
+                     constrain=lambda x, axes: x, logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
     attn_impl = resolve_implementation(cfg.attention)
     scales = scales or {}
     block_scales = scales.get("blocks", {})
@@ -164,7 +164,8 @@ def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, 
                 seen[t] += 1
                 lp = LayerPrecision(policy, start + j, {c: s[j] for c, s in xs["scales"].items()},
                                     jax.random.fold_in(xs["keys"], j))
-                x = constrain(_block(ch, x, p, positions_BT, segment_ids_BT, cfg, lp, attn_impl, constrain),
+                x = constrain(_block(ch, x, p, positions_BT, segment_ids_BT, cfg, lp, attn_impl, constrain,
+                                     runs_per_row),
                               ("batch", "seq", "embed"))
             return x, None
 
