@@ -50,12 +50,13 @@ def measure(cfg, steps: int, warmup: int) -> dict:
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     optimizer = make_optimizer(cfg)
     state, state_sh = init_state(cfg, mesh, optimizer, policy)
-    step_fn = make_train_step(cfg, policy, optimizer, make_schedule(cfg), make_constrain(mesh))
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    data = make_batches(cfg, cfg.run_dir)
+    step_fn = make_train_step(cfg, policy, optimizer, make_schedule(cfg), make_constrain(mesh),
+                              data.max_runs_per_row)  # the attention kernel the trainer would pick
     b_sh = batch_sharding(mesh)
     jitted = jax.jit(step_fn, in_shardings=(state_sh, b_sh),
                      out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    data = make_batches(cfg, cfg.run_dir)
 
     def one_step(state):
         batch = {k: jax.make_array_from_process_local_data(b_sh, v) for k, v in next(data).items()}

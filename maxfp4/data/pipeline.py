@@ -98,7 +98,7 @@ class BatchIterator:
 
     def __init__(self, cfg: Config, dataset, *, tokenizer: Tokenizer | None, num_tokens: int, num_rows: int,
                  batches_per_epoch: int | None = None, row_source: PackedRowSource | None = None,
-                 parts: list[Part] | None = None, max_runs_per_row: int = 1):
+                 parts: list[Part] | None = None, max_runs_per_row: int):
         import grain
 
         self._dataset = dataset.map(with_loss_mask)
@@ -217,7 +217,7 @@ def make_batches(cfg: Config, run_dir: str, *, process_index: int = 0, process_c
         _check_synthetic_vocab(cfg)
         rows = SyntheticRows(seed, STREAM_SYNTHETIC, cfg.model.vocab_size, cfg.data.seq_len)
         dataset = grain.MapDataset.source(rows).batch(local_batch)[process_index::process_count]
-        return BatchIterator(cfg, dataset, tokenizer=None, num_tokens=0, num_rows=0)
+        return BatchIterator(cfg, dataset, tokenizer=None, num_tokens=0, num_rows=0, max_runs_per_row=1)
 
     tokenizer, parts = load_corpus(cfg, run_dir)
     sources = [_packed(cfg, part, order, _pad_id(tokenizer)) for part, order in zip(parts, _train_orders(cfg, parts))]
