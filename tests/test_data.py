@@ -10,7 +10,7 @@ import pytest
 
 from maxfp4.config import load_config
 from maxfp4.data import BatchIterator, load_documents, make_batches
-from maxfp4.data.packing import PackedRowSource, runs_per_row
+from maxfp4.data.packing import PackedRowSource
 from maxfp4.data.pipeline import chunk_document, pack_chunks, tokenize_documents
 from maxfp4.errors import DataError
 
@@ -59,6 +59,12 @@ def segments(batch: dict) -> list[tuple[int, ...]]:
 def expected_chunks(token_docs, seq_len) -> list[tuple[int, ...]]:
     """The contract, restated: windows of seq_len+1 tokens every seq_len tokens, at least 2 tokens."""
     return [tuple(int(t) for t in d[s:s + seq_len + 1]) for d in token_docs for s in range(0, len(d) - 1, seq_len)]
+
+
+def runs_per_row(segment_ids_BT: np.ndarray) -> np.ndarray:
+    """int [B]: runs of equal segment ids in each row (documents, and a padding tail as one),
+    counted from the ids: the reference for the bound the packing layout gives."""
+    return 1 + np.count_nonzero(segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1], axis=1)
 
 
 def assert_batches_equal(a: list[dict], b: list[dict]) -> None:

@@ -76,12 +76,6 @@ def _max_runs_per_row(pairs_C: np.ndarray, row_first_chunk_R1: np.ndarray, seq_l
     return int(np.max(chunks_R + (used_R < seq_len)))
 
 
-def runs_per_row(segment_ids_BT: np.ndarray) -> np.ndarray:
-    """int [B]: runs of equal segment ids in each row (documents, and a padding tail as one)."""
-    segment_ids_BT = np.asarray(segment_ids_BT)
-    return 1 + np.count_nonzero(segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1], axis=1)
-
-
 def empty_row(seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
     return {
         "inputs": np.full(seq_len, pad_id, np.int32),
