@@ -132,3 +132,42 @@ def test_rht_kernels_split_over_the_gpus_equal_the_xla_path_bitwise(stochastic):
                                   np.asarray(v_ref, np.float32).view(np.uint32))
     assert np.asarray(s).view(np.uint32) == np.asarray(s_ref).view(np.uint32)
     assert v.sharding.is_equivalent_to(rows, 2)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current"])
+def test_fsdp_gathers_the_fp8_weight_and_keeps_fp8_gemms(recipe):
+    """With the weight split over the GPUs (FSDP: mesh fsdp = all GPUs), the layer still makes
+    its three GEMMs in FP8, and every all-gather moves FP8 bytes: the quantized weight is what
+    the devices exchange, not a BF16 or FP32 copy of it."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    fn = fp8_delayed_dot if recipe == "fp8_delayed" else fp8_current_dot
+    gpus = jax.devices("gpu")
+    mesh = jax.make_mesh((1, len(gpus), 1), ("data", "fsdp", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=gpus)
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, None))
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 512, 1024), jnp.bfloat16), rows)
+    w = jax.device_put(0.02 * jax.random.normal(jax.random.key(1), (1024, 2048), jnp.float32),
+                       NamedSharding(mesh, PartitionSpec("fsdp", None)))
+    dy = jax.device_put(jax.random.normal(jax.random.key(2), (4, 512, 2048), jnp.bfloat16), rows)
+    scales = jnp.asarray([50.0, 5000.0, 1000.0], jnp.float32)
+
+    def plain(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: fn(x, w, (), scales, None), x, w)
+        return (y,) + vjp(dy)[:2]
+
+    def layer(x, w, dy):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the trainer traces its step
+            return plain(x, w, dy)
+
+    jitted = jax.jit(layer, compiler_options=compiler_options("gpu"))
+    hlo = jitted.lower(x, w, dy).compile().as_text()
+    assert len(_f8_gemms(hlo)) == 3, hlo
+    gathers = [re.search(r"= \(*(\w+)\[", line).group(1) for line in hlo.splitlines()
+               if re.search(r" all-gather(-start)?\(", line)]
+    if len(gpus) > 1:
+        assert gathers and set(gathers) <= {"f8e4m3fn"}, gathers
+    # The numbers equal the same layer on one device, up to summation order.
+    one = [np.asarray(a, np.float32) for a in jax.jit(plain)(*(jax.device_put(a, gpus[0]) for a in (x, w, dy)))]
+    for g, c in zip((np.asarray(a, np.float32) for a in jitted(x, w, dy)), one):
+        assert np.linalg.norm(g - c) <= 1e-2 * np.linalg.norm(c)

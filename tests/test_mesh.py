@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from maxfp4.config import ConfigError
-from maxfp4.mesh import make_mesh, resolve_mesh_shape, tree_shardings
+from maxfp4.mesh import logical_to_spec, make_mesh, resolve_mesh_shape, tree_shardings
 from maxfp4.model.decoder import init_params, param_axes
 from maxfp4.train import train
 
@@ -39,10 +39,22 @@ def test_parameter_shardings_follow_the_rules(tiny_cfg):
     assert sh["embed"].spec == P("tensor", "fsdp")  # (vocab, embed)
     assert sh["lm_head"].spec == P("fsdp", "tensor")  # (embed, vocab)
     assert sh["blocks"]["w_qkv"].spec == P(None, "fsdp", "tensor", None, None)  # kv heads split
-    assert sh["blocks"]["w_o"].spec == P(None, "tensor", "fsdp")
+    # w_o and w_down shard their leading dim over tensor and fsdp, so FSDP gathers them and
+    # reduce-scatters their gradients along contiguous rows; d_model stays whole.
+    assert sh["blocks"]["w_o"].spec == P(None, ("tensor", "fsdp"), None)
     assert sh["blocks"]["w_up"].spec == P(None, "fsdp", "tensor", None)
-    assert sh["blocks"]["w_down"].spec == P(None, "tensor", "fsdp")
+    assert sh["blocks"]["w_down"].spec == P(None, ("tensor", "fsdp"), None)
     assert sh["blocks"]["attn_norm"].spec == P(None, None)
+
+
+def test_a_dim_keeps_the_leading_mesh_axes_that_divide_it(tiny_cfg):
+    mesh = make_mesh(tiny_cfg("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2").mesh)
+    # 6 rows: tensor (2) divides them, tensor x fsdp (4) does not; fsdp then goes to d_model.
+    assert logical_to_spec(("layers", "mlp", "embed"), (3, 6, 8), mesh) == P(None, "tensor", "fsdp")
+    assert logical_to_spec(("layers", "mlp", "embed"), (3, 5, 8), mesh) == P(None, None, "fsdp")
+    assert logical_to_spec(("batch", "seq"), (2, 16), mesh) == P("data", None)
+    assert logical_to_spec(("batch", "seq"), (8, 16), mesh) == P(("data", "fsdp"), None)
+    assert logical_to_spec(("inner", "embed"), (8, 8), mesh) == P("fsdp", None)
 
 
 def test_impossible_meshes_fail_clearly(tiny_cfg):

@@ -40,7 +40,7 @@ MAMBA_AXES = {
     "D_skip": (None,),
     "dt_bias": (None,),
     "norm": ("norm",),
-    "out_proj": (None, "embed"),
+    "out_proj": ("inner", "embed"),
 }
 
 

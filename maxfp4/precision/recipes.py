@@ -105,18 +105,31 @@ def fp8_gemm_tn(a_q: jax.Array, a_scale: jax.Array, b_q: jax.Array, b_scale: jax
     return (acc * (F.div_rn(1.0, a_scale) * F.div_rn(1.0, b_scale))).astype(out_dtype)
 
 
+def _gathered(w_q: jax.Array) -> jax.Array:
+    """The quantized weight whole on every device, where FSDP shards it (a mesh without tensor
+    parallelism): the all-gather then moves the FP8 bytes. Left to itself, XLA placed it after
+    the FP8 -> BF16 convert that feeds the GEMM when the blocks were unrolled, which moved twice
+    the bytes and, worse, hid the FP8 operand from the GEMM rewriter: the forward GEMMs ran in
+    BF16 (Llama-3-8B at fsdp=2). The residual stays the sharded weight, so the backward gathers
+    it again rather than keeping a whole copy per layer."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get("tensor", 1) > 1 or mesh.size == 1:
+        return w_q
+    return jax.lax.with_sharding_constraint(w_q, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def _fp8_forward(x, w, sx, sw, power_2):
     x_MK = _flat(x)
     qx_MK = F.quantize_fp8(x_MK, sx, F.FP8_E4M3)
     qw_KN = F.quantize_fp8(w, sw, F.FP8_E4M3)
-    y_MN = fp8_gemm_tn(qx_MK, sx, qw_KN.T, sw, power_2=power_2)
+    y_MN = fp8_gemm_tn(qx_MK, sx, _gathered(qw_KN).T, sw, power_2=power_2)
     return y_MN.reshape(*x.shape[:-1], w.shape[1]), (qx_MK, qw_KN)
 
 
 def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2):
     dy_MN = _flat(dy)
     qdy_MN = F.quantize_fp8(dy_MN, sdy, F.FP8_E5M2)
-    dx_MK = fp8_gemm_tn(qdy_MN, sdy, qw_KN, sw, power_2=power_2)  # dY[M,N] . W[K,N]^T
+    dx_MK = fp8_gemm_tn(qdy_MN, sdy, _gathered(qw_KN), sw, power_2=power_2)  # dY[M,N] . W[K,N]^T
     dw_KN = fp8_gemm_tn(qx_MK.T, sx, qdy_MN.T, sdy, jnp.float32, power_2)  # X^T[K,M] . dY^T[N,M]^T
     return dx_MK.reshape(*dy.shape[:-1], qx_MK.shape[1]), dw_KN
 
