@@ -3,7 +3,8 @@
 Layers name their axes logically (``batch``, ``embed``, ``heads`` ...); :data:`LOGICAL_RULES`
 is the only place that decides which mesh axes shard them. A mesh axis is used at most once per
 array: activations shard ``batch`` over data and fsdp, so their ``embed`` stays whole, while
-parameters (which have no batch) shard ``embed`` over fsdp - that is FSDP.
+parameters (which have no batch) shard their leading feature dim over fsdp - ``embed``, or
+``heads`` / ``mlp`` / ``inner`` for the output projections - that is FSDP.
 """
 
 from __future__ import annotations
