@@ -36,6 +36,16 @@ TINY = [
 ]
 
 
+def cpu_env(devices=None, **extra) -> dict:
+    """The environment for a process a test starts: this session's XLA flags (the quick
+    pipeline above included) with ``devices`` virtual CPU devices in place of the session's 8
+    (``None``: no device count, for a launcher that sets its own), on the CPU platform."""
+    kept = [f for f in os.environ["XLA_FLAGS"].split() if not f.startswith("--xla_force_host_platform_device_count")]
+    if devices is not None:
+        kept.insert(0, f"--xla_force_host_platform_device_count={devices}")
+    return dict(os.environ, XLA_FLAGS=" ".join(kept), JAX_PLATFORMS="cpu", **extra)
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path):
     def make(*overrides):

@@ -62,7 +62,7 @@ from maxfp4.checkpoint import CheckpointError, Checkpointer, read_params  # noqa
 from maxfp4.mesh import make_mesh  # noqa: E402
 from maxfp4.optim import make_optimizer  # noqa: E402
 from maxfp4.train import init_state  # noqa: E402
-from tests.conftest import TINY  # noqa: E402
+from tests.conftest import TINY, cpu_env  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVED = TINY + ["run.name=base", "train.steps=3", "optim.schedule_steps=10", "checkpoint.every=1",
@@ -133,8 +133,7 @@ def test_rerun_refuses_math_changes_and_resumes_harmless_ones(saved_run, tmp_pat
     import jax
     run = _copy(saved_run, tmp_path / "out") / "base"
     before = _snapshot(run)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = cpu_env(8, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "maxfp4.train", os.path.join(REPO, "configs", "quickstart.yaml"),
                            *SAVED, f"run.output_dir={tmp_path / 'out'}", "model.d_model=128", "optim.lr=1e-3"],
                           env=env, capture_output=True, text=True, timeout=300)
@@ -218,8 +217,7 @@ def test_save_killed_mid_write_is_never_restored(tmp_path):
     args = TINY + [f"run.output_dir={tmp_path}", "run.name=killed", "mesh.data=1", "model.d_model=256",
                    "model.d_ff=768", "model.vocab_size=4096", "model.n_layers=4", "model.n_heads=4",
                    "checkpoint.async=true"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = cpu_env(1, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, *args], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+from tests.conftest import cpu_env
 from tests.test_multiprocess import _free_port
 from tests.test_preemption import ARGS, REPO
 
@@ -18,7 +19,7 @@ CONFIG = os.path.join(REPO, "configs", "quickstart.yaml")
 
 
 def _env(devices=1):
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    return cpu_env(devices)
 
 
 def _cmd(tmp_path, name, *extra):

@@ -109,8 +109,12 @@ def test_bad_hybrid_configs(override, fragment):
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed", "nvfp4"])
 def test_tiny_hybrid_trains(recipe, tmp_path):
-    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", f"precision.default={recipe}", "train.steps=50",
-                             "precision.recipes={fp8_delayed: {amax_history: 16}}"])
+    # One block of each kind (Mamba-2, attention, MLP) instead of the config's six, and 30 steps
+    # (the config's warm-up of 8 included): compiling dominates, and it grows with the blocks.
+    # Measured drops 1.44 (BF16), 1.44 (FP8), 1.41 (NVFP4) from 6.25, at least 0.41 above the
+    # bound (the six blocks after 30 steps: 1.43-1.45; after 50: 1.92-1.97).
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", f"precision.default={recipe}", "model.pattern=M*-",
+                             "train.steps=30", "precision.recipes={fp8_delayed: {amax_history: 16}}"])
     recs = train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
     assert recs[0]["loss"] - recs[-1]["loss"] > 1.0, (recipe, recs[0]["loss"], recs[-1]["loss"])
 

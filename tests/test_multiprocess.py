@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.conftest import cpu_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = [
     "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
@@ -23,13 +25,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(devices: int) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
 def _losses(run_dir) -> list[float]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         return [json.loads(line)["loss"] for line in fh]
@@ -39,12 +34,12 @@ def _train(tmp_path, name, devices, extra=(), n_proc=1):
     args = [sys.executable, "-m", "maxfp4.train", os.path.join(REPO, "configs", "quickstart.yaml"),
             *COMMON, f"run.output_dir={tmp_path}", f"run.name={name}", *extra]
     if n_proc == 1:
-        subprocess.run(args, env=_env(devices), check=True, capture_output=True, timeout=300)
+        subprocess.run(args, env=cpu_env(devices), check=True, capture_output=True, timeout=300)
         return _losses(tmp_path / name), None
     port = _free_port()
     procs = [subprocess.Popen(args + [f"distributed.coordinator=127.0.0.1:{port}",
                                       f"distributed.num_processes={n_proc}", f"distributed.process_id={i}"],
-                              env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=cpu_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(n_proc)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outs):

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from tests.conftest import cpu_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
         "model.vocab_size=256", "data.source=synthetic", "data.seq_len=32", "data.global_batch=4",
@@ -17,7 +19,7 @@ ARGS = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_h
 
 
 def _run(tmp_path, steps):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = cpu_env(1)
     return subprocess.Popen([sys.executable, "-m", "maxfp4.train", os.path.join(REPO, "configs", "quickstart.yaml"),
                              *ARGS, f"run.output_dir={tmp_path}", "run.name=pre", f"train.steps={steps}"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -53,7 +55,7 @@ def test_signal_checkpoints_and_rerun_resumes(tmp_path, sig):
 
 
 def test_unhandled_exception_writes_a_crash_report(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = cpu_env(1)
     proc = subprocess.run([sys.executable, "-m", "maxfp4.train", os.path.join(REPO, "configs", "quickstart.yaml"),
                            *ARGS, f"run.output_dir={tmp_path}", "run.name=pre", "train.steps=10",
                            "resilience.fault.exception_at_step=4"],

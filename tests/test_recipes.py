@@ -338,10 +338,12 @@ def test_bad_precision_options(override, fragment):
     assert fragment in str(err.value)
 
 
-TINY_TRAIN = ["model.d_model=96", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-              "model.d_ff=256", "model.vocab_size=512", "data.source=builtin", "data.seq_len=64",
-              "data.global_batch=8", "train.steps=60", "train.log_every=20", "optim.lr=3e-3",
-              "optim.warmup_steps=6", "precision.recipes={fp8_delayed: {amax_history: 16}}"]
+# 50 steps of a 64-wide model (d_ff 128): the loss falls further than in 60 steps of a 96-wide
+# one (d_ff 256), for less work per step.
+TINY_TRAIN = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+              "model.d_ff=128", "model.vocab_size=512", "data.source=builtin", "data.seq_len=64",
+              "data.global_batch=8", "train.steps=50", "train.log_every=20", "optim.lr=3e-3",
+              "optim.warmup_steps=5", "precision.recipes={fp8_delayed: {amax_history: 16}}"]
 
 
 @pytest.fixture(scope="module")
@@ -361,8 +363,9 @@ def test_tiny_model_trains_close_to_bf16(recipe, extra, bf16_final_loss, tmp_pat
     recs = train(load_config(None, TINY_TRAIN + [f"run.output_dir={tmp_path}", f"precision.default={recipe}"] + extra),
                  devices=jax.devices()[:1], stream=io.StringIO())
     first, last = recs[0]["loss"], recs[-1]["loss"]
-    assert first - last > 1.5  # it learns
-    # Within 0.15 nats of BF16 after 60 steps (measured gaps: FP8 ~0.01-0.04, NVFP4 ~0.05).
+    # It learns: measured drops 1.82-1.87 (BF16 1.83; the 96-wide model after 60 steps: 1.73-1.82).
+    assert first - last > 1.5
+    # Within 0.15 nats of BF16 after 50 steps (measured gaps: FP8 0.004-0.037, NVFP4 0.012).
     assert abs(last - bf16_final_loss) < 0.15, (recipe, last, bf16_final_loss)
 
 

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from tests.conftest import cpu_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH_SCRIPT = os.path.join(REPO, "scripts", "slurm", "train.sbatch")
 CLUSTER = os.path.join(REPO, "scripts", "slurm", "local_cluster.sh")
@@ -65,8 +67,9 @@ def test_sbatch_two_cpu_tasks_train_one_mesh(cluster, tmp_path):
     # slurmd starts the job in another working directory: every path is absolute.
     out = tmp_path / "job.out"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
-    # conftest.py asks for 8 virtual devices; here each process must have exactly one.
-    env.pop("XLA_FLAGS", None)
+    # conftest.py asks for 8 virtual devices; here each process must have exactly one (the
+    # script's default): the session's other XLA flags (quick compilation) without the count.
+    env["XLA_FLAGS"] = cpu_env()["XLA_FLAGS"]
     env.update(MAXFP4_CPU="1", MAXFP4_PYTHON=sys.executable)
     submit = subprocess.run(
         ["sbatch", "--parsable", "--job-name=maxfp4-test", "--nodes=1", "--ntasks-per-node=2",

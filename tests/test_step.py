@@ -2,14 +2,16 @@
 
 import jax
 import numpy as np
+import optax
 import pytest
 
-from maxfp4.config import ConfigError
+from maxfp4.config import ConfigError, load_config
 from maxfp4.mesh import batch_sharding, make_constrain, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.step import make_loss_fn, make_train_step
 from maxfp4.train import init_state
+from tests.conftest import TINY
 
 
 def _batch(cfg, seed=0):
@@ -36,6 +38,20 @@ def _one_step(cfg, devices):
     grads = jax.jit(jax.grad(lambda p, b: loss_fn(p, {}, b, jax.random.key(0), 1.0)))(state.params, batch)
     new_state, metrics = jax.jit(step, in_shardings=(state_sh, b_sh), out_shardings=(state_sh, None))(state, batch)
     return before, new_state, jax.device_get(metrics), jax.device_get(grads)
+
+
+def _gradients(cfg, devices):
+    """As ``_one_step`` without the step: parameters, the loss and the norm of its gradient (in
+    place of the step's metrics), the gradient, and the HLO text of the compiled gradient."""
+    mesh = make_mesh(cfg.mesh, devices)
+    state, _ = init_state(cfg, mesh, make_optimizer(cfg))
+    loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), make_constrain(mesh))
+    batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in _batch(cfg).items()}
+    compiled = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, {}, b, jax.random.key(0), 1.0))).lower(
+        state.params, batch).compile()
+    loss, grads = jax.device_get(compiled(state.params, batch))
+    metrics = {"loss": float(loss), "grad_norm": float(optax.tree.norm(grads))}
+    return (jax.device_get(state.params), None, metrics, grads), compiled.as_text()
 
 
 def _rel(a, b):
@@ -69,18 +85,32 @@ def _assert_same_update(ref, other):
         assert _rel(p2 - p0, p1 - p0) <= 5e-2, f"update of {name} differs: {_rel(p2 - p0, p1 - p0)}"
 
 
+@pytest.fixture(scope="module")
+def one_device_step(tmp_path_factory):
+    """The tiny model's step on one device: the reference of the sharded and microbatched steps
+    below, computed once per test process."""
+    cfg = load_config(None, TINY + [f"run.output_dir={tmp_path_factory.mktemp('one')}", "mesh.data=1"])
+    return _one_step(cfg, jax.devices()[:1])
+
+
 @pytest.mark.parametrize("mesh", [("mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1"),
                                   ("mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"),
                                   ("mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1")])
-def test_eight_device_step_equals_one_device(tiny_cfg, mesh):
+def test_eight_device_step_equals_one_device(tiny_cfg, mesh, one_device_step):
     assert len(jax.devices()) == 8
-    one = _one_step(tiny_cfg("mesh.data=1"), jax.devices()[:1])
+    one = one_device_step
     eight = _one_step(tiny_cfg(*mesh), jax.devices())
     w = eight[1].params["blocks"]["w_up"]
     assert len(w.sharding.device_set) == 8
     if "mesh.data=8" not in mesh:  # FSDP / tensor parallel state really is split
         assert not w.sharding.is_fully_replicated
     _assert_same_update(one, eight)
+
+
+def test_microbatches_equal_full_batch(tiny_cfg, one_device_step):
+    full = one_device_step
+    micro = _one_step(tiny_cfg("mesh.data=1", "train.microbatches=4"), jax.devices()[:1])
+    _assert_same_update(full, micro)
 
 
 def test_eight_device_hybrid_runs_its_mamba_kernels_on_each_devices_rows(tiny_cfg):
@@ -92,29 +122,19 @@ def test_eight_device_hybrid_runs_its_mamba_kernels_on_each_devices_rows(tiny_cf
     transpose sums them over the devices), and no [global batch, T, E] array of the mixer is
     left in the compiled gradient. (Adam's first update is not compared: in this model the
     sign flips of near-zero gradients move the attention update 6.6% either way, with or
-    without the per-row kernels.)"""
+    without the per-row kernels. So the train step, which would compile the gradient a second
+    time, is not run: the loss and gradient norm compared are the gradient's own; the hybrid's
+    sharded step is tested across two processes in tests/test_multiprocess.py.)"""
     hybrid = ["model.kind=hybrid", "model.pattern=M*-", "model.mamba.head_dim=16", *_PALLAS_MIXER]
     mesh = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-    one = _one_step(tiny_cfg("mesh.data=1", *hybrid), jax.devices()[:1])
-    eight = _one_step(tiny_cfg(*mesh, *hybrid), jax.devices())
+    one, _ = _gradients(tiny_cfg("mesh.data=1", *hybrid), jax.devices()[:1])
+    cfg = tiny_cfg(*mesh, *hybrid)
+    eight, hlo = _gradients(cfg, jax.devices())  # one compilation serves both checks
     _assert_same_gradients(one, eight)
 
-    cfg = tiny_cfg(*mesh, *hybrid)
-    mesh8 = make_mesh(cfg.mesh, jax.devices())
-    state, _ = init_state(cfg, mesh8, make_optimizer(cfg))
-    loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), make_constrain(mesh8))
-    batch = {k: jax.device_put(v, batch_sharding(mesh8)) for k, v in _batch(cfg).items()}
-    hlo = jax.jit(jax.grad(lambda p, b: loss_fn(p, {}, b, jax.random.key(0), 1.0))).lower(
-        state.params, batch).compile().as_text()
     e, b, t = cfg.model.mamba.expand * cfg.model.d_model, cfg.data.global_batch, cfg.data.seq_len
     assert f"[{b // 4},{t},{e}]" in hlo  # the mixer's [B, T, E] arrays, a quarter of the batch each
     assert f"[{b},{t},{e}]" not in hlo
-
-
-def test_microbatches_equal_full_batch(tiny_cfg):
-    full = _one_step(tiny_cfg("mesh.data=1"), jax.devices()[:1])
-    micro = _one_step(tiny_cfg("mesh.data=1", "train.microbatches=4"), jax.devices()[:1])
-    _assert_same_update(full, micro)
 
 
 # The FP8 hybrid runs the Mamba-2 kernels (interpret mode), as training on a GPU does: the mixer

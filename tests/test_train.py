@@ -16,16 +16,18 @@ REQUIRED_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_
 
 def test_loss_falls_on_builtin_text_and_run_dir_is_complete(tmp_path):
     cfg = load_config(None, [
-        "model.d_model=96", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.d_ff=256", "model.vocab_size=512", "data.source=builtin", "data.seq_len=64",
-        "data.global_batch=8", "train.steps=80", "train.log_every=10", "optim.lr=3e-3",
-        "optim.warmup_steps=8", f"run.output_dir={tmp_path}", "run.name=tiny"])
+        "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.d_ff=128", "model.vocab_size=512", "data.source=builtin", "data.seq_len=64",
+        "data.global_batch=8", "train.steps=50", "train.log_every=10", "optim.lr=3e-3",
+        "optim.warmup_steps=5", f"run.output_dir={tmp_path}", "run.name=tiny"])
     out = io.StringIO()
     records = train(cfg, devices=jax.devices()[:1], stream=out)
 
     first, last = records[0], records[-1]
-    assert first["step"] == 1 and last["step"] == 80
+    assert first["step"] == 1 and last["step"] == 50
     # ln(512) = 6.24 at the start; a model that learns nothing stays near the unigram entropy.
+    # Measured drop after 50 steps 1.83 (the BF16 run of tests/test_recipes.py: the same model,
+    # data and schedule, so the same compiled step).
     assert first["loss"] - last["loss"] > 1.5, (first["loss"], last["loss"])
 
     run_dir = tmp_path / "tiny"
@@ -33,7 +35,7 @@ def test_loss_falls_on_builtin_text_and_run_dir_is_complete(tmp_path):
         assert (run_dir / name).is_file(), name
     assert glob.glob(str(run_dir / "tensorboard" / "events.out.tfevents.*"))
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [l["step"] for l in lines] == [1, 10, 20, 30, 40, 50, 60, 70, 80]
+    assert [l["step"] for l in lines] == [1, 10, 20, 30, 40, 50]
     for rec in lines:
         assert REQUIRED_KEYS <= set(rec)
     assert all(rec["tokens_per_s"] > 0 for rec in lines[1:])
@@ -42,7 +44,7 @@ def test_loss_falls_on_builtin_text_and_run_dir_is_complete(tmp_path):
     again = load_config(str(run_dir / "config.yaml"))
     assert again == cfg
     assert "bf16" in (run_dir / "precision_table.txt").read_text()
-    assert "step     80/80" in out.getvalue()
+    assert "step     50/50" in out.getvalue()
 
     png = tmp_path / "cmp.png"
     assert plot_main([str(run_dir), "-o", str(png)]) == 0
