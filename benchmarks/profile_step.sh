@@ -6,6 +6,7 @@
 # Writes OUT_DIR/prof_NAME.txt (OUT_DIR: $OUT, else /tmp/maxfp4-profiles) and, gzipped, the
 # optimized HLO of the step (OUT_DIR/hlo_NAME.txt.gz) for reading fusions and GEMM types.
 # Synthetic data as the configs set it; checkpoints off; steps 5 and 6 traced (1-4 warm up).
+# GAPS=N also lists the N longest gaps in each GPU's compute and the collectives in flight.
 set -uo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: bash benchmarks/profile_step.sh NAME CONFIG [PRECISION] [key=value ...]" >&2
@@ -20,7 +21,7 @@ rm -rf "$DUMP" "$RUNS"
 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$DUMP --xla_dump_hlo_as_text" python3 -m maxfp4.train "$@" \
   train.steps=7 optim.warmup_steps=2 'train.profile_steps=[5,6]' run.output_dir="$RUNS" \
   checkpoint.enabled=false train.log_every=1 2>&1 | tail -2
-python3 benchmarks/profile_summary.py "$RUNS"/*/profile --steps 2 --top "${TOP:-60}" --hlo "$DUMP" \
+python3 benchmarks/profile_summary.py "$RUNS"/*/profile --steps 2 --top "${TOP:-60}" --gaps "${GAPS:-0}" --hlo "$DUMP" \
   > "$OUT_DIR/prof_$NAME.txt" 2>&1
 head -12 "$OUT_DIR/prof_$NAME.txt"
 gzip -c "$(ls -S "$DUMP"/*after_optimizations.txt | head -1)" > "$OUT_DIR/hlo_$NAME.txt.gz"

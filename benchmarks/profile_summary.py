@@ -8,6 +8,9 @@ and prints the top kernels and a total per kind (GEMM, attention, Pallas kernels
 copies, other fusions). ``--steps`` divides the totals to give milliseconds per step. With
 ``--hlo`` (a folder written by ``XLA_FLAGS=--xla_dump_to=DIR``), each top kernel also gets the
 JAX operation and source line that XLA recorded for it, which says what a fusion came from.
+With ``--gaps N``, it also reads each GPU's timeline: how long its compute kernels left it idle
+(collectives do not count as compute), and the N longest idle gaps with the kernels on either side
+and the collectives in flight, which says which communication the compute waited for.
 """
 
 from __future__ import annotations
@@ -63,6 +66,50 @@ def gpu_kernel_times(trace: dict) -> tuple[collections.Counter, collections.Coun
     return totals, counts
 
 
+def _gpu_events(trace: dict) -> dict[int, list[tuple[float, float, str]]]:
+    """(start us, end us, name) of every kernel, per GPU process, in start order."""
+    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    events: dict[int, list] = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and "gpu" in names.get(e.get("pid"), "").lower():
+            start = float(e["ts"])
+            events[e["pid"]].append((start, start + float(e.get("dur", 0.0)), e["name"]))
+    return {pid: sorted(evs) for pid, evs in events.items()}
+
+
+def idle_gaps(events: list[tuple[float, float, str]], min_us: float = 20.0):
+    """Where one GPU ran no compute kernel: (busy us, span us, gaps), each gap (start, length,
+    kernel before, kernel after, collectives overlapping it). Collectives run on their own
+    stream and are not compute: a gap they overlap is communication the compute waited for."""
+    compute = [e for e in events if kind_of(e[2]) != "collectives"]
+    collectives = [e for e in events if kind_of(e[2]) == "collectives"]
+    busy, gaps = 0.0, []
+    end, before = compute[0][0], ""
+    for start, stop, name in compute:
+        if start - end >= min_us:
+            during = sorted({c[2][:40] for c in collectives if c[0] < start and c[1] > end})
+            gaps.append((end, start - end, before, name, during))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, before = stop, name
+    return busy, end - compute[0][0], gaps
+
+
+def print_gaps(trace: dict, top: int, steps: int) -> None:
+    for pid, events in sorted(_gpu_events(trace).items()):
+        busy, span, gaps = idle_gaps(events)
+        idle = span - busy
+        print(f"\nGPU process {pid}: compute busy {busy / 1e3 / steps:.1f} ms/step, idle "
+              f"{idle / 1e3 / steps:.1f} ms/step ({len(gaps)} gaps of 20 us or more; the gap "
+              f"between the traced steps counts too)")
+        print(f"{'at ms':>9}{'gap us':>10}  last kernel before -> first after; collectives in flight")
+        t0 = events[0][0]
+        for at, length, before, after, during in sorted(gaps, key=lambda g: -g[1])[:top]:
+            print(f"{(at - t0) / 1e3:>9.2f}{length:>10.0f}  {before[:40]} -> {after[:40]}; "
+                  f"{', '.join(during) or '-'}")
+
+
 def traced_kernel_times(calls, reps: int) -> tuple[collections.Counter, collections.Counter]:
     """``gpu_kernel_times`` of ``reps`` runs of each of ``calls`` (zero-argument functions, each
     run once untraced first, so compiling stays out of the trace), traced here: what a probe or
@@ -108,10 +155,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--steps", type=int, default=1, help="steps in the trace (per-step times)")
     ap.add_argument("--hlo", type=pathlib.Path, help="an XLA dump folder (--xla_dump_to) for origins")
+    ap.add_argument("--gaps", type=int, default=0, help="print the N longest idle gaps per GPU")
     a = ap.parse_args()
     path = newest_trace(a.folder)
     with gzip.open(path, "rt", encoding="utf-8") as fh:
-        totals, counts = gpu_kernel_times(json.load(fh))
+        trace = json.load(fh)
+    totals, counts = gpu_kernel_times(trace)
     if not totals:
         sys.exit(f"error: {path} holds no GPU events")
     all_ms = sum(totals.values()) / 1e3 / a.steps
@@ -130,6 +179,8 @@ def main() -> None:
               f"{us / 1e3 / a.steps:>10.2f}{us / 1e3 / a.steps / all_ms:>8.1%}")
         if name in origins:
             print(f"    from {origins[name]}")
+    if a.gaps:
+        print_gaps(trace, a.gaps, a.steps)
 
 
 if __name__ == "__main__":

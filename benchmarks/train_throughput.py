@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.child:
+        from maxfp4.distributed import set_gpu_environment_defaults
+
+        set_gpu_environment_defaults()  # as the trainer's own entry point does
         print(RESULT_TAG + json.dumps(measure_one(ns.rest, ns.steps, ns.warmup)), flush=True)
         return 0
     if not ns.run:

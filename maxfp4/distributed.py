@@ -22,6 +22,26 @@ from maxfp4.errors import UserError
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
+# What the trainer sets, unless the environment already says otherwise. Read by the CUDA driver
+# when JAX starts the GPU backend, so they must be in place before the first device query.
+# CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware work queue per GPU, which starts kernels in the
+# order XLA launches them. With CUDA's default of 8 queues, an NCCL kernel launched on the
+# collective stream just before a GEMM on the compute stream ran only after that GEMM, so
+# FSDP's FP32 gradient reduce-scatters did not overlap the GEMMs they were scheduled beside
+# (Llama-3-8B on two H200s: 66-75 ms a step with no compute kernel running; with one queue
+# 7-11 ms, and the step 838 -> 812 ms in BF16, 638 -> 609 ms in FP8; one GPU: unchanged).
+# docs/PERFORMANCE.md, section "One hardware queue a GPU". NVIDIA advises against 1 on Blackwell
+# (unmeasured here): there, set the variable yourself.
+GPU_ENVIRONMENT_DEFAULTS = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def set_gpu_environment_defaults(env=os.environ) -> dict[str, str]:
+    """Put ``GPU_ENVIRONMENT_DEFAULTS`` into ``env`` where it has no value; returns what was set.
+    Call before JAX starts its GPU backend (the first device query)."""
+    added = {k: v for k, v in GPU_ENVIRONMENT_DEFAULTS.items() if k not in env}
+    env.update(added)
+    return added
+
 
 def in_slurm_step(env: Mapping[str, str] = os.environ) -> bool:
     return all(v in env for v in SLURM_VARS)

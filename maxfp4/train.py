@@ -324,6 +324,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    distributed.set_gpu_environment_defaults()  # before anything starts the GPU backend
 
     def run() -> None:
         cfg = config_from_arguments(args)
