@@ -25,7 +25,7 @@ MIXTURE_SOURCES = ("builtin", "text", "jsonl", "array_record")
 MODEL_KINDS = ("dense", "hybrid")
 MLP_KINDS = ("swiglu", "relu2")
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp"}
-REMAT_POLICIES = ("none", "full", "save_gemm")
+REMAT_POLICIES = ("none", "full", "save_gemm", "save_gemm_io")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_mask")
 
 
@@ -118,7 +118,7 @@ class TrainConfig:
     # the LM head and loss over this many slices of the sequence, each recomputed in the backward
     # pass: 1/loss_chunks of the [B, T, V] logits live at once (maxfp4.model.decoder.chunked_loss_sum)
     loss_chunks: int = 1
-    remat: str = "none"  # none | full | save_gemm (maxfp4.model.remat)
+    remat: str = "none"  # none | full | save_gemm | save_gemm_io (maxfp4.model.remat)
     # one lax.scan per run of identical blocks (compile time flat in depth), or false: blocks
     # unrolled (no stacked residual buffers; longer compiles) -- maxfp4.model.layer_loop
     scan_layers: bool = True

@@ -51,6 +51,10 @@ OPTIMIZER_TRAFFIC_BYTES = 4 * 4 + 3 * 4
 ACT_BYTES_NO_REMAT = 34  # x d_model
 ACT_BYTES_FULL_REMAT = 2  # x d_model: only the block input
 GEMM_OUT_BYTES = 2  # per output feature: train.remat=save_gemm keeps each linear layer's BF16 output
+# Per input feature: train.remat=save_gemm_io also keeps each linear layer's activation operand as
+# its recipe's backward reads it (FP8 bytes; BF16 for BF16 and for NVFP4, whose wgrad quantizes it
+# again along the tokens).
+GEMM_IN_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 2.0}
 LOGIT_BYTES = 4  # x vocab per token: the loss streams the logits in FP32 (traffic)
 # x vocab per token held at the loss's peak: the BF16 logits kept for the backward pass, their
 # BF16 gradient and ~2 more bytes of temporaries. Fitted to measured peaks: with 4 (FP32 logits
@@ -139,9 +143,12 @@ def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, prec
         per_token = ACT_BYTES_NO_REMAT * m.d_model * len(blocks)
     else:
         per_token = ACT_BYTES_FULL_REMAT * m.d_model * len(blocks)
-        if remat == "save_gemm":  # plus each linear layer's output (attention's output included)
+        if remat in ("save_gemm", "save_gemm_io"):  # plus each linear layer's output (attention's too)
             out = {c: n for c, (_, n) in linear_shapes(m).items()}
             per_token += GEMM_OUT_BYTES * sum(out[c] + m.d_model * (c == "attn_qkv") for b in blocks for c in b)
+        if remat == "save_gemm_io":  # plus each linear layer's activation operand
+            inp = {c: k for c, (k, _) in linear_shapes(m).items()}
+            per_token += GEMM_IN_BYTES[precision] * sum(inp[c] for b in blocks for c in b)
         per_token += ACT_BYTES_NO_REMAT * m.d_model  # the block being recomputed holds its activations
     acts = tokens * per_token / tensor
     logits = tokens * m.vocab_size * LOGIT_MEMORY_BYTES / tensor / cfg.train.loss_chunks

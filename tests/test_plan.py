@@ -92,6 +92,19 @@ def test_save_gemm_keeps_the_linear_outputs_between_full_and_no_remat():
     assert act["full"] < act["save_gemm"] < act["none"]
 
 
+def test_save_gemm_io_adds_each_linear_layers_input_in_its_recipes_bytes():
+    cfg = load_config("configs/dense-1p3b.yaml")
+    params = plan.param_count(cfg.model)
+    m = cfg.model
+    # the inputs of qkv, the output projection, gated up (one input for both) and down
+    inputs = m.d_model + m.n_heads * m.resolved_head_dim + m.d_model + m.d_ff
+    tokens = cfg.data.global_batch * cfg.data.seq_len
+    for precision, bytes_each in (("fp8", 1), ("bf16", 2), ("nvfp4", 2)):
+        act = {r: plan.memory_per_device(cfg, (1, 1, 1), params, precision, r)["activations"]
+               for r in ("save_gemm", "save_gemm_io")}
+        assert act["save_gemm_io"] - act["save_gemm"] == pytest.approx(tokens * m.n_layers * bytes_each * inputs)
+
+
 def test_full_remat_costs_one_more_forward_of_the_blocks():
     """Full remat adds the blocks' forward FLOPs (a third of their training FLOPs, the LM head
     excluded) at the BF16 GEMM rate; save_gemm and full both re-run the forward's element-wise

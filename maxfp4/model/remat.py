@@ -7,6 +7,11 @@
   element-wise work between them (norms, RoPE, activations, quantization of the inputs). The
   expensive parts -- GEMMs and the fused attention kernel -- are not run twice, while the many
   FP32/BF16 temporaries of the element-wise chains are not kept.
+- ``save_gemm_io``: ``save_gemm``, and also each linear layer's activation operand in the form
+  its recipe's backward pass reads it (FP8 bytes for the FP8 recipes, BF16 for BF16 and NVFP4).
+  The backward pass then recomputes only the norms' statistics, RoPE and the weights' casts, not
+  the norm, activation and cast chains that made those operands. With FP8 this costs one byte
+  an input feature a token, a block: about half of the inputs' BF16 size.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Callable
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from maxfp4.precision import GEMM_OUT  # every linear layer's output carries this name
+from maxfp4.precision import GEMM_IN, GEMM_OUT  # every linear layer's operand and output carry these
 
 ATTENTION_OUT = "attention_out"
 
@@ -25,15 +30,19 @@ ATTENTION_OUT = "attention_out"
 # recompute the forward kernel to regain the statistics: on dense-1p3b (H200) the forward kernel
 # then ran twice per step, 16 ms of a 290 ms step. Saving the primitive's outputs avoids that.
 _CUDNN_ATTENTION_FORWARD = ("dot_product_attention_fwd_wrapper", "dot_product_attention_fwd")
-_save_named = jax.checkpoint_policies.save_only_these_names(GEMM_OUT, ATTENTION_OUT)
+def _saving(*names: str):
+    """A policy that keeps the named values and cuDNN attention's forward outputs."""
+    save_named = jax.checkpoint_policies.save_only_these_names(*names)
 
+    def policy(prim, *args, **params) -> bool:
+        return prim.name in _CUDNN_ATTENTION_FORWARD or save_named(prim, *args, **params)
 
-def _save_gemm_and_attention(prim, *args, **params) -> bool:
-    return prim.name in _CUDNN_ATTENTION_FORWARD or _save_named(prim, *args, **params)
+    return policy
 
 
 _POLICIES = {
-    "save_gemm": _save_gemm_and_attention,
+    "save_gemm": _saving(GEMM_OUT, ATTENTION_OUT),
+    "save_gemm_io": _saving(GEMM_OUT, ATTENTION_OUT, GEMM_IN),
 }
 
 

@@ -29,9 +29,10 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.precision import formats as F
-from maxfp4.precision.recipes import COMPUTE_DTYPE, TN, _dtype_token, _flat
+from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, TN, _dtype_token, _flat
 
 # ----------------------------------------------------------------------------- OCP MX
 
@@ -87,7 +88,7 @@ def _mx_fwd(x, w, name):
     _check_multiple(name, "the token count M (wgrad contracts over it)", m, F.MX_BLOCK, x.shape)
     # MX blocks are 1D, so W blocked along K (fprop) and along N (dgrad) are different
     # quantizations: keep W itself (FP32 master weights) and quantize it again in the backward.
-    return _mx_forward(x, w, name), (_flat(x), w, _dtype_token(x))
+    return _mx_forward(x, w, name), (checkpoint_name(_flat(x), GEMM_IN), w, _dtype_token(x))
 
 
 def _mx_bwd(name, res, dy):
@@ -215,7 +216,7 @@ def _fp8_block_fwd(x, w):
                     x.shape)
     y, (qw, sw) = _fp8_block_forward(x, w)
     # 128x128 weight blocks: W^T quantizes to the same values, so dgrad reuses (qw, sw).
-    return y, (_flat(x), qw, sw, _dtype_token(x))
+    return y, (checkpoint_name(_flat(x), GEMM_IN), qw, sw, _dtype_token(x))
 
 
 def _fp8_block_bwd(res, dy):

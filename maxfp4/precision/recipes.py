@@ -22,6 +22,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.mesh import LOGICAL_RULES
 from maxfp4.precision import formats as F
@@ -29,6 +30,10 @@ from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns,
 
 COMPUTE_DTYPE = jnp.bfloat16
 TN = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands: the fast cuBLASLt FP8 layout
+# The name of each recipe's activation operand as its backward pass keeps it (FP8 for the FP8
+# recipes, BF16 for the others), so a remat policy can keep it rather than recompute the norm,
+# activation and cast that made it (train.remat=save_gemm_io, maxfp4.model.remat).
+GEMM_IN = "gemm_in"
 
 
 def _flat(x: jax.Array) -> jax.Array:
@@ -55,7 +60,7 @@ def _bf16(x, w):
 def _bf16_fwd(x, w):
     x_MK, w_KN = _flat(x).astype(COMPUTE_DTYPE), w.astype(COMPUTE_DTYPE)
     y = jnp.dot(x_MK, w_KN, preferred_element_type=COMPUTE_DTYPE)
-    return y.reshape(*x.shape[:-1], w.shape[1]), (x_MK, w_KN, _dtype_token(x))
+    return y.reshape(*x.shape[:-1], w.shape[1]), (checkpoint_name(x_MK, GEMM_IN), w_KN, _dtype_token(x))
 
 
 def _bf16_bwd(res, dy):
@@ -123,7 +128,7 @@ def _fp8_forward(x, w, sx, sw, power_2):
     qx_MK = F.quantize_fp8(x_MK, sx, F.FP8_E4M3)
     qw_KN = F.quantize_fp8(w, sw, F.FP8_E4M3)
     y_MN = fp8_gemm_tn(qx_MK, sx, _gathered(qw_KN).T, sw, power_2=power_2)
-    return y_MN.reshape(*x.shape[:-1], w.shape[1]), (qx_MK, qw_KN)
+    return y_MN.reshape(*x.shape[:-1], w.shape[1]), (checkpoint_name(qx_MK, GEMM_IN), qw_KN)
 
 
 def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2):
@@ -256,7 +261,7 @@ def _nvfp4_fwd(x, w, options, key):
     two_d = bool(opts["weight_2d"])
     qw_NK = F.quantize_nvfp4(w.T, two_d=two_d)
     y = nvfp4_gemm_tn(qx, qw_NK).reshape(*x.shape[:-1], w.shape[1])
-    return y, (x_MK, w if not two_d else None, qw_NK, key)
+    return y, (checkpoint_name(x_MK, GEMM_IN), w if not two_d else None, qw_NK, key)
 
 
 def _nvfp4_bwd(options, res, dy):

@@ -1,0 +1,66 @@
+"""What each remat policy keeps for the backward pass, read from JAX's own list of the saved
+residuals of the tiny model's loss, and that keeping more does not change the gradients."""
+
+import collections
+import contextlib
+import io
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+
+from maxfp4.mesh import make_constrain, make_mesh
+from maxfp4.optim import make_optimizer
+from maxfp4.precision import resolve_policy
+from maxfp4.precision.state import scales_of
+from maxfp4.step import make_loss_fn
+from maxfp4.train import init_state
+
+FP8 = "f8_e4m3fn"
+
+
+def _loss_and_params(cfg):
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    state, _ = init_state(cfg, mesh, make_optimizer(cfg))
+    loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), make_constrain(mesh))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.model.vocab_size, (cfg.data.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "segment_ids": np.ones((cfg.data.global_batch, cfg.data.seq_len), np.int32),
+             "positions": np.tile(np.arange(cfg.data.seq_len, dtype=np.int32), (cfg.data.global_batch, 1)),
+             "loss_mask": np.ones((cfg.data.global_batch, cfg.data.seq_len), np.float32)}
+    scales = scales_of(state.precision)  # the delayed-scaling state's scales ({} for the others)
+    return (lambda p: loss_fn(p, scales, batch, jax.random.key(0), 1.0)), state.params
+
+
+def _residuals(loss, params) -> collections.Counter:
+    """(dtype, shape) of each residual JAX saves for the backward pass, counted. Its public report
+    is printed, one line a residual: "dtype[shape] <why> from <where>"."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(loss, params)
+    found = re.findall(r"^(\w+)\[([\d,]*)\] ", out.getvalue(), re.MULTILINE)
+    return collections.Counter((dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in found)
+
+
+@pytest.mark.parametrize("recipe,dtype", [("fp8_delayed", FP8), ("bf16", "bf16")])
+def test_save_gemm_io_keeps_each_linear_input_in_its_recipes_format(tiny_cfg, recipe, dtype):
+    """Beyond what save_gemm keeps, save_gemm_io keeps exactly the four block GEMMs' activation
+    operands (qkv, attention output, MLP up, MLP down; [blocks, tokens, in features], the scanned
+    blocks' stacked residuals) as the recipe's backward reads them: FP8 bytes for FP8, BF16 for
+    BF16. The gradients agree with save_gemm's (the same math; 1e-2 relative L2 for BF16 chains
+    that XLA fuses differently)."""
+    kept, grads = {}, {}
+    for remat in ("save_gemm", "save_gemm_io"):
+        cfg = tiny_cfg("mesh.data=1", f"train.remat={remat}", f"precision.default={recipe}")
+        loss, params = _loss_and_params(cfg)
+        kept[remat] = _residuals(loss, params)
+        grads[remat] = jax.device_get(jax.jit(jax.grad(loss))(params))
+    m, tokens = cfg.model, cfg.data.global_batch * cfg.data.seq_len
+    inputs = (m.d_model, m.n_heads * m.resolved_head_dim, m.d_model, m.d_ff)
+    expected = collections.Counter((dtype, (m.n_layers, tokens, k)) for k in inputs)
+    assert kept["save_gemm_io"] - kept["save_gemm"] == expected, kept["save_gemm_io"] - kept["save_gemm"]
+    for a, b in zip(jax.tree.leaves(grads["save_gemm_io"]), jax.tree.leaves(grads["save_gemm"])):
+        assert np.linalg.norm(a - b) <= 1e-2 * max(np.linalg.norm(b), 1e-30)
