@@ -339,9 +339,10 @@ def test_bad_precision_options(override, fragment):
 
 
 # 50 steps of a 64-wide model (d_ff 128): the loss falls further than in 60 steps of a 96-wide
-# one (d_ff 256), for less work per step.
+# one (d_ff 256), for less work per step. Rows of 32 tokens: running the steps is about half of
+# an emulated FP8 or NVFP4 run here (compiling the rest), and it halves with the tokens.
 TINY_TRAIN = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-              "model.d_ff=128", "model.vocab_size=512", "data.source=builtin", "data.seq_len=64",
+              "model.d_ff=128", "model.vocab_size=512", "data.source=builtin", "data.seq_len=32",
               "data.global_batch=8", "train.steps=50", "train.log_every=20", "optim.lr=3e-3",
               "optim.warmup_steps=5", "precision.recipes={fp8_delayed: {amax_history: 16}}"]
 
@@ -363,9 +364,11 @@ def test_tiny_model_trains_close_to_bf16(recipe, extra, bf16_final_loss, tmp_pat
     recs = train(load_config(None, TINY_TRAIN + [f"run.output_dir={tmp_path}", f"precision.default={recipe}"] + extra),
                  devices=jax.devices()[:1], stream=io.StringIO())
     first, last = recs[0]["loss"], recs[-1]["loss"]
-    # It learns: measured drops 1.82-1.87 (BF16 1.83; the 96-wide model after 60 steps: 1.73-1.82).
-    assert first - last > 1.5
-    # Within 0.15 nats of BF16 after 50 steps (measured gaps: FP8 0.004-0.037, NVFP4 0.012).
+    # It learns: measured drops 1.58-1.59 (BF16 1.58), at least 0.32 above the bound (rows of 64
+    # tokens: 1.82-1.87, bound 1.5; the 96-wide model after 60 steps: 1.73-1.82).
+    assert first - last > 1.25
+    # Within 0.15 nats of BF16 after 50 steps (measured gaps: FP8 0.002-0.007, NVFP4 0.005; rows
+    # of 64 tokens: FP8 0.004-0.037, NVFP4 0.012).
     assert abs(last - bf16_final_loss) < 0.15, (recipe, last, bf16_final_loss)
 
 

@@ -40,18 +40,28 @@ def _one_step(cfg, devices):
     return before, new_state, jax.device_get(metrics), jax.device_get(grads)
 
 
-def _gradients(cfg, devices):
-    """As ``_one_step`` without the step: parameters, the loss and the norm of its gradient (in
-    place of the step's metrics), the gradient, and the HLO text of the compiled gradient."""
+def _loss_and_gradients(cfg, devices, params=None):
+    """The initial parameters (or ``params``, the same model's), the compiled loss-and-gradient
+    function, and its loss and gradient (host copies) on ``devices``. The program depends only on
+    the config and the devices, so tests computing the same one share its compilation through
+    JAX's persistent cache (tests/conftest.py)."""
     mesh = make_mesh(cfg.mesh, devices)
-    state, _ = init_state(cfg, mesh, make_optimizer(cfg))
+    if params is None:
+        params = init_state(cfg, mesh, make_optimizer(cfg))[0].params
     loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), make_constrain(mesh))
     batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in _batch(cfg).items()}
     compiled = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, {}, b, jax.random.key(0), 1.0))).lower(
-        state.params, batch).compile()
-    loss, grads = jax.device_get(compiled(state.params, batch))
-    metrics = {"loss": float(loss), "grad_norm": float(optax.tree.norm(grads))}
-    return (jax.device_get(state.params), None, metrics, grads), compiled.as_text()
+        params, batch).compile()
+    loss, grads = jax.device_get(compiled(params, batch))
+    return params, compiled, float(loss), grads
+
+
+def _gradients(cfg, devices):
+    """As ``_one_step`` without the step: parameters, the loss and the norm of its gradient (in
+    place of the step's metrics), the gradient, and the HLO text of the compiled gradient."""
+    params, compiled, loss, grads = _loss_and_gradients(cfg, devices)
+    metrics = {"loss": loss, "grad_norm": float(optax.tree.norm(grads))}
+    return (jax.device_get(params), None, metrics, grads), compiled.as_text()
 
 
 def _rel(a, b):
@@ -163,16 +173,14 @@ def test_remat_policies_and_unrolled_layers_give_the_same_gradients(tiny_cfg, ki
     overrides_of = {"none": ["train.remat=none"], "full": ["train.remat=full"],
                     "save_gemm": ["train.remat=save_gemm"], "unrolled": ["train.scan_layers=false"],
                     "loss_chunks": ["train.loss_chunks=4"]}
-    results = {}
+    results, params = {}, None
     for name in ("none", *variants):
-        overrides = overrides_of[name]
-        cfg = tiny_cfg(*overrides, f"precision.default={recipe}", *extra)
-        mesh = make_mesh(cfg.mesh, jax.devices()[:1])
-        state, _ = init_state(cfg, mesh, make_optimizer(cfg))
-        loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), make_constrain(mesh))
-        batch = _batch(cfg)
-        results[name] = jax.device_get(jax.jit(jax.value_and_grad(
-            lambda p, b: loss_fn(p, {}, b, jax.random.key(0), 1.0)))(state.params, batch))
+        cfg = tiny_cfg(*overrides_of[name], f"precision.default={recipe}", *extra)
+        # The variants change how the loss is computed, not the parameters: initialized once.
+        # The BF16 hybrid's "none" is the one-device reference of the eight-device hybrid test
+        # above, the same program (compiled once per session).
+        params, _, loss, grads = _loss_and_gradients(cfg, jax.devices()[:1], params)
+        results[name] = loss, grads
     loss0, g0 = results["none"]
     for name in variants:
         loss, g = results[name]
