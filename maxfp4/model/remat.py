@@ -30,6 +30,8 @@ ATTENTION_OUT = "attention_out"
 # recompute the forward kernel to regain the statistics: on dense-1p3b (H200) the forward kernel
 # then ran twice per step, 16 ms of a 290 ms step. Saving the primitive's outputs avoids that.
 _CUDNN_ATTENTION_FORWARD = ("dot_product_attention_fwd_wrapper", "dot_product_attention_fwd")
+
+
 def _saving(*names: str):
     """A policy that keeps the named values and cuDNN attention's forward outputs."""
     save_named = jax.checkpoint_policies.save_only_these_names(*names)
