@@ -50,13 +50,18 @@ def newest_trace(folder: pathlib.Path) -> pathlib.Path:
     return traces[-1]
 
 
+def _gpu_pids(trace: dict) -> set:
+    """The trace's processes that are GPU devices."""
+    return {e["pid"] for e in trace["traceEvents"]
+            if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+
+
 def gpu_kernel_times(trace: dict) -> tuple[collections.Counter, collections.Counter]:
     """Total microseconds and launch count per event name over the processes that are GPU
     devices. XLA reuses one compiled kernel for identical fusions, so a name can stand for many
     launches a step (one per block, say): the count tells one big kernel from many small ones."""
-    gpu_pids = {e["pid"] for e in trace["traceEvents"]
-                if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    gpu_pids = _gpu_pids(trace)
     totals: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
     for e in trace["traceEvents"]:
@@ -68,11 +73,10 @@ def gpu_kernel_times(trace: dict) -> tuple[collections.Counter, collections.Coun
 
 def _gpu_events(trace: dict) -> dict[int, list[tuple[float, float, str]]]:
     """(start us, end us, name) of every kernel, per GPU process, in start order."""
-    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu_pids = _gpu_pids(trace)
     events: dict[int, list] = collections.defaultdict(list)
     for e in trace["traceEvents"]:
-        if e.get("ph") == "X" and "gpu" in names.get(e.get("pid"), "").lower():
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
             start = float(e["ts"])
             events[e["pid"]].append((start, start + float(e.get("dur", 0.0)), e["name"]))
     return {pid: sorted(evs) for pid, evs in events.items()}

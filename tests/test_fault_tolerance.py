@@ -18,17 +18,13 @@ from tests.test_preemption import ARGS, REPO
 CONFIG = os.path.join(REPO, "configs", "quickstart.yaml")
 
 
-def _env(devices=1):
-    return cpu_env(devices)
-
-
 def _cmd(tmp_path, name, *extra):
     return [sys.executable, "-m", "maxfp4.train", CONFIG, *ARGS, f"run.output_dir={tmp_path}", f"run.name={name}",
             *extra]
 
 
 def _run(tmp_path, name, *extra, timeout=300):
-    return subprocess.run(_cmd(tmp_path, name, *extra), env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(_cmd(tmp_path, name, *extra), env=cpu_env(1), capture_output=True, text=True, timeout=timeout)
 
 
 def _records(tmp_path, name):
@@ -47,7 +43,7 @@ def test_kill_9_mid_run_and_during_async_save_then_rerun_finishes_like_an_uninte
     ckpts = tmp_path / "killed" / "checkpoints"
 
     # 1. kill -9 in the middle of training.
-    proc = subprocess.Popen(_cmd(tmp_path, "killed", *steps), env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(tmp_path, "killed", *steps), env=cpu_env(1), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
     while not any(r["step"] >= 5 for r in _records(tmp_path, "killed")):
@@ -62,7 +58,7 @@ def test_kill_9_mid_run_and_during_async_save_then_rerun_finishes_like_an_uninte
     # 2. The rerun resumes from that checkpoint; kill -9 it the moment an async save is in flight
     # (Orbax writes <step>.orbax-checkpoint-tmp-*, renamed when complete).
     leftovers = set(os.listdir(ckpts))  # the first kill may itself have cut a save short
-    proc = subprocess.Popen(_cmd(tmp_path, "killed", *steps), env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(tmp_path, "killed", *steps), env=cpu_env(1), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     partial = None
     while partial is None:
@@ -131,7 +127,7 @@ def test_two_processes_report_the_slow_one_as_straggler(tmp_path):
     cmd = _cmd(tmp_path, "two", "train.steps=6", "mesh.data=2", "resilience.straggler_every=3",
                "resilience.fault.slow_process=1", "resilience.fault.slow_seconds=0.4",
                f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2")
-    procs = [subprocess.Popen(cmd + [f"distributed.process_id={i}"], env=_env(1), stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(cmd + [f"distributed.process_id={i}"], env=cpu_env(1), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, o in zip(procs, outs):
@@ -153,7 +149,7 @@ def test_preflight_cli_reports_each_failure_in_one_line(tmp_path):
     blocker.write_text("")
     out = subprocess.run([sys.executable, "-m", "maxfp4.preflight", CONFIG, *ARGS, f"run.output_dir={blocker}",
                           "data.source=text", f"data.paths=[{tmp_path}/missing.txt]"],
-                         env=_env(2), capture_output=True, text=True, timeout=120)
+                         env=cpu_env(2), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "allreduce  ok" in out.stdout and "devices    ok       2 x cpu" in out.stdout
     lines = out.stderr.strip().splitlines()

@@ -17,6 +17,7 @@ from maxfp4.precision import resolve_policy
 from maxfp4.precision.state import scales_of
 from maxfp4.step import make_loss_fn
 from maxfp4.train import init_state
+from tests.test_step import _batch
 
 FP8 = "f8_e4m3fn"
 
@@ -25,12 +26,7 @@ def _loss_and_params(cfg):
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     state, _ = init_state(cfg, mesh, make_optimizer(cfg))
     loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), make_constrain(mesh))
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.model.vocab_size, (cfg.data.global_batch, cfg.data.seq_len + 1), dtype=np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-             "segment_ids": np.ones((cfg.data.global_batch, cfg.data.seq_len), np.int32),
-             "positions": np.tile(np.arange(cfg.data.seq_len, dtype=np.int32), (cfg.data.global_batch, 1)),
-             "loss_mask": np.ones((cfg.data.global_batch, cfg.data.seq_len), np.float32)}
+    batch = _batch(cfg)
     scales = scales_of(state.precision)  # the delayed-scaling state's scales ({} for the others)
     return (lambda p: loss_fn(p, scales, batch, jax.random.key(0), 1.0)), state.params
 
