@@ -48,15 +48,47 @@ def test_all_three_gemms_are_cublaslt_fp8_tn(recipe, power_2):
     for _, c in gemms:
         assert c.get("lhs_contracting_dimensions") == ["1"], c
         assert c.get("rhs_contracting_dimensions") == ["1"], c
-    # Power-of-two scales: fprop and dgrad write BF16 straight from the GEMM; otherwise all FP32.
-    want = ["bf16", "bf16", "f32"] if power_2 else ["f32", "f32", "f32"]
-    assert sorted(d for d, _ in gemms) == want, gemms
+    # fprop and dgrad write BF16 straight from the GEMM, whatever the scales; wgrad FP32.
+    assert sorted(d for d, _ in gemms) == ["bf16", "bf16", "f32"], gemms
     # And the numbers are right: compare with the same recipe's GEMMs run on the CPU.
     gpu = [np.asarray(a, np.float32) for a in jitted(x, w, dy)]
     cpu_dev = jax.devices("cpu")[0]
     cpu = [np.asarray(a, np.float32) for a in jax.jit(layer)(*(jax.device_put(a, cpu_dev) for a in (x, w, dy)))]
     for g, c in zip(gpu, cpu):
         assert np.linalg.norm(g - c) <= 1e-2 * np.linalg.norm(c)
+
+
+@pytest.mark.parametrize("scales_are_arguments", [True, False])
+def test_bf16_gemm_outputs_apply_the_fp32_scales_exactly(scales_are_arguments):
+    """The dequantize-then-dot form hands XLA ``bf16(1/s)`` for scales that are not powers of
+    two; on GPU the FP32 ``1/s`` must still reach cuBLASLt. Its BF16 outputs must equal, bit for
+    bit, the FP32-result form's (FP32 GEMM output times ``1/(sa*sb)``, one rounding to BF16),
+    whether the scales are program inputs (the trainer's state) or constants."""
+    from maxfp4.precision import formats as F
+    from maxfp4.precision.recipes import COMPUTE_DTYPE, TN, fp8_gemm_tn
+
+    a = jax.random.normal(jax.random.key(0), (2048, 1024), jnp.bfloat16)
+    b = 0.02 * jax.random.normal(jax.random.key(1), (512, 1024), jnp.float32)
+    scales = (jnp.float32(50.0), jnp.float32(5000.0))  # 1/50 and 1/5000 are not exact in BF16
+
+    def both(a, b, sa, sb):
+        qa, qb = F.quantize_fp8(a, sa, F.FP8_E4M3), F.quantize_fp8(b, sb, F.FP8_E4M3)
+        fast = fp8_gemm_tn(qa, sa, qb, sb, COMPUTE_DTYPE)
+        acc = jax.lax.dot_general(qa.astype(COMPUTE_DTYPE), qb.astype(COMPUTE_DTYPE), TN,
+                                  preferred_element_type=jnp.float32)
+        exact = (acc * (F.div_rn(1.0, sa) * F.div_rn(1.0, sb))).astype(COMPUTE_DTYPE)
+        return fast, exact
+
+    if scales_are_arguments:
+        fn = jax.jit(both, compiler_options=compiler_options("gpu"))
+        args = (a, b) + scales
+    else:
+        fn = jax.jit(lambda a, b: both(a, b, *scales), compiler_options=compiler_options("gpu"))
+        args = (a, b)
+    fast, exact = (np.asarray(v.astype(jnp.float32)) for v in fn(*args))
+    assert np.array_equal(fast, exact), f"{np.mean(fast != exact):.4%} of the outputs differ"
+    gemms = _f8_gemms(fn.lower(*args).compile().as_text())
+    assert sorted(d for d, _ in gemms) == ["bf16", "f32"], gemms
 
 
 def test_div_rn_and_nvfp4_on_gpu_match_ieee_and_the_cpu_bitwise():

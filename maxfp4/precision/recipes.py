@@ -92,22 +92,30 @@ def fp8_gemm_tn(a_q: jax.Array, a_scale: jax.Array, b_q: jax.Array, b_scale: jax
     Either way it is one FP32-accumulated product scaled by ``1/(sa*sb)`` in FP32 and rounded
     once to ``out_dtype``, and XLA's GEMM rewriter turns it into a cuBLASLt FP8 GEMM on Hopper:
 
-    - any scales: a BF16 GEMM of the raw FP8 values (exact in BF16) with an FP32 result, times
-      ``1/(sa*sb)``, then cast. XLA folds the factor into the GEMM but not the cast, so the GEMM
-      writes FP32 and its consumers read FP32. (Dequantizing the operands with FP32 scales
-      first is not rewritten at all on jax 0.11.)
-    - ``power_2`` scales: the operands are dequantized in BF16 (``1/s`` is a power of two, so
-      ``bf16(q) * bf16(1/s)`` is exact) and the dot is typed ``out_dtype``. XLA takes the two
-      BF16 factors as the GEMM's scales and writes ``out_dtype`` directly: half the output
-      traffic for BF16 outputs. With other scales this form would round ``1/s`` to BF16.
+    - dequantize-then-dot (``power_2`` scales anywhere, and BF16 outputs on GPU): the operands
+      are ``bf16(q) * bf16(1/s)`` and the dot is typed ``out_dtype``. XLA's rewriter takes each
+      ``1/s`` as the GEMM's FP32 operand scale and the GEMM writes ``out_dtype`` itself, half
+      the traffic of an FP32 output for BF16. With power-of-two scales ``bf16(1/s)`` is exact.
+      With other scales it is exact on GPU only: the rewriter widens the scale back to FP32 and
+      XLA drops that ``f32 -> bf16 -> f32`` round trip (it may keep excess precision), so the
+      FP32 ``1/s`` reaches cuBLASLt. The barrier stops XLA from folding a constant ``1/s`` into
+      a rounded BF16 constant first. tests/test_gpu_precision.py holds this form's bits to the
+      one below on the GPU.
+    - otherwise (FP32 outputs, and any scales off GPU, where nothing drops the round trip): a
+      BF16 GEMM of the raw FP8 values (exact in BF16) with an FP32 result, times ``1/(sa*sb)``,
+      then cast. On GPU XLA folds the factor into the GEMM but not the cast, so a BF16 output
+      would be written in FP32 and cast in a pass of its own.
     """
-    if power_2:
-        a = a_q.astype(COMPUTE_DTYPE) * F.div_rn(1.0, a_scale).astype(COMPUTE_DTYPE)
-        b = b_q.astype(COMPUTE_DTYPE) * F.div_rn(1.0, b_scale).astype(COMPUTE_DTYPE)
+    inv_a, inv_b = F.div_rn(1.0, a_scale), F.div_rn(1.0, b_scale)
+    if power_2 or (out_dtype != jnp.float32 and jax.default_backend() == "gpu"):
+        if not power_2:
+            inv_a, inv_b = jax.lax.optimization_barrier((inv_a, inv_b))
+        a = a_q.astype(COMPUTE_DTYPE) * inv_a.astype(COMPUTE_DTYPE)
+        b = b_q.astype(COMPUTE_DTYPE) * inv_b.astype(COMPUTE_DTYPE)
         return jax.lax.dot_general(a, b, TN, preferred_element_type=out_dtype)
     acc = jax.lax.dot_general(a_q.astype(COMPUTE_DTYPE), b_q.astype(COMPUTE_DTYPE), TN,
                               preferred_element_type=jnp.float32)
-    return (acc * (F.div_rn(1.0, a_scale) * F.div_rn(1.0, b_scale))).astype(out_dtype)
+    return (acc * (inv_a * inv_b)).astype(out_dtype)
 
 
 def _gathered(w_q: jax.Array) -> jax.Array:
