@@ -34,7 +34,8 @@ def check_compiler_options(options: Mapping[str, Any], device) -> None:
     from maxfp4.config import ConfigError
 
     try:
-        jax.jit(lambda: 0, compiler_options=dict(options), device=device).lower().compile()
+        with jax.default_device(device):  # jit's own device argument is deprecated
+            jax.jit(lambda: 0, compiler_options=dict(options)).lower().compile()
     except Exception as error:  # XLA reports bad options as a runtime error
         raise ConfigError(f"train.compiler_options={dict(options)}: {str(error).splitlines()[0]}") from None
 
