@@ -26,30 +26,27 @@ SHAPE = (16384, 8192) if jax.default_backend() == "gpu" else (256, 128)
 REPEAT = 8
 
 
+def _pass(x, s, dtype, relu2):
+    """The measured pass on one array (or one tile): [squared ReLU,] scale, clip to the FP8
+    format's range, cast. The XLA program and the Pallas kernel both run this."""
+    v = x.astype(jnp.float32)
+    if relu2:
+        v = jnp.square(jnp.maximum(v, 0.0))
+    v = v * s
+    if dtype != jnp.bfloat16:
+        m = F.fp8_max(dtype)
+        v = jnp.clip(v, -m, m)
+    return v.astype(dtype)
+
+
 def scaled(dtype, relu2):
-    def fn(x, s):
-        v = x.astype(jnp.float32)
-        if relu2:
-            v = jnp.square(jax.nn.relu(v))
-        v = v * s
-        if dtype != jnp.bfloat16:
-            m = F.fp8_max(dtype)
-            v = jnp.clip(v, -m, m)
-        return v.astype(dtype)
-    return fn
+    return functools.partial(_pass, dtype=dtype, relu2=relu2)
 
 
 def pallas_scaled(dtype, relu2, rows, cols, warps):
     """The same pass as one Triton program per [rows, cols] tile (GPU only)."""
     def kernel(s_ref, x_ref, o_ref):
-        v = x_ref[...].astype(jnp.float32)
-        if relu2:
-            v = jnp.square(jnp.maximum(v, 0.0))
-        v = v * s_ref[0]
-        if dtype != jnp.bfloat16:
-            m = F.fp8_max(dtype)
-            v = jnp.clip(v, -m, m)
-        o_ref[...] = v.astype(dtype)
+        o_ref[...] = _pass(x_ref[...], s_ref[0], dtype, relu2)
 
     def fn(x, s):
         r, m, n = x.shape
