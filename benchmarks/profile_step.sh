@@ -6,6 +6,8 @@
 # Writes OUT_DIR/prof_NAME.txt (OUT_DIR: $OUT, else /tmp/maxfp4-profiles) and, gzipped, the
 # optimized HLO of the step (OUT_DIR/hlo_NAME.txt.gz) for reading fusions and GEMM types.
 # Synthetic data as the configs set it; checkpoints off; steps 5 and 6 traced (1-4 warm up).
+# AT=N traces steps N and N+1 instead: a GPU at its power cap runs slower clocks once it has
+# run a while, so a later pair shows the sustained kernel times.
 # GAPS=N also lists the N longest gaps in each GPU's compute and the collectives in flight.
 set -uo pipefail
 if [ $# -lt 2 ]; then
@@ -19,7 +21,7 @@ mkdir -p "$OUT_DIR"
 DUMP=/tmp/maxfp4-dump-$NAME RUNS=/tmp/maxfp4-runs-$NAME
 rm -rf "$DUMP" "$RUNS"
 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$DUMP --xla_dump_hlo_as_text" python3 -m maxfp4.train "$@" \
-  train.steps=7 optim.warmup_steps=2 'train.profile_steps=[5,6]' run.output_dir="$RUNS" \
+  train.steps=$((${AT:-5} + 2)) optim.warmup_steps=2 "train.profile_steps=[${AT:-5},$((${AT:-5} + 1))]" run.output_dir="$RUNS" \
   checkpoint.enabled=false train.log_every=1 2>&1 | tail -2
 python3 benchmarks/profile_summary.py "$RUNS"/*/profile --steps 2 --top "${TOP:-60}" --gaps "${GAPS:-0}" --hlo "$DUMP" \
   > "$OUT_DIR/prof_$NAME.txt" 2>&1

@@ -134,6 +134,10 @@ class ActivationSharding:
                 return fn(*args, **kwargs)
         return traced
 
+    def splits_batch(self, batch: int) -> bool:
+        """Whether a batch of this many rows is split over several devices."""
+        return logical_to_spec(("batch",), (batch,), self.mesh)[0] is not None
+
     def per_batch_row(self, fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) -> Any:
         """``fn(*batched, *whole)``, where every array in ``batched`` and every output has the
         batch first and is split over the batch axes, and ``whole`` (a pytree, parameters say)

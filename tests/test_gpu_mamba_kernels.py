@@ -141,3 +141,36 @@ def test_compiled_mixer_core_assembles_the_in_proj_gradient_in_place():
         a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
         assert np.all(np.isfinite(a)), jax.tree_util.keystr(path)
         assert np.max(np.abs(a - r)) <= 2 ** -8 * np.max(np.abs(r)), jax.tree_util.keystr(path)
+
+
+def test_compiled_fp8_in_proj_gradient_stored_by_the_kernels_equals_the_recipes_cast():
+    """Compiled, the kernels' own E5M2 store of in_proj's output gradient (Triton's cast) gives
+    the bits of the recipe's path (XLA's cast of the BF16 gradient) for the output and every
+    gradient, except where dt's columns of that gradient enter: XLA may cast dt's gradient
+    from FP32 in the recipe's path (it allows excess precision), where the fused path rounds it
+    to BF16 first as specified. There in_proj's weight gradient agrees to one E5M2 step
+    (2^-2 of the column's largest value) and dY's amax to one BF16 rounding (2^-8)."""
+    from maxfp4.model import mamba
+    from tests.test_hybrid import TINY, _fp8_mixer_value_and_grads
+    from maxfp4.config import load_config
+
+    cfg = load_config(TINY, ["model.mamba.head_dim=16"]).model
+    d = mamba.dims(cfg)
+    dt_cols = slice(d["E"] + d["conv"], d["in"])
+    used, (value, grads) = _fp8_mixer_value_and_grads(True)
+    not_used, (value_ref, grads_ref) = _fp8_mixer_value_and_grads(False)
+    assert used and not not_used
+    assert value == value_ref
+    dw, dw_ref = np.asarray(grads[1]["in_proj"]), np.asarray(grads_ref[1]["in_proj"])
+    np.testing.assert_array_equal(np.delete(dw, np.r_[dt_cols], axis=1), np.delete(dw_ref, np.r_[dt_cols], axis=1))
+    bound = 2.0 ** -2 * np.max(np.abs(dw_ref[:, dt_cols]), axis=0)
+    assert np.all(np.abs(dw[:, dt_cols] - dw_ref[:, dt_cols]) <= bound)
+    amax, amax_ref = float(grads[2]["mamba_in"][2]), float(grads_ref[2]["mamba_in"][2])
+    assert abs(amax - amax_ref) <= 2.0 ** -8 * amax_ref
+    rest = (grads[0], {k: v for k, v in grads[1].items() if k != "in_proj"}, grads[2]["mamba_out"],
+            grads[2]["mamba_in"][:2])
+    rest_ref = (grads_ref[0], {k: v for k, v in grads_ref[1].items() if k != "in_proj"},
+                grads_ref[2]["mamba_out"], grads_ref[2]["mamba_in"][:2])
+    for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(rest), jax.tree_util.tree_leaves(rest_ref)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32),
+                                      err_msg=jax.tree_util.keystr(path))

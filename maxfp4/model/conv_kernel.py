@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from maxfp4.model.fp8_epilogue import Quantize, Quantized
 from maxfp4.pallas_params import triton_params
 
 _TILE_T = (64, 32, 16, 8)
@@ -90,9 +91,10 @@ def _preactivation_grad_kernel(x_ref, ids_ref, w_ref, b_ref, dout_ref, dpre_ref,
         dw_refs[row][...] = jnp.sum(x_TbCb * dpre_TbCb, axis=0)
 
 
-def _input_grad_kernel(dpre_ref, ids_ref, w_ref, dx_ref, *, tb, cb, width):
-    """dx[s] = sum over lag of dpre[s + lag] * w[W-1-lag], where s + lag is in s's document.
-    dpre and ids are padded with W - 1 rows at the end (zeros, segment id -1)."""
+def _input_grad(dpre_ref, ids_ref, w_ref, *, tb, cb, width):
+    """dx[s] = sum over lag of dpre[s + lag] * w[W-1-lag], where s + lag is in s's document
+    (the program's [tb, cb] tile, FP32). dpre and ids are padded with W - 1 rows at the end
+    (zeros, segment id -1)."""
     bi, t0, c0 = pl.program_id(0), pl.program_id(1) * tb, pl.program_id(2) * cb
     ids_Tb = _rows(ids_ref, bi, t0, tb)
     dx_TbCb = jnp.zeros((tb, cb), jnp.float32)
@@ -100,7 +102,11 @@ def _input_grad_kernel(dpre_ref, ids_ref, w_ref, dx_ref, *, tb, cb, width):
         dpre_TbCb = _rows(dpre_ref, bi, t0 + lag, tb, c0, cb).astype(jnp.float32)
         keep_Tb = _rows(ids_ref, bi, t0 + lag, tb) == ids_Tb
         dx_TbCb += jnp.where(keep_Tb[:, None], dpre_TbCb, 0.0) * w_ref[width - 1 - lag, pl.ds(c0, cb)][None, :]
-    dx_ref[...] = dx_TbCb.astype(dx_ref.dtype)
+    return dx_TbCb
+
+
+def _input_grad_kernel(dpre_ref, ids_ref, w_ref, dx_ref, *, tb, cb, width):
+    dx_ref[...] = _input_grad(dpre_ref, ids_ref, w_ref, tb=tb, cb=cb, width=width).astype(dx_ref.dtype)
 
 
 def _input_grad_kernel_into(dpre_ref, ids_ref, w_ref, into_ref, dx_ref, *, tb, cb, width):
@@ -108,6 +114,16 @@ def _input_grad_kernel_into(dpre_ref, ids_ref, w_ref, into_ref, dx_ref, *, tb, c
     aliased to ``dx_ref`` and not read)."""
     del into_ref
     _input_grad_kernel(dpre_ref, ids_ref, w_ref, dx_ref, tb=tb, cb=cb, width=width)
+
+
+def _input_grad_kernel_into_fp8(dpre_ref, ids_ref, w_ref, qscale_ref, into_ref, dx_ref, amax_ref, *, tb, cb,
+                                width, quantized):
+    """``_input_grad_kernel_into`` storing FP8 (``fp8_epilogue.Quantized``) and the tile's
+    per-column max of |dx| as rounded before the cast."""
+    del into_ref
+    dx_TbCb = quantized.round(_input_grad(dpre_ref, ids_ref, w_ref, tb=tb, cb=cb, width=width))
+    dx_ref[...] = quantized.cast(dx_TbCb, qscale_ref[0], dx_ref.dtype)
+    amax_ref[...] = jnp.max(jnp.abs(dx_TbCb), axis=0)
 
 
 # Triton warps per program (H200, mamba2-1p3b shapes): the forward 0.29 ms with 8, 0.36 with 4;
@@ -186,13 +202,15 @@ def into_columns_supported(channels: int, column_offset: int) -> bool:
 
 
 def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax.Array | None = None,
-                  column_offset: int = 0, tiling: ConvTiling | None = None):
+                  column_offset: int = 0, tiling: ConvTiling | None = None, quantize: "Quantize | None" = None):
     """(dx, dw, db) of ``causal_conv_silu`` from its forward residuals (``conv_forward``).
 
     With ``into_BTI``, a wider [B, T, I] array, dx is written into its columns
     [column_offset, column_offset + C) in place (the kernel's output aliases it) and the whole
     array is returned as dx: the Mamba-2 mixer assembles the in_proj output's gradient that way
     instead of adding zero-padded pieces (``into_columns_supported`` says where it can).
+    ``quantize`` (with ``into_BTI`` of its FP8 dtype): dx is stored as FP8 as
+    ``fp8_epilogue.Quantize`` says, and a fourth value comes back, ``max |dx|`` in FP32.
     ``tiling``: the launch (default ``default_conv_tiling``)."""
     x_pad, w_WC, b_C, segment_ids_BT = residuals
     width = w_WC.shape[0]
@@ -200,13 +218,13 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     tiling = tiling or default_conv_tiling(t, c)
     tb = tiling.rows
     launch = functools.partial(_launch, tiling=tiling, num_warps=tiling.backward_warps)
+    per_tile = lambda tb, cb: pl.BlockSpec((pl.squeezed, pl.squeezed, cb), lambda bi, ti, ci: (bi, ti, ci))  # noqa: E731
 
     def grad_specs(tb, cb):
-        per_tile = pl.BlockSpec((pl.squeezed, pl.squeezed, cb), lambda bi, ti, ci: (bi, ti, ci))
         # dpre is written whole-array, into rows 0..T-1 of a buffer W - 1 rows longer: the input
         # gradient reads past T there without a padded copy; it never uses those rows (their
         # segment id is -1), so they are left unwritten.
-        return [pl.no_block_spec] + [per_tile] * (1 + width)
+        return [pl.no_block_spec] + [per_tile(tb, cb)] * (1 + width)
 
     partial_sums = jax.ShapeDtypeStruct((b, t // tb, c), jnp.float32)
     # The pre-activation gradient is stored in x's dtype (BF16 in training): the input gradient,
@@ -217,7 +235,10 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
         _preactivation_grad_kernel, (b, t, c), grad_specs, shapes, 4, interpret,
         x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, dout_BTC)
     grad_inputs = (dpre_pad, _padded_ids(segment_ids_BT, 0, width - 1), w_WC)
+    amax = None
     if into_BTI is None:
+        if quantize is not None:
+            raise ValueError("conv_backward: quantize needs into_BTI")
         dx = launch(_input_grad_kernel, (b, t, c), _tile_spec, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype),
                      3, interpret, *grad_inputs)
     else:
@@ -230,12 +251,20 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
 
         # The wider array goes in last, with the output's block spec, and is never read: it only
         # gives the output its buffer and its other columns.
-        dx = launch(_input_grad_kernel_into, (b, t, c), into_spec,
-                     jax.ShapeDtypeStruct(into_BTI.shape, into_BTI.dtype), 3, interpret, *grad_inputs, into_BTI,
-                     tiled_specs=into_spec, input_output_aliases={3: 0})
+        into_shape = jax.ShapeDtypeStruct(into_BTI.shape, into_BTI.dtype)
+        if quantize is None:
+            dx = launch(_input_grad_kernel_into, (b, t, c), into_spec, into_shape, 3, interpret, *grad_inputs,
+                        into_BTI, tiled_specs=into_spec, input_output_aliases={3: 0})
+        else:
+            kernel = functools.partial(_input_grad_kernel_into_fp8, quantized=Quantized(x_pad.dtype))
+            dx, amax_parts = launch(
+                kernel, (b, t, c), lambda tb, cb: [into_spec(tb, cb), per_tile(tb, cb)], [into_shape, partial_sums],
+                4, interpret, *grad_inputs, jnp.reshape(quantize.scale, (1,)).astype(jnp.float32), into_BTI,
+                tiled_specs=into_spec, input_output_aliases={4: 0})
+            amax = jnp.max(amax_parts)
     dw_WC = jnp.stack([jnp.sum(part, axis=(0, 1)) for part in dw_parts]).astype(w_WC.dtype)
     db_C = jnp.sum(db_parts, axis=(0, 1)).astype(b_C.dtype)
-    return dx, dw_WC, db_C
+    return (dx, dw_WC, db_C) if amax is None else (dx, dw_WC, db_C, amax)
 
 
 causal_conv_silu.defvjp(conv_forward, _bwd)

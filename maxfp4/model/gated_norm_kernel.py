@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from maxfp4.model.fp8_epilogue import Quantize, Quantized
 from maxfp4.pallas_params import triton_params
 
 _TILE_ELEMENTS = 4096  # elements of one [Tr, Eg] tile: a row block of one group, held whole
@@ -73,12 +74,21 @@ def _forward_kernel(u_ref, z_ref, scale_ref, out_ref, *, eg, tr, eps):
     out_ref[bi, pl.ds(t0, tr), pl.ds(c0, eg)] = (g * r * scale_ref[pl.ds(c0, eg)][None, :]).astype(out_ref.dtype)
 
 
-def _backward_kernel(u_ref, z_ref, scale_ref, dout_ref, du_ref, dz_ref, dscale_ref, *, eg, tr, eps):
+def _backward_kernel(u_ref, z_ref, scale_ref, dout_ref, *refs, eg, tr, eps, quantized=None):
+    """``quantized`` (an ``fp8_epilogue.Quantized``): dz is stored as FP8,
+    ``fp8(clip(dz_rounded * s))`` with dz first rounded to the activation dtype as the BF16 path
+    stores it, and each column's max of |dz_rounded| over the program's rows goes to
+    ``amax_ref``."""
+    if quantized is None:
+        (du_ref, dz_ref, dscale_ref), qscale_ref, amax_ref = refs, None, None
+    else:
+        qscale_ref, du_ref, dz_ref, dscale_ref, amax_ref = refs
     bi, ti, c0 = pl.program_id(0), pl.program_id(1), pl.program_id(2) * eg
     cols = pl.ds(c0, eg)
     scale = scale_ref[cols][None, :]
 
-    def rows(i, dscale_sum):
+    def rows(i, carry):
+        dscale_sum, amax = carry
         t0 = ti * _BLOCK_ROWS + i * tr
         u, z, sz = _gate(u_ref, z_ref, scale.dtype, bi, t0, tr, c0, eg)
         g = u * z * sz
@@ -87,10 +97,20 @@ def _backward_kernel(u_ref, z_ref, scale_ref, dout_ref, du_ref, dz_ref, dscale_r
         dg = r * scale * dout - g * (r * r * r * jnp.mean(g * scale * dout, axis=1, keepdims=True))
         du = dg * z * sz
         du_ref[bi, pl.ds(t0, tr), cols] = du.astype(du_ref.dtype)
-        dz_ref[bi, pl.ds(t0, tr), cols] = (dg * u * sz * (1.0 + z * (1.0 - sz))).astype(dz_ref.dtype)
-        return dscale_sum + jnp.sum(dout * g * r, axis=0)
+        dz = dg * u * sz * (1.0 + z * (1.0 - sz))
+        if quantized is None:
+            dz_ref[bi, pl.ds(t0, tr), cols] = dz.astype(dz_ref.dtype)
+        else:
+            dz = quantized.round(dz)
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(dz), axis=0))
+            dz_ref[bi, pl.ds(t0, tr), cols] = quantized.cast(dz, qscale_ref[0], dz_ref.dtype)
+        return dscale_sum + jnp.sum(dout * g * r, axis=0), amax
 
-    dscale_ref[bi, ti, cols] = jax.lax.fori_loop(0, _BLOCK_ROWS // tr, rows, jnp.zeros((eg,), scale.dtype))
+    init = (jnp.zeros((eg,), scale.dtype), jnp.zeros((eg,), jnp.float32))
+    dscale, amax = jax.lax.fori_loop(0, _BLOCK_ROWS // tr, rows, init)
+    dscale_ref[bi, ti, cols] = dscale
+    if amax_ref is not None:
+        amax_ref[bi, ti, cols] = amax
 
 
 def _launch(kernel, rows_per_program, num_warps, b, t, e, groups, eps, interpret, out_shape, *args):
@@ -130,21 +150,40 @@ def _bwd(groups, eps, out_dtype, interpret, residuals, dout_BTE):
     return du, dz_BTI.at[..., du.shape[-1]:].set(0), dscale
 
 
-def gated_norm_backward(residuals, dout_BTE: jax.Array, groups: int, eps: float, interpret: bool):
+def gated_norm_backward(residuals, dout_BTE: jax.Array, groups: int, eps: float, interpret: bool,
+                        quantize: Quantize | None = None):
     """(du, dz, dscale) from the forward residuals (``gated_norm_forward``). dz has the shape of the in_proj
     output z was read from, [B, T, I], with only its first E columns written: the Mamba-2 mixer
     fills the others in place with the gradients of x, B, C and dt (``gated_norm_fused``'s own
-    VJP zeroes them)."""
+    VJP zeroes them).
+
+    With ``quantize`` dz is written in its FP8 format instead (``fp8_epilogue.Quantize`` says
+    how) and a fourth value comes back: ``max |dz|`` over the written columns, in FP32."""
     u_BTE, zxbcdt_BTI, scale_E = residuals
     b, t, e = u_BTE.shape
     cdt = _compute_dtype(u_BTE)
     # Each [B, T, E] gradient is written in its input's dtype (BF16 in training): FP32 copies
     # would double the traffic of the kernel and of the adds that merge them downstream.
     partial = jax.ShapeDtypeStruct((b, t // _BLOCK_ROWS, e), cdt)
-    full = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (u_BTE, zxbcdt_BTI)]
-    du, dz_BTI, dscale_parts = _launch(
-        _backward_kernel, _BLOCK_ROWS, _BACKWARD_WARPS, b, t, e, groups, eps, interpret, [*full, partial],
-        u_BTE, zxbcdt_BTI, scale_E.astype(cdt), dout_BTE)
+    du_shape = jax.ShapeDtypeStruct(u_BTE.shape, u_BTE.dtype)
+    inputs = (u_BTE, zxbcdt_BTI, scale_E.astype(cdt), dout_BTE)
+    if quantize is None:
+        dz_shape = jax.ShapeDtypeStruct(zxbcdt_BTI.shape, zxbcdt_BTI.dtype)
+        outs = _launch(_backward_kernel, _BLOCK_ROWS, _BACKWARD_WARPS, b, t, e, groups, eps, interpret,
+                       [du_shape, dz_shape, partial], *inputs)
+        return _finish(outs, scale_E)
+    dz_shape = jax.ShapeDtypeStruct(zxbcdt_BTI.shape, quantize.dtype)
+    amax_parts = jax.ShapeDtypeStruct((b, t // _BLOCK_ROWS, e), jnp.float32)
+    kernel = functools.partial(_backward_kernel, quantized=Quantized(zxbcdt_BTI.dtype))
+    *outs, amax_parts = _launch(kernel, _BLOCK_ROWS, _BACKWARD_WARPS, b, t, e, groups, eps, interpret,
+                                [du_shape, dz_shape, partial, amax_parts], *inputs,
+                                jnp.reshape(quantize.scale, (1,)).astype(jnp.float32))
+    return (*_finish(outs, scale_E), jnp.max(amax_parts))
+
+
+def _finish(outs, scale_E):
+    """(du, dz, dscale) with the scale's partial sums added up."""
+    du, dz_BTI, dscale_parts = outs
     return du, dz_BTI, jnp.sum(dscale_parts, axis=(0, 1)).astype(scale_E.dtype)
 
 

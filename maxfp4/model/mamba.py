@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.config import ModelConfig
 from maxfp4.model.layers import ACT_DTYPE, normal_init
@@ -28,7 +29,9 @@ from maxfp4.model import conv_kernel, gated_norm_kernel
 from maxfp4.model.conv_kernel import causal_conv_silu, conv_kernel_supported
 from maxfp4.model.gated_norm_kernel import gated_norm_fused, gated_norm_supported
 from maxfp4.model.ssd_kernel import kernel_supported, ssd_fused
-from maxfp4.precision import LayerPrecision
+from maxfp4.model.fp8_epilogue import Quantize, quantize_rounded
+from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
+from maxfp4.precision.formats import FP8_E5M2
 
 Params = dict[str, Any]
 
@@ -123,8 +126,12 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     # own kernels store them; each kernel computes in FP32 inside. FP32 storage doubled every
     # kernel's traffic and added converts: mamba2-1p3b 523 -> 451 ms a step on an H200 with
     # BF16 storage here and in the SSD (docs/PERFORMANCE.md).
-    zxbcdt_BTI = lp.dot(x_BTD, p["in_proj"], "mamba_in")
     core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
+    if _fp8_gradient_from_kernels(x_BTD, cfg, lp, constrain):
+        y_BTE = _fp8_in_proj_core(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params, segment_ids_BT, cfg,
+                                  lp.policy.options_tuple("fp8_delayed"))
+        return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
+    zxbcdt_BTI = lp.dot(x_BTD, p["in_proj"], "mamba_in")
     core = functools.partial(_mixer_core, cfg=cfg)
     per_batch_row = getattr(constrain, "per_batch_row", None)
     if per_batch_row is None:
@@ -132,6 +139,23 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     else:
         y_BTE = per_batch_row(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
+
+
+def _fp8_gradient_from_kernels(x_BTD: jax.Array, cfg: ModelConfig, lp: LayerPrecision, constrain) -> bool:
+    """Whether in_proj and the core run as ``_fp8_in_proj_core``: in_proj's recipe is FP8
+    delayed scaling, the core runs as the kernel core, and one device holds the whole batch
+    (split over devices, the kernels run per device under ``per_batch_row``, and this fused
+    form does not: it falls back to the recipe's own cast there)."""
+    if not cfg.mamba.fp8_grad_in_kernels or not lp.scales:
+        return False
+    if lp.policy.recipe_for("mamba_in", lp.layer_index) != "fp8_delayed":
+        return False
+    if getattr(constrain, "splits_batch", lambda b: False)(x_BTD.shape[0]):
+        return False
+    d = dims(cfg)
+    t = x_BTD.shape[1]
+    return (use_conv_kernel(cfg, t, d["conv"]) and use_norm_kernel(cfg, t, d["E"])
+            and conv_kernel.into_columns_supported(d["conv"], d["E"]))
 
 
 def _mixer_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, *, cfg: ModelConfig) -> jax.Array:
@@ -221,20 +245,63 @@ def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg):
 
 
 def _kernel_core_bwd(cfg, residuals, dout_BTE):
+    dzxbcdt_BTI, grads = _core_backward(cfg, residuals, dout_BTE)
+    return dzxbcdt_BTI, None, grads
+
+
+def _core_backward(cfg, residuals, dout_BTE, quantize: Quantize | None = None):
+    """(the in_proj output's gradient [B, T, I], the core parameters' gradients), assembled in
+    place. With ``quantize`` the gradient is stored in FP8 by the kernels that write it and a
+    third value comes back: the max of its |values| as rounded to BF16 before the cast."""
     dt_pull, conv_res, ssd_pull, norm_res = residuals
     d = dims(cfg)
     e, c = d["E"], d["conv"]
     interpret = jax.default_backend() != "gpu"
-    du_BTE, dzxbcdt_BTI, dnorm = gated_norm_kernel.gated_norm_backward(norm_res, dout_BTE, d["G"], cfg.norm_eps,
-                                                                       interpret)
+    du_BTE, dzxbcdt_BTI, dnorm, *amax_z = gated_norm_kernel.gated_norm_backward(
+        norm_res, dout_BTE, d["G"], cfg.norm_eps, interpret, quantize=quantize)
     dxbc_BTC, ddt_BTH, dA_log, dD = ssd_pull(du_BTE)
     ddt_raw_BTH, ddt_bias = dt_pull(ddt_BTH)
-    dzxbcdt_BTI = dzxbcdt_BTI.at[..., e + c:].set(ddt_raw_BTH.astype(dzxbcdt_BTI.dtype))
-    dzxbcdt_BTI, dconv_w, dconv_b = conv_kernel.conv_backward(conv_res, dxbc_BTC, interpret,
-                                                              into_BTI=dzxbcdt_BTI, column_offset=e)
+    if quantize is None:
+        dzxbcdt_BTI = dzxbcdt_BTI.at[..., e + c:].set(ddt_raw_BTH.astype(dzxbcdt_BTI.dtype))
+        amax_dt = []
+    else:
+        q_dt, amax_dt = quantize_rounded(ddt_raw_BTH, ACT_DTYPE, quantize)
+        dzxbcdt_BTI, amax_dt = dzxbcdt_BTI.at[..., e + c:].set(q_dt), [amax_dt]
+    dzxbcdt_BTI, dconv_w, dconv_b, *amax_xbc = conv_kernel.conv_backward(
+        conv_res, dxbc_BTC, interpret, into_BTI=dzxbcdt_BTI, column_offset=e, quantize=quantize)
     grads = {"conv_w": dconv_w, "conv_b": dconv_b, "A_log": dA_log, "D_skip": dD, "dt_bias": ddt_bias,
              "norm": dnorm}
-    return dzxbcdt_BTI, None, grads
+    if quantize is None:
+        return dzxbcdt_BTI, grads
+    return dzxbcdt_BTI, grads, jnp.max(jnp.stack(amax_z + amax_dt + amax_xbc))
 
 
 _kernel_core.defvjp(_kernel_core_fwd, _kernel_core_bwd)
+
+
+# in_proj with FP8 delayed scaling and the kernel core under one VJP: the kernels that assemble
+# in_proj's output gradient store it in E5M2 with the recipe's dY scale, and the recipe's two
+# gradient GEMMs read that directly. Otherwise the gradient was written in BF16 and read back by
+# a cast of its own, one [B, T, I] pass more a layer (docs/PERFORMANCE.md). Same values as
+# lp.dot followed by _kernel_core (tests/test_hybrid.py holds them bit for bit).
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fp8_in_proj_core(x_BTD, w_DI, scales, core_params, segment_ids_BT, cfg: ModelConfig, options):
+    return _fp8_in_proj_core_fwd(x_BTD, w_DI, scales, core_params, segment_ids_BT, cfg, options)[0]
+
+
+def _fp8_in_proj_core_fwd(x_BTD, w_DI, scales, core_params, segment_ids_BT, cfg, options):
+    zxbcdt_BTI, gemm_res = recipes.fp8_delayed_forward(x_BTD, w_DI, options, scales)
+    out_BTE, core_res = _kernel_core_fwd(checkpoint_name(zxbcdt_BTI, GEMM_OUT), segment_ids_BT, core_params, cfg)
+    return out_BTE, (gemm_res, core_res)
+
+
+def _fp8_in_proj_core_bwd(cfg, options, residuals, dout_BTE):
+    gemm_res, core_res = residuals
+    quantize = Quantize(recipes.fp8_delayed_dy_scale(gemm_res), FP8_E5M2)
+    qdy_BTI, grads, amax_dy = _core_backward(cfg, core_res, dout_BTE, quantize)
+    dx_BTD, dw_DI, amaxes = recipes.fp8_delayed_backward_quantized(options, gemm_res, qdy_BTI, amax_dy)
+    return dx_BTD, dw_DI, amaxes, grads, None
+
+
+_fp8_in_proj_core.defvjp(_fp8_in_proj_core_fwd, _fp8_in_proj_core_bwd)

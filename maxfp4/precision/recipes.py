@@ -140,11 +140,16 @@ def _fp8_forward(x, w, sx, sw, power_2):
 
 
 def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2):
-    dy_MN = _flat(dy)
-    qdy_MN = F.quantize_fp8(dy_MN, sdy, F.FP8_E5M2)
+    qdy = F.quantize_fp8(dy, sdy, F.FP8_E5M2)
+    return _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2)
+
+
+def _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2):
+    """dgrad and wgrad from dY already in E5M2 (``qdy = fp8(clip(dY * sdy))``, [..., N])."""
+    qdy_MN = _flat(qdy)
     dx_MK = fp8_gemm_tn(qdy_MN, sdy, _gathered(qw_KN), sw, power_2=power_2)  # dY[M,N] . W[K,N]^T
     dw_KN = fp8_gemm_tn(qx_MK.T, sx, qdy_MN.T, sdy, jnp.float32, power_2)  # X^T[K,M] . dY^T[N,M]^T
-    return dx_MK.reshape(*dy.shape[:-1], qx_MK.shape[1]), dw_KN
+    return dx_MK.reshape(*qdy.shape[:-1], qx_MK.shape[1]), dw_KN
 
 
 def _power_2(options) -> bool:
@@ -165,18 +170,39 @@ def _delayed_scales(scales, options):
 
 def _fp8_delayed_fwd(x, w, options, scales, key):
     del key
+    return fp8_delayed_forward(x, w, options, scales)
+
+
+def _fp8_delayed_bwd(options, res, dy):
+    s = res[2]
+    qdy = F.quantize_fp8(dy, s[2], F.FP8_E5M2)
+    return fp8_delayed_backward_quantized(options, res, qdy, _amax(dy)) + (None,)
+
+
+def fp8_delayed_forward(x, w, options, scales):
+    """``fp8_delayed_dot``'s forward pass: ``(y, residuals)``. With ``fp8_delayed_dy_scale``
+    and ``fp8_delayed_backward_quantized`` it lets a layer whose output feeds a kernel with a
+    VJP of its own (the Mamba-2 mixer) have that kernel write dY in E5M2 directly, instead of
+    BF16 that a separate pass reads again to cast (same values, one pass less)."""
     s = _delayed_scales(scales, options)  # kept for the backward pass as used here
     y, (qx, qw) = _fp8_forward(x, w, s[0], s[1], _power_2(options))
     amax_xw = jnp.stack([_amax(x), _amax(w)])
     return y, (qx, qw, s, amax_xw, _dtype_token(x))
 
 
-def _fp8_delayed_bwd(options, res, dy):
-    qx, qw, s, amax_xw, x_token = res
-    dx, dw = _fp8_backward(dy, s[2], qx, s[0], qw, s[1], _power_2(options))
+def fp8_delayed_dy_scale(residuals) -> jax.Array:
+    """The scale dY is quantized with: ``qdy = fp8_e5m2(clip(dY * scale))``."""
+    return residuals[2][2]
+
+
+def fp8_delayed_backward_quantized(options, residuals, qdy, amax_dy):
+    """``(dx, dw, amaxes)`` from dY already quantized with ``fp8_delayed_dy_scale`` and the amax
+    of the BF16 dY it was cast from; ``amaxes`` (x, w, dY) is the scales' cotangent."""
+    qx, qw, s, amax_xw, x_token = residuals
+    dx, dw = _fp8_backward_quantized(qdy, s[2], qx, s[0], qw, s[1], _power_2(options))
     # The scales' "gradient" is this step's amaxes (x, w, dY): see the module docstring.
-    amaxes = jnp.concatenate([amax_xw, _amax(dy)[None]])
-    return dx.astype(x_token.dtype), dw, amaxes, None
+    amaxes = jnp.concatenate([amax_xw, jnp.asarray(amax_dy, jnp.float32)[None]])
+    return dx.astype(x_token.dtype), dw, amaxes
 
 
 _fp8_delayed.defvjp(_fp8_delayed_fwd, _fp8_delayed_bwd)
