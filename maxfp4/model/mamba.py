@@ -283,7 +283,8 @@ _kernel_core.defvjp(_kernel_core_fwd, _kernel_core_bwd)
 # in_proj's output gradient store it in E5M2 with the recipe's dY scale, and the recipe's two
 # gradient GEMMs read that directly. Otherwise the gradient was written in BF16 and read back by
 # a cast of its own, one [B, T, I] pass more a layer (docs/PERFORMANCE.md). Same values as
-# lp.dot followed by _kernel_core (tests/test_hybrid.py holds them bit for bit).
+# lp.dot followed by _kernel_core: bit for bit on the CPU (tests/test_hybrid.py); compiled, XLA
+# may skip the recipe path's BF16 rounding of dt's columns (tests/test_gpu_mamba_kernels.py).
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _fp8_in_proj_core(x_BTD, w_DI, scales, core_params, segment_ids_BT, cfg: ModelConfig, options):
