@@ -58,10 +58,11 @@ class MambaConfig:
     # kernel on GPU when its tile sizes allow, else in XLA), xla (jax.numpy), or pallas (the
     # kernels; interpreted off GPU, slowly).
     kernels: str = "auto"
-    # With FP8 delayed scaling on in_proj and the kernels on: the kernels that write in_proj's
-    # output gradient store it in E5M2 themselves (same values as the recipe's cast of the BF16
-    # gradient, one pass less a layer). false: BF16, then the recipe's cast.
-    fp8_grad_in_kernels: bool = True
+    # With FP8 delayed scaling on in_proj (and out_proj) and the kernels on: the kernels that
+    # write in_proj's output gradient (and out_proj's input) store them in FP8 themselves (same
+    # values as the recipes' casts of the BF16 tensors, one pass less a layer each). false:
+    # BF16, then the recipes' casts.
+    fp8_in_kernels: bool = True
 
 
 @dataclass(frozen=True)
@@ -474,8 +475,8 @@ def validate(cfg: Config) -> None:
         mb = m.mamba
         _positive(mb, "model.mamba", "d_state", "head_dim", "n_groups", "conv_kernel", "chunk_size", "expand")
         _require(mb.ssd_matmul in ("bf16", "fp32"), "model.mamba.ssd_matmul", mb.ssd_matmul, "bf16 or fp32")
-        _require(isinstance(mb.fp8_grad_in_kernels, bool), "model.mamba.fp8_grad_in_kernels",
-                 mb.fp8_grad_in_kernels, "true or false")
+        _require(isinstance(mb.fp8_in_kernels, bool), "model.mamba.fp8_in_kernels",
+                 mb.fp8_in_kernels, "true or false")
         _require(mb.kernels in ("auto", "xla", "pallas"), "model.mamba.kernels", mb.kernels,
                  "auto, xla or pallas")
         if mb.kernels == "pallas":

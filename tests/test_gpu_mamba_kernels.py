@@ -143,9 +143,10 @@ def test_compiled_mixer_core_assembles_the_in_proj_gradient_in_place():
         assert np.max(np.abs(a - r)) <= 2 ** -8 * np.max(np.abs(r)), jax.tree_util.keystr(path)
 
 
-def test_compiled_fp8_in_proj_gradient_stored_by_the_kernels_equals_the_recipes_cast():
-    """Compiled, the kernels' own E5M2 store of in_proj's output gradient (Triton's cast) gives
-    the bits of the recipe's path (XLA's cast of the BF16 gradient) for the output and every
+def test_compiled_fp8_operands_stored_by_the_kernels_equal_the_recipes_casts():
+    """Compiled, the kernels' own E5M2 store of in_proj's output gradient and E4M3 store of
+    out_proj's input (Triton's casts) give the bits of the recipes' path (XLA's casts of the
+    BF16 tensors) for the output and every
     gradient, except where dt's columns of that gradient enter: XLA may cast dt's gradient
     from FP32 in the recipe's path (it allows excess precision), where the fused path rounds it
     to BF16 first as specified. There in_proj's weight gradient agrees to one E5M2 step

@@ -191,16 +191,18 @@ def test_mixer_core_under_one_vjp_equals_its_pieces():
         np.testing.assert_array_equal(dparams[name], dparams_ref[name], err_msg=name)
 
 
-def _fp8_mixer_value_and_grads(fp8_grad_in_kernels: bool):
-    """One Mamba-2 mixer (in_proj, kernel core, out_proj) with FP8 delayed scaling, kernels on,
-    two packed documents in a row: its output, and the gradients of the input, every parameter
-    and the scales (the amaxes the recipe reports)."""
+def _fp8_mixer_value_and_grads(fp8_in_kernels: bool, out_proj_recipe: str = "fp8_delayed"):
+    """One Mamba-2 mixer (in_proj, kernel core, out_proj) with FP8 delayed scaling on in_proj
+    and ``out_proj_recipe`` on out_proj, kernels on, two packed documents in a row: its output,
+    and the gradients of the input, every parameter and the scales (the amaxes the recipes
+    report)."""
     from maxfp4.model import mamba
     from maxfp4.precision import LayerPrecision
 
     cfg = load_config(TINY, ["model.mamba.kernels=pallas", "model.mamba.head_dim=16",
-                             f"model.mamba.fp8_grad_in_kernels={str(fp8_grad_in_kernels).lower()}",
-                             "precision.default=fp8_delayed"])
+                             f"model.mamba.fp8_in_kernels={str(fp8_in_kernels).lower()}",
+                             "precision.default=fp8_delayed",
+                             f"precision.rules=[{{classes: [mamba_out], recipe: {out_proj_recipe}}}]"])
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     p = {k: v[0] for k, v in mamba.init_mamba(cfg.model, jax.random.key(2), 1).items()}
     t = 32
@@ -211,7 +213,7 @@ def _fp8_mixer_value_and_grads(fp8_grad_in_kernels: bool):
     # its clip at 57344 both occur: a value that differs anywhere changes the bits below.
     scales = {"mamba_in": jnp.array([3.7, 51.3, 4.1e6], jnp.float32),
               "mamba_out": jnp.array([2.9, 47.1, 2.3e5], jnp.float32)}
-    used = mamba._fp8_gradient_from_kernels(x, cfg.model, LayerPrecision(policy, 0, scales), None)
+    used = mamba._fp8_in_kernels(x, cfg.model, LayerPrecision(policy, 0, scales), None)
 
     def loss(x, p, scales):
         lp = LayerPrecision(policy, 0, scales)
@@ -220,14 +222,16 @@ def _fp8_mixer_value_and_grads(fp8_grad_in_kernels: bool):
     return used, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, p, scales)
 
 
-def test_fp8_in_proj_gradient_stored_by_the_kernels_equals_the_recipes_cast():
+@pytest.mark.parametrize("out_proj_recipe", ["fp8_delayed", "bf16"])
+def test_fp8_operands_stored_by_the_kernels_equal_the_recipes_casts(out_proj_recipe):
     """With FP8 delayed scaling on in_proj, the kernels that assemble in_proj's output gradient
     store it in E5M2 themselves (and report its amax) instead of writing BF16 for the recipe to
-    cast. Same rounding to BF16, same scale, same clip and cast: every output, gradient and
-    reported amax equal bit for bit to the recipe's own path; some dY values clip (the E5M2
-    scale is large), so the clip is exercised too."""
-    used, (value, grads) = _fp8_mixer_value_and_grads(True)
-    not_used, (value_ref, grads_ref) = _fp8_mixer_value_and_grads(False)
+    cast; with it on out_proj too, the gated norm's forward kernel stores out_proj's input in
+    E4M3 the same way. Same rounding to BF16, same scale, same clip and cast: every output,
+    gradient and reported amax equal bit for bit to the recipes' own path; some dY values clip
+    (the E5M2 scale is large), so the clip is exercised too."""
+    used, (value, grads) = _fp8_mixer_value_and_grads(True, out_proj_recipe)
+    not_used, (value_ref, grads_ref) = _fp8_mixer_value_and_grads(False, out_proj_recipe)
     assert used and not not_used
     assert value == value_ref
     for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(grads_ref)):
@@ -236,3 +240,5 @@ def test_fp8_in_proj_gradient_stored_by_the_kernels_equals_the_recipes_cast():
     amax_dy = float(grads[2]["mamba_in"][2])
     assert amax_dy * 4.1e6 > 57344, amax_dy  # the largest |dY| clips
     assert np.all(np.asarray(grads[1]["in_proj"]) != 0)
+    if out_proj_recipe == "fp8_delayed":
+        assert float(grads[2]["mamba_out"][0]) > 0  # out_proj's input amax, from the norm kernel

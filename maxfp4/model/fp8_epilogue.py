@@ -1,11 +1,12 @@
-"""An FP8 store for the Mamba-2 kernels that write the in_proj output's gradient.
+"""An FP8 store for the Mamba-2 kernels next to an FP8 linear layer.
 
-With the FP8 delayed-scaling recipe on in_proj, that gradient (dY, [B, T, I]) is only ever read
-by one cast to E5M2, with a scale fixed before the step. The kernels that produce it can store
-the E5M2 values themselves, ``fp8(clip(dY_bf16 * scale))`` exactly as
-``maxfp4.precision.formats.quantize_fp8`` casts the BF16 tensor, and the max of |dY_bf16| the
-recipe's state needs: the BF16 copy and the pass that read it back are gone (one [B, T, I]
-write and read a layer).
+With the FP8 delayed-scaling recipe on in_proj, its output gradient (dY, [B, T, I]) is only ever
+read by one cast to E5M2, with a scale fixed before the step; with it on out_proj, the gated
+norm's output (out_proj's input, [B, T, E]) is only ever read by one cast to E4M3. The kernels
+that produce them can store the FP8 values themselves, ``fp8(clip(v_bf16 * scale))`` exactly as
+``maxfp4.precision.formats.quantize_fp8`` casts the BF16 tensor, and the max of |v_bf16| the
+recipe's state needs: the BF16 copy and the pass that read it back are gone (one write and one
+read a layer each).
 """
 
 from __future__ import annotations

@@ -66,12 +66,34 @@ def _gate(u_ref, z_ref, cdt, bi, t0, tr, c0, eg):
     return u_ref[bi, rows, cols].astype(cdt), z, jax.nn.sigmoid(z)
 
 
-def _forward_kernel(u_ref, z_ref, scale_ref, out_ref, *, eg, tr, eps):
-    bi, t0, c0 = pl.program_id(0), pl.program_id(1) * tr, pl.program_id(2) * eg
+def _normed(u_ref, z_ref, scale_ref, bi, t0, tr, c0, eg, eps):
+    """The epilogue's value on the [tr, eg] tile at row t0, column c0, in the compute dtype."""
     u, z, sz = _gate(u_ref, z_ref, scale_ref.dtype, bi, t0, tr, c0, eg)
     g = u * z * sz
     r = jax.lax.rsqrt(jnp.mean(g * g, axis=1, keepdims=True) + eps)
-    out_ref[bi, pl.ds(t0, tr), pl.ds(c0, eg)] = (g * r * scale_ref[pl.ds(c0, eg)][None, :]).astype(out_ref.dtype)
+    return g * r * scale_ref[pl.ds(c0, eg)][None, :]
+
+
+def _forward_kernel(u_ref, z_ref, scale_ref, out_ref, *, eg, tr, eps):
+    bi, t0, c0 = pl.program_id(0), pl.program_id(1) * tr, pl.program_id(2) * eg
+    out = _normed(u_ref, z_ref, scale_ref, bi, t0, tr, c0, eg, eps)
+    out_ref[bi, pl.ds(t0, tr), pl.ds(c0, eg)] = out.astype(out_ref.dtype)
+
+
+def _forward_kernel_fp8(u_ref, z_ref, scale_ref, qscale_ref, out_ref, amax_ref, *, eg, tr, eps, quantized):
+    """The forward storing FP8 (an ``fp8_epilogue.Quantized``: the value rounded to the output
+    dtype the BF16 path stores, then scaled, clipped and cast) and each column's max of the
+    rounded |value| over the program's rows. A program walks _BLOCK_ROWS rows, as the backward
+    does, so the maxima are a sixteenth of the output's rows."""
+    bi, ti, c0 = pl.program_id(0), pl.program_id(1), pl.program_id(2) * eg
+
+    def rows(i, amax):
+        t0 = ti * _BLOCK_ROWS + i * tr
+        out = quantized.round(_normed(u_ref, z_ref, scale_ref, bi, t0, tr, c0, eg, eps))
+        out_ref[bi, pl.ds(t0, tr), pl.ds(c0, eg)] = quantized.cast(out, qscale_ref[0], out_ref.dtype)
+        return jnp.maximum(amax, jnp.max(jnp.abs(out), axis=0))
+
+    amax_ref[bi, ti, pl.ds(c0, eg)] = jax.lax.fori_loop(0, _BLOCK_ROWS // tr, rows, jnp.zeros((eg,), jnp.float32))
 
 
 def _backward_kernel(u_ref, z_ref, scale_ref, dout_ref, *refs, eg, tr, eps, quantized=None):
@@ -135,13 +157,25 @@ def _compute_dtype(u_BTE):
     return jnp.promote_types(u_BTE.dtype, jnp.float32)
 
 
-def gated_norm_forward(u_BTE, zxbcdt_BTI, scale_E, groups, eps, out_dtype, interpret):
-    """(``gated_norm_fused``'s value, the residuals ``gated_norm_backward`` takes)."""
+def gated_norm_forward(u_BTE, zxbcdt_BTI, scale_E, groups, eps, out_dtype, interpret,
+                       quantize: Quantize | None = None):
+    """(``gated_norm_fused``'s value, the residuals ``gated_norm_backward`` takes).
+
+    With ``quantize`` the value is stored in its FP8 format instead (rounded to ``out_dtype``
+    first, ``fp8_epilogue.Quantize`` says the rest) and comes back as ``(q, max |value|)``."""
     b, t, e = u_BTE.shape
     cdt = _compute_dtype(u_BTE)
-    (out,) = _launch(_forward_kernel, _tile_rows(e // groups), _FORWARD_WARPS, b, t, e, groups, eps, interpret,
-                     [jax.ShapeDtypeStruct((b, t, e), out_dtype)], u_BTE, zxbcdt_BTI, scale_E.astype(cdt))
-    return out, (u_BTE, zxbcdt_BTI, scale_E)
+    inputs = (u_BTE, zxbcdt_BTI, scale_E.astype(cdt))
+    if quantize is None:
+        (out,) = _launch(_forward_kernel, _tile_rows(e // groups), _FORWARD_WARPS, b, t, e, groups, eps, interpret,
+                         [jax.ShapeDtypeStruct((b, t, e), out_dtype)], *inputs)
+        return out, (u_BTE, zxbcdt_BTI, scale_E)
+    kernel = functools.partial(_forward_kernel_fp8, quantized=Quantized(out_dtype))
+    q, amax_parts = _launch(kernel, _BLOCK_ROWS, _FORWARD_WARPS, b, t, e, groups, eps, interpret,
+                            [jax.ShapeDtypeStruct((b, t, e), quantize.dtype),
+                             jax.ShapeDtypeStruct((b, t // _BLOCK_ROWS, e), jnp.float32)],
+                            *inputs, jnp.reshape(quantize.scale, (1,)).astype(jnp.float32))
+    return (q, jnp.max(amax_parts)), (u_BTE, zxbcdt_BTI, scale_E)
 
 
 def _bwd(groups, eps, out_dtype, interpret, residuals, dout_BTE):

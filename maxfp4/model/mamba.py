@@ -31,7 +31,7 @@ from maxfp4.model.gated_norm_kernel import gated_norm_fused, gated_norm_supporte
 from maxfp4.model.ssd_kernel import kernel_supported, ssd_fused
 from maxfp4.model.fp8_epilogue import Quantize, quantize_rounded
 from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
-from maxfp4.precision.formats import FP8_E5M2
+from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2
 
 Params = dict[str, Any]
 
@@ -127,10 +127,12 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     # kernel's traffic and added converts: mamba2-1p3b 523 -> 451 ms a step on an H200 with
     # BF16 storage here and in the SSD (docs/PERFORMANCE.md).
     core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
-    if _fp8_gradient_from_kernels(x_BTD, cfg, lp, constrain):
-        y_BTE = _fp8_in_proj_core(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params, segment_ids_BT, cfg,
-                                  lp.policy.options_tuple("fp8_delayed"))
-        return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
+    if _fp8_in_kernels(x_BTD, cfg, lp, constrain):
+        with_out = lp.policy.recipe_for("mamba_out", lp.layer_index) == "fp8_delayed"
+        out = _fp8_mixer(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params,
+                         p["out_proj"] if with_out else None, lp.scales["mamba_out"] if with_out else None,
+                         segment_ids_BT, cfg, lp.policy.options_tuple("fp8_delayed"))
+        return out if with_out else lp.dot(out.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
     zxbcdt_BTI = lp.dot(x_BTD, p["in_proj"], "mamba_in")
     core = functools.partial(_mixer_core, cfg=cfg)
     per_batch_row = getattr(constrain, "per_batch_row", None)
@@ -141,12 +143,12 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
 
 
-def _fp8_gradient_from_kernels(x_BTD: jax.Array, cfg: ModelConfig, lp: LayerPrecision, constrain) -> bool:
-    """Whether in_proj and the core run as ``_fp8_in_proj_core``: in_proj's recipe is FP8
-    delayed scaling, the core runs as the kernel core, and one device holds the whole batch
-    (split over devices, the kernels run per device under ``per_batch_row``, and this fused
-    form does not: it falls back to the recipe's own cast there)."""
-    if not cfg.mamba.fp8_grad_in_kernels or not lp.scales:
+def _fp8_in_kernels(x_BTD: jax.Array, cfg: ModelConfig, lp: LayerPrecision, constrain) -> bool:
+    """Whether the mixer runs as ``_fp8_mixer``: in_proj's recipe is FP8 delayed scaling, the
+    core runs as the kernel core, and one device holds the whole batch (split over devices,
+    the kernels run per device under ``per_batch_row``, and this fused form does not: it falls
+    back to the recipes' own casts there)."""
+    if not cfg.mamba.fp8_in_kernels or not lp.scales:
         return False
     if lp.policy.recipe_for("mamba_in", lp.layer_index) != "fp8_delayed":
         return False
@@ -229,7 +231,9 @@ def _kernel_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, cf
     return _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg)[0]
 
 
-def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg):
+def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg, quantize: Quantize | None = None):
+    """(the core's output, the residuals). With ``quantize`` the gated norm's kernel stores the
+    output in FP8, and it comes back as (values, max |value| as rounded to BF16)."""
     d = dims(cfg)
     e, c = d["E"], d["conv"]
     interpret = jax.default_backend() != "gpu"
@@ -240,7 +244,7 @@ def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg):
         lambda xbc, dt, A_log, D: _ssd_with_skip(xbc, dt, A_log, D, segment_ids_BT, cfg),
         xbc_BTC, dt_BTH, p["A_log"], p["D_skip"])
     out_BTE, norm_res = gated_norm_kernel.gated_norm_forward(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps,
-                                                             ACT_DTYPE, interpret)
+                                                             ACT_DTYPE, interpret, quantize)
     return out_BTE, (dt_pull, conv_res, ssd_pull, norm_res)
 
 
@@ -279,30 +283,47 @@ def _core_backward(cfg, residuals, dout_BTE, quantize: Quantize | None = None):
 _kernel_core.defvjp(_kernel_core_fwd, _kernel_core_bwd)
 
 
-# in_proj with FP8 delayed scaling and the kernel core under one VJP: the kernels that assemble
-# in_proj's output gradient store it in E5M2 with the recipe's dY scale, and the recipe's two
-# gradient GEMMs read that directly. Otherwise the gradient was written in BF16 and read back by
-# a cast of its own, one [B, T, I] pass more a layer (docs/PERFORMANCE.md). Same values as
-# lp.dot followed by _kernel_core: bit for bit on the CPU (tests/test_hybrid.py); compiled, XLA
+# in_proj with FP8 delayed scaling, the kernel core and (when it is FP8 delayed too) out_proj
+# under one VJP. The kernels that assemble in_proj's output gradient store it in E5M2 with the
+# recipe's dY scale, and the gated norm's forward kernel stores out_proj's input in E4M3 with
+# its x scale; the recipes' GEMMs read those directly. Otherwise each was written in BF16 and
+# read back by a cast of its own, one pass more a layer each (docs/PERFORMANCE.md). Same values
+# as lp.dot, _kernel_core, lp.dot: bit for bit on the CPU (tests/test_hybrid.py); compiled, XLA
 # may skip the recipe path's BF16 rounding of dt's columns (tests/test_gpu_mamba_kernels.py).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _fp8_in_proj_core(x_BTD, w_DI, scales, core_params, segment_ids_BT, cfg: ModelConfig, options):
-    return _fp8_in_proj_core_fwd(x_BTD, w_DI, scales, core_params, segment_ids_BT, cfg, options)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _fp8_mixer(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg: ModelConfig,
+               options):
+    """in_proj -> core -> out_proj, or in_proj -> core (out_proj's input, BF16) when
+    ``w_out_ED`` is None."""
+    return _fp8_mixer_fwd(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg,
+                          options)[0]
 
 
-def _fp8_in_proj_core_fwd(x_BTD, w_DI, scales, core_params, segment_ids_BT, cfg, options):
-    zxbcdt_BTI, gemm_res = recipes.fp8_delayed_forward(x_BTD, w_DI, options, scales)
-    out_BTE, core_res = _kernel_core_fwd(checkpoint_name(zxbcdt_BTI, GEMM_OUT), segment_ids_BT, core_params, cfg)
-    return out_BTE, (gemm_res, core_res)
+def _fp8_mixer_fwd(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg, options):
+    zxbcdt_BTI, in_res = recipes.fp8_delayed_forward(x_BTD, w_in_DI, options, scales_in)
+    zxbcdt_BTI = checkpoint_name(zxbcdt_BTI, GEMM_OUT)
+    if w_out_ED is None:
+        out, core_res = _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, core_params, cfg)
+        return out, (in_res, core_res, None)
+    sx_out = recipes.fp8_delayed_scales(options, scales_out)[0]
+    (qy_BTE, amax_y), core_res = _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, core_params, cfg,
+                                                  Quantize(sx_out, FP8_E4M3))
+    out_BTD, out_res = recipes.fp8_delayed_forward_quantized(qy_BTE, amax_y, ACT_DTYPE, w_out_ED, options,
+                                                             scales_out)
+    return checkpoint_name(out_BTD, GEMM_OUT), (in_res, core_res, out_res)
 
 
-def _fp8_in_proj_core_bwd(cfg, options, residuals, dout_BTE):
-    gemm_res, core_res = residuals
-    quantize = Quantize(recipes.fp8_delayed_dy_scale(gemm_res), FP8_E5M2)
-    qdy_BTI, grads, amax_dy = _core_backward(cfg, core_res, dout_BTE, quantize)
-    dx_BTD, dw_DI, amaxes = recipes.fp8_delayed_backward_quantized(options, gemm_res, qdy_BTI, amax_dy)
-    return dx_BTD, dw_DI, amaxes, grads, None
+def _fp8_mixer_bwd(cfg, options, residuals, dout):
+    in_res, core_res, out_res = residuals
+    if out_res is None:
+        dy_BTE, dw_out, amaxes_out = dout, None, None
+    else:
+        dy_BTE, dw_out, amaxes_out = recipes.fp8_delayed_backward(options, out_res, dout)
+    quantize = Quantize(recipes.fp8_delayed_dy_scale(in_res), FP8_E5M2)
+    qdzxbcdt_BTI, grads, amax_dz = _core_backward(cfg, core_res, dy_BTE, quantize)
+    dx_BTD, dw_in, amaxes_in = recipes.fp8_delayed_backward_quantized(options, in_res, qdzxbcdt_BTI, amax_dz)
+    return dx_BTD, dw_in, amaxes_in, grads, dw_out, amaxes_out, None
 
 
-_fp8_in_proj_core.defvjp(_fp8_in_proj_core_fwd, _fp8_in_proj_core_bwd)
+_fp8_mixer.defvjp(_fp8_mixer_fwd, _fp8_mixer_bwd)

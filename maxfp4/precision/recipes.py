@@ -132,11 +132,15 @@ def _gathered(w_q: jax.Array) -> jax.Array:
 
 
 def _fp8_forward(x, w, sx, sw, power_2):
-    x_MK = _flat(x)
-    qx_MK = F.quantize_fp8(x_MK, sx, F.FP8_E4M3)
+    return _fp8_forward_quantized(F.quantize_fp8(x, sx, F.FP8_E4M3), sx, w, sw, power_2)
+
+
+def _fp8_forward_quantized(qx, sx, w, sw, power_2):
+    """fprop from x already in E4M3 (``qx = fp8(clip(x * sx))``, [..., K])."""
+    qx_MK = _flat(qx)
     qw_KN = F.quantize_fp8(w, sw, F.FP8_E4M3)
     y_MN = fp8_gemm_tn(qx_MK, sx, _gathered(qw_KN).T, sw, power_2=power_2)
-    return y_MN.reshape(*x.shape[:-1], w.shape[1]), (checkpoint_name(qx_MK, GEMM_IN), qw_KN)
+    return y_MN.reshape(*qx.shape[:-1], w.shape[1]), (checkpoint_name(qx_MK, GEMM_IN), qw_KN)
 
 
 def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2):
@@ -174,9 +178,7 @@ def _fp8_delayed_fwd(x, w, options, scales, key):
 
 
 def _fp8_delayed_bwd(options, res, dy):
-    s = res[2]
-    qdy = F.quantize_fp8(dy, s[2], F.FP8_E5M2)
-    return fp8_delayed_backward_quantized(options, res, qdy, _amax(dy)) + (None,)
+    return fp8_delayed_backward(options, res, dy) + (None,)
 
 
 def fp8_delayed_forward(x, w, options, scales):
@@ -190,9 +192,30 @@ def fp8_delayed_forward(x, w, options, scales):
     return y, (qx, qw, s, amax_xw, _dtype_token(x))
 
 
+def fp8_delayed_scales(options, scales) -> jax.Array:
+    """The (x, w, dY) scales a step quantizes with, from the layer's delayed-scaling state."""
+    return _delayed_scales(scales, options)
+
+
+def fp8_delayed_forward_quantized(qx, amax_x, x_dtype, w, options, scales):
+    """``fp8_delayed_forward`` for x already quantized with ``fp8_delayed_scales(...)[0]`` by
+    its producer, which also reports ``amax_x``, the max of |x| in ``x_dtype`` (the dtype the
+    BF16 path would have handed the recipe, and the dtype of dx)."""
+    s = _delayed_scales(scales, options)
+    y, (qx_MK, qw) = _fp8_forward_quantized(qx, s[0], w, s[1], _power_2(options))
+    amax_xw = jnp.stack([jnp.asarray(amax_x, jnp.float32), _amax(w)])
+    return y, (qx_MK, qw, s, amax_xw, jnp.zeros((0,), x_dtype))
+
+
 def fp8_delayed_dy_scale(residuals) -> jax.Array:
     """The scale dY is quantized with: ``qdy = fp8_e5m2(clip(dY * scale))``."""
     return residuals[2][2]
+
+
+def fp8_delayed_backward(options, residuals, dy):
+    """``(dx, dw, amaxes)`` of ``fp8_delayed_forward``'s product for the BF16 gradient dy."""
+    qdy = F.quantize_fp8(dy, fp8_delayed_dy_scale(residuals), F.FP8_E5M2)
+    return fp8_delayed_backward_quantized(options, residuals, qdy, _amax(dy))
 
 
 def fp8_delayed_backward_quantized(options, residuals, qdy, amax_dy):
