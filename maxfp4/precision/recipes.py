@@ -182,10 +182,11 @@ def _fp8_delayed_bwd(options, res, dy):
 
 
 def fp8_delayed_forward(x, w, options, scales):
-    """``fp8_delayed_dot``'s forward pass: ``(y, residuals)``. With ``fp8_delayed_dy_scale``
-    and ``fp8_delayed_backward_quantized`` it lets a layer whose output feeds a kernel with a
-    VJP of its own (the Mamba-2 mixer) have that kernel write dY in E5M2 directly, instead of
-    BF16 that a separate pass reads again to cast (same values, one pass less)."""
+    """``fp8_delayed_dot``'s forward pass: ``(y, residuals)``. With the functions below it lets
+    a layer next to a kernel with a VJP of its own (the Mamba-2 mixer) have that kernel store
+    the layer's FP8 operand directly (x with ``fp8_delayed_forward_quantized``, dY with
+    ``fp8_delayed_dy_scale`` and ``fp8_delayed_backward_quantized``), instead of BF16 that a
+    separate pass reads again to cast: same values, one pass less."""
     s = _delayed_scales(scales, options)  # kept for the backward pass as used here
     y, (qx, qw) = _fp8_forward(x, w, s[0], s[1], _power_2(options))
     amax_xw = jnp.stack([_amax(x), _amax(w)])
