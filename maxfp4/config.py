@@ -58,8 +58,8 @@ class MambaConfig:
     # kernel on GPU when its tile sizes allow, else in XLA), xla (jax.numpy), or pallas (the
     # kernels; interpreted off GPU, slowly).
     kernels: str = "auto"
-    # With FP8 delayed scaling on in_proj (and out_proj) and the kernels on: the kernels that
-    # write in_proj's output gradient (and out_proj's input) store them in FP8 themselves (same
+    # With FP8 delayed scaling on in_proj and out_proj and the kernels on: the kernels that
+    # write in_proj's output gradient and out_proj's input store them in FP8 themselves (same
     # values as the recipes' casts of the BF16 tensors, one pass less a layer each). false:
     # BF16, then the recipes' casts.
     fp8_in_kernels: bool = True

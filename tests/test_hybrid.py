@@ -191,11 +191,11 @@ def test_mixer_core_under_one_vjp_equals_its_pieces():
         np.testing.assert_array_equal(dparams[name], dparams_ref[name], err_msg=name)
 
 
-def _fp8_mixer_value_and_grads(fp8_in_kernels: bool, out_proj_recipe: str = "fp8_delayed"):
+def _fp8_mixer_value_and_grads(fp8_in_kernels: bool, out_proj_recipe: str = "fp8_delayed", trace_only=False):
     """One Mamba-2 mixer (in_proj, kernel core, out_proj) with FP8 delayed scaling on in_proj
-    and ``out_proj_recipe`` on out_proj, kernels on, two packed documents in a row: its output,
-    and the gradients of the input, every parameter and the scales (the amaxes the recipes
-    report)."""
+    and ``out_proj_recipe`` on out_proj, kernels on, two packed documents in a row: whether it
+    runs as the fused ``_fp8_mixer``, and (unless ``trace_only``) its output and the gradients
+    of the input, every parameter and the scales (the amaxes the recipes report)."""
     from maxfp4.model import mamba
     from maxfp4.precision import LayerPrecision
 
@@ -214,6 +214,8 @@ def _fp8_mixer_value_and_grads(fp8_in_kernels: bool, out_proj_recipe: str = "fp8
     scales = {"mamba_in": jnp.array([3.7, 51.3, 4.1e6], jnp.float32),
               "mamba_out": jnp.array([2.9, 47.1, 2.3e5], jnp.float32)}
     used = mamba._fp8_in_kernels(x, cfg.model, LayerPrecision(policy, 0, scales), None)
+    if trace_only:
+        return used
 
     def loss(x, p, scales):
         lp = LayerPrecision(policy, 0, scales)
@@ -222,17 +224,18 @@ def _fp8_mixer_value_and_grads(fp8_in_kernels: bool, out_proj_recipe: str = "fp8
     return used, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, p, scales)
 
 
-@pytest.mark.parametrize("out_proj_recipe", ["fp8_delayed", "bf16"])
-def test_fp8_operands_stored_by_the_kernels_equal_the_recipes_casts(out_proj_recipe):
-    """With FP8 delayed scaling on in_proj, the kernels that assemble in_proj's output gradient
-    store it in E5M2 themselves (and report its amax) instead of writing BF16 for the recipe to
-    cast; with it on out_proj too, the gated norm's forward kernel stores out_proj's input in
-    E4M3 the same way. Same rounding to BF16, same scale, same clip and cast: every output,
-    gradient and reported amax equal bit for bit to the recipes' own path; some dY values clip
-    (the E5M2 scale is large), so the clip is exercised too."""
-    used, (value, grads) = _fp8_mixer_value_and_grads(True, out_proj_recipe)
-    not_used, (value_ref, grads_ref) = _fp8_mixer_value_and_grads(False, out_proj_recipe)
+def test_fp8_operands_stored_by_the_kernels_equal_the_recipes_casts():
+    """With FP8 delayed scaling on in_proj and out_proj, the kernels that assemble in_proj's
+    output gradient store it in E5M2 themselves (and report its amax) instead of writing BF16
+    for the recipe to cast, and the gated norm's forward kernel stores out_proj's input in E4M3
+    the same way. Same rounding to BF16, same scale, same clip and cast: every output, gradient
+    and reported amax equal bit for bit to the recipes' own path; some dY values clip (the E5M2
+    scale is large), so the clip is exercised too. With out_proj in another recipe the mixer
+    keeps the recipes' own casts."""
+    used, (value, grads) = _fp8_mixer_value_and_grads(True)
+    not_used, (value_ref, grads_ref) = _fp8_mixer_value_and_grads(False)
     assert used and not not_used
+    assert not _fp8_mixer_value_and_grads(True, "bf16", trace_only=True)
     assert value == value_ref
     for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(grads_ref)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32),
@@ -240,5 +243,4 @@ def test_fp8_operands_stored_by_the_kernels_equal_the_recipes_casts(out_proj_rec
     amax_dy = float(grads[2]["mamba_in"][2])
     assert amax_dy * 4.1e6 > 57344, amax_dy  # the largest |dY| clips
     assert np.all(np.asarray(grads[1]["in_proj"]) != 0)
-    if out_proj_recipe == "fp8_delayed":
-        assert float(grads[2]["mamba_out"][0]) > 0  # out_proj's input amax, from the norm kernel
+    assert float(grads[2]["mamba_out"][0]) > 0  # out_proj's input amax, from the norm kernel

@@ -128,11 +128,8 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     # BF16 storage here and in the SSD (docs/PERFORMANCE.md).
     core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
     if _fp8_in_kernels(x_BTD, cfg, lp, constrain):
-        with_out = lp.policy.recipe_for("mamba_out", lp.layer_index) == "fp8_delayed"
-        out = _fp8_mixer(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params,
-                         p["out_proj"] if with_out else None, lp.scales["mamba_out"] if with_out else None,
-                         segment_ids_BT, cfg, lp.policy.options_tuple("fp8_delayed"))
-        return out if with_out else lp.dot(out.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
+        return _fp8_mixer(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params, p["out_proj"],
+                          lp.scales["mamba_out"], segment_ids_BT, cfg, lp.policy.options_tuple("fp8_delayed"))
     zxbcdt_BTI = lp.dot(x_BTD, p["in_proj"], "mamba_in")
     core = functools.partial(_mixer_core, cfg=cfg)
     per_batch_row = getattr(constrain, "per_batch_row", None)
@@ -144,13 +141,13 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
 
 
 def _fp8_in_kernels(x_BTD: jax.Array, cfg: ModelConfig, lp: LayerPrecision, constrain) -> bool:
-    """Whether the mixer runs as ``_fp8_mixer``: in_proj's recipe is FP8 delayed scaling, the
-    core runs as the kernel core, and one device holds the whole batch (split over devices,
-    the kernels run per device under ``per_batch_row``, and this fused form does not: it falls
-    back to the recipes' own casts there)."""
+    """Whether the mixer runs as ``_fp8_mixer``: in_proj's and out_proj's recipe is FP8 delayed
+    scaling, the core runs as the kernel core, and one device holds the whole batch (split over
+    devices, the kernels run per device under ``per_batch_row``, and this fused form does not:
+    it falls back to the recipes' own casts there, as with any other pair of recipes)."""
     if not cfg.mamba.fp8_in_kernels or not lp.scales:
         return False
-    if lp.policy.recipe_for("mamba_in", lp.layer_index) != "fp8_delayed":
+    if any(lp.policy.recipe_for(c, lp.layer_index) != "fp8_delayed" for c in ("mamba_in", "mamba_out")):
         return False
     if getattr(constrain, "splits_batch", lambda b: False)(x_BTD.shape[0]):
         return False
@@ -283,43 +280,34 @@ def _core_backward(cfg, residuals, dout_BTE, quantize: Quantize | None = None):
 _kernel_core.defvjp(_kernel_core_fwd, _kernel_core_bwd)
 
 
-# in_proj with FP8 delayed scaling, the kernel core and (when it is FP8 delayed too) out_proj
-# under one VJP. The kernels that assemble in_proj's output gradient store it in E5M2 with the
-# recipe's dY scale, and the gated norm's forward kernel stores out_proj's input in E4M3 with
-# its x scale; the recipes' GEMMs read those directly. Otherwise each was written in BF16 and
-# read back by a cast of its own, one pass more a layer each (docs/PERFORMANCE.md). Same values
-# as lp.dot, _kernel_core, lp.dot: bit for bit on the CPU (tests/test_hybrid.py); compiled, XLA
-# may skip the recipe path's BF16 rounding of dt's columns (tests/test_gpu_mamba_kernels.py).
+# in_proj, the kernel core and out_proj under one VJP, both layers with FP8 delayed scaling. The
+# kernels that assemble in_proj's output gradient store it in E5M2 with the recipe's dY scale,
+# and the gated norm's forward kernel stores out_proj's input in E4M3 with its x scale; the
+# recipes' GEMMs read those directly. Otherwise each was written in BF16 and read back by a cast
+# of its own, one pass more a layer each (docs/PERFORMANCE.md). Same values as lp.dot,
+# _kernel_core, lp.dot: bit for bit on the CPU (tests/test_hybrid.py); compiled, XLA may skip the
+# recipe path's BF16 rounding of dt's columns (tests/test_gpu_mamba_kernels.py).
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _fp8_mixer(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg: ModelConfig,
                options):
-    """in_proj -> core -> out_proj, or in_proj -> core (out_proj's input, BF16) when
-    ``w_out_ED`` is None."""
     return _fp8_mixer_fwd(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg,
                           options)[0]
 
 
 def _fp8_mixer_fwd(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg, options):
     zxbcdt_BTI, in_res = recipes.fp8_delayed_forward(x_BTD, w_in_DI, options, scales_in)
-    zxbcdt_BTI = checkpoint_name(zxbcdt_BTI, GEMM_OUT)
-    if w_out_ED is None:
-        out, core_res = _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, core_params, cfg)
-        return out, (in_res, core_res, None)
     sx_out = recipes.fp8_delayed_scales(options, scales_out)[0]
-    (qy_BTE, amax_y), core_res = _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, core_params, cfg,
-                                                  Quantize(sx_out, FP8_E4M3))
+    (qy_BTE, amax_y), core_res = _kernel_core_fwd(checkpoint_name(zxbcdt_BTI, GEMM_OUT), segment_ids_BT,
+                                                  core_params, cfg, Quantize(sx_out, FP8_E4M3))
     out_BTD, out_res = recipes.fp8_delayed_forward_quantized(qy_BTE, amax_y, ACT_DTYPE, w_out_ED, options,
                                                              scales_out)
     return checkpoint_name(out_BTD, GEMM_OUT), (in_res, core_res, out_res)
 
 
-def _fp8_mixer_bwd(cfg, options, residuals, dout):
+def _fp8_mixer_bwd(cfg, options, residuals, dout_BTD):
     in_res, core_res, out_res = residuals
-    if out_res is None:
-        dy_BTE, dw_out, amaxes_out = dout, None, None
-    else:
-        dy_BTE, dw_out, amaxes_out = recipes.fp8_delayed_backward(options, out_res, dout)
+    dy_BTE, dw_out, amaxes_out = recipes.fp8_delayed_backward(options, out_res, dout_BTD)
     quantize = Quantize(recipes.fp8_delayed_dy_scale(in_res), FP8_E5M2)
     qdzxbcdt_BTI, grads, amax_dz = _core_backward(cfg, core_res, dy_BTE, quantize)
     dx_BTD, dw_in, amaxes_in = recipes.fp8_delayed_backward_quantized(options, in_res, qdzxbcdt_BTI, amax_dz)
