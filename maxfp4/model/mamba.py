@@ -285,8 +285,9 @@ _kernel_core.defvjp(_kernel_core_fwd, _kernel_core_bwd)
 # and the gated norm's forward kernel stores out_proj's input in E4M3 with its x scale; the
 # recipes' GEMMs read those directly. Otherwise each was written in BF16 and read back by a cast
 # of its own, one pass more a layer each (docs/PERFORMANCE.md). Same values as lp.dot,
-# _kernel_core, lp.dot: bit for bit on the CPU (tests/test_hybrid.py); compiled, XLA may skip the
-# recipe path's BF16 rounding of dt's columns (tests/test_gpu_mamba_kernels.py).
+# _kernel_core, lp.dot: bit for bit on the CPU (tests/test_hybrid.py); compiled, within the
+# bounds tests/test_gpu_mamba_kernels.py states (GEMM accumulation order, and XLA may skip the
+# recipe path's BF16 rounding of dt's columns).
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _fp8_mixer(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg: ModelConfig,
