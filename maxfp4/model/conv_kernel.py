@@ -202,7 +202,7 @@ def into_columns_supported(channels: int, column_offset: int) -> bool:
 
 
 def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax.Array | None = None,
-                  column_offset: int = 0, tiling: ConvTiling | None = None, quantize: "Quantize | None" = None):
+                  column_offset: int = 0, tiling: ConvTiling | None = None, quantize: Quantize | None = None):
     """(dx, dw, db) of ``causal_conv_silu`` from its forward residuals (``conv_forward``).
 
     With ``into_BTI``, a wider [B, T, I] array, dx is written into its columns
@@ -218,7 +218,8 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     tiling = tiling or default_conv_tiling(t, c)
     tb = tiling.rows
     launch = functools.partial(_launch, tiling=tiling, num_warps=tiling.backward_warps)
-    per_tile = lambda tb, cb: pl.BlockSpec((pl.squeezed, pl.squeezed, cb), lambda bi, ti, ci: (bi, ti, ci))  # noqa: E731
+    def per_tile(tb, cb):  # one row of partial sums a [tb, cb] tile
+        return pl.BlockSpec((pl.squeezed, pl.squeezed, cb), lambda bi, ti, ci: (bi, ti, ci))
 
     def grad_specs(tb, cb):
         # dpre is written whole-array, into rows 0..T-1 of a buffer W - 1 rows longer: the input

@@ -17,11 +17,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from maxfp4.precision.formats import fp8_max
+from maxfp4.precision.formats import cast_fp8, quantize_fp8
 
 
 class Quantize(NamedTuple):
-    """Asked of a kernel: store this gradient as ``dtype`` (an FP8 type) with FP32 ``scale``."""
+    """Asked of a kernel: store this tensor as ``dtype`` (an FP8 type) with FP32 ``scale``."""
     scale: jax.Array
     dtype: Any
 
@@ -37,8 +37,7 @@ class Quantized:
 
     @staticmethod
     def cast(v_rounded: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-        m = fp8_max(dtype)
-        return jnp.clip(v_rounded * scale, -m, m).astype(dtype)
+        return cast_fp8(v_rounded, scale, dtype)
 
 
 def quantize_rounded(v: jax.Array, rounded_dtype, quantize: Quantize) -> tuple[jax.Array, jax.Array]:
@@ -46,4 +45,4 @@ def quantize_rounded(v: jax.Array, rounded_dtype, quantize: Quantize) -> tuple[j
     # The barrier keeps the rounding: XLA on GPU may otherwise compute the cast from the FP32
     # value (it allows excess precision), where the kernels round.
     r = jax.lax.optimization_barrier(v.astype(rounded_dtype)).astype(jnp.float32)
-    return Quantized.cast(r, quantize.scale, quantize.dtype), jnp.max(jnp.abs(r))
+    return quantize_fp8(r, quantize.scale, quantize.dtype), jnp.max(jnp.abs(r))

@@ -189,9 +189,14 @@ def quantize_fp8(x: jax.Array, scale, dtype) -> jax.Array:
     The result is pinned with an optimization barrier: with ``xla_allow_excess_precision`` XLA may
     otherwise fold a later ``f32 -> fp8 -> f32`` round trip into the identity.
     """
+    return jax.lax.optimization_barrier(cast_fp8(x, scale, dtype))
+
+
+def cast_fp8(x: jax.Array, scale, dtype) -> jax.Array:
+    """``quantize_fp8`` without its barrier, for code that XLA's simplifier never sees (a Pallas
+    kernel body, which stores FP8 with the same formula)."""
     m = fp8_max(dtype)
-    y = jnp.clip(x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32), -m, m)
-    return jax.lax.optimization_barrier(y.astype(dtype))
+    return jnp.clip(x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32), -m, m).astype(dtype)
 
 
 def dequantize_fp8(q: jax.Array, scale, dtype=jnp.float32) -> jax.Array:
