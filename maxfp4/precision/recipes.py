@@ -187,10 +187,8 @@ def fp8_delayed_forward(x, w, options, scales):
     the layer's FP8 operand directly (x with ``fp8_delayed_forward_quantized``, dY with
     ``fp8_delayed_dy_scale`` and ``fp8_delayed_backward_quantized``), instead of BF16 that a
     separate pass reads again to cast: same values, one pass less."""
-    s = _delayed_scales(scales, options)  # kept for the backward pass as used here
-    y, (qx, qw) = _fp8_forward(x, w, s[0], s[1], _power_2(options))
-    amax_xw = jnp.stack([_amax(x), _amax(w)])
-    return y, (qx, qw, s, amax_xw, _dtype_token(x))
+    qx = F.quantize_fp8(x, fp8_delayed_scales(options, scales)[0], F.FP8_E4M3)
+    return fp8_delayed_forward_quantized(qx, _amax(x), x.dtype, w, options, scales)
 
 
 def fp8_delayed_scales(options, scales) -> jax.Array:
@@ -202,7 +200,7 @@ def fp8_delayed_forward_quantized(qx, amax_x, x_dtype, w, options, scales):
     """``fp8_delayed_forward`` for x already quantized with ``fp8_delayed_scales(...)[0]`` by
     its producer, which also reports ``amax_x``, the max of |x| in ``x_dtype`` (the dtype the
     BF16 path would have handed the recipe, and the dtype of dx)."""
-    s = _delayed_scales(scales, options)
+    s = _delayed_scales(scales, options)  # kept for the backward pass as used here
     y, (qx_MK, qw) = _fp8_forward_quantized(qx, s[0], w, s[1], _power_2(options))
     amax_xw = jnp.stack([jnp.asarray(amax_x, jnp.float32), _amax(w)])
     return y, (qx_MK, qw, s, amax_xw, jnp.zeros((0,), x_dtype))
