@@ -20,6 +20,7 @@ from maxfp4.faults import poison_gradients
 from maxfp4.guard import guard_metrics, judge
 from maxfp4.model import get_model
 from maxfp4.model.decoder import chunked_loss_sum, token_losses
+from maxfp4.optim import global_norm
 from maxfp4.precision import PrecisionPolicy
 from maxfp4.precision.state import scales_of, update_precision_state
 from maxfp4.state import TrainState
@@ -99,7 +100,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
                 accumulate, init, (_split_microbatches(batch, m, constrain), jnp.arange(m)))
         if nan_steps:
             grads = poison_gradients(grads, state.step + 1, nan_steps)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = global_norm(grads)
 
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxfp4.model.attention import segment_runs
-from maxfp4.model.layers import relu2, rms_norm, swiglu_product
+from maxfp4.model.attention import segment_runs, split_heads
+from maxfp4.model.layers import relu2, rms_norm, rope, swiglu_product
 
 
 def _rel(a, b):
@@ -54,6 +54,52 @@ def test_swiglu_product_gradient_matches_autodiff(dtype):
     # FP32: rounding only (< 1e-5); BF16 gradients: one BF16 rounding of each element (2^-8).
     assert _rel(got, want) < (1e-5 if dtype == jnp.float32 else 2 ** -8)
     np.testing.assert_array_equal(np.asarray(swiglu_product(gu)), np.asarray(ref(gu)))
+
+
+def test_swiglu_bf16_gradient_from_packed_pairs_equals_the_fp32_formula_rounded():
+    """The BF16 backward unpacks each (gate, up) pair from one 32-bit word: the same FP32
+    arithmetic as the general path, so the same bits once that path's result is rounded."""
+    gu = (3.0 * jax.random.normal(jax.random.key(7), (2, 16, 48, 2), jnp.float32)).astype(jnp.bfloat16)
+    dh = jax.random.normal(jax.random.key(8), (2, 16, 48), jnp.float32)
+    _, vjp_bf16 = jax.vjp(swiglu_product, gu)
+    _, vjp_f32 = jax.vjp(swiglu_product, gu.astype(jnp.float32))
+    got, = vjp_bf16(dh)
+    want, = vjp_f32(dh)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                  np.asarray(want.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("rope_theta", [10000.0, None])
+def test_split_heads_gradient_matches_autodiff(rope_theta):
+    """q, k and v from the qkv GEMM's [B, T, K, G+2, H] output, RoPE on q and k: the
+    hand-written backward (one concatenation) against autodiff of the slicing and rotation."""
+    b, t, k, g, h = 2, 16, 2, 3, 8
+    qkv = (2.0 * jax.random.normal(jax.random.key(9), (b, t, k, g + 2, h), jnp.float32)).astype(jnp.bfloat16)
+    positions = jnp.tile(jnp.arange(t, dtype=jnp.int32)[None], (b, 1)) * 37
+
+    def plain(a):
+        q = a[:, :, :, :g, :].reshape(b, t, k * g, h)
+        kk, v = a[:, :, :, g, :], a[:, :, :, g + 1, :]
+        if rope_theta is not None:
+            q, kk = rope(q, positions, rope_theta), rope(kk, positions, rope_theta)
+        return q, kk, v
+
+    got_out = split_heads(qkv, positions, rope_theta)
+    for x, y in zip(got_out, plain(qkv)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    cots = [jax.random.normal(jax.random.key(10 + i), x.shape, jnp.float32).astype(jnp.bfloat16)
+            for i, x in enumerate(got_out)]
+    got, = jax.vjp(lambda a: split_heads(a, positions, rope_theta), qkv)[1](tuple(cots))
+    want, = jax.vjp(plain, qkv)[1](tuple(cots))
+    assert got.dtype == jnp.bfloat16 and got.shape == qkv.shape
+    # The same FP32 products summed in another order, each rounded once to BF16: within one
+    # BF16 rounding of each other (2^-8 relative); without RoPE the copies are exact.
+    if rope_theta is None:
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    else:
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=2 ** -8, atol=1e-6)
 
 
 def test_relu2_gradient_matches_autodiff():
