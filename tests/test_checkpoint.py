@@ -5,6 +5,8 @@ import io
 import json
 import os
 
+import pytest
+
 from maxfp4.config import load_config
 from maxfp4.train import train
 
@@ -20,6 +22,7 @@ def _losses(run_dir):
         return {r["step"]: r["loss"] for r in map(json.loads, fh)}
 
 
+@pytest.mark.heavy
 def test_resume_continues_exactly(tmp_path):
     import jax
     dev = jax.devices()[:1]
