@@ -29,13 +29,6 @@ import pytest  # noqa: E402
 
 from maxfp4.config import load_config  # noqa: E402
 
-def pytest_collection_modifyitems(items):
-    """Tests marked ``heavy`` (20 s or more here) are collected first. xdist's workers take
-    tests in collection order, so the long ones start early on both workers instead of one of
-    them running a minute-long test alone at the end of the suite."""
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
-
-
 TINY = [
     "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
     "model.d_ff=128", "model.vocab_size=256", "data.seq_len=32", "data.global_batch=8",

@@ -5,8 +5,6 @@ import io
 import json
 import os
 
-import pytest
-
 from maxfp4.config import load_config
 from maxfp4.train import train
 
@@ -22,7 +20,6 @@ def _losses(run_dir):
         return {r["step"]: r["loss"] for r in map(json.loads, fh)}
 
 
-@pytest.mark.heavy
 def test_resume_continues_exactly(tmp_path):
     import jax
     dev = jax.devices()[:1]

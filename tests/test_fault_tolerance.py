@@ -11,8 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from tests.conftest import cpu_env
 from tests.test_multiprocess import _free_port
 from tests.test_preemption import ARGS, REPO
@@ -38,7 +36,6 @@ def _complete(ckpts):
     return sorted(int(n) for n in os.listdir(ckpts) if n.isdigit())
 
 
-@pytest.mark.heavy
 def test_kill_9_mid_run_and_during_async_save_then_rerun_finishes_like_an_uninterrupted_run(tmp_path):
     # Every run has the same config; steps are slowed to 0.2 s so that a kill lands mid-run.
     steps = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep=10", "resilience.fault.slow_process=0",
@@ -125,7 +122,6 @@ def test_hang_watchdog_dumps_stacks_and_exits(tmp_path):
     assert "hang watchdog: no step completed for 3 s" in out.stderr
 
 
-@pytest.mark.heavy
 def test_two_processes_report_the_slow_one_as_straggler(tmp_path):
     port = _free_port()
     cmd = _cmd(tmp_path, "two", "train.steps=6", "mesh.data=2", "resilience.straggler_every=3",

@@ -84,7 +84,6 @@ def _host(tree):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])
 def test_guard_keeps_good_steps_bit_identical_and_skips_a_nan_step(tiny_cfg, recipe):
     """Parameters, optimizer state and (FP8) the delayed-scaling state: a good step's equal the

@@ -107,7 +107,6 @@ def test_bad_hybrid_configs(override, fragment):
         load_config(None, ["model.pattern=M-"])
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed", "nvfp4"])
 def test_tiny_hybrid_trains(recipe, tmp_path):
     # One block of each kind (Mamba-2, attention, MLP) instead of the config's six: compiling
@@ -131,7 +130,6 @@ def test_block_scaled_recipe_on_untileable_layer_fails_before_compiling(tmp_path
     assert not os.path.exists(tmp_path / "hybrid-tiny")  # nothing written
 
 
-@pytest.mark.heavy
 def test_unrolled_blocks_recompute_what_the_remat_policy_does_not_save():
     """With unrolled blocks, save_gemm must really recompute the element-wise forward (the SSD's
     decays, SiLU, softmax) in the backward pass instead of XLA merging the recomputation into

@@ -55,7 +55,6 @@ def reference(tmp_path_factory):
     return tmp, one
 
 
-@pytest.mark.heavy
 def test_two_processes_match_one_process_and_one_device(reference, tmp_path):
     tmp, one = reference
     tok = [f"data.tokenizer={tmp / 'one_device' / 'tokenizer.model'}"]
@@ -72,7 +71,6 @@ def test_two_processes_match_one_process_and_one_device(reference, tmp_path):
     assert "step      3/3" in outs[0] and "step      3/3" not in outs[1]
 
 
-@pytest.mark.heavy
 def test_two_processes_train_the_hybrid_with_its_kernels_on_each_devices_rows(reference, tmp_path):
     """The hybrid's Mamba-2 kernels (interpret mode) run per device on its rows of the batch
     (shard_map): across two real processes the losses match one device's, to 2e-3 relative as

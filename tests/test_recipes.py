@@ -356,7 +356,6 @@ def bf16_final_loss(tmp_path_factory):
     return recs[-1]["loss"]
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("recipe, extra", [
     ("fp8_delayed", []), ("fp8_current", []), ("nvfp4", []),
     ("fp8_delayed", ["precision.recipes={fp8_delayed: {amax_history: 16, power_2_scale: true}}"])])

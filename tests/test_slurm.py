@@ -63,7 +63,6 @@ def _job_fields(job_id: str) -> dict:
     return dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
 
 
-@pytest.mark.heavy
 def test_sbatch_two_cpu_tasks_train_one_mesh(cluster, tmp_path):
     # slurmd starts the job in another working directory: every path is absolute.
     out = tmp_path / "job.out"

@@ -125,7 +125,6 @@ def test_kernel_bf16_operands_stay_close_to_the_fp32_reference():
         assert _rel(a, e) < (1e-1 if name == "A" else 2e-2), name
 
 
-@pytest.mark.heavy
 def test_hybrid_model_with_kernel_matches_xla_path():
     """The whole tiny hybrid stack, loss and every parameter gradient, Pallas kernels against
     the XLA path, both with FP32 SSD matmuls. The mixer stores its activations and their

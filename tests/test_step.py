@@ -123,7 +123,6 @@ def test_microbatches_equal_full_batch(tiny_cfg, one_device_step):
     _assert_same_update(full, micro)
 
 
-@pytest.mark.heavy
 def test_eight_device_hybrid_runs_its_mamba_kernels_on_each_devices_rows(tiny_cfg):
     """The Pallas kernels of the Mamba-2 mixer (interpret mode here, Triton on GPU) cannot be
     partitioned by XLA: unless the mixer runs them per device on its rows of the batch
@@ -161,7 +160,6 @@ _PALLAS_MIXER = ("model.mamba.d_state=16", "model.mamba.chunk_size=16", "model.m
     ("hybrid", "bf16", ("full", "save_gemm"), _PALLAS_MIXER),
     ("hybrid", "bf16", ("unrolled", "loss_chunks"), ()),
 ])
-@pytest.mark.heavy
 def test_remat_policies_and_unrolled_layers_give_the_same_gradients(tiny_cfg, kind, recipe, variants, mixer):
     """Recomputing activations, running the blocks unrolled instead of scanned, or the LM head
     and loss over 4 slices of the sequence must not change the math: every variant's gradients
