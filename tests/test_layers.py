@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from maxfp4.model.attention import segment_runs, split_heads
-from maxfp4.model.layers import relu2, rms_norm, rope, swiglu_product
+from maxfp4.model.layers import relu2, rms_norm, swiglu_product
 
 
 def _rel(a, b):
@@ -78,11 +78,19 @@ def test_split_heads_gradient_matches_autodiff(rope_theta):
     qkv = (2.0 * jax.random.normal(jax.random.key(9), (b, t, k, g + 2, h), jnp.float32)).astype(jnp.bfloat16)
     positions = jnp.tile(jnp.arange(t, dtype=jnp.int32)[None], (b, 1)) * 37
 
+    def rope(x):  # rotate-half RoPE from its formula, in FP32, rounded once to x's dtype
+        inv_freq = 1.0 / rope_theta ** (jnp.arange(h // 2, dtype=jnp.float32) * 2.0 / h)
+        angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq
+        x32 = x.astype(jnp.float32)
+        x1, x2 = x32[..., :h // 2], x32[..., h // 2:]
+        return jnp.concatenate([x1 * jnp.cos(angles) - x2 * jnp.sin(angles),
+                                x2 * jnp.cos(angles) + x1 * jnp.sin(angles)], axis=-1).astype(x.dtype)
+
     def plain(a):
         q = a[:, :, :, :g, :].reshape(b, t, k * g, h)
         kk, v = a[:, :, :, g, :], a[:, :, :, g + 1, :]
         if rope_theta is not None:
-            q, kk = rope(q, positions, rope_theta), rope(kk, positions, rope_theta)
+            q, kk = rope(q), rope(kk)
         return q, kk, v
 
     got_out = split_heads(qkv, positions, rope_theta)

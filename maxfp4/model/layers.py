@@ -149,11 +149,6 @@ def rotate(x_BTNH: jax.Array, cos_BT1h: jax.Array, sin_BT1h: jax.Array) -> jax.A
     return out.astype(x_BTNH.dtype)
 
 
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-    """``rotate`` by the angles of ``positions`` (RoPE)."""
-    return rotate(x_BTNH, *rope_tables(positions_BT, theta, x_BTNH.shape[-1]))
-
-
 def swiglu_mlp(x_BTD: jax.Array, w_up_DF2: jax.Array, w_down_FD: jax.Array,
                lp: LayerPrecision, smooth: bool = False) -> jax.Array:
     """SwiGLU: gate and up share one GEMM; the weight is [D, F, 2] so that sharding F keeps
