@@ -88,7 +88,7 @@ def _mx_fwd(x, w, name):
     _check_multiple(name, "the token count M (wgrad contracts over it)", m, F.MX_BLOCK, x.shape)
     # MX blocks are 1D, so W blocked along K (fprop) and along N (dgrad) are different
     # quantizations: keep W itself (FP32 master weights) and quantize it again in the backward.
-    return _mx_forward(x, w, name), (checkpoint_name(_flat(x), GEMM_IN), w, _dtype_token(x))
+    return _mx_forward(x, w, name), (checkpoint_name(_flat(x), GEMM_IN), w, _dtype_token(x.dtype))
 
 
 def _mx_bwd(name, res, dy):
@@ -216,7 +216,7 @@ def _fp8_block_fwd(x, w):
                     x.shape)
     y, (qw, sw) = _fp8_block_forward(x, w)
     # 128x128 weight blocks: W^T quantizes to the same values, so dgrad reuses (qw, sw).
-    return y, (checkpoint_name(_flat(x), GEMM_IN), qw, sw, _dtype_token(x))
+    return y, (checkpoint_name(_flat(x), GEMM_IN), qw, sw, _dtype_token(x.dtype))
 
 
 def _fp8_block_bwd(res, dy):

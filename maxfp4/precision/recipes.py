@@ -40,9 +40,10 @@ def _flat(x: jax.Array) -> jax.Array:
     return x.reshape(-1, x.shape[-1])
 
 
-def _dtype_token(x: jax.Array) -> jax.Array:
-    """A zero-size array that carries x's dtype through the residuals (dtypes are not JAX types)."""
-    return jnp.zeros((0,), x.dtype)
+def _dtype_token(dtype) -> jax.Array:
+    """A zero-size array that carries a dtype (of x, whose gradient takes it) through the
+    residuals: dtypes are not JAX types."""
+    return jnp.zeros((0,), dtype)
 
 
 def _amax(x: jax.Array) -> jax.Array:
@@ -60,7 +61,7 @@ def _bf16(x, w):
 def _bf16_fwd(x, w):
     x_MK, w_KN = _flat(x).astype(COMPUTE_DTYPE), w.astype(COMPUTE_DTYPE)
     y = jnp.dot(x_MK, w_KN, preferred_element_type=COMPUTE_DTYPE)
-    return y.reshape(*x.shape[:-1], w.shape[1]), (checkpoint_name(x_MK, GEMM_IN), w_KN, _dtype_token(x))
+    return y.reshape(*x.shape[:-1], w.shape[1]), (checkpoint_name(x_MK, GEMM_IN), w_KN, _dtype_token(x.dtype))
 
 
 def _bf16_bwd(res, dy):
@@ -203,7 +204,7 @@ def fp8_delayed_forward_quantized(qx, amax_x, x_dtype, w, options, scales):
     s = _delayed_scales(scales, options)  # kept for the backward pass as used here
     y, (qx_MK, qw) = _fp8_forward_quantized(qx, s[0], w, s[1], _power_2(options))
     amax_xw = jnp.stack([jnp.asarray(amax_x, jnp.float32), _amax(w)])
-    return y, (qx_MK, qw, s, amax_xw, jnp.zeros((0,), x_dtype))
+    return y, (qx_MK, qw, s, amax_xw, _dtype_token(x_dtype))
 
 
 def fp8_delayed_dy_scale(residuals) -> jax.Array:
@@ -247,7 +248,7 @@ def _fp8_current_fwd(x, w, power_2):
     sx = F.scale_from_amax(_amax(x), F.FP8_E4M3, power_2=power_2)
     sw = F.scale_from_amax(_amax(w), F.FP8_E4M3, power_2=power_2)
     y, (qx, qw) = _fp8_forward(x, w, sx, sw, power_2)
-    return y, (qx, qw, sx, sw, _dtype_token(x))
+    return y, (qx, qw, sx, sw, _dtype_token(x.dtype))
 
 
 def _fp8_current_bwd(power_2, res, dy):
