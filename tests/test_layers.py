@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from maxfp4.model.attention import segment_runs, split_heads
-from maxfp4.model.layers import relu2, rms_norm, swiglu_product
+from maxfp4.model.activations import relu2, swiglu_product
+from maxfp4.model.layers import rms_norm
 
 
 def _rel(a, b):

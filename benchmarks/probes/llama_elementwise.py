@@ -4,7 +4,7 @@ isolation:
 
 - SwiGLU's backward as remat recomputes it: the product h (for mlp_down's weight gradient) and
   the [M, F, 2] gate/up gradient, from slices and the general FP32 formula over [M, F, 2], and
-  from the (gate, up) pairs read as 32-bit words (``layers.swiglu_product`` on BF16);
+  from the (gate, up) pairs read as 32-bit words (``activations.swiglu_product`` on BF16);
 - the global gradient norm over 32 blocks' FP32 gradients of ``w_gate_up`` ([2048, 28672] a
   block and GPU) that XLA concatenates into the stacked [32, ...] leaf: one reduction of the
   concatenation (``optax.tree.norm``) against per-block sums (``optim.global_norm``).
@@ -21,7 +21,7 @@ import optax
 sys.path.insert(0, "benchmarks")
 from timing import median_ms  # noqa: E402
 
-from maxfp4.model import layers  # noqa: E402
+from maxfp4.model import activations  # noqa: E402
 from maxfp4.optim import global_norm  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -57,7 +57,7 @@ def main():
     gb = 2 * (2 * M * F * 2 + M * F * 2) / 1e9  # read gu and dh, write h and the gradient
     results = {}
     forms = {"slices, general [M,F,2]": (swiglu_slices, swiglu_grad_general),
-             "packed words": (layers.swiglu_product, layers._swiglu_grad_bf16_pairs)}
+             "packed words": (activations.swiglu_product, activations.swiglu_grad_bf16_pairs)}
     for name, (product_fn, grad_fn) in forms.items():
         f = swiglu_pass(product_fn, grad_fn)
         ms = median_ms(f, gu, dh, iters=20)

@@ -15,7 +15,7 @@ sys.path.insert(0, "benchmarks")
 from timing import median_ms  # noqa: E402
 
 from maxfp4.compiler import compiler_options  # noqa: E402
-from maxfp4.model.layers import swiglu_product  # noqa: E402
+from maxfp4.model.activations import swiglu_product  # noqa: E402
 from maxfp4.precision.recipes import bf16_dot, fp8_delayed_dot  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -11,6 +11,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from maxfp4.model import fp8_mlp
+from maxfp4.model.activations import relu2, swiglu_product
 from maxfp4.precision import LayerPrecision
 
 ACT_DTYPE = jnp.bfloat16
@@ -51,86 +53,6 @@ def _rms_norm_bwd(eps, res, dy_BTD):
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def _bf16_pairs_as_fp32(pairs_BTF2: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The two halves of a BF16 [..., F, 2] array as two FP32 [..., F] arrays, read as one
-    32-bit word per pair: element 0 is the word's low half (``bitcast_convert_type``'s layout),
-    and a BF16 value widened to FP32 is its 16 bits followed by 16 zero bits, so both are exact.
-    XLA then loads one word per pair instead of two 2-byte values."""
-    w = jax.lax.bitcast_convert_type(pairs_BTF2, jnp.uint32)
-    return (jax.lax.bitcast_convert_type(w << 16, jnp.float32),
-            jax.lax.bitcast_convert_type(w & jnp.uint32(0xFFFF0000), jnp.float32))
-
-
-@jax.custom_vjp
-def swiglu_product(gate_up_BTF2: jax.Array) -> jax.Array:
-    """``silu(gate) * up`` in FP32 from the interleaved [..., F, 2] output of the gate/up GEMM."""
-    if gate_up_BTF2.dtype == jnp.bfloat16:
-        g, u = _bf16_pairs_as_fp32(gate_up_BTF2)
-        return jax.nn.silu(g) * u
-    g = gate_up_BTF2[..., 0].astype(jnp.float32)
-    return jax.nn.silu(g) * gate_up_BTF2[..., 1].astype(jnp.float32)
-
-
-def _swiglu_product_fwd(gate_up_BTF2):
-    return swiglu_product(gate_up_BTF2), gate_up_BTF2
-
-
-def _swiglu_product_bwd(gate_up_BTF2, dh_BTF):
-    if gate_up_BTF2.dtype == jnp.bfloat16:
-        return (_swiglu_grad_bf16_pairs(gate_up_BTF2, dh_BTF),)
-    # Written over the interleaved [..., F, 2] cotangent directly (both halves from one set of
-    # broadcast operands): a stack of two separate halves made XLA write sigmoid(gate) to memory
-    # in FP32 and then interleave in a second pass.
-    gu = gate_up_BTF2.astype(jnp.float32)
-    g, u = gu[..., :1], gu[..., 1:]
-    sig = jax.nn.sigmoid(g)
-    first = jax.lax.broadcasted_iota(jnp.int32, gu.shape, gu.ndim - 1) == 0
-    coef = jnp.where(first, u * sig * (1.0 + g * (1.0 - sig)), g * sig)
-    return ((dh_BTF.astype(jnp.float32)[..., None] * coef).astype(gate_up_BTF2.dtype),)
-
-
-def _swiglu_grad_bf16_pairs(gate_up_BTF2: jax.Array, dh_BTF: jax.Array) -> jax.Array:
-    """The BF16 cotangent of ``swiglu_product``, computed over [..., F] 32-bit words that each
-    hold one (gate, up) pair, so that every operation has the [..., F] shape.
-
-    Over the [..., F, 2] shape, sigmoid(gate) feeds both elements of a pair; XLA then would not
-    fuse it into the consumer that computes each element twice, and wrote it to memory in FP32
-    first: two passes where one suffices (Llama-3-8B, an H200: 372 + 345 us a layer and
-    sequence). The arithmetic is the FP32 formula of the general path, element for element, and
-    the two BF16 results are packed back into one word the same way they were unpacked."""
-    g, u = _bf16_pairs_as_fp32(gate_up_BTF2)
-    sig = jax.nn.sigmoid(g)
-    dh = dh_BTF.astype(jnp.float32)
-    d_gate = dh * (u * sig * (1.0 + g * (1.0 - sig)))
-    d_up = dh * (g * sig)
-
-    def bits(x):
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
-
-    return jax.lax.bitcast_convert_type(bits(d_gate) | (bits(d_up) << 16), jnp.bfloat16)
-
-
-swiglu_product.defvjp(_swiglu_product_fwd, _swiglu_product_bwd)
-
-
-@jax.custom_vjp
-def relu2(a_BTF: jax.Array) -> jax.Array:
-    """``relu(a)^2`` in FP32."""
-    return jnp.square(jax.nn.relu(a_BTF.astype(jnp.float32)))
-
-
-def _relu2_fwd(a_BTF):
-    return relu2(a_BTF), a_BTF
-
-
-def _relu2_bwd(a_BTF, dh_BTF):
-    da = 2.0 * jax.nn.relu(a_BTF.astype(jnp.float32)) * dh_BTF.astype(jnp.float32)
-    return (da.astype(a_BTF.dtype),)
-
-
-relu2.defvjp(_relu2_fwd, _relu2_bwd)
-
-
 def rope_tables(positions_BT: jax.Array, theta: float, head_dim: int) -> tuple[jax.Array, jax.Array]:
     """(cos, sin) of the rotary angles, FP32 [B, T, 1, H/2], for ``rotate``."""
     h = head_dim
@@ -149,6 +71,17 @@ def rotate(x_BTNH: jax.Array, cos_BT1h: jax.Array, sin_BT1h: jax.Array) -> jax.A
     return out.astype(x_BTNH.dtype)
 
 
+def _up_activation(x_BTD: jax.Array, w_up_DK: jax.Array, lp: LayerPrecision, kind: str) -> jax.Array:
+    """The activation of mlp_up's output, FP32 [B, T, F]; with FP8 delayed scaling on mlp_up,
+    one VJP whose backward stores mlp_up's output gradient in E5M2 itself (``fp8_mlp``)."""
+    if fp8_mlp.up_fused(lp):
+        return fp8_mlp.up_activation(x_BTD, w_up_DK, lp, kind)
+    y_BTK = lp.dot(x_BTD, w_up_DK, "mlp_up")
+    if kind == "swiglu":
+        return swiglu_product(y_BTK.reshape(*y_BTK.shape[:-1], -1, 2))
+    return relu2(y_BTK)
+
+
 def swiglu_mlp(x_BTD: jax.Array, w_up_DF2: jax.Array, w_down_FD: jax.Array,
                lp: LayerPrecision, smooth: bool = False) -> jax.Array:
     """SwiGLU: gate and up share one GEMM; the weight is [D, F, 2] so that sharding F keeps
@@ -160,8 +93,9 @@ def swiglu_mlp(x_BTD: jax.Array, w_up_DF2: jax.Array, w_down_FD: jax.Array,
     outlier channels no longer set the whole tensor's FP8 scale. The factors carry no gradient.
     """
     d, f, _ = w_up_DF2.shape
-    gate_up_BTF2 = lp.dot(x_BTD, w_up_DF2.reshape(d, 2 * f), "mlp_up")
-    h_BTF = swiglu_product(gate_up_BTF2.reshape(*x_BTD.shape[:-1], f, 2))
+    if not smooth and fp8_mlp.mlp_fused(lp):
+        return fp8_mlp.mlp(x_BTD, w_up_DF2.reshape(d, 2 * f), w_down_FD, lp, "swiglu")
+    h_BTF = _up_activation(x_BTD, w_up_DF2.reshape(d, 2 * f), lp, "swiglu")
     if smooth:
         s_F = jax.lax.stop_gradient(jnp.max(jnp.abs(h_BTF), axis=(0, 1)))
         s_F = jnp.where(s_F > 0, s_F, 1.0)
@@ -177,7 +111,9 @@ def normal_init(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array
 def relu2_mlp(x_BTD: jax.Array, w_up_DF1: jax.Array, w_down_FD: jax.Array, lp: LayerPrecision) -> jax.Array:
     """Squared-ReLU MLP, not gated (Nemotron-H): relu(x W_up)^2 W_down."""
     d, f, _ = w_up_DF1.shape
-    h_BTF = relu2(lp.dot(x_BTD, w_up_DF1.reshape(d, f), "mlp_up"))
+    if fp8_mlp.mlp_fused(lp):
+        return fp8_mlp.mlp(x_BTD, w_up_DF1.reshape(d, f), w_down_FD, lp, "relu2")
+    h_BTF = _up_activation(x_BTD, w_up_DF1.reshape(d, f), lp, "relu2")
     return lp.dot(h_BTF.astype(ACT_DTYPE), w_down_FD, "mlp_down")
 
 
