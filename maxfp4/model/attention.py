@@ -28,16 +28,25 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jax.ad_checkpoint import checkpoint_name
+
+from maxfp4.model import qkv_grad_kernel
+from maxfp4.model.fp8_epilogue import Quantize
 from maxfp4.model.layers import rope_tables, rotate
 from maxfp4.model.remat import tag_attention_output
-from maxfp4.precision import LayerPrecision
+from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
+from maxfp4.precision.formats import FP8_E5M2, quantize_fp8
+
+
+def _on_gpu() -> bool:
+    # Device platform, not default_backend(): the latter names the plugin ("cuda").
+    return jax.devices()[0].platform in ("gpu", "cuda")
 
 
 def resolve_implementation(name: str) -> str:
     """``auto`` picks cuDNN's fused kernel on GPU and XLA elsewhere."""
     if name == "auto":
-        # Device platform, not default_backend(): the latter names the plugin ("cuda").
-        return "cudnn" if jax.devices()[0].platform in ("gpu", "cuda") else "xla"
+        return "cudnn" if _on_gpu() else "xla"
     return name
 
 
@@ -159,19 +168,36 @@ def _split_heads_fwd(qkv_BTKGH, positions_BT, rope_theta):
 
 
 def _split_heads_bwd(rope_theta, tables, cotangents):
-    # The gradient is assembled by one concatenation. Autodiff of the slicing transposes each
-    # slice to a zero-padded copy of the whole [B, T, K, G+2, H] tensor, and of RoPE's halves
-    # to padded halves, all added up: XLA computed that sum in one pass at ~1 TB/s (Llama-3-8B
-    # on an H200: 409 us a layer for two sequences, where reading and writing the bytes once
-    # takes ~100).
-    dq_BTNH, dk_BTKH, dv_BTKH = cotangents
-    if rope_theta is not None:
+    return assemble_qkv_grad(*cotangents, tables), None
+
+
+def assemble_qkv_grad(dq_BTNH: jax.Array, dk_BTKH: jax.Array, dv_BTKH: jax.Array, tables,
+                      quantize: Quantize | None = None, kernel: bool | None = None):
+    """The qkv GEMM's [B, T, K, G+2, H] output gradient from the gradients of ``split_heads``'s
+    outputs (``tables``: its RoPE tables, or None); with ``quantize``, stored in that FP8 format
+    as ``quantize_fp8`` casts the BF16 gradient, with the max of its |values|.
+
+    ``kernel``: assemble with ``qkv_grad_kernel`` (interpret mode off GPU); None picks it on GPU
+    for the shapes it supports when the mesh splits nothing but the batch."""
+    b, t, n, h = dq_BTNH.shape
+    kv = dk_BTKH.shape[2]
+    if kernel is None:
+        kernel = (_on_gpu() and qkv_grad_kernel.supported(t, n // kv, h)
+                  and qkv_grad_kernel.batch_split_axes(b) is not None)
+    if kernel:
+        return qkv_grad_kernel.assemble(dq_BTNH, dk_BTKH, dv_BTKH, tables, not _on_gpu(), quantize)
+    # In XLA, one concatenation. Autodiff of the slicing transposes each slice to a zero-padded
+    # copy of the whole [B, T, K, G+2, H] tensor, and of RoPE's halves to padded halves, all
+    # added up: XLA computed that sum in one pass at ~1 TB/s (Llama-3-8B on an H200: 409 us a
+    # layer for two sequences, where reading and writing the bytes once takes ~100).
+    if tables is not None:
         cos, sin = tables
         dq_BTNH, dk_BTKH = rotate(dq_BTNH, cos, -sin), rotate(dk_BTKH, cos, -sin)
-    b, t, k, h = dk_BTKH.shape
-    dq_BTKGH = dq_BTNH.reshape(b, t, k, dq_BTNH.shape[2] // k, h)
+    dq_BTKGH = dq_BTNH.reshape(b, t, kv, n // kv, h)
     d_qkv = jnp.concatenate([dq_BTKGH, dk_BTKH[:, :, :, None], dv_BTKH[:, :, :, None]], axis=3)
-    return d_qkv, None
+    if quantize is None:
+        return d_qkv
+    return quantize_fp8(d_qkv, quantize.scale, quantize.dtype), jnp.max(jnp.abs(d_qkv)).astype(jnp.float32)
 
 
 split_heads.defvjp(_split_heads_fwd, _split_heads_bwd)
@@ -186,8 +212,49 @@ def attention_block(x_BTD: jax.Array, w_qkv_DKGH: jax.Array, w_o_ND: jax.Array,
     b, t, d = x_BTD.shape
     _, k, g2, h = w_qkv_DKGH.shape
     g = g2 - 2
-    qkv = lp.dot(x_BTD, w_qkv_DKGH.reshape(d, k * g2 * h), "attn_qkv")
-    q_BTNH, k_BTKH, v_BTKH = split_heads(qkv.reshape(b, t, k, g2, h), positions_BT, rope_theta)
+    q_BTNH, k_BTKH, v_BTKH = qkv_heads(x_BTD, w_qkv_DKGH, positions_BT, rope_theta, lp)
     out_BTNH = tag_attention_output(
         attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation, max_segments, runs_per_row))
     return lp.dot(out_BTNH.reshape(b, t, k * g * h), w_o_ND, "attn_out")
+
+
+def qkv_heads(x_BTD: jax.Array, w_qkv_DKGH: jax.Array, positions_BT: jax.Array, rope_theta: float | None,
+              lp: LayerPrecision) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``split_heads`` of the qkv GEMM's output. With FP8 delayed scaling on attn_qkv (and the
+    layer's scaling state), the GEMM and the split are one VJP whose backward assembles dY
+    straight into E5M2 (``assemble_qkv_grad``): on GPU the cast then costs no pass of its own."""
+    d = x_BTD.shape[-1]
+    _, k, g2, h = w_qkv_DKGH.shape
+    w_DN = w_qkv_DKGH.reshape(d, k * g2 * h)
+    if lp.scales and "attn_qkv" in lp.scales and lp.policy.recipe_for("attn_qkv", lp.layer_index) == "fp8_delayed":
+        return fp8_qkv_heads(x_BTD, w_DN, lp.scales["attn_qkv"], positions_BT, (k, g2, h), rope_theta,
+                             lp.policy.options_tuple("fp8_delayed"), None)
+    qkv = lp.dot(x_BTD, w_DN, "attn_qkv")
+    return split_heads(qkv.reshape(*x_BTD.shape[:2], k, g2, h), positions_BT, rope_theta)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def fp8_qkv_heads(x_BTD, w_DN, scales, positions_BT, heads, rope_theta, options, kernel):
+    """``split_heads(fp8_delayed_dot(x, w))``; ``heads`` = (K, G+2, H); ``kernel`` as in
+    ``assemble_qkv_grad``."""
+    return _fp8_qkv_heads_fwd(x_BTD, w_DN, scales, positions_BT, heads, rope_theta, options, kernel)[0]
+
+
+def _fp8_qkv_heads_fwd(x_BTD, w_DN, scales, positions_BT, heads, rope_theta, options, kernel):
+    del kernel
+    qkv, gemm_res = recipes.fp8_delayed_forward(x_BTD, w_DN, options, scales)
+    qkv = checkpoint_name(qkv, GEMM_OUT)  # what train.remat=save_gemm keeps, as lp.dot names it
+    qkv_heads_, tables = _split_heads_fwd(qkv.reshape(*x_BTD.shape[:2], *heads), positions_BT, rope_theta)
+    return qkv_heads_, (gemm_res, tables)
+
+
+def _fp8_qkv_heads_bwd(heads, rope_theta, options, kernel, residuals, cotangents):
+    gemm_res, tables = residuals
+    quantize = Quantize(recipes.fp8_delayed_dy_scale(gemm_res), FP8_E5M2)
+    qdy_BTKGH, amax = assemble_qkv_grad(*cotangents, tables, quantize, kernel)
+    qdy_BTN = qdy_BTKGH.reshape(*qdy_BTKGH.shape[:2], -1)
+    dx, dw, amaxes = recipes.fp8_delayed_backward_quantized(options, gemm_res, qdy_BTN, amax)
+    return dx, dw, amaxes, None
+
+
+fp8_qkv_heads.defvjp(_fp8_qkv_heads_fwd, _fp8_qkv_heads_bwd)
