@@ -226,7 +226,7 @@ def qkv_heads(x_BTD: jax.Array, w_qkv_DKGH: jax.Array, positions_BT: jax.Array, 
     d = x_BTD.shape[-1]
     _, k, g2, h = w_qkv_DKGH.shape
     w_DN = w_qkv_DKGH.reshape(d, k * g2 * h)
-    if lp.scales and "attn_qkv" in lp.scales and lp.policy.recipe_for("attn_qkv", lp.layer_index) == "fp8_delayed":
+    if lp.fp8_delayed("attn_qkv"):
         return fp8_qkv_heads(x_BTD, w_DN, lp.scales["attn_qkv"], positions_BT, (k, g2, h), rope_theta,
                              lp.policy.options_tuple("fp8_delayed"), None)
     qkv = lp.dot(x_BTD, w_DN, "attn_qkv")

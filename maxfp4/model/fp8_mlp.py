@@ -28,21 +28,14 @@ from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2, cast_fp8
 
 
-def _fp8_delayed(lp: LayerPrecision, layer_class: str) -> bool:
-    return bool(lp.scales) and layer_class in lp.scales and \
-        lp.policy.recipe_for(layer_class, lp.layer_index) == "fp8_delayed"
-
-
 def up_fused(lp: LayerPrecision) -> bool:
-    """Whether mlp_up runs with its activation as ``up_activation``: its recipe is FP8 delayed
-    scaling and the layer has its scaling state (a model built without scales, as ``compare``
-    builds some, runs the recipes' own casts)."""
-    return _fp8_delayed(lp, "mlp_up")
+    """Whether mlp_up runs with its activation as ``up_activation`` (``LayerPrecision.fp8_delayed``)."""
+    return lp.fp8_delayed("mlp_up")
 
 
 def mlp_fused(lp: LayerPrecision) -> bool:
     """Whether the whole MLP runs as ``mlp``: mlp_down on FP8 delayed scaling too."""
-    return up_fused(lp) and _fp8_delayed(lp, "mlp_down")
+    return up_fused(lp) and lp.fp8_delayed("mlp_down")
 
 
 def up_activation(x_BTD: jax.Array, w_up_DK: jax.Array, lp: LayerPrecision, kind: str) -> jax.Array:

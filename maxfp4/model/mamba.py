@@ -145,9 +145,7 @@ def _fp8_in_kernels(x_BTD: jax.Array, cfg: ModelConfig, lp: LayerPrecision, cons
     scaling, the core runs as the kernel core, and one device holds the whole batch (split over
     devices, the kernels run per device under ``per_batch_row``, and this fused form does not:
     it falls back to the recipes' own casts there, as with any other pair of recipes)."""
-    if not cfg.mamba.fp8_in_kernels or not lp.scales:
-        return False
-    if any(lp.policy.recipe_for(c, lp.layer_index) != "fp8_delayed" for c in ("mamba_in", "mamba_out")):
+    if not cfg.mamba.fp8_in_kernels or not (lp.fp8_delayed("mamba_in") and lp.fp8_delayed("mamba_out")):
         return False
     if getattr(constrain, "splits_batch", lambda b: False)(x_BTD.shape[0]):
         return False

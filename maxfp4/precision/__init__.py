@@ -39,6 +39,13 @@ class LayerPrecision:
     scales: dict[str, jax.Array] | None = None
     key: jax.Array | None = None
 
+    def fp8_delayed(self, layer_class: str) -> bool:
+        """Whether ``layer_class`` runs FP8 delayed scaling with its scaling state at hand: the
+        condition for code next to the layer to store its FP8 operands itself (a model built
+        without scales, as ``compare`` builds some, leaves the casts to the recipe)."""
+        return (bool(self.scales) and layer_class in self.scales
+                and self.policy.recipe_for(layer_class, self.layer_index) == "fp8_delayed")
+
     def dot(self, x: jax.Array, w: jax.Array, layer_class: str) -> jax.Array:
         scales = None if self.scales is None else self.scales.get(layer_class)
         key = None if self.key is None else jax.random.fold_in(self.key, LAYER_CLASSES.index(layer_class))
