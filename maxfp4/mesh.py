@@ -154,6 +154,26 @@ class ActivationSharding:
                              check_vma=False)(*batched, *whole)
 
 
+def batch_split():
+    """``(mesh, axes)``: the abstract mesh the step is traced under and those of its batch axes
+    that split the tokens (size > 1); ``(None, ())`` when no mesh is set. For code deep in the
+    step that runs a kernel on each device's rows (``ActivationSharding.traced_in_mesh``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None, ()
+    return mesh, tuple(a for a in LOGICAL_RULES["batch"] if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
+def splits_only(mesh, axes: tuple[str, ...]) -> bool:
+    """Whether no axis of ``mesh`` but ``axes`` has more than one device."""
+    return all(size == 1 for name, size in mesh.shape.items() if name not in axes)
+
+
+def split_size(mesh, axes: tuple[str, ...]) -> int:
+    """Devices that ``axes`` of ``mesh`` split an array over (1 for no axes)."""
+    return math.prod(mesh.shape[a] for a in axes) if axes else 1
+
+
 def make_constrain(mesh: Mesh) -> ActivationSharding:
     """``constrain(x, logical_axes)``: pin an activation's sharding inside jit (see
     :class:`ActivationSharding`)."""

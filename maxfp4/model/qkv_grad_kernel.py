@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
-from maxfp4.mesh import LOGICAL_RULES
+from maxfp4.mesh import batch_split, split_size, splits_only
 from maxfp4.model.fp8_epilogue import Quantize, Quantized
 from maxfp4.pallas_params import triton_params
 
@@ -114,17 +114,10 @@ def batch_split_axes(batch: int):
     device are batch axes that divide ``batch`` (the kernel then runs on each device's rows);
     ``(None, ())`` when no mesh splits anything; None when the mesh splits something else
     (heads over ``tensor``): the caller assembles in XLA then."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    mesh, axes = batch_split()
+    if mesh is None:
         return None, ()
-    split = {name: size for name, size in mesh.shape.items() if size > 1}
-    if not split:
-        return None, ()
-    axes = tuple(a for a in LOGICAL_RULES["batch"] if a in split)
-    devices = 1
-    for a in axes:
-        devices *= split[a]
-    if set(split) != set(axes) or batch % devices:
+    if not splits_only(mesh, axes) or batch % split_size(mesh, axes):
         return None
     return mesh, axes
 

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxfp4.mesh import LOGICAL_RULES
+from maxfp4.mesh import batch_split, split_size, splits_only
 from maxfp4.precision import formats as F
-from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported, split_size
+from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
 
 COMPUTE_DTYPE = jnp.bfloat16
 TN = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands: the fast cuBLASLt FP8 layout
@@ -358,29 +358,16 @@ def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | N
             x_MK, dy_MN = F.hadamard16(x_MK, axis=0), F.hadamard16(dy_MN, axis=0)
         return nvfp4_gemm_tn(F.quantize_nvfp4(x_MK.T), F.quantize_nvfp4(dy_MN.T, key=key), block_scaled=True)
     on_gpu = jax.default_backend() == "gpu"
-    mesh, row_axes = _token_split()
+    mesh, row_axes = batch_split()
     if kernels is None:
         # XLA cannot partition a kernel: on a mesh it would gather the whole operands onto every
         # device. The kernels run per device when the step is traced under a mesh whose only
         # split axes are the ones splitting the tokens (maxfp4.train traces it so).
-        kernels = on_gpu and (jax.device_count() == 1 or (mesh is not None and _splits_only(mesh, row_axes)))
+        kernels = on_gpu and (jax.device_count() == 1 or (mesh is not None and splits_only(mesh, row_axes)))
     v_x, s_x = _emulated_wgrad_operand(x_MK, rht, None, kernels, not on_gpu, mesh, row_axes)
     v_dy, s_dy = _emulated_wgrad_operand(dy_MN, rht, key, kernels, not on_gpu, mesh, row_axes)
     dw = jax.lax.dot_general(v_x, v_dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return (dw * (s_x * s_dy)).astype(COMPUTE_DTYPE)
-
-
-def _token_split():
-    """``(mesh, axes)``: the abstract mesh the step is traced under and those of its batch axes
-    that split the tokens (size > 1); ``(None, ())`` when no mesh is set."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None, ()
-    return mesh, tuple(a for a in LOGICAL_RULES["batch"] if a in mesh.axis_names and mesh.shape[a] > 1)
-
-
-def _splits_only(mesh, axes: tuple[str, ...]) -> bool:
-    return all(size == 1 for name, size in mesh.shape.items() if name not in axes)
 
 
 def _emulated_wgrad_operand(a_MK: jax.Array, rht: bool, key: jax.Array | None, kernels: bool, interpret: bool,

@@ -35,13 +35,13 @@ any backend; off GPU the kernels run in interpret mode.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
+from maxfp4.mesh import split_size
 from maxfp4.pallas_params import triton_params
 from maxfp4.precision import formats as F
 
@@ -58,11 +58,6 @@ def rht_columns_supported(m: int, k: int, devices: int = 1) -> bool:
     """Whole groups of 16 rows on each of ``devices`` that split the rows, and a power-of-two
     column tile (Triton's) that divides K."""
     return m % (_GROUP * devices) == 0 and _column_tile(k) is not None
-
-
-def split_size(mesh, axes: tuple[str, ...]) -> int:
-    """Devices that ``axes`` of ``mesh`` split an array over (1 for no axes)."""
-    return math.prod(mesh.shape[a] for a in axes) if axes else 1
 
 
 def _transformed_rows(x_ref, g, c0, bk) -> list[jax.Array]:
