@@ -174,6 +174,20 @@ def split_size(mesh, axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in axes) if axes else 1
 
 
+def batch_split_axes(batch: int):
+    """``(mesh, axes)`` when the step is traced under a mesh whose only axes of more than one
+    device are batch axes that divide ``batch``: a kernel XLA cannot partition then runs on each
+    device's rows under ``shard_map`` over ``axes``. ``(None, ())`` when no mesh splits anything;
+    None when the mesh splits something else (heads over ``tensor``): the caller keeps its XLA
+    form then."""
+    mesh, axes = batch_split()
+    if mesh is None:
+        return None, ()
+    if not splits_only(mesh, axes) or batch % split_size(mesh, axes):
+        return None
+    return mesh, axes
+
+
 def make_constrain(mesh: Mesh) -> ActivationSharding:
     """``constrain(x, logical_axes)``: pin an activation's sharding inside jit (see
     :class:`ActivationSharding`)."""

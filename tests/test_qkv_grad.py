@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4.config import load_config
+from maxfp4.mesh import batch_split_axes
 from maxfp4.model import qkv_grad_kernel
 from maxfp4.model.attention import assemble_qkv_grad, qkv_heads, split_heads
 from maxfp4.model.fp8_epilogue import Quantize
@@ -140,7 +141,7 @@ def test_kernel_split_over_a_mesh_equals_one_device_bitwise():
 
     def split(*args):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            assert qkv_grad_kernel.batch_split_axes(8) == (mesh.abstract_mesh, ("data", "fsdp"))
+            assert batch_split_axes(8) == (mesh.abstract_mesh, ("data", "fsdp"))
             return assemble_qkv_grad(*args[:3], args[3:], quantize, kernel=True)
 
     q, amax = jax.jit(split)(*d, *tables)
@@ -149,7 +150,7 @@ def test_kernel_split_over_a_mesh_equals_one_device_bitwise():
     assert float(amax) == float(amax_ref)
     tensor_mesh = jax.make_mesh((2, 1, 4), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
     with jax.sharding.use_abstract_mesh(tensor_mesh.abstract_mesh):
-        assert qkv_grad_kernel.batch_split_axes(8) is None
+        assert batch_split_axes(8) is None
 
 
 @pytest.mark.gpu

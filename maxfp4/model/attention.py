@@ -30,23 +30,20 @@ import jax.numpy as jnp
 
 from jax.ad_checkpoint import checkpoint_name
 
+from maxfp4.mesh import batch_split_axes
 from maxfp4.model import qkv_grad_kernel
 from maxfp4.model.fp8_epilogue import Quantize
 from maxfp4.model.layers import rope_tables, rotate
 from maxfp4.model.remat import tag_attention_output
+from maxfp4.pallas_params import on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
 from maxfp4.precision.formats import FP8_E5M2, quantize_fp8
-
-
-def _on_gpu() -> bool:
-    # Device platform, not default_backend(): the latter names the plugin ("cuda").
-    return jax.devices()[0].platform in ("gpu", "cuda")
 
 
 def resolve_implementation(name: str) -> str:
     """``auto`` picks cuDNN's fused kernel on GPU and XLA elsewhere."""
     if name == "auto":
-        return "cudnn" if _on_gpu() else "xla"
+        return "cudnn" if on_gpu() else "xla"
     return name
 
 
@@ -182,10 +179,10 @@ def assemble_qkv_grad(dq_BTNH: jax.Array, dk_BTKH: jax.Array, dv_BTKH: jax.Array
     b, t, n, h = dq_BTNH.shape
     kv = dk_BTKH.shape[2]
     if kernel is None:
-        kernel = (_on_gpu() and qkv_grad_kernel.supported(t, n // kv, h)
-                  and qkv_grad_kernel.batch_split_axes(b) is not None)
+        kernel = (on_gpu() and qkv_grad_kernel.supported(t, n // kv, h)
+                  and batch_split_axes(b) is not None)
     if kernel:
-        return qkv_grad_kernel.assemble(dq_BTNH, dk_BTKH, dv_BTKH, tables, not _on_gpu(), quantize)
+        return qkv_grad_kernel.assemble(dq_BTNH, dk_BTKH, dv_BTKH, tables, not on_gpu(), quantize)
     # In XLA, one concatenation. Autodiff of the slicing transposes each slice to a zero-padded
     # copy of the whole [B, T, K, G+2, H] tensor, and of RoPE's halves to padded halves, all
     # added up: XLA computed that sum in one pass at ~1 TB/s (Llama-3-8B on an H200: 409 us a

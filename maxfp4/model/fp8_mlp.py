@@ -9,7 +9,9 @@ each hold one (gate, up) pair (``activations.swiglu_grad_bf16_pairs``), and XLA 
 width-changing bitcast into the cast. Here the activation's backward stores dY in E5M2 itself,
 ``fp8(clip(bf16(dY) * scale))`` exactly as ``maxfp4.precision.formats.quantize_fp8`` casts the
 BF16 tensor, and reduces its amax in the same pass. Same values as ``lp.dot`` then the
-activation, bit for bit (tests/test_fp8_mlp.py).
+activation, bit for bit (tests/test_fp8_mlp.py). On GPU, with SwiGLU, the whole MLP's backward
+goes one step further: ``mlp_grad_kernel`` writes those operands and the wgrads' transposed
+copies in one pass.
 
 Dimension letters as in :mod:`maxfp4.model.layers`; K = 2F (SwiGLU's interleaved gate/up
 columns) or F (squared ReLU).
@@ -23,7 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxfp4.model import activations
+from maxfp4.mesh import batch_split_axes, split_size
+from maxfp4.model import activations, mlp_grad_kernel
+from maxfp4.pallas_params import on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2, cast_fp8
 
@@ -44,14 +48,31 @@ def up_activation(x_BTD: jax.Array, w_up_DK: jax.Array, lp: LayerPrecision, kind
     return _up_activation(x_BTD, w_up_DK, lp.scales["mlp_up"], kind, lp.policy.options_tuple("fp8_delayed"))
 
 
-def mlp(x_BTD: jax.Array, w_up_DK: jax.Array, w_down_FD: jax.Array, lp: LayerPrecision, kind: str) -> jax.Array:
+def mlp(x_BTD: jax.Array, w_up_DK: jax.Array, w_down_FD: jax.Array, lp: LayerPrecision, kind: str,
+        kernel: bool | None = None) -> jax.Array:
     """``lp.dot(activation(lp.dot(x, w_up, "mlp_up")), w_down, "mlp_down")``, [B, T, D]. The
     activation's forward also stores mlp_down's input in E4M3 with its amax: the BF16 product
     and the cast's second read of it are gone too. (Left to XLA, the backward's recomputation
     of the product was written in FP32 and read back by the cast: Llama-3-8B, an H200, 368 us a
-    layer and GPU.)"""
+    layer and GPU.)
+
+    ``kernel``: the activation's backward as ``mlp_grad_kernel`` (interpret mode off GPU), which
+    also stores the wgrads' operands transposed; None picks it where ``_kernel_applies``."""
+    if kernel is None:
+        kernel = _kernel_applies(x_BTD.shape[0] * x_BTD.shape[1], w_down_FD.shape[0], x_BTD.shape[0], kind)
     return _mlp(x_BTD, w_up_DK, lp.scales["mlp_up"], w_down_FD, lp.scales["mlp_down"], kind,
-                lp.policy.options_tuple("fp8_delayed"))
+                lp.policy.options_tuple("fp8_delayed"), bool(kernel))
+
+
+def _kernel_applies(m: int, f: int, batch: int, kind: str) -> bool:
+    """On GPU, for SwiGLU, under no mesh or one that splits only the batch, with each device's
+    tokens and the pairs in whole tiles. The squared ReLU keeps XLA's passes unless asked: at
+    hybrid-1b's shapes the kernel was no faster there (docs/PERFORMANCE.md, "The MLP's backward
+    as one kernel")."""
+    if kind != "swiglu" or not on_gpu():
+        return False
+    split = batch_split_axes(batch)
+    return split is not None and mlp_grad_kernel.supported(m // split_size(*split), f)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -94,12 +115,13 @@ def _up_activation_bwd(kind, options, residuals, dh_BTF):
 _up_activation.defvjp(_up_activation_fwd, _up_activation_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _mlp(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options):
-    return _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _mlp(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel):
+    return _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel)[0]
 
 
-def _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options):
+def _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel):
+    del kernel
     y_BTK, up_res = _up_forward(x_BTD, w_up_DK, scales_up, options)
     sx_down = recipes.fp8_delayed_scales(options, scales_down)[0]
     qh_BTF, amax_h = activation_e4m3(y_BTK, kind, sx_down)
@@ -108,10 +130,21 @@ def _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options):
     return checkpoint_name(out_BTD, GEMM_OUT), (up_res, y_BTK, down_res)
 
 
-def _mlp_bwd(kind, options, residuals, dout_BTD):
+def _mlp_bwd(kind, options, kernel, residuals, dout_BTD):
     up_res, y_BTK, down_res = residuals
-    dh_BTF, dw_down, amaxes_down = recipes.fp8_delayed_backward(options, down_res, dout_BTD)
-    dx_BTD, dw_up, amaxes_up = _up_backward(kind, options, up_res, y_BTK, dh_BTF)
+    if not kernel:
+        dh_BTF, dw_down, amaxes_down = recipes.fp8_delayed_backward(options, down_res, dout_BTD)
+        dx_BTD, dw_up, amaxes_up = _up_backward(kind, options, up_res, y_BTK, dh_BTF)
+        return dx_BTD, dw_up, amaxes_up, dw_down, amaxes_down
+    # mlp_down's dgrad first: the kernel needs dh, and stores mlp_down's input transposed for its
+    # wgrad along with mlp_up's dY in both layouts.
+    qdout_BTD, amax_dout = recipes.fp8_delayed_quantize_dy(down_res, dout_BTD)
+    dh_BTF = recipes.fp8_delayed_dgrad(options, down_res, qdout_BTD)
+    qdy_BTK, qdy_t_KM, qh_t_FM, amax_dy = mlp_grad_kernel.activation_grad_fp8(
+        y_BTK, dh_BTF, recipes.fp8_delayed_dy_scale(up_res), recipes.fp8_delayed_x_scale(down_res), kind,
+        not on_gpu())
+    dw_down, amaxes_down = recipes.fp8_delayed_wgrad(options, down_res, qdout_BTD, amax_dout, qx_t_KM=qh_t_FM)
+    dx_BTD, dw_up, amaxes_up = recipes.fp8_delayed_backward_quantized(options, up_res, qdy_BTK, amax_dy, qdy_t_KM)
     return dx_BTD, dw_up, amaxes_up, dw_down, amaxes_down
 
 

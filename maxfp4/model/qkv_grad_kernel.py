@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
-from maxfp4.mesh import batch_split, split_size, splits_only
+from maxfp4.mesh import batch_split_axes
 from maxfp4.model.fp8_epilogue import Quantize, Quantized
 from maxfp4.pallas_params import triton_params
 
@@ -107,19 +107,6 @@ def _assemble_local(*arrays, out_dtype, rows, num_warps, rope, quantized, interp
     return tuple(pl.pallas_call(kernel, grid=(b, t // rows, kv), in_specs=[pl.no_block_spec] * len(arrays),
                                 out_specs=[pl.no_block_spec] * len(out_shape), out_shape=out_shape,
                                 interpret=interpret, **triton_params(interpret, num_warps))(*arrays))
-
-
-def batch_split_axes(batch: int):
-    """``(mesh, axes)`` when the step is traced under a mesh whose only axes of more than one
-    device are batch axes that divide ``batch`` (the kernel then runs on each device's rows);
-    ``(None, ())`` when no mesh splits anything; None when the mesh splits something else
-    (heads over ``tensor``): the caller assembles in XLA then."""
-    mesh, axes = batch_split()
-    if mesh is None:
-        return None, ()
-    if not splits_only(mesh, axes) or batch % split_size(mesh, axes):
-        return None
-    return mesh, axes
 
 
 def assemble(dq_BTNH: jax.Array, dk_BTKH: jax.Array, dv_BTKH: jax.Array, tables, interpret: bool,

@@ -151,10 +151,21 @@ def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2):
 
 def _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2):
     """dgrad and wgrad from dY already in E5M2 (``qdy = fp8(clip(dY * sdy))``, [..., N])."""
-    qdy_MN = _flat(qdy)
-    dx_MK = fp8_gemm_tn(qdy_MN, sdy, _gathered(qw_KN), sw, power_2=power_2)  # dY[M,N] . W[K,N]^T
-    dw_KN = fp8_gemm_tn(qx_MK.T, sx, qdy_MN.T, sdy, jnp.float32, power_2)  # X^T[K,M] . dY^T[N,M]^T
-    return dx_MK.reshape(*qdy.shape[:-1], qx_MK.shape[1]), dw_KN
+    return _fp8_dgrad(qdy, sdy, qw_KN, sw, power_2), _fp8_wgrad(qdy, sdy, qx_MK, sx, power_2)
+
+
+def _fp8_dgrad(qdy, sdy, qw_KN, sw, power_2):
+    dx_MK = fp8_gemm_tn(_flat(qdy), sdy, _gathered(qw_KN), sw, power_2=power_2)  # dY[M,N] . W[K,N]^T
+    return dx_MK.reshape(*qdy.shape[:-1], qw_KN.shape[0])
+
+
+def _fp8_wgrad(qdy, sdy, qx_MK, sx, power_2, qdy_t_NM=None, qx_t_KM=None):
+    """X^T[K,M] . dY^T[N,M]^T. cuBLASLt reads FP8 operands only contiguous along M here, so XLA
+    transposes qx and qdy first, unless their producer stored them transposed already
+    (``qx_t_KM``, ``qdy_t_NM``: the same values)."""
+    qdy_t_NM = _flat(qdy).T if qdy_t_NM is None else qdy_t_NM
+    qx_t_KM = qx_MK.T if qx_t_KM is None else qx_t_KM
+    return fp8_gemm_tn(qx_t_KM, sx, qdy_t_NM, sdy, jnp.float32, power_2)
 
 
 def _power_2(options) -> bool:
@@ -212,20 +223,43 @@ def fp8_delayed_dy_scale(residuals) -> jax.Array:
     return residuals[2][2]
 
 
+def fp8_delayed_x_scale(residuals) -> jax.Array:
+    """The scale x was quantized with in the forward (``fp8_delayed_scales(...)[0]``)."""
+    return residuals[2][0]
+
+
+def fp8_delayed_quantize_dy(residuals, dy) -> tuple[jax.Array, jax.Array]:
+    """``(qdy, amax)``: the BF16 gradient dy in E5M2 with ``fp8_delayed_dy_scale``, and max |dy|."""
+    return F.quantize_fp8(dy, fp8_delayed_dy_scale(residuals), F.FP8_E5M2), _amax(dy)
+
+
 def fp8_delayed_backward(options, residuals, dy):
     """``(dx, dw, amaxes)`` of ``fp8_delayed_forward``'s product for the BF16 gradient dy."""
-    qdy = F.quantize_fp8(dy, fp8_delayed_dy_scale(residuals), F.FP8_E5M2)
-    return fp8_delayed_backward_quantized(options, residuals, qdy, _amax(dy))
+    return fp8_delayed_backward_quantized(options, residuals, *fp8_delayed_quantize_dy(residuals, dy))
 
 
-def fp8_delayed_backward_quantized(options, residuals, qdy, amax_dy):
+def fp8_delayed_backward_quantized(options, residuals, qdy, amax_dy, qdy_t_NM=None):
     """``(dx, dw, amaxes)`` from dY already quantized with ``fp8_delayed_dy_scale`` and the amax
-    of the BF16 dY it was cast from; ``amaxes`` (x, w, dY) is the scales' cotangent."""
-    qx, qw, s, amax_xw, x_token = residuals
-    dx, dw = _fp8_backward_quantized(qdy, s[2], qx, s[0], qw, s[1], _power_2(options))
+    of the BF16 dY it was cast from; ``amaxes`` (x, w, dY) is the scales' cotangent.
+    ``qdy_t_NM``: the same dY stored transposed ([N, M]) by its producer, for the wgrad."""
+    return (fp8_delayed_dgrad(options, residuals, qdy),
+            *fp8_delayed_wgrad(options, residuals, qdy, amax_dy, qdy_t_NM))
+
+
+def fp8_delayed_dgrad(options, residuals, qdy):
+    """dx alone, from dY quantized as for ``fp8_delayed_backward_quantized``: for a producer of
+    the wgrad's operands that needs dx first (the MLP's activation needs mlp_down's dx)."""
+    _, qw, s, _, x_token = residuals
+    return _fp8_dgrad(qdy, s[2], qw, s[1], _power_2(options)).astype(x_token.dtype)
+
+
+def fp8_delayed_wgrad(options, residuals, qdy, amax_dy, qdy_t_NM=None, qx_t_KM=None):
+    """``(dw, amaxes)``, the rest of ``fp8_delayed_backward_quantized``; ``qx_t_KM``: x as quantized
+    in the forward, stored transposed ([K, M]) by the code that also produced it."""
+    qx, _, s, amax_xw, _ = residuals
+    dw = _fp8_wgrad(qdy, s[2], qx, s[0], _power_2(options), qdy_t_NM, qx_t_KM)
     # The scales' "gradient" is this step's amaxes (x, w, dY): see the module docstring.
-    amaxes = jnp.concatenate([amax_xw, jnp.asarray(amax_dy, jnp.float32)[None]])
-    return dx.astype(x_token.dtype), dw, amaxes
+    return dw, jnp.concatenate([amax_xw, jnp.asarray(amax_dy, jnp.float32)[None]])
 
 
 _fp8_delayed.defvjp(_fp8_delayed_fwd, _fp8_delayed_bwd)
