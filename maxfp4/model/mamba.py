@@ -30,6 +30,7 @@ from maxfp4.model.conv_kernel import causal_conv_silu, conv_kernel_supported
 from maxfp4.model.gated_norm_kernel import gated_norm_fused, gated_norm_supported
 from maxfp4.model.ssd_kernel import kernel_supported, ssd_fused
 from maxfp4.model.fp8_epilogue import Quantize, quantize_rounded
+from maxfp4.pallas_params import on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2
 
@@ -98,7 +99,7 @@ def use_ssd_kernel(cfg: ModelConfig) -> bool:
     mb = cfg.mamba
     if mb.kernels != "auto":
         return mb.kernels == "pallas"
-    return jax.default_backend() == "gpu" and kernel_supported(mb.chunk_size, mb.head_dim, mb.d_state)
+    return on_gpu() and kernel_supported(mb.chunk_size, mb.head_dim, mb.d_state)
 
 
 def use_conv_kernel(cfg: ModelConfig, t: int, channels: int) -> bool:
@@ -107,14 +108,14 @@ def use_conv_kernel(cfg: ModelConfig, t: int, channels: int) -> bool:
     check makes pallas tile the training length; another length falls back to XLA)."""
     if cfg.mamba.kernels == "xla" or not conv_kernel_supported(t, channels):
         return False
-    return cfg.mamba.kernels == "pallas" or jax.default_backend() == "gpu"
+    return cfg.mamba.kernels == "pallas" or on_gpu()
 
 
 def use_norm_kernel(cfg: ModelConfig, t: int, e: int) -> bool:
     """model.mamba.kernels resolved for the gated norm epilogue, as for the convolution."""
     if cfg.mamba.kernels == "xla" or not gated_norm_supported(t, e, cfg.mamba.n_groups):
         return False
-    return cfg.mamba.kernels == "pallas" or jax.default_backend() == "gpu"
+    return cfg.mamba.kernels == "pallas" or on_gpu()
 
 
 def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: ModelConfig,
@@ -175,7 +176,7 @@ def _composed_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, 
     xbc_BTC = zxbcdt_BTI[..., e:e + d["conv"]]
     dt_BTH = _dt(zxbcdt_BTI[..., e + d["conv"]:], p["dt_bias"])
     if use_conv_kernel(cfg, t, d["conv"]):
-        xbc_BTC = causal_conv_silu(xbc_BTC, p["conv_w"], p["conv_b"], segment_ids_BT, jax.default_backend() != "gpu")
+        xbc_BTC = causal_conv_silu(xbc_BTC, p["conv_w"], p["conv_b"], segment_ids_BT, not on_gpu())
     else:
         conv_BTC = causal_conv(xbc_BTC.astype(jnp.float32), p["conv_w"], p["conv_b"], segment_ids_BT)
         xbc_BTC = jax.nn.silu(conv_BTC).astype(xbc_BTC.dtype)
@@ -183,7 +184,7 @@ def _composed_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, 
     if use_norm_kernel(cfg, t, e):
         # z is read in place from the GEMM output.
         return gated_norm_fused(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps, ACT_DTYPE,
-                                jax.default_backend() != "gpu")
+                                not on_gpu())
     return gated_group_norm(u_BTE, z_BTE, p["norm"], d["G"], cfg.norm_eps)
 
 
@@ -231,7 +232,7 @@ def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg, quantize: Quantize | No
     output in FP8, and it comes back as (values, max |value| as rounded to BF16)."""
     d = dims(cfg)
     e, c = d["E"], d["conv"]
-    interpret = jax.default_backend() != "gpu"
+    interpret = not on_gpu()
     dt_BTH, dt_pull = jax.vjp(_dt, zxbcdt_BTI[..., e + c:], p["dt_bias"])
     xbc_BTC, conv_res = conv_kernel.conv_forward(zxbcdt_BTI[..., e:e + c], p["conv_w"], p["conv_b"],
                                                  segment_ids_BT, interpret)
@@ -255,7 +256,7 @@ def _core_backward(cfg, residuals, dout_BTE, quantize: Quantize | None = None):
     dt_pull, conv_res, ssd_pull, norm_res = residuals
     d = dims(cfg)
     e, c = d["E"], d["conv"]
-    interpret = jax.default_backend() != "gpu"
+    interpret = not on_gpu()
     du_BTE, dzxbcdt_BTI, dnorm, *amax_z = gated_norm_kernel.gated_norm_backward(
         norm_res, dout_BTE, d["G"], cfg.norm_eps, interpret, quantize=quantize)
     dxbc_BTC, ddt_BTH, dA_log, dD = ssd_pull(du_BTE)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from maxfp4.pallas_params import triton_params
+from maxfp4.pallas_params import on_gpu, triton_params
 from maxfp4.model.ssd import (_check_shapes, _compute_dtype, _masked_exp, _segment_starts, lowp_einsum,
                               lowp_einsum_grads, ordered_dot)
 from maxfp4.model.state_passing_kernel import (entry_states_backward, entry_states_forward, pad_chunks,
@@ -268,7 +268,7 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = not on_gpu()
     tiling = tiling or default_tiling(chunk_size, r)
     b, t, h, p = x_BTHP.shape
     n = B_BTGN.shape[-1]
@@ -344,7 +344,7 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
     state per head (undecayed). T is padded to a multiple of the chunk size. ``interpret`` is
     for the state-passing kernel (default: True off GPU)."""
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = not on_gpu()
     g, r = _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     b, t, h, p = x_BTHP.shape
     n = B_BTGN.shape[-1]

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.mesh import batch_split, split_size, splits_only
+from maxfp4.pallas_params import on_gpu
 from maxfp4.precision import formats as F
 from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
 
@@ -108,7 +109,7 @@ def fp8_gemm_tn(a_q: jax.Array, a_scale: jax.Array, b_q: jax.Array, b_scale: jax
       would be written in FP32 and cast in a pass of its own.
     """
     inv_a, inv_b = F.div_rn(1.0, a_scale), F.div_rn(1.0, b_scale)
-    if power_2 or (out_dtype != jnp.float32 and jax.default_backend() == "gpu"):
+    if power_2 or (out_dtype != jnp.float32 and on_gpu()):
         if not power_2:
             inv_a, inv_b = jax.lax.optimization_barrier((inv_a, inv_b))
         a = a_q.astype(COMPUTE_DTYPE) * inv_a.astype(COMPUTE_DTYPE)
@@ -391,15 +392,15 @@ def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | N
         if rht:
             x_MK, dy_MN = F.hadamard16(x_MK, axis=0), F.hadamard16(dy_MN, axis=0)
         return nvfp4_gemm_tn(F.quantize_nvfp4(x_MK.T), F.quantize_nvfp4(dy_MN.T, key=key), block_scaled=True)
-    on_gpu = jax.default_backend() == "gpu"
+    gpu = on_gpu()
     mesh, row_axes = batch_split()
     if kernels is None:
         # XLA cannot partition a kernel: on a mesh it would gather the whole operands onto every
         # device. The kernels run per device when the step is traced under a mesh whose only
         # split axes are the ones splitting the tokens (maxfp4.train traces it so).
-        kernels = on_gpu and (jax.device_count() == 1 or (mesh is not None and splits_only(mesh, row_axes)))
-    v_x, s_x = _emulated_wgrad_operand(x_MK, rht, None, kernels, not on_gpu, mesh, row_axes)
-    v_dy, s_dy = _emulated_wgrad_operand(dy_MN, rht, key, kernels, not on_gpu, mesh, row_axes)
+        kernels = gpu and (jax.device_count() == 1 or (mesh is not None and splits_only(mesh, row_axes)))
+    v_x, s_x = _emulated_wgrad_operand(x_MK, rht, None, kernels, not gpu, mesh, row_axes)
+    v_dy, s_dy = _emulated_wgrad_operand(dy_MN, rht, key, kernels, not gpu, mesh, row_axes)
     dw = jax.lax.dot_general(v_x, v_dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return (dw * (s_x * s_dy)).astype(COMPUTE_DTYPE)
 
