@@ -8,6 +8,9 @@ and prints the top kernels and a total per kind (GEMM, attention, Pallas kernels
 copies, other fusions). ``--steps`` divides the totals to give milliseconds per step. With
 ``--hlo`` (a folder written by ``XLA_FLAGS=--xla_dump_to=DIR``), each top kernel also gets the
 JAX operation and source line that XLA recorded for it, which says what a fusion came from.
+With ``--hlo``, the GEMMs are also listed one line per HLO GEMM shape: its operand and result
+shapes, contracted dimensions, calls, us a call and TFLOP/s, from the ``hlo_op`` each GPU
+kernel event names (which GEMM is slow, where the kernel names alone do not say).
 With ``--gaps N``, it also reads each GPU's timeline: how long its compute kernels left it idle
 (collectives do not count as compute), and the N longest idle gaps with the kernels on either side
 and the collectives in flight, which says which communication the compute waited for.
@@ -153,6 +156,67 @@ def hlo_origins(dump: pathlib.Path) -> dict[str, str]:
     return origins
 
 
+_HLO_ARRAY = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [a-z0-9]+\[([0-9,]*)\]")
+_GEMM_CALL = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = \(([a-z0-9]+)\[([0-9,]*)\][^)]*\) custom-call\(%?([\w.\-#]+), "
+                        r"%?([\w.\-#]+).*custom_call_target=\"__cublas")
+
+
+def hlo_gemms(dump_text: str) -> dict[str, tuple[str, float]]:
+    """HLO GEMM instruction name -> (signature, FLOPs) from an optimized HLO module: the
+    signature names the result, the two operands' shapes and the contracted dimensions, and the
+    op_name's last part; FLOPs are 2 x result elements x contracted size (0 where an operand's
+    shape is not an array in the text)."""
+    shapes = {m.group(1): [int(d) for d in m.group(2).split(",") if d]
+              for m in map(_HLO_ARRAY.match, dump_text.splitlines()) if m}
+    gemms = {}
+    for line in dump_text.splitlines():
+        m = _GEMM_CALL.match(line)
+        if not m:
+            continue
+        name, dtype, dims, lhs, rhs = m.groups()
+        out = [int(d) for d in dims.split(",") if d]
+        contract = re.search(r'"lhs_contracting_dimensions":\["?([0-9"]*)', line)
+        lhs_shape, rhs_shape = shapes.get(lhs), shapes.get(rhs)
+        k = lhs_shape[int(contract.group(1).strip('"'))] if lhs_shape and contract and contract.group(1) else 0
+        elements = 1
+        for d in out:
+            elements *= d
+        op = re.search(r'op_name="([^"]*)"', line)
+        where = op.group(1).split("/")[-2] if op and "/" in op.group(1) else "?"
+        signature = f"{dtype}{out} = {lhs_shape} . {rhs_shape} over {k} ({where})"
+        gemms[name.replace(".", "_")] = gemms[name] = (signature, 2.0 * elements * k)
+    return gemms
+
+
+def print_gemm_rates(trace: dict, dump: pathlib.Path, steps: int) -> None:
+    """One line per GEMM signature: calls a step, us a call, TFLOP/s, the kernel most used."""
+    modules = sorted(dump.glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
+    gemms = hlo_gemms(modules[-1].read_text(encoding="utf-8", errors="replace")) if modules else {}
+    gpu_pids = _gpu_pids(trace)
+    us: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    flops: collections.Counter = collections.Counter()
+    kernels: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X" or e.get("pid") not in gpu_pids or kind_of(e["name"]) != "GEMM":
+            continue
+        op = str(e.get("args", {}).get("hlo_op", ""))
+        if op not in gemms:
+            continue
+        signature, f = gemms[op]
+        us[signature] += float(e.get("dur", 0.0))
+        calls[signature] += 1
+        flops[signature] += f
+        kernels[signature][e["name"][:36]] += 1
+    if not us:
+        print("\n(no GEMM events name an HLO GEMM of the dump: per-GEMM rates not shown)")
+        return
+    print(f"\n{'GEMM (result = lhs . rhs over K)':<92}{'calls/step':>11}{'us/call':>9}{'TFLOP/s':>9}  kernel")
+    for signature, t in us.most_common():
+        print(f"{signature[:91]:<92}{calls[signature] / steps:>11g}{t / calls[signature]:>9.1f}"
+              f"{flops[signature] / t / 1e6:>9.0f}  {kernels[signature].most_common(1)[0][0]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("folder", type=pathlib.Path)
@@ -183,6 +247,8 @@ def main() -> None:
               f"{us / 1e3 / a.steps:>10.2f}{us / 1e3 / a.steps / all_ms:>8.1%}")
         if name in origins:
             print(f"    from {origins[name]}")
+    if a.hlo:
+        print_gemm_rates(trace, a.hlo, a.steps)
     if a.gaps:
         print_gaps(trace, a.gaps, a.steps)
 
