@@ -49,7 +49,7 @@ def supported(m: int, f: int, block_m: int = BLOCK_M, block_f: int = BLOCK_F) ->
     return m % block_m == 0 and f % block_f == 0
 
 
-def _fp8_bits(v_f32: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+def _fp8_bits(v_f32: jax.Array, scale: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """``v`` rounded to BF16, scaled, clipped and cast to ``dtype``, as its uint8 bits, with the
     rounded value's |v| (what the amax is taken over)."""
     r = _ROUNDED.round(v_f32)
@@ -81,7 +81,7 @@ def _kernel(y_ref, dh_ref, scales_ref, dy_ref, dy_t_ref, h_t_ref, amax_ref, *, b
     else:
         dy_ref[toks, cols] = bits[0]
     # The FP8 bytes are transposed, not the FP32 values: transposing those and casting again
-    # was no faster (benchmarks/probes/mlp_grad_fp8.py).
+    # was no faster (docs/PERFORMANCE.md, "The MLP's backward as one kernel").
     for gate, b in enumerate(bits):
         dy_t_ref[cols, gate, toks] = b.T
     h_t_ref[cols, toks] = h_bits.T
