@@ -22,6 +22,7 @@ import argparse
 import collections
 import gzip
 import json
+import math
 import pathlib
 import re
 import sys
@@ -141,14 +142,19 @@ def traced_kernel_times(calls, reps: int) -> tuple[collections.Counter, collecti
 _HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) .*?metadata=\{([^}]*)\}")
 
 
-def hlo_origins(dump: pathlib.Path) -> dict[str, str]:
-    """Kernel name -> 'result shape, JAX op_name' from the largest optimized HLO module in an XLA
-    dump (the train step). Kernel names are HLO instruction names with '.' written as '_'."""
+def step_hlo(dump: pathlib.Path) -> str:
+    """The largest optimized HLO module in an XLA dump (the train step), as text."""
     modules = sorted(dump.glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
     if not modules:
         sys.exit(f"error: no *after_optimizations.txt under {dump} (XLA_FLAGS=--xla_dump_to=DIR)")
+    return modules[-1].read_text(encoding="utf-8", errors="replace")
+
+
+def hlo_origins(hlo_text: str) -> dict[str, str]:
+    """Kernel name -> 'result shape, JAX op_name' from the step's HLO text (``step_hlo``).
+    Kernel names are HLO instruction names with '.' written as '_'."""
     origins: dict[str, str] = {}
-    for line in modules[-1].read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in hlo_text.splitlines():
         m = _HLO_LINE.match(line)
         if m:
             op = re.search(r'op_name="([^"]*)"', m.group(3))
@@ -162,10 +168,10 @@ _GEMM_CALL = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = \(([a-z0-9]+)\[([0-9,]*)\
 
 
 def hlo_gemms(dump_text: str) -> dict[str, tuple[str, float]]:
-    """HLO GEMM instruction name -> (signature, FLOPs) from an optimized HLO module: the
-    signature names the result, the two operands' shapes and the contracted dimensions, and the
-    op_name's last part; FLOPs are 2 x result elements x contracted size (0 where an operand's
-    shape is not an array in the text)."""
+    """HLO GEMM instruction name (as a kernel event's ``hlo_op`` names it) -> (signature, FLOPs)
+    from an optimized HLO module: the signature names the result, the two operands' shapes and
+    the contracted dimensions, and the op_name's last part; FLOPs are 2 x result elements x
+    contracted size (0 where an operand's shape is not an array in the text)."""
     shapes = {m.group(1): [int(d) for d in m.group(2).split(",") if d]
               for m in map(_HLO_ARRAY.match, dump_text.splitlines()) if m}
     gemms = {}
@@ -178,20 +184,16 @@ def hlo_gemms(dump_text: str) -> dict[str, tuple[str, float]]:
         contract = re.search(r'"lhs_contracting_dimensions":\["?([0-9"]*)', line)
         lhs_shape, rhs_shape = shapes.get(lhs), shapes.get(rhs)
         k = lhs_shape[int(contract.group(1).strip('"'))] if lhs_shape and contract and contract.group(1) else 0
-        elements = 1
-        for d in out:
-            elements *= d
         op = re.search(r'op_name="([^"]*)"', line)
         where = op.group(1).split("/")[-2] if op and "/" in op.group(1) else "?"
         signature = f"{dtype}{out} = {lhs_shape} . {rhs_shape} over {k} ({where})"
-        gemms[name.replace(".", "_")] = gemms[name] = (signature, 2.0 * elements * k)
+        gemms[name] = (signature, 2.0 * math.prod(out) * k)
     return gemms
 
 
-def print_gemm_rates(trace: dict, dump: pathlib.Path, steps: int) -> None:
+def print_gemm_rates(trace: dict, hlo_text: str, steps: int) -> None:
     """One line per GEMM signature: calls a step, us a call, TFLOP/s, the kernel most used."""
-    modules = sorted(dump.glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
-    gemms = hlo_gemms(modules[-1].read_text(encoding="utf-8", errors="replace")) if modules else {}
+    gemms = hlo_gemms(hlo_text)
     gpu_pids = _gpu_pids(trace)
     us: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
@@ -240,7 +242,8 @@ def main() -> None:
     for kind, us in kinds.most_common():
         print(f"{kind:<24}{us / 1e3 / a.steps:>10.2f}{us / 1e3 / a.steps / all_ms:>8.1%}")
     print(f"\n{'kernel':<64}{'calls/step':>11}{'us/call':>9}{'ms/step':>10}{'share':>8}")
-    origins = hlo_origins(a.hlo) if a.hlo else {}
+    hlo_text = step_hlo(a.hlo) if a.hlo else ""
+    origins = hlo_origins(hlo_text)
     for name, us in totals.most_common(a.top):
         calls = counts[name] / a.steps
         print(f"{name[:63]:<64}{calls:>11g}{us / counts[name]:>9.1f}"
@@ -248,7 +251,7 @@ def main() -> None:
         if name in origins:
             print(f"    from {origins[name]}")
     if a.hlo:
-        print_gemm_rates(trace, a.hlo, a.steps)
+        print_gemm_rates(trace, hlo_text, a.steps)
     if a.gaps:
         print_gaps(trace, a.gaps, a.steps)
 
