@@ -65,8 +65,9 @@ def test_cudnn_attention_respects_segments_forward_and_backward(impl, max_segmen
     assert np.abs(np.asarray(unmasked.astype(jnp.float32)[0, 41:]) - np.asarray(out_cudnn[0, 41:])).max() > 0.1
 
 
-# The data's bound on runs per row picks the kernel when tracing: 1 and 4 (the packed kernel of 4
-# slots), 16 (16 slots), 17 (more than max_segments: the masked kernel).
+# The data's bound on runs per row picks the kernel when tracing: 1 (plain causal, no packed
+# layout), 4 (the packed kernel of 4 slots), 16 (16 slots), 17 (more than max_segments: the
+# masked kernel).
 @pytest.mark.parametrize("runs_per_row", [1, 4, 16, 17])
 def test_kernel_chosen_from_the_bound_matches_the_switch(runs_per_row):
     q, k, v, seg = _inputs(2)
@@ -81,6 +82,11 @@ def test_kernel_chosen_from_the_bound_matches_the_switch(runs_per_row):
 
     hlo = jax.jit(jax.grad(loss(runs_per_row), argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
     assert "conditional" not in hlo  # no switch: nothing for the host to wait on
+    fmha = [line for line in hlo.splitlines() if "__cudnn$fmha" in line]
+    assert len(fmha) == 2, fmha  # one forward kernel, one backward kernel
+    # Only the packed layout passes run lengths and offsets (cuDNN's PADDING_CAUSAL mask).
+    packed = 1 < runs_per_row <= 16
+    assert all(("PADDING" in line) == packed for line in fmha), [line[-300:] for line in fmha]
     out_static = attend(q, k, v, seg, "cudnn", 16, runs_per_row).astype(jnp.float32)
     out_xla = attend(q, k, v, seg, "xla").astype(jnp.float32)
     # BF16 inputs and output: agreement to 2e-2 absolute on outputs of order 1 (as above).

@@ -94,11 +94,15 @@ def test_attention_matches_float64_reference(n_heads, n_kv):
 @pytest.mark.parametrize("max_segments", [1, 2, 5, 16, 64])
 def test_static_attention_kernel_holds_the_bound(max_segments):
     """With a bound on runs per row known when tracing, cuDNN attention is chosen without a
-    switch: the smallest compiled packed capacity that holds the bound, else the masked kernel.
+    switch: plain causal for one run a row, else the smallest compiled packed capacity that
+    holds the bound, else the masked kernel.
     A packed capacity below the bound would describe the rows wrongly."""
     capacities = packed_capacities(max_segments)
     for runs in range(1, max_segments + 3):
         kernel = static_kernel(max_segments, runs)
+        if runs == 1:  # every row one document: plain causal attention, no packed layout
+            assert kernel == "causal"
+            continue
         if runs > max_segments:
             assert kernel == "masked"
             continue
