@@ -125,12 +125,17 @@ def test_mlp_with_the_kernel_equals_without(kind):
     assert float(dscales["mlp_up"][2]) * 3.1e6 > E5M2_MAX  # mlp_up's dY clips in E5M2
 
 
-def test_kernel_is_picked_on_gpu_for_swiglu_in_whole_tiles():
+def test_kernel_is_picked_on_gpu_in_whole_tiles_of_the_kinds_size():
     on_gpu = jax.devices()[0].platform in ("gpu", "cuda")
     assert fp8_mlp._kernel_applies(4096, 14336, 2, "swiglu") == on_gpu
-    assert not fp8_mlp._kernel_applies(4096, 8192, 2, "relu2")
+    assert fp8_mlp._kernel_applies(4096, 8192, 2, "relu2") == on_gpu
     assert not fp8_mlp._kernel_applies(4000, 14336, 2, "swiglu")
-    assert mlp_grad_kernel.supported(4096, 14336) and not mlp_grad_kernel.supported(4096, 14330)
+    # 14368 features fill tiles of 32 (SwiGLU's) but not of 64 (the squared ReLU's).
+    assert not fp8_mlp._kernel_applies(4096, 14368, 2, "relu2")
+    assert mlp_grad_kernel.supported(4096, 14368, *mlp_grad_kernel.TILES["swiglu"])
+    assert not mlp_grad_kernel.supported(4096, 14368, *mlp_grad_kernel.TILES["relu2"])
+    assert mlp_grad_kernel.supported(4096, 14336, *mlp_grad_kernel.TILES["swiglu"])
+    assert not mlp_grad_kernel.supported(4096, 14330, *mlp_grad_kernel.TILES["swiglu"])
 
 
 @pytest.mark.gpu

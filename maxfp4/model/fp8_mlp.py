@@ -65,14 +65,12 @@ def mlp(x_BTD: jax.Array, w_up_DK: jax.Array, w_down_FD: jax.Array, lp: LayerPre
 
 
 def _kernel_applies(m: int, f: int, batch: int, kind: str) -> bool:
-    """On GPU, for SwiGLU, under no mesh or one that splits only the batch, with each device's
-    tokens and the pairs in whole tiles. The squared ReLU keeps XLA's passes unless asked: at
-    hybrid-1b's shapes the kernel was no faster there (docs/PERFORMANCE.md, "The MLP's backward
-    as one kernel")."""
-    if kind != "swiglu" or not on_gpu():
+    """On GPU, under no mesh or one that splits only the batch, with each device's tokens and
+    the features (SwiGLU's pairs) in whole tiles of the kind's size."""
+    if not on_gpu():
         return False
     split = batch_split_axes(batch)
-    return split is not None and mlp_grad_kernel.supported(m // split_size(*split), f)
+    return split is not None and mlp_grad_kernel.supported(m // split_size(*split), f, *mlp_grad_kernel.TILES[kind])
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -35,16 +35,17 @@ from maxfp4.model.fp8_epilogue import Quantized
 from maxfp4.pallas_params import triton_params
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2
 
-# Tile and warps: the fastest of those tried for SwiGLU at Llama-3-8B's and dense-1p3b's shapes on
-# an H200 (benchmarks/probes/mlp_grad_fp8.py).
-BLOCK_M = 64  # tokens a program holds: the transposed stores write runs of this many bytes
-BLOCK_F = 32  # features (SwiGLU's (gate, up) pairs) a program holds
+# Tiles (block_m tokens, block_f features: SwiGLU's (gate, up) pairs) and warps: the fastest of
+# those tried on an H200 (benchmarks/probes/mlp_grad_fp8.py), for SwiGLU at Llama-3-8B's and
+# dense-1p3b's shapes, for the squared ReLU at hybrid-1b's (whole steps: docs/PERFORMANCE.md).
+# block_m is also the length of the runs of bytes the transposed stores write.
+TILES = {"swiglu": (64, 32), "relu2": (64, 64)}
 NUM_WARPS = 4
 
 _ROUNDED = Quantized(jnp.bfloat16)
 
 
-def supported(m: int, f: int, block_m: int = BLOCK_M, block_f: int = BLOCK_F) -> bool:
+def supported(m: int, f: int, block_m: int, block_f: int) -> bool:
     """Tiles must cover the tokens and the features (SwiGLU's pairs) exactly."""
     return m % block_m == 0 and f % block_f == 0
 
@@ -105,7 +106,8 @@ def _local(y_BTK, dh_BTF, scales, *, kind, block_m, block_f, num_warps, interpre
 
 
 def activation_grad_fp8(y_BTK: jax.Array, dh_BTF: jax.Array, dy_scale: jax.Array, h_scale: jax.Array, kind: str,
-                        interpret: bool, block_m: int = BLOCK_M, block_f: int = BLOCK_F, num_warps: int = NUM_WARPS):
+                        interpret: bool, block_m: int | None = None, block_f: int | None = None,
+                        num_warps: int = NUM_WARPS):
     """From mlp_up's BF16 output ``y`` ([B, T, K]: for ``kind`` "swiglu" K = 2F interleaved
     (gate, up) pairs, for "relu2" K = F) and the BF16 gradient of the activation ``dh``
     ([B, T, F]), with M = B*T tokens:
@@ -116,7 +118,8 @@ def activation_grad_fp8(y_BTK: jax.Array, dh_BTF: jax.Array, dy_scale: jax.Array
     - ``amax_dy``: max |bf16(dY)|.
 
     Under a mesh that splits only the batch each device runs its own tokens (``batch_split_axes``);
-    the caller checks that and ``supported`` for each device's M."""
+    the caller checks that and ``supported`` for each device's M. Tiles default to ``TILES[kind]``."""
+    block_m, block_f = block_m or TILES[kind][0], block_f or TILES[kind][1]
     split = batch_split_axes(y_BTK.shape[0])
     if split is None:
         raise ValueError("mlp_grad_kernel: the mesh splits more than the batch; use the XLA path")
