@@ -60,3 +60,21 @@ def test_save_gemm_io_keeps_each_linear_input_in_its_recipes_format(tiny_cfg, re
     assert kept["save_gemm_io"] - kept["save_gemm"] == expected, kept["save_gemm_io"] - kept["save_gemm"]
     for a, b in zip(jax.tree.leaves(grads["save_gemm_io"]), jax.tree.leaves(grads["save_gemm"])):
         assert np.linalg.norm(a - b) <= 1e-2 * max(np.linalg.norm(b), 1e-30)
+
+
+def test_save_gemm_keeps_the_fp8_amaxes(tiny_cfg):
+    """save_gemm keeps each per-tensor amax the FP8 recipe reduces in the forward pass (a float32
+    a block, stacked over the scanned blocks): recomputing one would re-read its whole operand in
+    the backward pass. At least one a linear layer's activation operand (qkv, attention output,
+    MLP up, MLP down); BF16 reduces none. The gradients are full remat's bit for bit: there the
+    backward pass recomputes every amax from its operand."""
+    kept, grads = {}, {}
+    for recipe, remat in (("fp8_delayed", "save_gemm"), ("bf16", "save_gemm"), ("fp8_delayed", "full")):
+        cfg = tiny_cfg("mesh.data=1", f"train.remat={remat}", f"precision.default={recipe}")
+        loss, params = _loss_and_params(cfg)
+        kept[recipe, remat] = _residuals(loss, params)
+        grads[recipe, remat] = jax.device_get(jax.jit(jax.grad(loss))(params))
+    per_block = ("f32", (cfg.model.n_layers,))
+    assert kept["fp8_delayed", "save_gemm"][per_block] - kept["bf16", "save_gemm"][per_block] >= 4, kept
+    for a, b in zip(jax.tree.leaves(grads["fp8_delayed", "save_gemm"]), jax.tree.leaves(grads["fp8_delayed", "full"])):
+        np.testing.assert_array_equal(a, b)

@@ -3,7 +3,7 @@
 - ``none``: keep every residual the backward pass needs (fastest, most memory).
 - ``full``: keep only each block's input; the whole block is recomputed in the backward pass.
 - ``save_gemm``: keep the outputs of the linear layers and of attention (with cuDNN, also its
-  softmax statistics), recompute the cheap
+  softmax statistics) and the per-tensor amaxes of the low-precision recipes, recompute the cheap
   element-wise work between them (norms, RoPE, activations, quantization of the inputs). The
   expensive parts -- GEMMs and the fused attention kernel -- are not run twice, while the many
   FP32/BF16 temporaries of the element-wise chains are not kept.
@@ -32,12 +32,22 @@ ATTENTION_OUT = "attention_out"
 _CUDNN_ATTENTION_FORWARD = ("dot_product_attention_fwd_wrapper", "dot_product_attention_fwd")
 
 
+def _whole_tensor_max(prim, *args, **params) -> bool:
+    """A max over every axis of a tensor: the FP8 and NVFP4 recipes' per-tensor amaxes. Kept, four
+    bytes each. Recomputed, an amax reads its whole operand again, and in the backward pass
+    nothing else may need that read: under FP8 the SwiGLU product's amax was such a pass once
+    the MLP's backward kernel wrote the product's E4M3 itself (Llama-3-8B, 430 us a layer and
+    GPU)."""
+    return prim is jax.lax.reduce_max_p and len(params["axes"]) == len(args[0].shape)
+
+
 def _saving(*names: str):
-    """A policy that keeps the named values and cuDNN attention's forward outputs."""
+    """A policy that keeps the named values, cuDNN attention's forward outputs and the amaxes."""
     save_named = jax.checkpoint_policies.save_only_these_names(*names)
 
     def policy(prim, *args, **params) -> bool:
-        return prim.name in _CUDNN_ATTENTION_FORWARD or save_named(prim, *args, **params)
+        return (prim.name in _CUDNN_ATTENTION_FORWARD or _whole_tensor_max(prim, *args, **params)
+                or save_named(prim, *args, **params))
 
     return policy
 
