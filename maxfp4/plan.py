@@ -131,13 +131,17 @@ def _tokens_per_device(cfg: Config, mesh: tuple[int, int, int]) -> float:
 def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, precision: str,
                       remat: str) -> dict[str, float]:
     """Bytes per device. State (master, Adam, gradients) is sharded over fsdp x tensor; one
-    block's working copy (or the BF16 LM head, whichever is larger) is live at a time."""
+    block's working copy (or the BF16 LM head, whichever is larger) is live at a time, and with
+    unrolled blocks under save_gemm every block's cast weight shard too."""
     m = cfg.model
     _, fsdp, tensor = mesh
     shards = fsdp * tensor
     blocks = block_linear_params(m)
     largest_block = max(sum(b.values()) for b in blocks)
     working = max(largest_block * WORKING_BYTES[precision], m.d_model * m.vocab_size * 2) / tensor
+    if remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers:
+        # Unrolled blocks keep every block's cast weight shard for the backward pass (maxfp4.model.remat).
+        working += sum(sum(b.values()) for b in blocks) * WORKING_BYTES[precision] / shards
     tokens = _tokens_per_device(cfg, mesh) / cfg.train.microbatches
     if remat == "none":
         per_token = ACT_BYTES_NO_REMAT * m.d_model * len(blocks)

@@ -92,6 +92,20 @@ def test_save_gemm_keeps_the_linear_outputs_between_full_and_no_remat():
     assert act["full"] < act["save_gemm"] < act["none"]
 
 
+def test_unrolled_save_gemm_keeps_every_blocks_weight_shard_in_its_gemm_precision():
+    """Unrolled blocks under save_gemm keep each block's weights as cast for the GEMM (BF16 2
+    bytes, FP8 1) and sharded as the parameters are; scanned blocks and no remat keep one block's."""
+    for precision, bytes_each in (("bf16", 2), ("fp8", 1)):
+        working = {}
+        for scan, remat in (("true", "save_gemm"), ("false", "save_gemm"), ("false", "none")):
+            cfg = load_config("configs/llama3-8b.yaml", [f"train.scan_layers={scan}", f"train.remat={remat}"])
+            params = plan.param_count(cfg.model)
+            working[scan, remat] = plan.memory_per_device(cfg, (1, 2, 1), params, precision, remat)["working_copy"]
+        blocks = sum(sum(b.values()) for b in plan.block_linear_params(cfg.model))
+        assert working["false", "save_gemm"] - working["true", "save_gemm"] == pytest.approx(blocks * bytes_each / 2)
+        assert working["false", "none"] == working["true", "save_gemm"]
+
+
 def test_save_gemm_io_adds_each_linear_layers_input_in_its_recipes_bytes():
     cfg = load_config("configs/dense-1p3b.yaml")
     params = plan.param_count(cfg.model)

@@ -12,8 +12,9 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 from maxfp4.mesh import make_constrain, make_mesh
+from maxfp4.model import remat
 from maxfp4.optim import make_optimizer
-from maxfp4.precision import resolve_policy
+from maxfp4.precision import GEMM_WEIGHT, resolve_policy
 from maxfp4.precision.state import scales_of
 from maxfp4.step import make_loss_fn
 from maxfp4.train import init_state
@@ -77,4 +78,34 @@ def test_save_gemm_keeps_the_fp8_amaxes(tiny_cfg):
     per_block = ("f32", (cfg.model.n_layers,))
     assert kept["fp8_delayed", "save_gemm"][per_block] - kept["bf16", "save_gemm"][per_block] >= 4, kept
     for a, b in zip(jax.tree.leaves(grads["fp8_delayed", "save_gemm"]), jax.tree.leaves(grads["fp8_delayed", "full"])):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("recipe,dtype", [("fp8_delayed", FP8), ("bf16", "bf16")])
+def test_unrolled_blocks_keep_the_cast_weights_not_fp32_copies(tiny_cfg, monkeypatch, recipe, dtype):
+    """Unrolled blocks (scan_layers=false) under save_gemm keep, beyond what scanned blocks keep,
+    exactly each block's four linear weights as the recipe's backward reads them (E4M3 for FP8,
+    BF16 for BF16; [in, out]), and no FP32 weight: those are slices of the stacked parameters,
+    and one kept for the backward pass to cast again is a copy of it. The gradients are bit for
+    bit those of the same policy without the weights (the name renamed away), which casts them
+    again in the backward pass."""
+    m = tiny_cfg().model
+    inner = m.n_heads * m.resolved_head_dim
+    weights = ((m.d_model, inner + 2 * m.n_kv_heads * m.resolved_head_dim), (inner, m.d_model),
+               (m.d_model, 2 * m.d_ff), (m.d_ff, m.d_model))
+    kept, grads = {}, {}
+    for scan, weight_name in (("false", remat.GEMM_WEIGHT), ("true", remat.GEMM_WEIGHT), ("false", "no such name")):
+        monkeypatch.setattr(remat, "GEMM_WEIGHT", weight_name)
+        cfg = tiny_cfg("mesh.data=1", "train.remat=save_gemm", f"precision.default={recipe}",
+                       f"train.scan_layers={scan}")
+        loss, params = _loss_and_params(cfg)
+        kept[scan, weight_name] = _residuals(loss, params)
+        grads[scan, weight_name] = jax.device_get(jax.jit(jax.grad(loss))(params))
+    unrolled, scanned = kept["false", GEMM_WEIGHT], kept["true", GEMM_WEIGHT]
+    expected = collections.Counter({(dtype, shape): m.n_layers for shape in weights})
+    assert collections.Counter({k: n for k, n in (unrolled - scanned).items() if k in expected}) == expected, unrolled
+    assert not [k for k in unrolled if k[0] == "f32" and k[1] in weights], unrolled
+    recast = kept["false", "no such name"]
+    assert [k for k in recast if k[0] == "f32" and k[1] in weights], recast  # the copies the test is about
+    for a, b in zip(jax.tree.leaves(grads["false", GEMM_WEIGHT]), jax.tree.leaves(grads["false", "no such name"])):
         np.testing.assert_array_equal(a, b)

@@ -12,6 +12,15 @@
   The backward pass then recomputes only the norms' statistics, RoPE and the weights' casts, not
   the norm, activation and cast chains that made those operands. With FP8 this costs one byte
   an input feature a token, a block: about half of the inputs' BF16 size.
+
+With unrolled blocks (``train.scan_layers=false``) both also keep each linear layer's weight as
+its recipe's backward pass reads it (cast to BF16 or quantized, still sharded; ``GEMM_WEIGHT``).
+Each unrolled block's FP32 weights are slices of the stacked parameters, and a slice that the
+recomputation reads is an operand of its optimization barrier, which XLA materialises: on
+Llama-3-8B at fsdp=2 that was a copy of every FP32 weight shard (14 GB a GPU) made at the start
+of the step, kept until the backward pass cast it again. The cast weights are half that
+(BF16) or a quarter (E4M3), and nothing is cast twice. A scan reads its blocks' slices in place,
+so scanned blocks keep recomputing the casts.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Callable
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from maxfp4.precision import GEMM_IN, GEMM_OUT  # every linear layer's operand and output carry these
+from maxfp4.precision import GEMM_IN, GEMM_OUT, GEMM_WEIGHT  # every linear layer's operands and output carry these
 
 ATTENTION_OUT = "attention_out"
 
@@ -52,9 +61,9 @@ def _saving(*names: str):
     return policy
 
 
-_POLICIES = {
-    "save_gemm": _saving(GEMM_OUT, ATTENTION_OUT),
-    "save_gemm_io": _saving(GEMM_OUT, ATTENTION_OUT, GEMM_IN),
+_SAVED_NAMES = {
+    "save_gemm": (GEMM_OUT, ATTENTION_OUT),
+    "save_gemm_io": (GEMM_OUT, ATTENTION_OUT, GEMM_IN),
 }
 
 
@@ -76,4 +85,5 @@ def remat_body(body: Callable, remat: str, *, scanned: bool = True) -> Callable:
         return body
     if remat == "full":
         return jax.checkpoint(body, prevent_cse=not scanned)
-    return jax.checkpoint(body, prevent_cse=not scanned, policy=_POLICIES[remat])
+    names = _SAVED_NAMES[remat] + (() if scanned else (GEMM_WEIGHT,))
+    return jax.checkpoint(body, prevent_cse=not scanned, policy=_saving(*names))

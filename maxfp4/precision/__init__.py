@@ -8,7 +8,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.config import LAYER_CLASSES
 from maxfp4.precision.policy import PrecisionPolicy, resolve_policy
-from maxfp4.precision.recipes import GEMM_IN  # each recipe's activation operand, as its backward keeps it
+from maxfp4.precision.recipes import GEMM_IN, GEMM_WEIGHT  # each recipe's operands, as its backward keeps them
 from maxfp4.precision.registry import RECIPES
 
 # The name every linear layer's output carries, so a remat policy can keep it
@@ -53,4 +53,4 @@ class LayerPrecision:
         return checkpoint_name(y, GEMM_OUT)
 
 
-__all__ = ["dot", "GEMM_IN", "GEMM_OUT", "LayerPrecision", "PrecisionPolicy", "resolve_policy"]
+__all__ = ["dot", "GEMM_IN", "GEMM_OUT", "GEMM_WEIGHT", "LayerPrecision", "PrecisionPolicy", "resolve_policy"]

@@ -35,6 +35,11 @@ TN = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands: the fast cuBLA
 # recipes, BF16 for the others), so a remat policy can keep it rather than recompute the norm,
 # activation and cast that made it (train.remat=save_gemm_io, maxfp4.model.remat).
 GEMM_IN = "gemm_in"
+# The name of each recipe's weight operand as its backward pass keeps it: cast (BF16) or
+# quantized (E4M3, NVFP4 tiles), still sharded as the parameter is, before any all-gather. A remat
+# policy keeps it for unrolled blocks, whose FP32 weights are slices of the stacked parameters
+# that XLA would otherwise copy for the backward pass to cast again (maxfp4.model.remat).
+GEMM_WEIGHT = "gemm_weight"
 
 
 def _flat(x: jax.Array) -> jax.Array:
@@ -62,7 +67,8 @@ def _bf16(x, w):
 def _bf16_fwd(x, w):
     x_MK, w_KN = _flat(x).astype(COMPUTE_DTYPE), w.astype(COMPUTE_DTYPE)
     y = jnp.dot(x_MK, w_KN, preferred_element_type=COMPUTE_DTYPE)
-    return y.reshape(*x.shape[:-1], w.shape[1]), (checkpoint_name(x_MK, GEMM_IN), w_KN, _dtype_token(x.dtype))
+    return y.reshape(*x.shape[:-1], w.shape[1]), (checkpoint_name(x_MK, GEMM_IN), checkpoint_name(w_KN, GEMM_WEIGHT),
+                                                  _dtype_token(x.dtype))
 
 
 def _bf16_bwd(res, dy):
@@ -142,7 +148,8 @@ def _fp8_forward_quantized(qx, sx, w, sw, power_2):
     qx_MK = _flat(qx)
     qw_KN = F.quantize_fp8(w, sw, F.FP8_E4M3)
     y_MN = fp8_gemm_tn(qx_MK, sx, _gathered(qw_KN).T, sw, power_2=power_2)
-    return y_MN.reshape(*qx.shape[:-1], w.shape[1]), (checkpoint_name(qx_MK, GEMM_IN), qw_KN)
+    residuals = (checkpoint_name(qx_MK, GEMM_IN), checkpoint_name(qw_KN, GEMM_WEIGHT))
+    return y_MN.reshape(*qx.shape[:-1], w.shape[1]), residuals
 
 
 def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2):
@@ -353,7 +360,7 @@ def _nvfp4_fwd(x, w, options, key):
     two_d = bool(opts["weight_2d"])
     qw_NK = F.quantize_nvfp4(w.T, two_d=two_d)
     y = nvfp4_gemm_tn(qx, qw_NK).reshape(*x.shape[:-1], w.shape[1])
-    return y, (checkpoint_name(x_MK, GEMM_IN), w if not two_d else None, qw_NK, key)
+    return y, (checkpoint_name(x_MK, GEMM_IN), w if not two_d else None, checkpoint_name(qw_NK, GEMM_WEIGHT), key)
 
 
 def _nvfp4_bwd(options, res, dy):
