@@ -40,8 +40,13 @@ def block_linear_params(cfg: ModelConfig) -> list[dict[str, int]]:
     return [{c: params[c] for c in TYPE_CLASSES[TYPES[ch]]} for ch in cfg.pattern]
 
 
+def block_matmul_params(cfg: ModelConfig) -> int:
+    """Matmul parameters of all blocks' linear layers (the LM head not included)."""
+    return sum(sum(b.values()) for b in block_linear_params(cfg))
+
+
 def matmul_params(cfg: ModelConfig) -> int:
-    return sum(sum(b.values()) for b in block_linear_params(cfg)) + cfg.d_model * cfg.vocab_size
+    return block_matmul_params(cfg) + cfg.d_model * cfg.vocab_size
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

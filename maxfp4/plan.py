@@ -18,7 +18,7 @@ import jax
 from maxfp4.config import Config, ModelConfig, add_config_arguments, config_from_arguments
 from maxfp4.errors import UserError, exit_code_of
 from maxfp4.mesh import resolve_mesh_shape
-from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, block_linear_params, attention_flops_per_token,
+from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, block_linear_params, block_matmul_params, attention_flops_per_token,
                             matmul_params, ssd_flops_per_token)
 from maxfp4.model import get_model, linear_shapes
 
@@ -141,7 +141,7 @@ def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, prec
     working = max(largest_block * WORKING_BYTES[precision], m.d_model * m.vocab_size * 2) / tensor
     if remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers:
         # Unrolled blocks keep every block's cast weight shard for the backward pass (maxfp4.model.remat).
-        working += sum(sum(b.values()) for b in blocks) * WORKING_BYTES[precision] / shards
+        working += block_matmul_params(m) * WORKING_BYTES[precision] / shards
     tokens = _tokens_per_device(cfg, mesh) / cfg.train.microbatches
     if remat == "none":
         per_token = ACT_BYTES_NO_REMAT * m.d_model * len(blocks)
