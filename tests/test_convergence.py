@@ -1,0 +1,79 @@
+"""benchmarks/convergence.py end to end on the embedded corpus: a tiny model, two variants, two
+seeds, one run cut off by SIGTERM and resumed by running the same command again, and the
+summary's arithmetic checked against the per-run results it was made from."""
+
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+from tests.conftest import cpu_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+              "model.vocab_size=384", "data.seq_len=64", "data.global_batch=8", "train.log_every=2",
+              "optim.warmup_steps=2", "checkpoint.every=4", "resilience.preflight=false"]
+
+
+def _command(out, *extra):
+    return [sys.executable, os.path.join(REPO, "benchmarks", "convergence.py"), "--config",
+            os.path.join(REPO, "configs", "quickstart.yaml"), "--data", "builtin", "--variants", "bf16", "fp8_current",
+            "--seeds", "0", "1", "--tokens", str(16 * 512), "--evals", "2", "--parallel", "1", "--out", str(out),
+            *TINY_MODEL, *extra]
+
+
+def test_convergence_benchmark_resumes_a_cut_off_run_and_summarizes_over_seeds(tmp_path):
+    env = cpu_env(1, PYTHONPATH=REPO)
+    # First call: the first run is slowed down (0.5 s a step) and the benchmark gets SIGTERM once
+    # its first records are written; the trainer checkpoints and exits, the benchmark says what
+    # is unfinished and exits 3.
+    first = subprocess.Popen(_command(tmp_path, "resilience.fault.slow_process=0", "resilience.fault.slow_seconds=0.5"),
+                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "runs" / "bf16-s0" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
+        assert first.poll() is None, first.stdout.read()
+        time.sleep(0.2)
+    first.send_signal(signal.SIGTERM)
+    out1, _ = first.communicate(timeout=240)
+    assert first.returncode == 3, out1
+    assert "bf16-s0: exit 143" in out1 and "run the same command again" in out1, out1
+    cut_at = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
+    assert cut_at < 16, out1
+
+    second = subprocess.run(_command(tmp_path), env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "4 to run" in second.stdout  # the cut-off run is among them, resumed below
+    log = (tmp_path / "runs" / "bf16-s0.log").read_text()
+    assert "resumed from" in log, log
+
+    results = {}
+    for name in ("bf16-s0", "bf16-s1", "fp8_current-s0", "fp8_current-s1"):
+        r = json.loads((tmp_path / "results" / f"{name}.json").read_text())
+        assert r["complete"] and r["steps"] == 16 and r["tokens_per_step"] == 512, r
+        assert [t for t, _ in r["eval"]] == [8 * 512, 16 * 512], r  # every 8 steps and at the end
+        assert all(math.isfinite(loss) for _, loss in r["eval"]), r
+        results[name] = r
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["incomplete"] == [] and summary["steps"] == 16
+    for variant in ("bf16", "fp8_current"):
+        points = summary["variants"][variant]["points"]
+        assert [p["tokens"] for p in points] == [8 * 512, 16 * 512]
+        for i, p in enumerate(points):
+            losses = [results[f"{variant}-s{s}"]["eval"][i][1] for s in (0, 1)]
+            assert p["n"] == 2
+            assert math.isclose(p["mean"], statistics.fmean(losses), rel_tol=1e-12)
+            assert math.isclose(p["std"], statistics.stdev(losses), rel_tol=1e-12)
+            assert math.isclose(p["sem"], p["std"] / math.sqrt(2), rel_tol=1e-12)
+    base, fp8 = summary["variants"]["bf16"]["points"][-1], summary["variants"]["fp8_current"]["points"][-1]
+    assert "gap" not in base
+    assert math.isclose(fp8["gap"], fp8["mean"] / base["mean"] - 1, rel_tol=1e-9)
+    expected_sem = math.hypot(fp8["sem"], fp8["mean"] / base["mean"] * base["sem"]) / base["mean"]
+    assert math.isclose(fp8["gap_sem"], expected_sem, rel_tol=1e-9)
+    # Every run scored the same held-out tokens: the split does not follow the seed.
+    assert (tmp_path / "corpus" / "heldout.jsonl").stat().st_size > 0
+    assert (tmp_path / "convergence.png").stat().st_size > 10_000
