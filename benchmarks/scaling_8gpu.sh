@@ -3,17 +3,17 @@
 # Llama-3-8B shapes and the Nemotron-H-8B hybrid, BF16 and FP8 (delayed), as fsdp=N and as
 # data=2 x fsdp=N/2, plus the 2-GPU fsdp=2 baseline of each model at the same tokens a GPU;
 # then the planner's prediction for the same runs.
-# Sequences of 8192 tokens a GPU: llama3-8b 4 (as its 2- and 4-GPU runs in docs/PERFORMANCE.md);
+# Sequences of 8192 tokens a GPU: llama3-8b 4 (as its 4-GPU runs in docs/PERFORMANCE.md);
 # nemotron-h-8b 2, because at 4 XLA asked 152.8 GiB a GPU on 4 H200s (out of memory), when the
-# Mamba-2 kernels still ran on the whole global batch on every GPU (docs/PERFORMANCE.md, "Mamba-2
-# kernels on several devices"); SEQS_HYBRID=4 checks whether 4 fit now. Override with SEQS_LLAMA
+# Mamba-2 kernels still ran on the whole global batch on every GPU (docs/PERFORMANCE.md, "Whole
+# models, several GPUs"); SEQS_HYBRID=4 checks whether 4 fit now. Override with SEQS_LLAMA
 # / SEQS_HYBRID.
 # Usage (repo root, wheels for packages the GPU image lacks in .whl/): bash benchmarks/scaling_8gpu.sh
 set -uo pipefail
 N=${N:-$(nvidia-smi -L | wc -l)}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # data=2 x fsdp=N/2 of llama3-8b needs more than JAX's default 75% of the GPU's memory to pass the
-# trainer's memory preflight (docs/PERFORMANCE.md, four GPUs).
+# trainer's memory preflight (docs/PERFORMANCE.md, "Whole models, several GPUs").
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 . benchmarks/device_env.sh
 declare -A SEQS=([llama3-8b]=${SEQS_LLAMA:-4} [nemotron-h-8b]=${SEQS_HYBRID:-2})

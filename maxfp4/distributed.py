@@ -30,7 +30,7 @@ SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROC
 # FSDP's FP32 gradient reduce-scatters did not overlap the GEMMs they were scheduled beside
 # (Llama-3-8B on two H200s: 66-75 ms a step with no compute kernel running; with one queue
 # 7-11 ms, and the step 838 -> 812 ms in BF16, 638 -> 609 ms in FP8; one GPU: unchanged).
-# docs/PERFORMANCE.md, section "One hardware queue a GPU". NVIDIA advises against 1 on Blackwell
+# docs/PERFORMANCE.md, section "Defaults and options". NVIDIA advises against 1 on Blackwell
 # (unmeasured here): there, set the variable yourself.
 GPU_ENVIRONMENT_DEFAULTS = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 

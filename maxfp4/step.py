@@ -113,7 +113,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
             # the select into the optimizer's own update passes (it reads the old values there
             # anyway), while a cond makes the host read the predicate from the device in the
             # middle of every step and only then launch the branch (hybrid-1b on an H100: the
-            # select made the FP8 step 1.1-1.8 ms faster than the cond, docs/PERFORMANCE.md).
+            # select made the FP8 step 1.1-1.8 ms faster than the cond, 2026-11-25).
             ok, guard = judge(state.guard, loss, grad_norm, sigmas=res.spike_sigmas, warmup=res.spike_warmup)
 
             def keep_old_if_bad(new, old):

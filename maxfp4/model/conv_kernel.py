@@ -7,7 +7,7 @@ Why a kernel: written in jax.numpy, the W shifted copies of x (pad + slice along
 weight-gradient reductions over (B, T) lead XLA's GPU layout assignment to run the whole
 convolution on a T-minor [B, channels, T] copy of the in_proj output and to transpose it back
 for the SSD and in the backward pass: about a third of a Mamba-2 training step was transposes
-(docs/PERFORMANCE.md). The kernels read and write [B, T, C] rows as they lie in memory.
+(H200 profile, 2026-11-22). The kernels read and write [B, T, C] rows as they lie in memory.
 
 Each program owns a [Tb, Cb] tile of one batch row. The forward reads the W - 1 rows before its
 tile from x padded at the front (zeros, segment id -1), so no program needs a neighbour's data.
@@ -18,7 +18,7 @@ a buffer W - 1 rows longer than T, whose last rows are never used: their segment
 
 The padded copy of x is kept on purpose: reading the in_proj output in place instead (masked or
 clamped rows, no copy) saved the copy's 4 ms and 6 GiB on an H200 mamba2-1p3b step but slowed
-these kernels by 13 ms (docs/PERFORMANCE.md, "Mamba-2 convolution read in place").
+these kernels by 13 ms (docs/PERFORMANCE.md, "Tried and not kept").
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ copy).
 Why a kernel: in XLA, the parameter gradient of this epilogue (the norm scale) is a
 reduction over (B, T), and it made XLA's layout assignment give the [B, T, E] gradients a
 T-minor layout, with transposes of several [B, T, E] arrays around them in every Mamba layer
-(docs/PERFORMANCE.md). Here a forward program holds a [Tr, Eg] block (whole rows of one group,
+(H100 profile, 2026-11-22/23). Here a forward program holds a [Tr, Eg] block (whole rows of one group,
 4096 elements) and reads and writes it once, as it lies in memory; a backward program walks 16
 rows that way and sums the scale's gradient over them (partial sums that XLA adds up).
 (A first version walked each group in 256-column steps, twice: with Eg = 4096 the second walk

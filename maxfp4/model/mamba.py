@@ -126,7 +126,7 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     # Activations between the kernels are stored in BF16 (the GEMM's output dtype), as Mamba-2's
     # own kernels store them; each kernel computes in FP32 inside. FP32 storage doubled every
     # kernel's traffic and added converts: mamba2-1p3b 523 -> 451 ms a step on an H200 with
-    # BF16 storage here and in the SSD (docs/PERFORMANCE.md).
+    # BF16 storage here and in the SSD (2026-11-25).
     core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
     if _fp8_in_kernels(x_BTD, cfg, lp, constrain):
         return _fp8_mixer(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params, p["out_proj"],
@@ -218,7 +218,7 @@ def _ssd_with_skip(xbc_BTC: jax.Array, dt_BTH: jax.Array, A_log_H: jax.Array, D_
 # The core with the convolution and norm kernels, under one VJP. Differentiated piece by piece,
 # the in_proj output's gradient was the sum of three zero-padded pieces (z's from the norm,
 # x/B/C's from the convolution, dt's), one more pass over a [B, T, I] array a layer (8.3 ms a
-# step for mamba2-1p3b on an H200, docs/PERFORMANCE.md). Here the norm's backward kernel writes
+# step for mamba2-1p3b on an H200, 2026-11-25). Here the norm's backward kernel writes
 # z's columns of that array, dt's are set in place, and the convolution's backward kernel writes
 # x/B/C's columns into it (its output aliases the array). The values are those of the pieces.
 
@@ -283,7 +283,7 @@ _kernel_core.defvjp(_kernel_core_fwd, _kernel_core_bwd)
 # kernels that assemble in_proj's output gradient store it in E5M2 with the recipe's dY scale,
 # and the gated norm's forward kernel stores out_proj's input in E4M3 with its x scale; the
 # recipes' GEMMs read those directly. Otherwise each was written in BF16 and read back by a cast
-# of its own, one pass more a layer each (docs/PERFORMANCE.md). Same values as lp.dot,
+# of its own, one pass more a layer each (hybrid-1b, H200, 2026-11-26). Same values as lp.dot,
 # _kernel_core, lp.dot: bit for bit on the CPU (tests/test_hybrid.py); compiled, within the
 # bounds tests/test_gpu_mamba_kernels.py states (GEMM accumulation order, and XLA may skip the
 # recipe path's BF16 rounding of dt's columns).

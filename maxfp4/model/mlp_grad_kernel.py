@@ -36,8 +36,8 @@ from maxfp4.pallas_params import triton_params
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2
 
 # Tiles (block_m tokens, block_f features: SwiGLU's (gate, up) pairs) and warps: the fastest of
-# those tried on an H200 (benchmarks/probes/mlp_grad_fp8.py), for SwiGLU at Llama-3-8B's and
-# dense-1p3b's shapes, for the squared ReLU at hybrid-1b's (whole steps: docs/PERFORMANCE.md).
+# those tried on an H200 (2026-11-27, the kernel alone), for SwiGLU at Llama-3-8B's and
+# dense-1p3b's shapes, for the squared ReLU at hybrid-1b's (and in whole steps).
 # block_m is also the length of the runs of bytes the transposed stores write.
 TILES = {"swiglu": (64, 32), "relu2": (64, 64)}
 NUM_WARPS = 4
@@ -82,7 +82,7 @@ def _kernel(y_ref, dh_ref, scales_ref, dy_ref, dy_t_ref, h_t_ref, amax_ref, *, b
     else:
         dy_ref[toks, cols] = bits[0]
     # The FP8 bytes are transposed, not the FP32 values: transposing those and casting again
-    # was no faster (docs/PERFORMANCE.md, "The MLP's backward as one kernel").
+    # was no faster (docs/PERFORMANCE.md, "Tried and not kept").
     for gate, b in enumerate(bits):
         dy_t_ref[cols, gate, toks] = b.T
     h_t_ref[cols, toks] = h_bits.T

@@ -7,7 +7,7 @@ its own).
 Why a kernel: XLA compiled the same assembly (``attention.assemble_qkv_grad``'s concatenation)
 to a loop that moved ~1 TB/s (Llama-3-8B on an H200: 369 us a layer and GPU for 400 MB), and the
 FP8 recipe's cast read its output again (152 us); the kernel takes ~0.3 ms for either
-(docs/PERFORMANCE.md, "FP8 operands stored by their producers"). A program here holds ``rows`` tokens of one KV
+(measured 2026-11-26). A program here holds ``rows`` tokens of one KV
 head group, G query heads then the key and the value, as blocks of whole half-heads, so every
 load and store is a contiguous run of H/2 elements.
 

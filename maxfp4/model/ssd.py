@@ -61,7 +61,7 @@ def ordered_dot(spec: str, lhs: jax.Array, rhs: jax.Array, out_dtype: jnp.dtype 
     jnp.einsum keeps the operands in the order given and transposes that result into the
     output's order; for the SSD's state-sized matmuls (and for their gradients, as JAX derives
     them) that was a separate transpose pass over a [B, K, G, N, H, P]-sized array each, about
-    3 ms a step apiece for mamba2-1p3b on an H200 (docs/PERFORMANCE.md). Here the operand whose
+    3 ms a step apiece for mamba2-1p3b on an H200 (2026-11-25). Here the operand whose
     free dimensions come first in the output goes first, and the final transpose only moves
     size-1 axes (the group axis with one group) in the common case, which is free.
     """

@@ -44,7 +44,7 @@ from maxfp4.model.state_passing_kernel import (entry_states_backward, entry_stat
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Heads one program walks at most: 16 was the fastest of 1 to 32 on an H200 at the 1.3B benchmark
-# shapes (one layer forward + backward 3.27 ms with 1, 2.76-3.16 with 16; docs/PERFORMANCE.md).
+# shapes (one layer forward + backward 3.27 ms with 1, 2.76-3.16 with 16; 2026-11-25).
 _MAX_HEADS_PER_PROGRAM = 16
 
 
@@ -108,7 +108,7 @@ def _backward_dx_kernel(cb_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, dy_
         # dx_j = dt_j (S^T dy)_j with S = C.B x decay, and the intra-chunk dt gradient is
         # x_j . (S^T dy)_j: a sum along each row of a [Q, P] tile here. Summing the score
         # kernel's [Q, Q] tile down its columns instead (cross-warp reductions) made the SSD
-        # kernels' forward + backward 1.34 ms against 1.18 ms (H200, docs/PERFORMANCE.md).
+        # kernels' forward + backward 1.34 ms against 1.18 ms (H200, 2026-11-25).
         sdy_QP = _dot((cb_QQ * _decay(cs_Q, seg_Q)).T, dy_QP, matmul_dtype, cdt)
         dx_ref[:, j, :] = (dt_Q[:, None] * sdy_QP + d_ref[j, :][None, :] * dy_QP).astype(dx_ref.dtype)
         ddt_ref[j, :] = jnp.sum(sdy_QP * x_ref[:, j, :].astype(cdt), axis=1).astype(ddt_ref.dtype)

@@ -292,7 +292,7 @@ def _random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     one 32-bit word is drawn per 4 consecutive elements of the last axis and element ``i`` takes
     byte ``i % 4`` of word ``i // 4`` (low byte first). A quarter of the words of one draw per
     element: the counter-based generator's hash is what stochastic rounding's fusion spends its
-    time on (docs/PERFORMANCE.md)."""
+    time on (H100 profile, 2026-11-25)."""
     words = _random_words(key, shape)[..., None]
     return _byte_of_word(words, jnp.arange(4, dtype=jnp.uint32)).reshape(shape)
 
@@ -560,7 +560,7 @@ def _walsh16(v: jax.Array, axis: int = -1) -> jax.Array:
     dense-1p3b's NVFP4 step on an H200: ~60 ms of 517). Still, the fused passes recompute
     multi-dimensional indices for each of an output's 16 inputs; all four stages on 16 slices
     with one stack at the end was 8% faster on one linear layer, but not measured on a whole
-    model, whose compile it may lengthen (docs/PERFORMANCE.md, sixth session).
+    model, whose compile it may lengthen (docs/PERFORMANCE.md, "Tried and not kept").
     """
     axis = axis % v.ndim
     lead, trail = v.shape[:axis], v.shape[axis + 1:]

@@ -391,7 +391,7 @@ def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | N
     Blackwell's FP4 GEMM needs both operands K-major, so they are quantized as [K, M] and
     [N, M]. Emulated, the same values (bit for bit) are formed in the activations' own [M, K]
     and [M, N] layout and the BF16 GEMM contracts over their first axis: transposing the two
-    activations cost ~10% of dense-1p3b's emulated NVFP4 step (docs/PERFORMANCE.md). With
+    activations cost ~10% of dense-1p3b's emulated NVFP4 step (2026-11-25). With
     ``rht`` the emulated operands come from the Pallas kernels of ``rht_kernel`` (same bits).
     ``block_scaled`` and ``kernels`` force one path each (None: the device decides).
     """

@@ -8,7 +8,7 @@ groups), block-dequantized in x's own [M, K] layout for the emulated BF16 GEMM.
 Why kernels: in XLA the transform fuses into the quantizer's two passes (amaxes, then elements),
 and each output element re-evaluates its whole butterfly tree (16 loads and the index arithmetic
 of the pairings) in both. On an H100, with a 16384 x 2048 x 5632 layer, the transform made
-the emulated NVFP4 layer 1.4 ms slower (docs/PERFORMANCE.md). Here a program holds one group
+the emulated NVFP4 layer 1.4 ms slower (2026-11-25). Here a program holds one group
 of 16 rows of a column tile, as 16 row vectors, and transforms them once with 32 adds per
 column; a group is also an NVFP4 block, so its amax is a maximum over the 16 vectors.
 
