@@ -30,6 +30,8 @@ def _slice_bound(text: str, n_layers: int) -> int | None:
     if not text:
         return None
     if text.endswith("%"):
+        if "/" in text:  # Fraction would take "1/3" (and fail on "1/0"): decimals only
+            raise ValueError(text)
         pct = Fraction(text[:-1].strip())
         whole = math.ceil(n_layers * abs(pct) / 100)
         return -whole if pct < 0 else whole
