@@ -104,11 +104,18 @@ def test_precision_presets_resolve_as_documented():
     fp8 = load_config([base, os.path.join(REPO, "configs", "precision", "fp8.yaml")])
     p = resolve_policy(fp8.precision, fp8.model.n_layers)
     assert p.lm_head == "bf16" and {r for row in p.block_table for r in row} == {"fp8_delayed"}
-    nv = load_config([base, os.path.join(REPO, "configs", "precision", "nvfp4.yaml")], ["model.n_layers=52"])
-    p = resolve_policy(nv.precision, 52)
-    assert p.lm_head == "bf16"
-    assert [row[0] for row in p.block_table] == ["nvfp4"] * 44 + ["bf16"] * 8  # last ~15%
-    assert p.block_groups() == [(0, 44), (44, 52)]
+    # NVFP4 keeps BF16 at both ends as the paper's 12B model (blocks 0-1 and 54-61 of 62), in
+    # percentages of the depth rounded up to whole blocks.
+    for n_layers, bf16_blocks in ((62, [0, 1, *range(54, 62)]), (52, [0, 1, *range(45, 52)]),
+                                  (12, [0, 10, 11])):
+        nv = load_config([base, os.path.join(REPO, "configs", "precision", "nvfp4.yaml")],
+                         [f"model.n_layers={n_layers}"])
+        p = resolve_policy(nv.precision, n_layers)
+        assert p.lm_head == "bf16"
+        assert [i for i, row in enumerate(p.block_table) if set(row) == {"bf16"}] == bf16_blocks
+        assert {r for i, row in enumerate(p.block_table) if i not in bf16_blocks for r in row} == {"nvfp4"}
+        assert len(p.block_groups()) == 3
+        assert dict(p.options_for("nvfp4"))["rht_bf16"] is True
 
 
 def test_readme_config_walkthrough_is_a_valid_config(tmp_path):

@@ -118,16 +118,18 @@ def ref_nvfp4(x: np.ndarray, two_d: bool = False) -> dict:
     x = np.asarray(x, F32)
     axes = (-3, -1) if two_d else (-1,)
     amax = np.max(np.abs(x))
-    s_enc = F32(1.0) if amax == 0 else F32(448 * 6) / amax
+    with np.errstate(over="ignore"):
+        s_enc = F32(1.0) if amax == 0 else np.minimum(F32(448 * 6) / amax, F32(2.0**126))
     s_dec = F32(1.0) / s_enc
     x_blk = ref_blocks(x, two_d)
     block_amax = np.max(np.abs(x_blk), axis=axes, keepdims=True)
     s_f32 = np.minimum(block_amax * (s_enc * F32(1.0 / 6.0)), F32(448.0))
     s_codes = rne_codes(s_f32, E4M3_GRID)
     s_val = E4M3_GRID[s_codes].astype(F32)
-    with np.errstate(divide="ignore"):
-        enc = np.where(s_val == 0, F32(0.0), F32(1.0) / (s_val * s_dec)).astype(F32)
-    y = np.clip(x_blk * enc, F32(-6.0), F32(6.0))
+    with np.errstate(divide="ignore"):  # a zero scale: 1/0 = inf -> float32 max, as TE
+        enc = np.minimum(F32(1.0) / (s_val * s_dec), np.finfo(F32).max).astype(F32)
+    with np.errstate(over="ignore"):  # x * float32 max in a zero-scale block saturates
+        y = np.clip(x_blk * enc, F32(-6.0), F32(6.0))
     q_codes = signed_codes(y, E2M1_GRID, 3)
     q_val = code_values(q_codes, E2M1_GRID, 3).astype(F32)
     deq = (q_val * s_val) * s_dec

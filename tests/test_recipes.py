@@ -5,13 +5,15 @@ import io
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from maxfp4.config import ConfigError, load_config
 from maxfp4.precision import formats as F
 from maxfp4.precision import resolve_policy
-from maxfp4.precision.recipes import bf16_dot, fp8_current_dot, fp8_delayed_dot, nvfp4_dot, nvfp4_gemm_tn, nvfp4_wgrad
+from maxfp4.precision.recipes import (_hadamard_tokens, bf16_dot, fp8_current_dot, fp8_delayed_dot, nvfp4_dot,
+                                     nvfp4_gemm_tn, nvfp4_wgrad)
 from maxfp4.precision.state import init_precision_state, scales_of, update_precision_state
 from maxfp4.precision.rht_kernel import rht_columns_supported
 
@@ -228,18 +230,39 @@ def test_nvfp4_matches_float64_of_quantized_operands():
     qdy = _f64(F.qdq_nvfp4(dy2))
     _assert_bf16_close(y.reshape(M, N), qx @ qw_t.T, "fprop")
     _assert_bf16_close(dx.reshape(M, K), qdy @ qw_t, "dgrad (reuses the 2D weight tiles)")
-    qxt = _f64(F.qdq_nvfp4(F.hadamard16(x2, axis=0).T))  # [K, M], blocks along tokens
-    qdyt = _f64(F.qdq_nvfp4(F.hadamard16(dy2, axis=0).T))  # [N, M]
-    _assert_bf16_close(dw, qxt @ qdyt.T, "wgrad (RHT along tokens)")
+    # The transform rounded to BF16 (TE's kernel; ml_dtypes' cast, not maxfp4's), then NVFP4.
+    as_bf16 = lambda a: jnp.asarray(np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32))  # noqa: E731
+    qxt = _f64(F.qdq_nvfp4(as_bf16(F.hadamard16(x2, axis=0)).T))  # [K, M], blocks along tokens
+    qdyt = _f64(F.qdq_nvfp4(as_bf16(F.hadamard16(dy2, axis=0)).T))  # [N, M]
+    # dW leaves in FP32, not rounded to BF16: FP32 accumulation of M products, bound
+    # M 2^-24 sum |x_i dy_i| per element (a BF16 rounding would be up to 2^-9 of |dW|).
+    tol = M * 2.0**-24 * (np.abs(qxt) @ np.abs(qdyt).T)
+    np.testing.assert_array_less(np.abs(_f64(dw) - qxt @ qdyt.T), tol + 1e-30)
+    assert np.any(np.abs(_f64(dw) - _f64(jnp.asarray(dw, jnp.bfloat16))) > tol)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "mxfp8", "mxfp4", "fp8_block"])
+def test_weight_gradient_leaves_every_recipe_in_fp32(recipe):
+    """Weight-gradient accumulation is FP32 (DESIGN.md): dW leaves each recipe in FP32, and has
+    more than BF16's 8 significant bits (some element differs from its BF16 rounding)."""
+    from maxfp4.precision.registry import RECIPES
+    fn, defaults = RECIPES[recipe]
+    rng = np.random.default_rng(9)
+    x, w, dy = (rng.normal(size=s).astype(np.float32) for s in ((128, 128), (128, 128), (128, 128)))
+    x, dy = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
+    key = jax.random.key(0)
+    _, vjp = jax.vjp(lambda x, w: fn(x, w, tuple(sorted(defaults.items())), None, key), x, jnp.asarray(w))
+    dw = jax.jit(vjp)(dy)[1]
+    assert dw.dtype == jnp.float32
+    assert np.any(_f64(dw) != _f64(dw.astype(jnp.bfloat16)))
 
 
 @pytest.mark.parametrize("rht,sr", [(False, False), (True, False), (True, True)])
 def test_nvfp4_wgrad_in_the_activations_layout_equals_the_transposed_form(rht, sr):
     """Emulated wgrad contracts over the tokens of [M, K] and [M, N] operands; the FP4 GEMM's
     form quantizes [K, M] and [N, M]. Same operand values bit for bit (random bits included),
-    so the products agree to FP32 summation order: bound 1e-6 of the largest |dW| (BF16 output
-    rounding can then differ by one BF16 ulp: bound 2^-8 of each element). The Pallas kernels
-    (interpret mode here) give the XLA path's result bit for bit."""
+    so the products agree to FP32 summation order: bound 1e-6 of the largest |dW| (both FP32).
+    The Pallas kernels (interpret mode here) give the XLA path's result bit for bit."""
     x, _, dy = _operands(6)
     x_MK, dy_MN = x.reshape(M, K), dy.reshape(M, N)
     key = jax.random.key(3) if sr else None
@@ -250,11 +273,12 @@ def test_nvfp4_wgrad_in_the_activations_layout_equals_the_transposed_form(rht, s
 
     def transposed(x_MK, dy_MN, key):
         if rht:
-            x_MK, dy_MN = F.hadamard16(x_MK, axis=0), F.hadamard16(dy_MN, axis=0)
-        return nvfp4_gemm_tn(F.quantize_nvfp4(x_MK.T), F.quantize_nvfp4(dy_MN.T, key=key), block_scaled=False)
+            x_MK, dy_MN = _hadamard_tokens(x_MK, True), _hadamard_tokens(dy_MN, True)
+        return nvfp4_gemm_tn(F.quantize_nvfp4(x_MK.T), F.quantize_nvfp4(dy_MN.T, key=key), block_scaled=False,
+                             out_dtype=jnp.float32)
     ref = _f64(jax.jit(transposed)(x_MK, dy_MN, key))
     assert np.abs(ref).max() > 0
-    np.testing.assert_array_less(np.abs(got - ref), 2.0 ** -8 * np.abs(ref) + 1e-6 * np.abs(ref).max())
+    np.testing.assert_array_less(np.abs(got - ref), 1e-6 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("sr", [False, True])
@@ -406,3 +430,19 @@ def test_row_block_scales_expand_2d_tiles_like_block_dequantize():
         assert rows.shape == (48, 4)
         manual = q.elements.astype(jnp.float32) * jnp.repeat(rows, 16, axis=-1)
         np.testing.assert_array_equal(np.asarray(manual), np.asarray(q.block_dequantize(jnp.float32)))
+
+
+@pytest.mark.parametrize("spec,n_layers,want", [
+    (":3%", 62, [0, 1]), ("-12%:", 62, list(range(54, 62))),
+    (":3%", 52, [0, 1]), ("-12%:", 52, list(range(45, 52))),
+    (":3%", 12, [0]), ("-12%:", 12, [10, 11]),
+    ("85%:", 52, list(range(45, 52))),  # 44.2 rounds up to 45
+    (":50%", 4, [0, 1]),  # exact shares stay exact
+    ("0:3.3%", 62, [0, 1, 2]),  # 2.046 blocks: rounded up
+])
+def test_percent_slices_round_up_to_whole_blocks(spec, n_layers, want):
+    """A percentage bound is that share of the depth rounded up, away from zero, so a share of
+    either end of the stack takes at least one block."""
+    from maxfp4.config import PrecisionConfig
+    policy = resolve_policy(PrecisionConfig(default="nvfp4", rules=[{"layers": spec, "recipe": "bf16"}]), n_layers)
+    assert [i for i, row in enumerate(policy.block_table) if row[0] == "bf16"] == want

@@ -14,12 +14,22 @@ NVFP4 (NVIDIA, arXiv 2509.25149; Transformer Engine ``NVFP4BlockScaling``)
     consecutive elements along the last axis (or 16x16 tiles over the last two axes) share one
     E4M3 scale ``s``; the tensor has one FP32 scale::
 
-        S_enc = 448 * 6 / amax(x)          (1 if amax == 0),   S_dec = 1 / S_enc
+        S_enc = min(448 * 6 / amax(x), 2^126)   (1 if amax == 0),   S_dec = 1 / S_enc
         s     = e4m3(min(block_amax * (S_enc * (1/6)), 448))   round to nearest even
-        q     = e2m1(clip(x * (1 / (f32(s) * S_dec)), -6, 6))  round to nearest even
+        q     = e2m1(clip(x * min(1 / (f32(s) * S_dec), f32_max), -6, 6))  round to nearest even
         x    ~= q * f32(s) * S_dec
 
-    A block whose scale rounds to 0 quantizes to (signed) 0. With a PRNG key the E2M1 rounding
+    Every step is Transformer Engine's kernel arithmetic (``core_nvfp4.cuh``,
+    ``quantize_transpose_nvfp4.cuh``), so codes, block scales and ``S_dec`` equal TE's bits
+    (tests/test_te_nvfp4.py holds them to a NumPy model of its kernels). Two places differ:
+    TE clamps ``S_enc`` at float32's max, whose reciprocal is subnormal (zero where XLA flushes
+    subnormals, as on CPU); maxfp4 clamps at 2^126, the largest ``S_enc`` with a normal
+    ``S_dec``, so a tensor whose amax is tiny but normal (below 2688 / 2^126 = 3.2e-35) still
+    quantizes and dequantizes to its values. And ``1 / (f32(s) * S_dec)`` is taken with both
+    factors scaled by 2^64 where ``S_dec`` is below 2^-64, so the product is never subnormal
+    (TE's equals it wherever TE's product is normal). A block whose scale rounds to 0 gets
+    the factor f32_max, as in TE: its nonzero elements saturate to +-6 and dequantize to
+    (signed) 0. With a PRNG key the E2M1 rounding
     is stochastic with 8 random bits per element, as Blackwell's ``cvt.rs.satfinite.e2m1x4.f32``
     takes them (one 32-bit word per 4 elements): E[q] equals the clipped scaled value to within
     2^-9 of a grid step.
@@ -32,6 +42,10 @@ OCP MX (microscaling v1.0; comparison recipes only)
 Hadamard
     ``hadamard16`` applies the fixed 16x16 orthonormal transform ``H16 @ diag(sign) / 4`` to every
     group of 16 consecutive elements along one axis (NVFP4's random Hadamard transform for wgrad).
+    TE's RHT cast kernel rounds the transform's FP32 result to BF16 before it takes amaxes and
+    quantizes (``hadamard_transform_cast_fusion.cu``: "Downcast to BF16 for bit-wise
+    compatibility"); :func:`round_bf16` is that rounding, in integer operations that XLA cannot
+    fold away and that fuse into the quantizer's passes.
 
 Floating-point caveat: XLA on CPU flushes float32 subnormals (|x| < 1.18e-38) to zero, so a
 tensor whose magnitudes all lie below float32's smallest normal quantizes as an all-zero tensor
@@ -59,6 +73,11 @@ NVFP4_BLOCK = 16
 MX_BLOCK = 32
 
 _F32_MAX = float(np.finfo(np.float32).max)
+# The largest global encode scale whose reciprocal, S_dec, is a normal float32 (module docstring).
+NVFP4_S_ENC_MAX = 2.0**126
+# S_dec below this: 1 / (s * S_dec) is formed from S_dec * 2^64, so s * S_dec is never subnormal.
+_DEC_SHIFT_BELOW = 2.0**-64
+_DEC_SHIFT = 2.0**64
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,6 +331,16 @@ def _round_half_even(v: jax.Array) -> jax.Array:
     return lo + ((d > 0.5) | ((d == 0.5) & odd)).astype(jnp.float32)
 
 
+def round_bf16(x: jax.Array) -> jax.Array:
+    """float32 ``x`` rounded to the nearest BF16 value (ties to even), as float32: what
+    ``x.astype(bfloat16).astype(float32)`` computes, in integer operations on the bits. XLA may
+    drop a float round trip (``xla_allow_excess_precision``) but not these, and a Pallas kernel
+    runs the same code. Finite inputs only (the quantizers' inputs); overflow gives inf."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    half = jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))  # below half, plus 1 on odd: ties to even
+    return jax.lax.bitcast_convert_type((bits + half) & jnp.uint32(0xFFFF0000), jnp.float32)
+
+
 def _copysign(v: jax.Array, y: jax.Array) -> jax.Array:
     """``|v|`` with the sign bit of ``y`` (float32), as bit operations (-0.0 keeps its sign)."""
     bits = jax.lax.bitcast_convert_type
@@ -482,12 +511,16 @@ def _block_scales(block_amax: jax.Array, amax: jax.Array | None = None):
     # Divisions are div_rn (IEEE on every backend): a 1-ulp difference in a scale can flip the
     # rounding of an element or a block scale.
     s_enc = div_rn(E4M3_MAX * E2M1_MAX, amax)
-    # amax == 0 and amax == inf (s_enc == 0) fall back to 1; a tiny amax must not give inf.
-    s_enc = jnp.where((amax == 0) | (s_enc == 0), jnp.float32(1.0), jnp.minimum(s_enc, _F32_MAX))
+    # amax == 0 and amax == inf (s_enc == 0) fall back to 1, as TE; a tiny amax (the quotient
+    # overflows, or its reciprocal would be subnormal) gives NVFP4_S_ENC_MAX.
+    s_enc = jnp.where((amax == 0) | (s_enc == 0), jnp.float32(1.0), jnp.minimum(s_enc, NVFP4_S_ENC_MAX))
+    s_dec = div_rn(1.0, s_enc)
+    # Exact power-of-two scaling: s * (S_dec 2^64) rounds as s * S_dec would were it normal.
+    shift = jnp.where(s_dec < _DEC_SHIFT_BELOW, jnp.float32(_DEC_SHIFT), jnp.float32(1.0))
     # The barrier keeps XLA's simplifier from reassociating block_amax * (s_enc * (1/6)) into
-    # (block_amax * s_enc) * (1/6), which rounds differently.
-    s_dec, block_enc = jax.lax.optimization_barrier(
-        (div_rn(1.0, s_enc), s_enc * jnp.float32(1.0 / E2M1_MAX))
+    # (block_amax * s_enc) * (1/6), which rounds differently (and s * (s_dec * shift) likewise).
+    block_enc, s_dec_shifted, shift = jax.lax.optimization_barrier(
+        (s_enc * jnp.float32(1.0 / E2M1_MAX), s_dec * shift, shift)
     )
 
     s_f32 = jnp.minimum(block_amax * block_enc, jnp.float32(E4M3_MAX))
@@ -495,8 +528,8 @@ def _block_scales(block_amax: jax.Array, amax: jax.Array | None = None):
     s_e4m3 = jax.lax.optimization_barrier(s_f32.astype(FP8_E4M3))
     s_dq = s_e4m3.astype(jnp.float32)
 
-    enc = jnp.minimum(div_rn(1.0, s_dq * s_dec), _F32_MAX)
-    enc = jnp.where(s_dq == 0, jnp.float32(0.0), enc)
+    # TE: fminf(1 / (s * S_dec), f32_max); a zero scale gives 1/0 = inf, hence f32_max.
+    enc = jnp.minimum(div_rn(1.0, s_dq * s_dec_shifted) * shift, _F32_MAX)
     return s_e4m3, enc, s_dec
 
 
@@ -721,6 +754,8 @@ __all__ = [
     "block_dequantize_nvfp4_columns",
     "hadamard16",
     "hadamard16_inverse",
+    "round_bf16",
+    "NVFP4_S_ENC_MAX",
     "hadamard16_matrix",
     "MXArray",
     "quantize_mx",

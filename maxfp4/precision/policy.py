@@ -2,14 +2,16 @@
 
 Rules are data (``precision.rules`` in YAML); the first rule that matches a (class, block) pair
 wins, otherwise ``precision.default``. ``layers`` is a Python slice string over block indices
-(``"-4:"``, bounds may be percentages of the depth: ``"85%:"``) or a list of indices
-(negatives count from the end). The LM head is not a block: only
+(``"-4:"``, bounds may be percentages of the depth: ``":3%"``, ``"-12%:"``) or a list of
+indices (negatives count from the end). The LM head is not a block: only
 rules without ``layers`` apply to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from fractions import Fraction
 from typing import Any, Sequence
 
 from maxfp4.config import LAYER_CLASSES, ConfigError, PrecisionConfig
@@ -20,14 +22,18 @@ BLOCK_CLASSES = tuple(c for c in LAYER_CLASSES if c != "lm_head")
 
 
 def _slice_bound(text: str, n_layers: int) -> int | None:
-    """An integer, or a percentage of the block count rounded down ("85%" of 52 blocks is 44),
-    so one preset fits every depth."""
+    """An integer, or a percentage of the block count rounded up, away from zero ("3%" of 62
+    blocks is 2, "-12%" is -8; of 12 blocks 1 and -2), so one preset fits every depth and a
+    slice that takes a share of either end of the stack (":3%", "-12%:") takes at least one
+    block. Exact: the percentage is read as a fraction, not a float."""
     text = text.strip()
     if not text:
         return None
     if text.endswith("%"):
-        pct = float(text[:-1])
-        whole = int(n_layers * abs(pct) // 100)
+        if "/" in text:  # Fraction would take "1/3" (and fail on "1/0"): decimals only
+            raise ValueError(text)
+        pct = Fraction(text[:-1].strip())
+        whole = math.ceil(n_layers * abs(pct) / 100)
         return -whole if pct < 0 else whole
     return int(text)
 

@@ -327,14 +327,16 @@ def _row_block_scales(q: F.NVFP4Array) -> jax.Array:
     return jnp.repeat(q.block_scales, F.NVFP4_BLOCK, axis=-2) if q.two_d else q.block_scales
 
 
-def nvfp4_gemm_tn(a: F.NVFP4Array, b: F.NVFP4Array, block_scaled: bool | None = None) -> jax.Array:
-    """``a[M,K] @ b[N,K]^T`` of two NVFP4 tensors blocked along K, BF16 out.
+def nvfp4_gemm_tn(a: F.NVFP4Array, b: F.NVFP4Array, block_scaled: bool | None = None,
+                  out_dtype=COMPUTE_DTYPE) -> jax.Array:
+    """``a[M,K] @ b[N,K]^T`` of two NVFP4 tensors blocked along K, ``out_dtype`` out (BF16).
 
     Blackwell: the FP4 elements and E4M3 block scales go to cuDNN's block-scaled GEMM. Elsewhere:
     ``q * s`` has at most 6 significant bits, so the block-dequantized operands are exact in
     BF16, and a BF16 GEMM with FP32 accumulation computes the same product up to summation
-    order. Either way the two FP32 global decode scales multiply the FP32 result.
-    ``block_scaled`` forces one path (None: the device decides).
+    order. Either way the two FP32 global decode scales multiply the FP32 result, one after
+    the other: their product can underflow where a tensor's amax is tiny (formats: S_dec
+    down to 2^-126). ``block_scaled`` forces one path (None: the device decides).
     """
     if block_scaled_fp4_available() if block_scaled is None else block_scaled:
         y = jax.nn.scaled_matmul(a.elements[None], b.elements[None], _row_block_scales(a)[None],
@@ -342,7 +344,7 @@ def nvfp4_gemm_tn(a: F.NVFP4Array, b: F.NVFP4Array, block_scaled: bool | None = 
     else:
         y = jax.lax.dot_general(a.block_dequantize(COMPUTE_DTYPE), b.block_dequantize(COMPUTE_DTYPE),
                                 TN, preferred_element_type=jnp.float32)
-    return (y * (a.global_decode_scale * b.global_decode_scale)).astype(COMPUTE_DTYPE)
+    return ((y * a.global_decode_scale) * b.global_decode_scale).astype(out_dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -364,7 +366,7 @@ def _nvfp4_fwd(x, w, options, key):
 
 
 def _nvfp4_bwd(options, res, dy):
-    opts = dict(options)
+    opts = {**NVFP4_DEFAULTS, **dict(options)}  # options written before rht_bf16 existed
     x_MK, w, qw_NK, key = res
     # dY stays BF16 as it arrives: widening it here made XLA write FP32 copies of dY (and of
     # its transpose) for the three quantizations to read. Each widens inside its own fusion.
@@ -378,15 +380,18 @@ def _nvfp4_bwd(options, res, dy):
                          qw_NK.global_decode_scale, True) if w is None else F.quantize_nvfp4(w)
     dx = nvfp4_gemm_tn(qdy, qw_KN)
 
-    dw = nvfp4_wgrad(x_MK, dy_MN, bool(opts["rht"]), k_wgrad).astype(jnp.float32)
+    dw = nvfp4_wgrad(x_MK, dy_MN, bool(opts["rht"]), k_wgrad, rht_bf16=bool(opts["rht_bf16"]))
     return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_MK.dtype), dw, None
 
 
 def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | None,
-                block_scaled: bool | None = None, kernels: bool | None = None) -> jax.Array:
-    """dW[K, N] = X^T dY, contracting over the tokens M, both operands NVFP4 with blocks of 16
-    tokens; ``key`` rounds dY stochastically. With ``rht`` the 16-point Hadamard transform along
-    M spreads outliers first (H^T H = I, so the product is unchanged).
+                block_scaled: bool | None = None, kernels: bool | None = None,
+                rht_bf16: bool = True) -> jax.Array:
+    """dW[K, N] = X^T dY in FP32, contracting over the tokens M, both operands NVFP4 with blocks
+    of 16 tokens; ``key`` rounds dY stochastically. With ``rht`` the 16-point Hadamard transform
+    along M spreads outliers first (H^T H = I, so the product is unchanged); ``rht_bf16`` rounds
+    the transform to BF16 before it is quantized, as Transformer Engine's kernel does.
+    The FP32 accumulation leaves unrounded: the weight gradient is FP32 (DESIGN.md).
 
     Blackwell's FP4 GEMM needs both operands K-major, so they are quantized as [K, M] and
     [N, M]. Emulated, the same values (bit for bit) are formed in the activations' own [M, K]
@@ -397,8 +402,9 @@ def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | N
     """
     if block_scaled_fp4_available() if block_scaled is None else block_scaled:
         if rht:
-            x_MK, dy_MN = F.hadamard16(x_MK, axis=0), F.hadamard16(dy_MN, axis=0)
-        return nvfp4_gemm_tn(F.quantize_nvfp4(x_MK.T), F.quantize_nvfp4(dy_MN.T, key=key), block_scaled=True)
+            x_MK, dy_MN = _hadamard_tokens(x_MK, rht_bf16), _hadamard_tokens(dy_MN, rht_bf16)
+        return nvfp4_gemm_tn(F.quantize_nvfp4(x_MK.T), F.quantize_nvfp4(dy_MN.T, key=key), block_scaled=True,
+                             out_dtype=jnp.float32)
     gpu = on_gpu()
     mesh, row_axes = batch_split()
     if kernels is None:
@@ -406,20 +412,27 @@ def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | N
         # device. The kernels run per device when the step is traced under a mesh whose only
         # split axes are the ones splitting the tokens (maxfp4.train traces it so).
         kernels = gpu and (jax.device_count() == 1 or (mesh is not None and splits_only(mesh, row_axes)))
-    v_x, s_x = _emulated_wgrad_operand(x_MK, rht, None, kernels, not gpu, mesh, row_axes)
-    v_dy, s_dy = _emulated_wgrad_operand(dy_MN, rht, key, kernels, not gpu, mesh, row_axes)
+    v_x, s_x = _emulated_wgrad_operand(x_MK, rht, None, kernels, not gpu, mesh, row_axes, rht_bf16)
+    v_dy, s_dy = _emulated_wgrad_operand(dy_MN, rht, key, kernels, not gpu, mesh, row_axes, rht_bf16)
     dw = jax.lax.dot_general(v_x, v_dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return (dw * (s_x * s_dy)).astype(COMPUTE_DTYPE)
+    return (dw * s_x) * s_dy
+
+
+def _hadamard_tokens(a_MK: jax.Array, rht_bf16: bool) -> jax.Array:
+    """The Hadamard transform down the tokens, FP32 (rounded to BF16 values with ``rht_bf16``:
+    integer operations that fuse into the quantizer's passes)."""
+    h_MK = F.hadamard16(a_MK, axis=0)
+    return F.round_bf16(h_MK) if rht_bf16 else h_MK
 
 
 def _emulated_wgrad_operand(a_MK: jax.Array, rht: bool, key: jax.Array | None, kernels: bool, interpret: bool,
-                            mesh=None, row_axes: tuple[str, ...] = ()):
+                            mesh=None, row_axes: tuple[str, ...] = (), rht_bf16: bool = True):
     """(block-dequantized BF16 values in a's layout, S_dec) of one emulated wgrad operand."""
     if rht and kernels and rht_columns_supported(*a_MK.shape, split_size(mesh, row_axes)):
         return hadamard_block_dequantize_nvfp4_columns(a_MK, key, COMPUTE_DTYPE, interpret, mesh=mesh,
-                                                       row_axes=row_axes)
+                                                       row_axes=row_axes, rht_bf16=rht_bf16)
     if rht:
-        a_MK = F.hadamard16(a_MK, axis=0)
+        a_MK = _hadamard_tokens(a_MK, rht_bf16)
     return F.block_dequantize_nvfp4_columns(a_MK, key=key, dtype=COMPUTE_DTYPE)
 
 
@@ -437,7 +450,9 @@ def nvfp4_dot(x, w, options=(), scales=None, key=None):
 
 # ----------------------------------------------------------------------------- defaults
 
-NVFP4_DEFAULTS = {"rht": True, "stochastic_rounding": True, "weight_2d": True}
+# rht_bf16: the Hadamard-transformed wgrad operands are rounded to BF16 before quantization, as
+# Transformer Engine's RHT cast kernel does (false: quantize the FP32 transform).
+NVFP4_DEFAULTS = {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_bf16": True}
 # power_2_scale: scales rounded down to powers of two (Transformer Engine's QParams.power_2_scale),
 # which lets the FP8 GEMMs write BF16 outputs exactly (fp8_gemm_tn).
 FP8_DELAYED_DEFAULTS = {"amax_history": 1024, "margin": 0, "amax_algo": "max", "power_2_scale": False}

@@ -3,7 +3,9 @@
 ``hadamard_block_dequantize_nvfp4_columns(x_MK, key)`` returns, bit for bit,
 ``formats.block_dequantize_nvfp4_columns(formats.hadamard16(x_MK, axis=0), key)``: the 16-point
 Hadamard transform down every group of 16 tokens, then NVFP4 with blocks of 16 tokens (the same
-groups), block-dequantized in x's own [M, K] layout for the emulated BF16 GEMM.
+groups), block-dequantized in x's own [M, K] layout for the emulated BF16 GEMM. With
+``rht_bf16`` the transform is rounded to BF16 first (``formats.round_bf16``), as Transformer
+Engine's RHT cast kernel does, in both passes.
 
 Why kernels: in XLA the transform fuses into the quantizer's two passes (amaxes, then elements),
 and each output element re-evaluates its whole butterfly tree (16 loads and the index arithmetic
@@ -60,10 +62,11 @@ def rht_columns_supported(m: int, k: int, devices: int = 1) -> bool:
     return m % (_GROUP * devices) == 0 and _column_tile(k) is not None
 
 
-def _transformed_rows(x_ref, g, c0, bk) -> list[jax.Array]:
+def _transformed_rows(x_ref, g, c0, bk, rht_bf16) -> list[jax.Array]:
     """``hadamard16`` of rows 16 g .. 16 g + 15, columns c0 .. c0 + bk: 16 float32 vectors.
     The signs first, then the butterflies (bit 3 first: element i with the bit clear becomes
-    a + b and its partner a - b, as formats._walsh16 pairs them), then 1/4."""
+    a + b and its partner a - b, as formats._walsh16 pairs them), then 1/4; then, with
+    ``rht_bf16``, the rounding to BF16 values."""
     rows = [x_ref[g * _GROUP + i, pl.ds(c0, bk)].astype(jnp.float32) * jnp.float32(sign)
             for i, sign in enumerate(F.HADAMARD16_SIGNS)]
     for bit in (3, 2, 1, 0):
@@ -72,12 +75,13 @@ def _transformed_rows(x_ref, g, c0, bk) -> list[jax.Array]:
             if not i & stride:
                 a, b = rows[i], rows[i | stride]
                 rows[i], rows[i | stride] = a + b, a - b
-    return [r * jnp.float32(0.25) for r in rows]
+    rows = [r * jnp.float32(0.25) for r in rows]
+    return [F.round_bf16(r) for r in rows] if rht_bf16 else rows
 
 
-def _amax_kernel(x_ref, amax_ref, *, bk):
+def _amax_kernel(x_ref, amax_ref, *, bk, rht_bf16):
     g, c0 = pl.program_id(0), pl.program_id(1) * bk
-    rows = _transformed_rows(x_ref, g, c0, bk)
+    rows = _transformed_rows(x_ref, g, c0, bk, rht_bf16)
     amax_ref[g, pl.ds(c0, bk)] = functools.reduce(jnp.maximum, [jnp.abs(r) for r in rows])
 
 
@@ -92,13 +96,13 @@ def _block_words(stream_ref, g, c0, bk, groups) -> list[jax.Array]:
     return [F._random_words_at(key, first + jnp.uint32(w)) for w in range(4)]
 
 
-def _quantize_kernel(x_ref, enc_ref, scale_ref, *refs, bk, groups, stochastic):
+def _quantize_kernel(x_ref, enc_ref, scale_ref, *refs, bk, groups, stochastic, rht_bf16):
     stream_ref, out_ref = refs if stochastic else (None, refs[0])
     g, c0 = pl.program_id(0), pl.program_id(1) * bk
     cols = pl.ds(c0, bk)
     enc, scale = enc_ref[g, cols], scale_ref[g, cols]
     words = _block_words(stream_ref, g, c0, bk, groups) if stochastic else None
-    for i, row in enumerate(_transformed_rows(x_ref, g, c0, bk)):
+    for i, row in enumerate(_transformed_rows(x_ref, g, c0, bk, rht_bf16)):
         # Row i of the group is element i of its block: byte i % 4 of the block's word i // 4.
         rand = F._byte_of_word(words[i // 4], i % 4) if stochastic else None
         q = F._round_e2m1(F._scale_to_e2m1_range(row, enc), rand)
@@ -111,12 +115,12 @@ def _launch(kernel, grid, out_shape, interpret, *args):
                           interpret=interpret, **triton_params(interpret, _NUM_WARPS))(*args)
 
 
-def _rows_kernels(x_MK, word_key, dtype, interpret, row_axes, all_groups):
+def _rows_kernels(x_MK, word_key, dtype, interpret, row_axes, all_groups, rht_bf16):
     """Both passes over the rows this device holds (all of them when ``row_axes`` is empty)."""
     m, k = x_MK.shape
     bk = _column_tile(k)
     grid = (m // _GROUP, k // bk)
-    block_amax = _launch(functools.partial(_amax_kernel, bk=bk), grid,
+    block_amax = _launch(functools.partial(_amax_kernel, bk=bk, rht_bf16=rht_bf16), grid,
                          jax.ShapeDtypeStruct((m // _GROUP, k), jnp.float32), interpret, x_MK)
     amax = jax.lax.pmax(jnp.max(block_amax), row_axes) if row_axes else None
     s_e4m3, enc, s_dec = F._block_scales(block_amax, amax)
@@ -124,19 +128,23 @@ def _rows_kernels(x_MK, word_key, dtype, interpret, row_axes, all_groups):
     if word_key is not None:
         first_group = jax.lax.axis_index(row_axes) * (m // _GROUP) if row_axes else 0
         args.append(jnp.concatenate([word_key, jnp.asarray(first_group, jnp.uint32)[None]]))
-    kernel = functools.partial(_quantize_kernel, bk=bk, groups=all_groups, stochastic=word_key is not None)
+    kernel = functools.partial(_quantize_kernel, bk=bk, groups=all_groups, stochastic=word_key is not None,
+                               rht_bf16=rht_bf16)
     v = _launch(kernel, grid, jax.ShapeDtypeStruct((m, k), dtype), interpret, *args)
     return v, s_dec.astype(jnp.float32)
 
 
 def hadamard_block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | None = None, dtype=jnp.bfloat16,
                                             interpret: bool = False, *, mesh=None,
-                                            row_axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+                                            row_axes: tuple[str, ...] = (),
+                                            rht_bf16: bool = False) -> tuple[jax.Array, jax.Array]:
     """``(v_MK, S_dec)``, equal bit for bit to
     ``formats.block_dequantize_nvfp4_columns(formats.hadamard16(x_MK, axis=0), key, dtype)``
-    (see the module docstring). With ``mesh`` and ``row_axes`` (mesh axes that split x's rows)
-    each device transforms and quantizes its own rows; v comes back split the same way. Needs
-    ``rht_columns_supported`` for the rows of one device."""
+    (see the module docstring), or with ``rht_bf16`` to the same of
+    ``formats.round_bf16(formats.hadamard16(x_MK, axis=0))`` (TE's kernel). With ``mesh`` and
+    ``row_axes`` (mesh axes that split x's rows) each device transforms and quantizes its own
+    rows; v comes back split the same way. Needs ``rht_columns_supported`` for the rows of one
+    device."""
     m, k = x_MK.shape
     devices = split_size(mesh, row_axes)
     if not rht_columns_supported(m, k, devices):
@@ -147,7 +155,7 @@ def hadamard_block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | No
         F._check_word_count((k, m // _GROUP, 4))  # the words of the [K, M/16, 4] draw (_block_words)
         word_key = F._random_word_key(key)
     run = functools.partial(_rows_kernels, dtype=dtype, interpret=interpret, row_axes=tuple(row_axes),
-                            all_groups=m // _GROUP)
+                            all_groups=m // _GROUP, rht_bf16=rht_bf16)
     if not row_axes:
         return run(x_MK, word_key)
     rows, whole = PartitionSpec(tuple(row_axes), None), PartitionSpec()
