@@ -60,8 +60,9 @@ LOGIT_BYTES = 4  # x vocab per token: the loss streams the logits in FP32 (traff
 # BF16 gradient and ~2 more bytes of temporaries. Fitted to measured peaks: with 4 (FP32 logits
 # alone) the model was 4-12 GB under every Llama-3-8B peak (docs/PLANNING.md, calibration).
 LOGIT_MEMORY_BYTES = 6
-# The emulated NVFP4 policy keeps the last 15% of blocks in BF16 (configs/precision/nvfp4.yaml).
-NVFP4_BF16_TAIL = 0.15
+# The NVFP4 preset keeps both ends of the stack in BF16, the first 3% and the last 12% of blocks
+# (configs/precision/nvfp4.yaml): about 15% of the blocks' GEMM FLOPs at the BF16 rate.
+NVFP4_BF16_BLOCKS = 0.15
 
 
 # ----------------------------------------------------------------------------- model counts
@@ -116,7 +117,7 @@ def _split_gemm_flops(cfg: ModelConfig, flops: dict[str, float], seq_len: int,
     bf16 = flops["lm_head"] + scores + ssd
     if precision == "bf16":
         return 0.0, block_gemm + bf16
-    tail = NVFP4_BF16_TAIL if precision == "nvfp4" else 0.0
+    tail = NVFP4_BF16_BLOCKS if precision == "nvfp4" else 0.0
     return block_gemm * (1 - tail), block_gemm * tail + bf16
 
 
