@@ -92,15 +92,15 @@ def fast_accumulation(precision_config: Mapping[str, Any]) -> bool:
 
 def fp8_gemms(hlo_text: str) -> list[dict[str, Any]]:
     """Each cuBLASLt FP8 GEMM of an optimized HLO (``compiled.as_text()``), in program order:
-    ``name``, ``dtype`` (its output), ``dims`` (dot dimension numbers), ``precision_config``
-    and ``fast_accumulation``. A GEMM whose backend config has no precision config raises
+    ``name``, ``dtype`` and ``shape`` (its output, padded to multiples of 16 as cuBLASLt FP8
+    needs), ``dims`` (dot dimension numbers), ``precision_config`` and ``fast_accumulation``. A GEMM whose backend config has no precision config raises
     ValueError with its line, so a change of XLA's format cannot pass for a result."""
     gemms = []
     for line in hlo_text.splitlines():
         if FP8_GEMM_TARGET not in line or "custom-call(" not in line:
             continue
         name = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)", line)
-        dtype = re.search(r"=\s*\(?(\w+)\[", line)
+        out = re.search(r"=\s*\(?(\w+)\[([\d,]*)\]", line)
         start = line.find("backend_config=")
         try:
             config, _ = json.JSONDecoder().raw_decode(line[start + len("backend_config="):]) if start >= 0 else ({}, 0)
@@ -109,7 +109,8 @@ def fp8_gemms(hlo_text: str) -> list[dict[str, Any]]:
             fast = fast_accumulation(precision)
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(f"{FP8_GEMM_TARGET} without a readable precision_config ({error!r}): {line[:1500]}")
-        gemms.append({"name": name.group(1) if name else "?", "dtype": dtype.group(1) if dtype else "?",
+        gemms.append({"name": name.group(1) if name else "?", "dtype": out.group(1) if out else "?",
+                      "shape": tuple(int(d) for d in out.group(2).split(",") if d) if out else (),
                       "dims": gemm.get("dot_dimension_numbers", {}), "precision_config": precision,
                       "fast_accumulation": fast})
     return gemms

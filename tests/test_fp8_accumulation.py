@@ -109,8 +109,8 @@ def _count_precisions(cfg) -> dict[str, int]:
 def test_the_fused_fp8_paths_take_the_option_too(model):
     """Every FP8 layer of a block (dense: q/k/v, out, MLP up and down; hybrid: also the Mamba-2
     in and out projections) is traced once in the scanned body: its fprop with DEFAULT and its
-    dgrad and wgrad with HIGHEST by default, nothing HIGHEST with fast backward, all three with
-    precise forward. No other dot of these models asks for HIGHEST."""
+    dgrad and wgrad with HIGHEST by default, none of them with fast backward, all three with
+    precise forward."""
     base = TINY + ["precision.default=fp8_delayed", "precision.rules=[{classes: [lm_head], recipe: bf16}]"]
     files = [os.path.join(REPO, "configs", "hybrid-tiny.yaml")] if model == "hybrid" else None
     if model == "hybrid":
@@ -120,10 +120,13 @@ def test_the_fused_fp8_paths_take_the_option_too(model):
     def counts(option):
         return _count_precisions(load_config(files, base + [f"precision.recipes.fp8_delayed.fast_accumulation={option}"]))
 
+    # The SSD's FP32 matmuls of the Mamba-2 mixer ask for HIGHEST whatever the option.
+    other = counts("{forward: true, backward: true}").get("HIGHEST", 0)
+    if model == "dense":
+        assert other == 0
     te = counts("{forward: true, backward: false}")
-    assert te.get("HIGHEST", 0) == 2 * layers, te
-    assert counts("{forward: true, backward: true}").get("HIGHEST", 0) == 0
-    assert counts("{forward: false, backward: false}").get("HIGHEST", 0) == 3 * layers
+    assert te.get("HIGHEST", 0) - other == 2 * layers, te
+    assert counts("{forward: false, backward: false}").get("HIGHEST", 0) - other == 3 * layers
 
 
 def test_xla_fast_accumulation_rule_and_the_compiled_hlo_reader():
@@ -143,7 +146,7 @@ def test_xla_fast_accumulation_rule_and_the_compiled_hlo_reader():
             '"precision_config":{"operand_precision":["HIGHEST","HIGHEST"],"algorithm":"ALG_UNSET"},'
             '"epilogue":"DEFAULT"},"force_earliest_schedule":false}')
     (gemm,) = fp8_gemms("HloModule m\n" + line + "\n  %other = f32[] add(f32[] %x, f32[] %y)\n")
-    assert gemm["name"] == "cublas-lt-matmul.2" and gemm["dtype"] == "bf16"
+    assert gemm["name"] == "cublas-lt-matmul.2" and gemm["dtype"] == "bf16" and gemm["shape"] == (64, 80)
     assert gemm["fast_accumulation"] is False
     assert gemm["dims"]["lhs_contracting_dimensions"] == ["1"]
     # A GEMM line without a precision config is an error that shows the line, not a guess.
