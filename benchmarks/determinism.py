@@ -33,7 +33,8 @@ def shape_line(blocks: int) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'precision':<10}{'off ms':>9}{'on ms':>9}{'on/off':>8}{'MFU off':>9}{'MFU on':>8}{'GiB off':>9}{'GiB on':>8}"
+    head = (f"{'precision':<10}{'off ms':>9}{'on ms':>9}{'on/off':>8}{'MFU off':>9}{'MFU on':>8}"
+            f"{'GiB off':>9}{'GiB on':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         off, on = r["off"], r["on"]

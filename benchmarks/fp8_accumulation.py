@@ -39,11 +39,11 @@ def gemm_operands(gemm: str, m: int, k: int, n: int):
 
     keys = jax.random.split(jax.random.key(0), 2)
     e4m3, e5m2 = F.FP8_E4M3, F.FP8_E5M2
+    s = jnp.float32(100.0)  # not a power of two: the recipes' BF16-output form with FP32 scales
 
     def q(key, shape, dtype):
-        return jax.jit(lambda k: F.quantize_fp8(jax.random.normal(k, shape, jnp.float32), jnp.float32(100.0), dtype))(key)
+        return jax.jit(lambda k: F.quantize_fp8(jax.random.normal(k, shape, jnp.float32), s, dtype))(key)
 
-    s = jnp.float32(100.0)
     if gemm == "fprop":  # X[M,K] . W^T[N,K]
         return q(keys[0], (m, k), e4m3), s, q(keys[1], (n, k), e4m3), s, jnp.bfloat16
     if gemm == "dgrad":  # dY[M,N] . W[K,N]
@@ -88,7 +88,8 @@ def _field(r: dict) -> str:
     if not r["cublaslt_fp8"]:
         return "NOT a cuBLASLt FP8 GEMM"
     p = r["precision_config"]
-    return f"{'/'.join(p.get('operand_precision', []))} {p.get('algorithm', '')} -> fast={r['fast_accumulation_in_hlo']}"
+    precisions = "/".join(p.get("operand_precision", []))
+    return f"{precisions} {p.get('algorithm', '')} -> fast={r['fast_accumulation_in_hlo']}"
 
 
 GEMM_HEAD = (f"{'model':<11}{'class':<9}{'gemm':<6}{'M x K x N':>20}{'fast ms':>9}{'TFLOP/s':>8}{'prec ms':>9}"
@@ -113,8 +114,9 @@ def layer_summary(rows: list[dict]) -> list[str]:
         fwd = sum(r["fast"]["ms"] for r in mine if r["gemm"] == "fprop")
         bwd_fast = sum(r["fast"]["ms"] for r in mine if r["gemm"] != "fprop")
         bwd_precise = sum(r["precise"]["ms"] for r in mine if r["gemm"] != "fprop")
-        lines.append(f"{model}: one block's FP8 GEMMs {fwd + bwd_fast:.3f} ms with fast backward, "
-                     f"{fwd + bwd_precise:.3f} ms with precise backward (x{(fwd + bwd_precise) / (fwd + bwd_fast):.3f})")
+        fast, precise = fwd + bwd_fast, fwd + bwd_precise
+        lines.append(f"{model}: one block's FP8 GEMMs {fast:.3f} ms with fast backward, "
+                     f"{precise:.3f} ms with precise backward (x{precise / fast:.3f})")
     return lines
 
 
@@ -156,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"device": jax.devices()[0].device_kind, "gemms": rows, "summary": summary, "steps": steps},
                   fh, indent=2)
     ok = all(r[m]["cublaslt_fp8"] for r in rows for m in ("fast", "precise"))
-    ok = ok and all(r["fast"]["fast_accumulation_in_hlo"] and not r["precise"]["fast_accumulation_in_hlo"] for r in rows)
+    ok = ok and all(r["fast"]["fast_accumulation_in_hlo"] and not r["precise"]["fast_accumulation_in_hlo"]
+                    for r in rows)
     if not ok:
         print("error: some GEMM was not a cuBLASLt FP8 GEMM, or its fast-accumulation field is not what was asked")
     return 0 if ok and all("error" not in s for s in steps) else 1

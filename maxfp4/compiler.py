@@ -93,8 +93,9 @@ def fast_accumulation(precision_config: Mapping[str, Any]) -> bool:
 def fp8_gemms(hlo_text: str) -> list[dict[str, Any]]:
     """Each cuBLASLt FP8 GEMM of an optimized HLO (``compiled.as_text()``), in program order:
     ``name``, ``dtype`` and ``shape`` (its output, padded to multiples of 16 as cuBLASLt FP8
-    needs), ``dims`` (dot dimension numbers), ``precision_config`` and ``fast_accumulation``. A GEMM whose backend config has no precision config raises
-    ValueError with its line, so a change of XLA's format cannot pass for a result."""
+    needs), ``dims`` (dot dimension numbers), ``precision_config`` and ``fast_accumulation``.
+    A GEMM whose backend config has no precision config raises ValueError with its line, so a
+    change of XLA's format cannot pass for a result."""
     gemms = []
     for line in hlo_text.splitlines():
         if FP8_GEMM_TARGET not in line or "custom-call(" not in line:

@@ -2,7 +2,6 @@
 of a tiny NVFP4 model (stochastic rounding on) that agree bit for bit. The GPU half, where the
 deterministic ops matter, is tests/test_gpu_determinism.py."""
 import io
-import os
 
 import jax
 import jax.numpy as jnp

@@ -118,7 +118,8 @@ def test_the_fused_fp8_paths_take_the_option_too(model):
     layers = 6 if model == "hybrid" else 4
 
     def counts(option):
-        return _count_precisions(load_config(files, base + [f"precision.recipes.fp8_delayed.fast_accumulation={option}"]))
+        option = f"precision.recipes.fp8_delayed.fast_accumulation={option}"
+        return _count_precisions(load_config(files, base + [option]))
 
     # The SSD's FP32 matmuls of the Mamba-2 mixer ask for HIGHEST whatever the option.
     other = counts("{forward: true, backward: true}").get("HIGHEST", 0)
