@@ -7,11 +7,17 @@ GEMMs of a linear layer ran as a Triton BF16 GEMM at 512 x 1024 x 2048 on an H20
 and autotuning the Triton tilings of every such fusion made the 1.3B FP8 step take minutes to
 compile instead of seconds. cuBLASLt is as fast for the GEMM shapes of these models, so Triton
 GEMMs are off by default.
+
+``run.deterministic`` adds XLA's deterministic options to the step's own compile options
+(they are per-program debug options, so nothing has to be set before the GPU backend starts).
+This module also reads back, from a compiled program, how XLA configured its cuBLASLt FP8 GEMMs.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Any, Mapping
 
 GPU_OPTIONS: dict[str, Any] = {
@@ -19,11 +25,37 @@ GPU_OPTIONS: dict[str, Any] = {
 }
 
 
-def compiler_options(platform: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The options for a jit compiled for ``platform`` (a device's ``.platform``)."""
+# run.deterministic. Both are read per compiled module (XLA's RequireDeterminism in
+# service/gpu/stream_executor_util.cc): with either, scatters (the embedding's and the loss's
+# gradients) are rewritten without atomics, cuDNN's fused attention backward is built with
+# force_deterministic (its dQ is otherwise summed with atomics), convolutions pick deterministic
+# algorithms, and the autotuner takes its first candidate instead of the fastest it timed (a
+# timing can pick another GEMM algorithm, hence another summation order, in another process).
+# The second also makes compilation fail on an op that has no deterministic form
+# (select-and-scatter) rather than run it silently.
+DETERMINISTIC_OPTIONS: dict[str, Any] = {
+    "xla_gpu_deterministic_ops": True,
+    "xla_gpu_exclude_nondeterministic_ops": True,
+}
+
+
+def compiler_options(platform: str, overrides: Mapping[str, Any] | None = None,
+                     deterministic: bool = False) -> dict[str, Any]:
+    """The options for a jit compiled for ``platform`` (a device's ``.platform``); with
+    ``deterministic`` on every platform (the CPU ignores them), so the step's options say so."""
     options = dict(GPU_OPTIONS) if platform in ("gpu", "cuda") else {}
     options.update(overrides or {})
+    if deterministic:  # config validation refuses overrides that contradict these
+        options.update(DETERMINISTIC_OPTIONS)
     return options
+
+
+def determinism_summary(options: Mapping[str, Any]) -> str:
+    """One line for the run's log: whether the step is compiled deterministic, and how."""
+    on = [k for k, v in DETERMINISTIC_OPTIONS.items() if options.get(k) == v]
+    if len(on) == len(DETERMINISTIC_OPTIONS):
+        return f"deterministic: on ({', '.join(on)})"
+    return "deterministic: off (run.deterministic=true makes reruns bit-identical)"
 
 
 def check_compiler_options(options: Mapping[str, Any], device) -> None:
@@ -37,7 +69,52 @@ def check_compiler_options(options: Mapping[str, Any], device) -> None:
         with jax.default_device(device):  # jit's own device argument is deprecated
             jax.jit(lambda: 0, compiler_options=dict(options)).lower().compile()
     except Exception as error:  # XLA reports bad options as a runtime error
-        raise ConfigError(f"train.compiler_options={dict(options)}: {str(error).splitlines()[0]}") from None
+        raise ConfigError(f"XLA options {dict(options)} (train.compiler_options, run.deterministic): "
+                          f"{str(error).splitlines()[0]}") from None
+
+
+# ----------------------------------------------------------------------------- cuBLASLt FP8 GEMMs
+
+FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
+
+
+def fast_accumulation(precision_config: Mapping[str, Any]) -> bool:
+    """Whether cuBLASLt runs an FP8 GEMM with CUBLASLT_MATMUL_DESC_FAST_ACCUM, from the
+    ``precision_config`` of its backend config, as XLA decides it (IsFastAccumEnabled in
+    stream_executor/cuda/cuda_blas_lt.cc): with no dot algorithm set, fast exactly when every
+    operand precision is DEFAULT; with one, exactly for ALG_DOT_ANY_F8_ANY_F8_F32_FAST_ACCUM."""
+    algorithm = precision_config.get("algorithm", "ALG_UNSET")
+    if algorithm not in ("ALG_UNSET", 0):
+        return algorithm == "ALG_DOT_ANY_F8_ANY_F8_F32_FAST_ACCUM"
+    precisions = precision_config["operand_precision"]
+    return all(p in ("DEFAULT", 0) for p in precisions)
+
+
+def fp8_gemms(hlo_text: str) -> list[dict[str, Any]]:
+    """Each cuBLASLt FP8 GEMM of an optimized HLO (``compiled.as_text()``), in program order:
+    ``name``, ``dtype`` and ``shape`` (its output, padded to multiples of 16 as cuBLASLt FP8
+    needs), ``dims`` (dot dimension numbers), ``precision_config`` and ``fast_accumulation``.
+    A GEMM whose backend config has no precision config raises ValueError with its line, so a
+    change of XLA's format cannot pass for a result."""
+    gemms = []
+    for line in hlo_text.splitlines():
+        if FP8_GEMM_TARGET not in line or "custom-call(" not in line:
+            continue
+        name = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)", line)
+        out = re.search(r"=\s*\(?(\w+)\[([\d,]*)\]", line)
+        start = line.find("backend_config=")
+        try:
+            config, _ = json.JSONDecoder().raw_decode(line[start + len("backend_config="):]) if start >= 0 else ({}, 0)
+            gemm = config["gemm_backend_config"]
+            precision = gemm["precision_config"]
+            fast = fast_accumulation(precision)
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{FP8_GEMM_TARGET} without a readable precision_config ({error!r}): {line[:1500]}")
+        gemms.append({"name": name.group(1) if name else "?", "dtype": out.group(1) if out else "?",
+                      "shape": tuple(int(d) for d in out.group(2).split(",") if d) if out else (),
+                      "dims": gemm.get("dot_dimension_numbers", {}), "precision_config": precision,
+                      "fast_accumulation": fast})
+    return gemms
 
 
 def use_compile_cache(directory: str) -> str | None:

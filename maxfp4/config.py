@@ -41,6 +41,11 @@ class RunConfig:
     # JAX's persistent compilation cache: a rerun or resume loads its compiled step from here
     # instead of compiling it again ("" = off; JAX_COMPILATION_CACHE_DIR, when set, wins)
     compile_cache_dir: str = "~/.cache/maxfp4/jax"
+    # Two runs of the same config and seed give bit-identical losses and parameters on the same
+    # GPU model, driver and device count: XLA's deterministic ops (scatter-adds without atomics,
+    # cuDNN attention's deterministic backward, no timing-based autotuning). Slower; see
+    # docs/RELIABILITY.md "Deterministic runs".
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -467,6 +472,12 @@ def validate(cfg: Config) -> None:
     _require(bool(r.name) and "/" not in r.name and r.name not in (".", ".."), "run.name", r.name,
              "a non-empty name without '/'")
     _require(bool(r.output_dir), "run.output_dir", r.output_dir, "a directory path")
+    if r.deterministic:
+        from maxfp4.compiler import DETERMINISTIC_OPTIONS  # late: compiler imports config
+
+        for key, value in DETERMINISTIC_OPTIONS.items():
+            _require(cfg.train.compiler_options.get(key, value) == value, f"train.compiler_options.{key}",
+                     cfg.train.compiler_options.get(key), f"{value} or unset with run.deterministic=true")
 
     _require(m.kind in MODEL_KINDS, "model.kind", m.kind, f"one of {', '.join(MODEL_KINDS)}")
     if m.kind == "hybrid":

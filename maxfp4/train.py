@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4 import distributed
 from maxfp4.checkpoint import Checkpointer, refuse_changed_run
-from maxfp4.compiler import check_compiler_options, compiler_options, use_compile_cache
+from maxfp4.compiler import check_compiler_options, compiler_options, determinism_summary, use_compile_cache
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
 from maxfp4.data import make_batches, make_eval_batches
 from maxfp4.errors import exit_code_of
@@ -131,7 +131,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     mesh = make_mesh(cfg.mesh, devices)
     check_model_fits_mesh(cfg.model, mesh)
     _check_batch_fits_mesh(cfg, mesh)
-    xla_options = compiler_options(mesh.devices.flat[0].platform, cfg.train.compiler_options)
+    xla_options = compiler_options(mesh.devices.flat[0].platform, cfg.train.compiler_options, cfg.run.deterministic)
     check_compiler_options(xla_options, mesh.devices.flat[0])
     refuse_changed_run(cfg)
     if cfg.resilience.preflight:
@@ -150,7 +150,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         _say(f"run directory {run_dir}")
         _say("precision policy:\n" + table)
         _say(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)")
-        _say(f"compilation cache {compile_cache or 'off'}")
+        _say(f"compilation cache {compile_cache or 'off'}; {determinism_summary(xla_options)}")
 
     optimizer = make_optimizer(cfg)
     schedule = make_schedule(cfg)

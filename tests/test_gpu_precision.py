@@ -202,3 +202,75 @@ def test_fsdp_gathers_the_fp8_weight_and_keeps_fp8_gemms(recipe):
     one = [np.asarray(a, np.float32) for a in jax.jit(plain)(*(jax.device_put(a, gpus[0]) for a in (x, w, dy)))]
     for g, c in zip((np.asarray(a, np.float32) for a in jitted(x, w, dy)), one):
         assert np.linalg.norm(g - c) <= 1e-2 * np.linalg.norm(c)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current"])
+@pytest.mark.parametrize("forward, backward", [(True, False), (True, True), (False, False)])
+def test_fp8_gemms_accumulate_as_the_fast_accumulation_option_says(recipe, forward, backward):
+    """The compiled cuBLASLt FP8 GEMMs of one layer: fprop (BF16 [M, N]) with Hopper's fast
+    accumulation as ``forward`` says, dgrad (BF16 [M, K]) and wgrad (FP32 [K, N]) as ``backward``
+    says; the default ({forward: true, backward: false}) is Transformer Engine's. What decides it
+    is the GEMM's precision_config (maxfp4.compiler.fast_accumulation, XLA's rule); a GEMM line
+    without one fails with the line."""
+    from maxfp4.compiler import fp8_gemms
+    from maxfp4.config import load_config
+    from maxfp4.precision import resolve_policy
+
+    overrides = [f"precision.default={recipe}"]
+    if (forward, backward) != (True, False):  # the default is checked as the default
+        overrides.append(f"precision.recipes.{recipe}.fast_accumulation="
+                         f"{{forward: {str(forward).lower()}, backward: {str(backward).lower()}}}")
+    cfg = load_config(None, overrides)
+    options = resolve_policy(cfg.precision, cfg.model.n_layers).options_tuple(recipe)
+    fn = fp8_delayed_dot if recipe == "fp8_delayed" else fp8_current_dot
+    m, k, n = 2048, 1024, 1536
+    x = jax.random.normal(jax.random.key(0), (2, m // 2, k), jnp.bfloat16)
+    w = 0.02 * jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
+    dy = jax.random.normal(jax.random.key(2), (2, m // 2, n), jnp.bfloat16)
+    scales = jnp.asarray([50.0, 5000.0, 1000.0], jnp.float32)
+
+    def layer(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: fn(x, w, options, scales, None), x, w)
+        return (y,) + vjp(dy)[:2]
+
+    hlo = jax.jit(layer, compiler_options=compiler_options("gpu")).lower(x, w, dy).compile().as_text()
+    gemms = {(g["dtype"], g["shape"]): g for g in fp8_gemms(hlo)}
+    excerpt = "\n".join(line[:600] for line in hlo.splitlines() if "__cublas$lt$matmul" in line)
+    want = {("bf16", (m, n)): forward, ("bf16", (m, k)): backward, ("f32", (k, n)): backward}
+    assert set(gemms) == set(want), f"expected fprop, dgrad and wgrad as cuBLASLt FP8 GEMMs:\n{excerpt}"
+    for key, fast in want.items():
+        assert gemms[key]["fast_accumulation"] is fast, (key, gemms[key]["precision_config"], excerpt)
+
+
+def test_fp8_train_step_accumulates_fprop_fast_and_both_gradients_precisely():
+    """A whole FP8 (delayed scaling) model's loss gradient, compiled on the GPU: the fused paths
+    (MLP kernel, q/k/v assembly) take the same option as the plain recipe: per FP8 layer of a
+    block (q/k/v, out, MLP up and down) one fast GEMM and two precise ones."""
+    from maxfp4.compiler import fp8_gemms
+    from maxfp4.config import load_config
+    from maxfp4.model import get_model
+    from maxfp4.precision import resolve_policy
+    from maxfp4.precision.state import init_precision_state, scales_of
+    from maxfp4.step import make_loss_fn
+
+    cfg = load_config(None, ["model.d_model=512", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4",
+                             "model.d_ff=1536", "model.vocab_size=4096", "data.seq_len=1024", "data.global_batch=4",
+                             "precision.default=fp8_delayed", "precision.rules=[{classes: [lm_head], recipe: bf16}]"])
+    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+    model = get_model(cfg.model)
+    params = model.init_params(cfg.model, jax.random.key(0))
+    scales = scales_of(init_precision_state(policy, model.block_layer_classes))
+    b, t = cfg.data.global_batch, cfg.data.seq_len
+    tokens = jax.random.randint(jax.random.key(1), (b, t), 4, cfg.model.vocab_size)
+    batch = {"inputs": tokens, "targets": tokens, "positions": jnp.broadcast_to(jnp.arange(t), (b, t)),
+             "segment_ids": jnp.ones((b, t), jnp.int32), "loss_mask": jnp.ones((b, t), jnp.int32)}
+    grad = jax.grad(make_loss_fn(cfg, policy, lambda x, axes: x, runs_per_row=1), argnums=(0, 1))
+    hlo = jax.jit(grad, compiler_options=compiler_options("gpu")).lower(
+        params, scales, batch, jax.random.key(2), jnp.float32(1.0)).compile().as_text()
+    gemms = fp8_gemms(hlo)
+    fast = [g for g in gemms if g["fast_accumulation"]]
+    precise = [g for g in gemms if not g["fast_accumulation"]]
+    summary = [(g["dtype"], g["shape"], g["fast_accumulation"]) for g in gemms]
+    # Four FP8 layers per block; XLA may unroll the two-block scan, so per body or per block.
+    assert fast and len(fast) % 4 == 0 and len(precise) == 2 * len(fast), summary
+    assert all(g["dtype"] == "bf16" for g in fast), summary  # fprop outputs BF16

@@ -151,6 +151,11 @@ OPTION_CHOICES = {"amax_algo": ("max", "most_recent")}
 
 def _check_option(recipe: str, key: str, value: Any, default: Any) -> None:
     where = f"precision.recipes.{recipe}.{key}={value!r}"
+    if isinstance(default, dict):  # fast_accumulation: {forward: bool, backward: bool}
+        if not (isinstance(value, dict) and set(value) <= set(default)
+                and all(isinstance(v, bool) for v in value.values())):
+            raise ConfigError(f"{where}: expected a mapping of {', '.join(default)} to true or false")
+        return
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false")
@@ -176,7 +181,17 @@ def _resolve_options(cfg: PrecisionConfig) -> dict[str, dict]:
                 allowed = ", ".join(defaults) or "none"
                 raise ConfigError(f"precision.recipes.{name}.{k}: unknown option; expected one of {allowed}")
             _check_option(name, k, v, defaults[k])
-        out[name] = {**defaults, **opts}
+        out[name] = _with_defaults(defaults, opts)
+    return out
+
+
+def _with_defaults(defaults: dict, opts: dict) -> dict:
+    """``opts`` over ``defaults``; a mapping option merges key by key over its default and is
+    kept as sorted (key, value) pairs, so the policy stays hashable."""
+    out = {**defaults, **opts}
+    for k, default in defaults.items():
+        if isinstance(default, dict):
+            out[k] = tuple(sorted({**default, **dict(opts.get(k, ()))}.items()))
     return out
 
 
@@ -197,7 +212,7 @@ def resolve_policy(cfg: PrecisionConfig, n_layers: int) -> PrecisionPolicy:
 
     table = tuple(tuple(pick(c, i) for c in BLOCK_CLASSES) for i in range(n_layers))
     used = {r for row in table for r in row} | {pick("lm_head", None)}
-    all_options = {name: {**RECIPES[name][1], **options.get(name, {})} for name in used}
+    all_options = {name: options.get(name) or _with_defaults(RECIPES[name][1], {}) for name in used}
     frozen = tuple(sorted((n, tuple(sorted(o.items()))) for n, o in all_options.items()))
     return PrecisionPolicy(n_layers, table, pick("lm_head", None), frozen)
 

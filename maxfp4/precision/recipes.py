@@ -19,6 +19,7 @@ Dimension letters: M tokens (batch x sequence), K input features, N output featu
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,9 +94,19 @@ def bf16_dot(x, w, options=(), scales=None, key=None):
 # ----------------------------------------------------------------------------- FP8
 
 
+# FP8 accumulation, as XLA hands it to cuBLASLt: a dot whose operand precisions are all DEFAULT
+# becomes an FP8 GEMM with CUBLASLT_MATMUL_DESC_FAST_ACCUM (Hopper's fast accumulation: the
+# tensor cores' partial sums are not promoted to FP32 every few K steps); any higher precision
+# turns it off (IsFastAccumEnabled, XLA stream_executor/cuda/cuda_blas_lt.cc). Transformer
+# Engine uses fast accumulation for fprop and the precise (split) one for dgrad and wgrad.
+_ACCUMULATION_PRECISION = {True: jax.lax.Precision.DEFAULT, False: jax.lax.Precision.HIGHEST}
+
+
 def fp8_gemm_tn(a_q: jax.Array, a_scale: jax.Array, b_q: jax.Array, b_scale: jax.Array,
-                out_dtype=COMPUTE_DTYPE, power_2: bool = False) -> jax.Array:
-    """``(a/sa)[M,K] @ (b/sb)[N,K]^T`` for FP8 ``a``, ``b`` with per-tensor scales.
+                out_dtype=COMPUTE_DTYPE, power_2: bool = False, fast_accumulation: bool = True) -> jax.Array:
+    """``(a/sa)[M,K] @ (b/sb)[N,K]^T`` for FP8 ``a``, ``b`` with per-tensor scales;
+    ``fast_accumulation`` picks cuBLASLt's accumulation on Hopper through the dot's precision
+    (CPU results are the same either way).
 
     Either way it is one FP32-accumulated product scaled by ``1/(sa*sb)`` in FP32 and rounded
     once to ``out_dtype``, and XLA's GEMM rewriter turns it into a cuBLASLt FP8 GEMM on Hopper:
@@ -114,14 +125,15 @@ def fp8_gemm_tn(a_q: jax.Array, a_scale: jax.Array, b_q: jax.Array, b_scale: jax
       then cast. On GPU XLA folds the factor into the GEMM but not the cast, so a BF16 output
       would be written in FP32 and cast in a pass of its own.
     """
+    precision = _ACCUMULATION_PRECISION[bool(fast_accumulation)]
     inv_a, inv_b = F.div_rn(1.0, a_scale), F.div_rn(1.0, b_scale)
     if power_2 or (out_dtype != jnp.float32 and on_gpu()):
         if not power_2:
             inv_a, inv_b = jax.lax.optimization_barrier((inv_a, inv_b))
         a = a_q.astype(COMPUTE_DTYPE) * inv_a.astype(COMPUTE_DTYPE)
         b = b_q.astype(COMPUTE_DTYPE) * inv_b.astype(COMPUTE_DTYPE)
-        return jax.lax.dot_general(a, b, TN, preferred_element_type=out_dtype)
-    acc = jax.lax.dot_general(a_q.astype(COMPUTE_DTYPE), b_q.astype(COMPUTE_DTYPE), TN,
+        return jax.lax.dot_general(a, b, TN, precision=precision, preferred_element_type=out_dtype)
+    acc = jax.lax.dot_general(a_q.astype(COMPUTE_DTYPE), b_q.astype(COMPUTE_DTYPE), TN, precision=precision,
                               preferred_element_type=jnp.float32)
     return (acc * (inv_a * inv_b)).astype(out_dtype)
 
@@ -139,45 +151,60 @@ def _gathered(w_q: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(w_q, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
-def _fp8_forward(x, w, sx, sw, power_2):
-    return _fp8_forward_quantized(F.quantize_fp8(x, sx, F.FP8_E4M3), sx, w, sw, power_2)
+def _fp8_forward(x, w, sx, sw, power_2, fast):
+    return _fp8_forward_quantized(F.quantize_fp8(x, sx, F.FP8_E4M3), sx, w, sw, power_2, fast)
 
 
-def _fp8_forward_quantized(qx, sx, w, sw, power_2):
-    """fprop from x already in E4M3 (``qx = fp8(clip(x * sx))``, [..., K])."""
+def _fp8_forward_quantized(qx, sx, w, sw, power_2, fast):
+    """fprop from x already in E4M3 (``qx = fp8(clip(x * sx))``, [..., K]); ``fast``: its
+    accumulation (``fast_accumulation(options).forward``)."""
     qx_MK = _flat(qx)
     qw_KN = F.quantize_fp8(w, sw, F.FP8_E4M3)
-    y_MN = fp8_gemm_tn(qx_MK, sx, _gathered(qw_KN).T, sw, power_2=power_2)
+    y_MN = fp8_gemm_tn(qx_MK, sx, _gathered(qw_KN).T, sw, power_2=power_2, fast_accumulation=fast)
     residuals = (checkpoint_name(qx_MK, GEMM_IN), checkpoint_name(qw_KN, GEMM_WEIGHT))
     return y_MN.reshape(*qx.shape[:-1], w.shape[1]), residuals
 
 
-def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2):
+def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2, fast):
     qdy = F.quantize_fp8(dy, sdy, F.FP8_E5M2)
-    return _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2)
+    return _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2, fast)
 
 
-def _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2):
-    """dgrad and wgrad from dY already in E5M2 (``qdy = fp8(clip(dY * sdy))``, [..., N])."""
-    return _fp8_dgrad(qdy, sdy, qw_KN, sw, power_2), _fp8_wgrad(qdy, sdy, qx_MK, sx, power_2)
+def _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2, fast):
+    """dgrad and wgrad from dY already in E5M2 (``qdy = fp8(clip(dY * sdy))``, [..., N]);
+    ``fast``: their accumulation (``fast_accumulation(options).backward``)."""
+    return _fp8_dgrad(qdy, sdy, qw_KN, sw, power_2, fast), _fp8_wgrad(qdy, sdy, qx_MK, sx, power_2, fast)
 
 
-def _fp8_dgrad(qdy, sdy, qw_KN, sw, power_2):
-    dx_MK = fp8_gemm_tn(_flat(qdy), sdy, _gathered(qw_KN), sw, power_2=power_2)  # dY[M,N] . W[K,N]^T
+def _fp8_dgrad(qdy, sdy, qw_KN, sw, power_2, fast):
+    dx_MK = fp8_gemm_tn(_flat(qdy), sdy, _gathered(qw_KN), sw, power_2=power_2,
+                        fast_accumulation=fast)  # dY[M,N] . W[K,N]^T
     return dx_MK.reshape(*qdy.shape[:-1], qw_KN.shape[0])
 
 
-def _fp8_wgrad(qdy, sdy, qx_MK, sx, power_2, qdy_t_NM=None, qx_t_KM=None):
+def _fp8_wgrad(qdy, sdy, qx_MK, sx, power_2, fast, qdy_t_NM=None, qx_t_KM=None):
     """X^T[K,M] . dY^T[N,M]^T. cuBLASLt reads FP8 operands only contiguous along M here, so XLA
     transposes qx and qdy first, unless their producer stored them transposed already
     (``qx_t_KM``, ``qdy_t_NM``: the same values)."""
     qdy_t_NM = _flat(qdy).T if qdy_t_NM is None else qdy_t_NM
     qx_t_KM = qx_MK.T if qx_t_KM is None else qx_t_KM
-    return fp8_gemm_tn(qx_t_KM, sx, qdy_t_NM, sdy, jnp.float32, power_2)
+    return fp8_gemm_tn(qx_t_KM, sx, qdy_t_NM, sdy, jnp.float32, power_2, fast)
 
 
 def _power_2(options) -> bool:
     return bool(dict(options).get("power_2_scale", False))
+
+
+class Accumulation(NamedTuple):
+    forward: bool  # fprop
+    backward: bool  # dgrad and wgrad
+
+
+def fast_accumulation(options) -> Accumulation:
+    """Which FP8 GEMMs use Hopper's fast accumulation: the recipe option ``fast_accumulation``
+    (the policy keeps it as sorted (key, value) pairs), else Transformer Engine's choice."""
+    given = dict(dict(options).get("fast_accumulation", ()))
+    return Accumulation(**{**FAST_ACCUMULATION_DEFAULT, **given})
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -221,7 +248,7 @@ def fp8_delayed_forward_quantized(qx, amax_x, x_dtype, w, options, scales):
     its producer, which also reports ``amax_x``, the max of |x| in ``x_dtype`` (the dtype the
     BF16 path would have handed the recipe, and the dtype of dx)."""
     s = _delayed_scales(scales, options)  # kept for the backward pass as used here
-    y, (qx_MK, qw) = _fp8_forward_quantized(qx, s[0], w, s[1], _power_2(options))
+    y, (qx_MK, qw) = _fp8_forward_quantized(qx, s[0], w, s[1], _power_2(options), fast_accumulation(options).forward)
     amax_xw = jnp.stack([jnp.asarray(amax_x, jnp.float32), _amax(w)])
     return y, (qx_MK, qw, s, amax_xw, _dtype_token(x_dtype))
 
@@ -258,14 +285,15 @@ def fp8_delayed_dgrad(options, residuals, qdy):
     """dx alone, from dY quantized as for ``fp8_delayed_backward_quantized``: for a producer of
     the wgrad's operands that needs dx first (the MLP's activation needs mlp_down's dx)."""
     _, qw, s, _, x_token = residuals
-    return _fp8_dgrad(qdy, s[2], qw, s[1], _power_2(options)).astype(x_token.dtype)
+    return _fp8_dgrad(qdy, s[2], qw, s[1], _power_2(options), fast_accumulation(options).backward
+                      ).astype(x_token.dtype)
 
 
 def fp8_delayed_wgrad(options, residuals, qdy, amax_dy, qdy_t_NM=None, qx_t_KM=None):
     """``(dw, amaxes)``, the rest of ``fp8_delayed_backward_quantized``; ``qx_t_KM``: x as quantized
     in the forward, stored transposed ([K, M]) by the code that also produced it."""
     qx, _, s, amax_xw, _ = residuals
-    dw = _fp8_wgrad(qdy, s[2], qx, s[0], _power_2(options), qdy_t_NM, qx_t_KM)
+    dw = _fp8_wgrad(qdy, s[2], qx, s[0], _power_2(options), fast_accumulation(options).backward, qdy_t_NM, qx_t_KM)
     # The scales' "gradient" is this step's amaxes (x, w, dY): see the module docstring.
     return dw, jnp.concatenate([amax_xw, jnp.asarray(amax_dy, jnp.float32)[None]])
 
@@ -281,22 +309,22 @@ def fp8_delayed_dot(x, w, options=(), scales=None, key=None):
     return _fp8_delayed(x, w, options, scales, key)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fp8_current(x, w, power_2):
-    return _fp8_current_fwd(x, w, power_2)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fp8_current(x, w, power_2, accumulation):
+    return _fp8_current_fwd(x, w, power_2, accumulation)[0]
 
 
-def _fp8_current_fwd(x, w, power_2):
+def _fp8_current_fwd(x, w, power_2, accumulation):
     sx = F.scale_from_amax(_amax(x), F.FP8_E4M3, power_2=power_2)
     sw = F.scale_from_amax(_amax(w), F.FP8_E4M3, power_2=power_2)
-    y, (qx, qw) = _fp8_forward(x, w, sx, sw, power_2)
+    y, (qx, qw) = _fp8_forward(x, w, sx, sw, power_2, accumulation.forward)
     return y, (qx, qw, sx, sw, _dtype_token(x.dtype))
 
 
-def _fp8_current_bwd(power_2, res, dy):
+def _fp8_current_bwd(power_2, accumulation, res, dy):
     qx, qw, sx, sw, x_token = res
     sdy = F.scale_from_amax(_amax(dy), F.FP8_E5M2, power_2=power_2)
-    dx, dw = _fp8_backward(dy, sdy, qx, sx, qw, sw, power_2)
+    dx, dw = _fp8_backward(dy, sdy, qx, sx, qw, sw, power_2, accumulation.backward)
     return dx.astype(x_token.dtype), dw
 
 
@@ -306,7 +334,7 @@ _fp8_current.defvjp(_fp8_current_fwd, _fp8_current_bwd)
 def fp8_current_dot(x, w, options=(), scales=None, key=None):
     """Per-tensor FP8 with each scale from the tensor's own current amax (no state)."""
     del scales, key
-    return _fp8_current(x, w, _power_2(options))
+    return _fp8_current(x, w, _power_2(options), fast_accumulation(options))
 
 
 # ----------------------------------------------------------------------------- NVFP4
@@ -455,5 +483,9 @@ def nvfp4_dot(x, w, options=(), scales=None, key=None):
 NVFP4_DEFAULTS = {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_bf16": True}
 # power_2_scale: scales rounded down to powers of two (Transformer Engine's QParams.power_2_scale),
 # which lets the FP8 GEMMs write BF16 outputs exactly (fp8_gemm_tn).
-FP8_DELAYED_DEFAULTS = {"amax_history": 1024, "margin": 0, "amax_algo": "max", "power_2_scale": False}
-FP8_CURRENT_DEFAULTS = {"power_2_scale": False}
+# fast_accumulation: Hopper's fast FP8 accumulation for fprop, the precise (split) one for dgrad
+# and wgrad, as Transformer Engine does (its GEMMs' use_split_accumulator); docs/PRECISION.md.
+FAST_ACCUMULATION_DEFAULT = {"forward": True, "backward": False}
+FP8_DELAYED_DEFAULTS = {"amax_history": 1024, "margin": 0, "amax_algo": "max", "power_2_scale": False,
+                        "fast_accumulation": FAST_ACCUMULATION_DEFAULT}
+FP8_CURRENT_DEFAULTS = {"power_2_scale": False, "fast_accumulation": FAST_ACCUMULATION_DEFAULT}
