@@ -39,7 +39,7 @@ def _train(tmp_path, name: str, preset: list[str]) -> str:
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(
         ("--xla_force_host_platform_device_count", "--xla_backend_optimization_level",
          "--xla_llvm_disable_expensive_passes")))
-    env["PYTHONPATH"] = REPO
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)  # and carried wheels
     args = ["configs/quickstart.yaml", *preset, *SMALL, f"run.output_dir={tmp_path}", f"run.name={name}"]
     proc = subprocess.run([sys.executable, "-m", "maxfp4.train", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
