@@ -21,7 +21,11 @@ import json
 import os
 import sys
 
-import jax
+# The whole-step runs are child processes on the same GPU: this process must not hold the GPU's
+# memory (JAX's default preallocates 75% of it) while they run.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
 import jax.numpy as jnp
 
 from timing import median_ms
