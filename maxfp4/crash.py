@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
+import sys
 import time
 import traceback
 from typing import Any
@@ -40,6 +42,48 @@ def disk_full_reason(error: BaseException) -> str | None:
                 return phrase
         current = current.__cause__ or current.__context__
     return None
+
+
+class DropDiskFullErrors(logging.Filter):
+    """Orbax logs a full disk from its background threads with whole tracebacks (hundreds of
+    lines) before the error reaches the loop; the loop reports it in one line (and the traceback
+    in crash.json), so those records are dropped. Other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        return not ((error is not None and disk_full_reason(error)) or disk_full_reason(Exception(record.getMessage())))
+
+
+def _is_closed_loop_callback(error: BaseException | None) -> bool:
+    # TensorStore completes the writes of a failed save after Orbax closed the asyncio loop
+    # that awaited them; their callbacks then fail in loop.call_soon_threadsafe. Nothing is lost.
+    if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed":
+        return False
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py"))
+
+
+def quiet_disk_full_logs() -> None:
+    """For the command line: Orbax's records of a full disk (absl's logger, which Orbax logs
+    to, and asyncio's for the tasks it abandons) and the callbacks of TensorStore writes it abandoned are not printed; the loop reports
+    the failure in one line."""
+    for name in ("absl", "asyncio"):  # Orbax's own records; its abandoned tasks' errors
+        logging.getLogger(name).addFilter(DropDiskFullErrors())
+    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+    def on_exception(kind, error, tb):
+        if not _is_closed_loop_callback(error):
+            excepthook(kind, error, tb)
+
+    def on_unraisable(info):
+        if not _is_closed_loop_callback(info.exc_value):
+            unraisablehook(info)
+
+    sys.excepthook, sys.unraisablehook = on_exception, on_unraisable
 
 
 def write_crash_report(run_dir: str, error: BaseException, *, step: int | None, config: dict[str, Any],

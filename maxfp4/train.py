@@ -24,7 +24,7 @@ from maxfp4 import distributed
 from maxfp4.checkpoint import Checkpointer, finalized_steps, refuse_changed_run
 from maxfp4.compiler import check_compiler_options, compiler_options, use_compile_cache
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
-from maxfp4.crash import RunFailed, disk_full_reason, write_crash_report
+from maxfp4.crash import RunFailed, disk_full_reason, quiet_disk_full_logs, write_crash_report
 from maxfp4.data import make_batches, make_eval_batches
 from maxfp4.errors import exit_code_of
 from maxfp4.evaluate import make_eval_step, mean_eval_loss
@@ -427,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Signals are handled from here on: a stop during start-up is one line, not a traceback.
     watch = PreemptionWatch(say=lambda m: print(m, file=sys.stderr, flush=True))
+    quiet_disk_full_logs()  # a full disk is reported in one line, not Orbax's tracebacks
 
     def run() -> None:
         cfg = config_from_arguments(args)
