@@ -191,13 +191,13 @@ def _train(cfg: Config, devices, stream, watch: PreemptionWatch) -> list[dict[st
     if lock is not None:
         watch.add_exit_hook(lock.release)
     try:
-        return _run(cfg, devices, stream, watch, lock, policy, block_classes, table, mesh, xla_options, compile_cache)
+        return _run(cfg, stream, watch, lock, policy, block_classes, table, mesh, xla_options, compile_cache)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(cfg: Config, devices, stream, watch: PreemptionWatch, lock: RunLock | None, policy, block_classes,
+def _run(cfg: Config, stream, watch: PreemptionWatch, lock: RunLock | None, policy, block_classes,
          table: str, mesh, xla_options: dict, compile_cache) -> list[dict[str, Any]]:
     run_dir = cfg.run_dir
     is_writer = jax.process_index() == 0
