@@ -10,19 +10,30 @@ Completeness: Orbax (0.12) writes step N into ``N.orbax-checkpoint-tmp/`` and re
 ``N/`` only after every item is written (plus ``commit_success.txt``); only directories named
 by a bare step number count as checkpoints, so a save killed mid-write is never restored, and
 the next save of that step replaces the leftover temporary directory. A complete checkpoint
-that cannot be read (a lost or truncated array file) is moved aside to ``N.unreadable`` once an
-older step has restored instead, with a warning naming it.
+that cannot be read (a lost or truncated array file), or whose data position or config does
+not match the checksums saved with it (an ``integrity`` item), is moved aside to
+``N.unreadable`` once an older step has restored instead, with a warning naming it.
+
+``checkpoint.verify`` adds SHA-256 checksums of the array files: once a save has committed, each
+process hashes the files it wrote, in a background thread, into ``N/checksums.process_<i>.json``;
+a restore recomputes them (:mod:`maxfp4.checksums`).
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import json
 import os
+import shutil
 import sys
+import threading
 from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 
+from maxfp4 import checksums
 from maxfp4.config import CheckpointConfig
 from maxfp4.errors import UserError
 from maxfp4.state import TrainState
@@ -32,6 +43,15 @@ UNREADABLE_SUFFIX = ".unreadable"
 
 class CheckpointError(UserError):
     """No checkpoint of a run can be used; one line naming the directory."""
+
+
+class CheckpointCorrupt(Exception):
+    """A checkpoint's content does not match the checksums saved with it."""
+
+
+def json_sha256(value: Any) -> str:
+    """The checksum of a JSON item as the restore reads it back (canonical: sorted keys)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _to_saveable(state: TrainState) -> dict[str, Any]:
@@ -73,10 +93,15 @@ class Checkpointer:
     def __init__(self, run_dir: str, cfg: CheckpointConfig):
         self.directory = checkpoint_dir(run_dir)
         self.every = cfg.every
+        self.async_ = cfg.async_
+        self.verify = cfg.verify
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_,
                                                  create=True))
+        self._hashing: threading.Thread | None = None
+        self._saves_over = threading.Event()  # tells a hashing thread that its save will not commit
+        self._warned_unverified = False
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -94,18 +119,74 @@ class Checkpointer:
         """Returns once the arrays are copied off the devices; the files are written in the
         background (``wait`` blocks until they are complete). ``config`` (``Config.to_dict()``)
         is kept with the checkpoint so a rerun can be compared with the run it resumes."""
-        items = {"state": ocp.args.StandardSave(_to_saveable(state)),
-                 "data": ocp.args.JsonSave({k: int(v) for k, v in data_state.items()})}
+        data = {k: int(v) for k, v in data_state.items()}
+        # Checksums of the JSON items: an edited data position or config is caught on restore.
+        integrity = {"step": int(step), "data_sha256": json_sha256(data)}
+        items = {"state": ocp.args.StandardSave(_to_saveable(state)), "data": ocp.args.JsonSave(data)}
         if config is not None:
             items["config"] = ocp.args.JsonSave(config)
+            integrity["config_sha256"] = json_sha256(json.loads(json.dumps(config, default=str)))
+        items["integrity"] = ocp.args.JsonSave(integrity)
+        self._finish_hashing()  # the previous save's checksums, before Orbax may rotate it away
         self.manager.save(step, args=ocp.args.Composite(**items))
+        if self.verify:
+            self._saves_over.clear()
+            self._hashing = threading.Thread(target=self._hash_when_committed, args=(step,),
+                                             name=f"maxfp4-checksums-{step}", daemon=True)
+            self._hashing.start()
+
+    def _hash_when_committed(self, step: int) -> None:
+        # Orbax renames N.orbax-checkpoint-tmp to N at commit (process 0, after every process's
+        # writes); each process then hashes what it wrote, off the training loop's thread.
+        final = self.step_path(step)
+        while not os.path.isfile(os.path.join(final, "commit_success.txt")):
+            if self._saves_over.wait(0.05) and not os.path.isdir(final):
+                return
+        try:
+            checksums.write(final, jax.process_index())
+        except OSError:
+            pass  # rotated away or the disk is full: restore then reports "not verified"
+
+    def _finish_hashing(self) -> None:
+        if self._hashing is not None:
+            self._hashing.join()
+            self._hashing = None
 
     def restore(self, step: int, like: TrainState) -> tuple[TrainState, dict[str, int]]:
         """Restore onto the shardings of ``like`` (a state of the current run's mesh, which may
         differ from the mesh that saved it: Orbax reads each device's slice of the arrays)."""
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_abstract(_to_saveable(like))), data=ocp.args.JsonRestore()))
-        return _from_saved(out["state"], jax.random.key_impl(like.rng)), dict(out["data"])
+        path = self.step_path(step)
+        items = {"state": ocp.args.StandardRestore(_abstract(_to_saveable(like))), "data": ocp.args.JsonRestore()}
+        has = {name: os.path.isdir(os.path.join(path, name)) for name in ("integrity", "config")}
+        if has["integrity"]:  # checkpoints from before checksums were saved have none
+            items["integrity"] = ocp.args.JsonRestore()
+            if has["config"]:
+                items["config"] = ocp.args.JsonRestore()
+        if self.verify:
+            self._verify_arrays(step)
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        data = dict(out["data"])
+        if has["integrity"]:
+            _check_integrity(step, dict(out["integrity"]), data, out.get("config") if has["config"] else None)
+        return _from_saved(out["state"], jax.random.key_impl(like.rng)), data
+
+    def _verify_arrays(self, step: int) -> None:
+        """``checkpoint.verify``: the array files against their saved SHA-256 (each process
+        checks a share of the files; all processes agree on the outcome)."""
+        problem = checksums.verify(self.step_path(step), jax.process_index(), jax.process_count())
+        if jax.process_count() > 1:
+            import numpy as np
+            from jax.experimental import multihost_utils
+            bad = multihost_utils.process_allgather(np.int32(problem not in (None, checksums.UNVERIFIED)))
+            if problem in (None, checksums.UNVERIFIED) and bad.any():
+                problem = "an array file failed its checksum on another process"
+        if problem == checksums.UNVERIFIED:
+            if not self._warned_unverified:
+                self._warned_unverified = True
+                _print_warning(f"checkpoint {self.step_path(step)} has no array checksums (saved with "
+                               f"checkpoint.verify=false, or stopped before hashing); restored unverified")
+        elif problem is not None:
+            raise CheckpointCorrupt(problem)
 
     def restore_latest(self, like: TrainState, warn: Callable[[str], None] = _print_warning
                        ) -> tuple[int, TrainState, dict[str, int]] | None:
@@ -151,11 +232,41 @@ class Checkpointer:
         self.manager.delete(step)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Until the last save is committed (and, with ``verify``, hashed)."""
+        try:
+            self.manager.wait_until_finished()
+        finally:
+            self._saves_over.set()
+            self._finish_hashing()
+
+    def remove_partial_saves(self) -> list[str]:
+        """Delete temporary directories of saves that failed (they hold space a full disk
+        needs back); complete checkpoints are untouched. Returns what was removed."""
+        removed = []
+        if jax.process_index() == 0:
+            for path in glob.glob(os.path.join(glob.escape(self.directory), "*.orbax-checkpoint-tmp*")):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        return removed
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001 - a failed save was already raised by wait()
+                pass
+
+
+def _check_integrity(step: int, integrity: dict, data: dict, config: dict | None) -> None:
+    if integrity.get("step") != step:
+        raise CheckpointCorrupt(f"integrity record names step {integrity.get('step')}, not {step}")
+    if integrity.get("data_sha256") != json_sha256(data):
+        raise CheckpointCorrupt(f"data position {json.dumps(data)} does not match its saved checksum "
+                                f"(edited or damaged)")
+    if config is not None and "config_sha256" in integrity and integrity["config_sha256"] != json_sha256(config):
+        raise CheckpointCorrupt("saved config does not match its checksum (edited or damaged)")
 
 
 # Reading without a CheckpointManager: nothing is created, and the checks before a run starts

@@ -136,3 +136,18 @@ def use_compile_cache(directory: str) -> str | None:
     path = os.path.expanduser(directory)
     jax.config.update("jax_compilation_cache_dir", path)
     return path
+
+
+def check_deterministic_attention(cfg, platform: str) -> None:
+    """run.deterministic with cuDNN attention in unrolled blocks compiles, then fails at the first
+    step inside XLA (jax 0.11.2 on H200: ``IndexError: raw_hash_map<>::at``); scanned blocks and
+    XLA's attention run deterministically. Refused before anything compiles, naming both ways out."""
+    from maxfp4.config import ConfigError
+
+    m = cfg.model
+    has_attention = m.kind == "dense" or "*" in m.pattern
+    attention = m.attention if m.attention != "auto" else ("cudnn" if platform in ("gpu", "cuda") else "xla")
+    if cfg.run.deterministic and has_attention and attention.startswith("cudnn") and not cfg.train.scan_layers:
+        raise ConfigError(f"run.deterministic=true with train.scan_layers=false and model.attention={m.attention!r} "
+                          f"(cuDNN): XLA fails at the first step on this combination; expected "
+                          f"train.scan_layers=true or model.attention=xla")

@@ -177,6 +177,9 @@ class CheckpointConfig:
     every: int = 0  # 0: only at the end
     keep: int = 3
     async_: bool = field(default=True, metadata={"key": "async"})
+    # SHA-256 of the array files, hashed by each process in the background once a save has
+    # committed and checked on restore (a mismatch falls back to the previous checkpoint).
+    verify: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ Checks, each one line when it fails (exit code 2), a short table when all pass:
   0 + 1 + ... + (N-1) on every device (a broken link or NCCL/gloo setup shows up here, not
   an hour into the run);
 - data: the data files and tokenizer can be read (synthetic data needs nothing);
-- output: the run directory is writable and its disk has room for one checkpoint, estimated as
-  parameters x (4 bytes FP32 weights + 8 bytes Adam moments) + the precision state;
+- output: the run directory is writable and its disk has room for ``checkpoint.keep + 1``
+  checkpoints (the kept ones and the one being written before the oldest is deleted), less those
+  already on disk, each estimated as parameters x (4 bytes FP32 weights + 8 bytes Adam moments)
+  + the precision state;
 - memory: a rough per-device estimate (weights, gradients and Adam moments over the
   model-parallel axes, plus saved activations and logits) against the device's memory limit;
   skipped with a note where the device reports no memory statistics (CPU).
@@ -183,8 +185,19 @@ def checkpoint_bytes(n_params: int, precision_bytes: int) -> int:
     return n_params * (4 + 8) + precision_bytes
 
 
+def checkpoints_to_fit(cfg: Config) -> int:
+    """How many more checkpoints the disk must hold: ``keep`` plus the one being written,
+    less those already there (a resumed run)."""
+    from maxfp4.checkpoint import finalized_steps
+    if not cfg.checkpoint.enabled:
+        return 0
+    return max(1, cfg.checkpoint.keep + 1 - len(finalized_steps(cfg.run_dir)))
+
+
 def check_output(cfg: Config, n_params: int, precision_bytes: int) -> Check:
-    need = checkpoint_bytes(n_params, precision_bytes)
+    count = checkpoints_to_fit(cfg)
+    one = checkpoint_bytes(n_params, precision_bytes)
+    need = count * one
     try:
         os.makedirs(cfg.run_dir, exist_ok=True)
         probe = os.path.join(cfg.run_dir, f".preflight_{jax.process_index()}_{os.getpid()}")
@@ -195,10 +208,11 @@ def check_output(cfg: Config, n_params: int, precision_bytes: int) -> Check:
     except OSError as e:
         return Check("output", False, f"{cfg.run_dir}: not writable ({e.strerror or e})")
     if free < need:
-        return Check("output", False, f"{cfg.run_dir}: {free / 2**30:.2f} GiB free, a checkpoint needs about "
-                                      f"{need / 2**30:.2f} GiB")
+        return Check("output", False, f"{cfg.run_dir}: {free / 2**30:.3f} GiB free; checkpoint.keep={cfg.checkpoint.keep} "
+                                      f"+ 1 checkpoints of about {one / 2**30:.3f} GiB need {need / 2**30:.3f} GiB "
+                                      f"(less those already saved); expected more free space or a smaller keep")
     return Check("output", True, f"{cfg.run_dir} writable, {free / 2**30:.1f} GiB free, "
-                                 f"checkpoint ~{need / 2**20:.1f} MiB")
+                                 f"{count} checkpoint(s) of ~{one / 2**20:.1f} MiB")
 
 
 def memory_per_device(cfg: Config, n_params: int, mesh_shape: dict[str, int]) -> float:

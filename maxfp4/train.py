@@ -21,9 +21,11 @@ import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4 import distributed
-from maxfp4.checkpoint import Checkpointer, refuse_changed_run
-from maxfp4.compiler import check_compiler_options, compiler_options, determinism_summary, use_compile_cache
+from maxfp4.checkpoint import Checkpointer, finalized_steps, refuse_changed_run
+from maxfp4.compiler import (check_compiler_options, check_deterministic_attention, compiler_options,
+                             determinism_summary, use_compile_cache)
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
+from maxfp4.crash import RunFailed, disk_full_reason, quiet_disk_full_logs, write_crash_report
 from maxfp4.data import make_batches, make_eval_batches
 from maxfp4.errors import exit_code_of
 from maxfp4.evaluate import make_eval_step, mean_eval_loss
@@ -38,8 +40,9 @@ from maxfp4.precision.policy import check_block_divisibility
 from maxfp4.precision.state import init_precision_state
 from maxfp4.profiling import StepProfiler
 from maxfp4.preflight import preflight_summary
-from maxfp4.resilience import InjectedFault, PreemptionWatch, write_crash_report
+from maxfp4.resilience import InjectedFault, Interrupted, PreemptionWatch, signal_name
 from maxfp4.rollback import Diverged, Rollbacks
+from maxfp4.run_lock import RunLock, RunLocked
 from maxfp4.state import TrainState
 from maxfp4.step import check_loss_chunks, make_train_step
 from maxfp4.stragglers import StragglerMonitor
@@ -60,11 +63,47 @@ def _check_batch_fits_mesh(cfg: Config, mesh) -> None:
             f"train.microbatches x mesh.data x mesh.fsdp = {cfg.train.microbatches * batch_devices}")
 
 
+def _write_atomic(path: str, text: str) -> None:
+    # A stop (signal) or full disk while writing leaves the old file, never half a new one.
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def _write_run_files(cfg: Config, run_dir: str, table: str) -> None:
-    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as fh:
-        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
-    with open(os.path.join(run_dir, "precision_table.txt"), "w", encoding="utf-8") as fh:
-        fh.write(table + "\n")
+    _write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    _write_atomic(os.path.join(run_dir, "precision_table.txt"), table + "\n")
+
+
+def _lock_run_dir(run_dir: str) -> RunLock | None:
+    """Process 0 takes ``<run_dir>/run.lock``; every process learns whether it got it, so a
+    refused job stops everywhere with one line instead of hanging its other processes."""
+    lock = RunLock(run_dir, say=_say) if jax.process_index() == 0 else None
+    refusal = None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except RunLocked as e:
+            refusal = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        took = multihost_utils.broadcast_one_to_all(np.int32(refusal is None))
+        if not int(took) and refusal is None:
+            raise RunLocked(f"run directory {run_dir} is in use by another run (process 0 could not lock it)")
+    if refusal is not None:
+        raise refusal
+    return lock
+
+
+def _newest_checkpoint(run_dir: str) -> str | None:
+    steps = finalized_steps(run_dir)
+    return os.path.join(run_dir, "checkpoints", str(steps[-1])) if steps else None
 
 
 def state_maker(cfg: Config, mesh, optimizer: optax.GradientTransformation, policy=None):
@@ -115,8 +154,23 @@ def jit_train_step(cfg: Config, policy, optimizer: optax.GradientTransformation,
                    compiler_options=xla_options)
 
 
-def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=None) -> list[dict[str, Any]]:
-    """Run the training loop described by ``cfg``; returns the logged metric records."""
+def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=None,
+          watch: PreemptionWatch | None = None) -> list[dict[str, Any]]:
+    """Run the training loop described by ``cfg``; returns the logged metric records. ``watch``:
+    the signal handling the command line installs at its start (else installed here)."""
+    own_watch = watch is None
+    watch = watch or PreemptionWatch(say=_say)
+    if jax.process_count() > 1:
+        watch.multiprocess()
+    watch.newest_checkpoint = lambda: _newest_checkpoint(cfg.run_dir)
+    try:
+        return _train(cfg, devices, stream, watch)
+    finally:
+        if own_watch:
+            watch.close()
+
+
+def _train(cfg: Config, devices, stream, watch: PreemptionWatch) -> list[dict[str, Any]]:
     run_dir = cfg.run_dir
     is_writer = jax.process_index() == 0
 
@@ -133,12 +187,26 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     _check_batch_fits_mesh(cfg, mesh)
     xla_options = compiler_options(mesh.devices.flat[0].platform, cfg.train.compiler_options, cfg.run.deterministic)
     check_compiler_options(xla_options, mesh.devices.flat[0])
+    check_deterministic_attention(cfg, mesh.devices.flat[0].platform)
     refuse_changed_run(cfg)
+    lock = _lock_run_dir(run_dir)  # before anything is written to the run directory
+    if lock is not None:
+        watch.add_exit_hook(lock.release)
+    try:
+        return _run(cfg, stream, watch, lock, policy, block_classes, table, mesh, xla_options, compile_cache)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: Config, stream, watch: PreemptionWatch, lock: RunLock | None, policy, block_classes,
+         table: str, mesh, xla_options: dict, compile_cache) -> list[dict[str, Any]]:
+    run_dir = cfg.run_dir
+    is_writer = jax.process_index() == 0
     if cfg.resilience.preflight:
         summary = preflight_summary(cfg, list(mesh.devices.flat))
         if is_writer:
             _say(summary)
-    os.makedirs(run_dir, exist_ok=True)
     data = make_batches(cfg, run_dir, process_index=jax.process_index(),
                         process_count=jax.process_count())
     # Held-out batches are built now so bad eval data is refused before anything compiles.
@@ -191,6 +259,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
 
     eval_global = [to_global(b) for b in eval_local]
     records: list[dict[str, Any]] = []
+    failing = False
     start_step = int(state.step)
     pending: tuple[int, dict[str, jax.Array]] | None = None
     last_time: float | None = None
@@ -243,10 +312,10 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         logger.log(record)
         return values
 
-    watch = PreemptionWatch()
     profiler = StepProfiler(cfg.train.profile_steps, os.path.join(run_dir, "profile"), enabled=is_writer)
     res, fault = cfg.resilience, cfg.resilience.fault
-    watchdog = HangWatchdog(run_dir, res.hang_timeout_s, jax.process_index())
+    watchdog = HangWatchdog(run_dir, res.hang_timeout_s, jax.process_index(),
+                            on_exit=lock.release if lock is not None else lambda: None)
     stragglers = StragglerMonitor(res.straggler_threshold) if res.straggler_every else None
     straggler_report: dict[str, Any] | None = None
     rollbacks = Rollbacks(res.max_consecutive_skips, res.max_rollbacks)
@@ -260,12 +329,16 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             batch = to_global(next(data))
             profiler.before_dispatch(step + 1)
             state, metrics = jitted(state, batch)
+            if step == start_step:
+                watch.start_training()  # compiled: from now on a signal checkpoints
+            watch.beat()
             profiler.after_dispatch(step + 1, metrics)
             if stragglers and step > start_step:  # host time: making and dispatching a step (not compiling it)
                 stragglers.add(time.perf_counter() - host_start)
             stop = watch.should_stop(step + 1)
             if cfg.checkpoint.enabled and (stop or checkpointer.due(step + 1, cfg.train.steps)):
-                checkpointer.save(step + 1, state, data.get_state(), cfg.to_dict())  # before the state is donated
+                with watch.saving():
+                    checkpointer.save(step + 1, state, data.get_state(), cfg.to_dict())  # before the state is donated
             if eval_global and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
                 eval_losses[step + 1] = mean_eval_loss(eval_fn, state, eval_global)
             done = flush(*pending, final=False) if pending is not None else None
@@ -283,36 +356,64 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             if step + 1 == fault.exception_at_step:
                 raise InjectedFault(f"resilience.fault.exception_at_step={fault.exception_at_step}")
             step += 1
+        # The loop is over; signals from here on wait for the last save (never cut it short).
+        watch.final_save()
         if pending is not None:
             flush(*pending, final=True)
-        if watch.signum is not None:
+        with watch.saving():
             checkpointer.wait()
-            _say(f"stopped by signal {watch.signum} after step {pending[0]}; checkpoint saved, "
-                 f"rerun to resume")
+        if watch.signum is not None:
+            last = pending[0] if pending else start_step
+            saved = ("checkpoint saved, rerun to resume" if cfg.checkpoint.enabled else
+                     "checkpointing is off (checkpoint.enabled=false): nothing was saved")
+            _say(f"stopped by signal {watch.signum} ({signal_name(watch.signum)}) after step {last}; {saved}")
+            watch.reported()
             raise Interrupted(watch.exit_code)
-    except (Interrupted, KeyboardInterrupt):
+    except Interrupted:
         raise
     except Exception as error:
-        if is_writer:
-            path = write_crash_report(run_dir, error, step=pending[0] if pending else start_step,
-                                      config=cfg.to_dict(), last_metrics=records[-1] if records else None)
-            _say(f"crashed: {type(error).__name__}: {error}; report in {path}")
-        raise
+        failing = True
+        raise _crashed(cfg, error, checkpointer, step=pending[0] if pending else start_step,
+                       last_metrics=records[-1] if records else None) from None
     finally:
-        profiler.close()
-        watchdog.close()
-        watch.close()
-        logger.close()
-        checkpointer.close()
+        _close_all([profiler.close, watchdog.close, logger.close, checkpointer.close], quietly=failing)
     return records
 
 
-class Interrupted(Exception):
-    """A signal stopped training after a checkpoint; carries the process exit code."""
+def _crashed(cfg: Config, error: Exception, checkpointer: Checkpointer, *, step: int,
+             last_metrics: dict | None) -> BaseException:
+    """Report a crash (crash.json, one line) and return what to raise. A full disk is no bug:
+    one line naming the directory and the newest complete checkpoint, no traceback; the
+    temporary directory of the save it cut short is removed to give the space back."""
+    full = disk_full_reason(error)
+    if full:
+        checkpointer.remove_partial_saves()
+    report = None
+    if jax.process_index() == 0:
+        try:
+            report = write_crash_report(cfg.run_dir, error, step=step, config=cfg.to_dict(), last_metrics=last_metrics)
+        except OSError as e:
+            report = f"not written ({e.strerror or e})"
+    if full:
+        newest = _newest_checkpoint(cfg.run_dir)
+        return RunFailed(f"{cfg.run_dir}: {full} at step {step}; the newest complete checkpoint is "
+                         f"{newest or 'none'}, intact; free space and rerun to resume; crash report {report}")
+    if report is not None:
+        _say(f"crashed: {type(error).__name__}: {error}; report {report}")
+    return error
 
-    def __init__(self, code: int):
-        super().__init__(f"interrupted (exit code {code})")
-        self.code = code
+
+def _close_all(closers, quietly: bool) -> None:
+    """Close everything even if one fails; while an error is already on its way out, a second
+    one (a full disk fails every writer) is not raised over it."""
+    first: Exception | None = None
+    for close in closers:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - raised below unless another error is leaving
+            first = first or e
+    if first is not None and not quietly:
+        raise first
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -326,18 +427,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     distributed.set_gpu_environment_defaults()  # before anything starts the GPU backend
 
+    # Signals are handled from here on: a stop during start-up is one line, not a traceback.
+    watch = PreemptionWatch(say=lambda m: print(m, file=sys.stderr, flush=True))
+    quiet_disk_full_logs()  # a full disk is reported in one line, not Orbax's tracebacks
+
     def run() -> None:
         cfg = config_from_arguments(args)
         how = distributed.initialize(cfg.distributed)
         _say(f"{how}; {jax.local_device_count()} local of {jax.device_count()} devices")
-        train(cfg)
+        train(cfg, watch=watch)
 
     try:
         return exit_code_of(run)
     except Interrupted as stop:
+        if stop.message:  # a stop during start-up; later stops were reported by train()
+            watch.reported()
+            print(stop.message, file=sys.stderr, flush=True)
         return stop.code
     except Diverged as stop:  # already explained in the log and crash.json
         return stop.exit_code
+    except RunFailed as failed:
+        print(f"error: {failed}", file=sys.stderr, flush=True)
+        return failed.exit_code
+    finally:
+        watch.close()
 
 
 if __name__ == "__main__":

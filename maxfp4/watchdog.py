@@ -20,13 +20,15 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 EXIT_CODE = 124
 
 
 class HangWatchdog:
-    def __init__(self, run_dir: str, timeout_s: float, process_index: int = 0):
+    def __init__(self, run_dir: str, timeout_s: float, process_index: int = 0,
+                 on_exit: Callable[[], None] = lambda: None):
+        self.on_exit = on_exit  # runs just before os._exit (releases the run-directory lock)
         self.path = os.path.join(run_dir, f"hang_{process_index}.txt")
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -70,7 +72,10 @@ class HangWatchdog:
             where = f"(could not write {self.path}: {e})"
         print(f"hang watchdog: no step completed for {self.timeout_s:g} s after step {step}; "
               f"stacks in {where}; exiting with code {EXIT_CODE}", file=sys.stderr, flush=True)
-        os._exit(EXIT_CODE)
+        try:
+            self.on_exit()
+        finally:
+            os._exit(EXIT_CODE)
 
     def close(self) -> None:
         self._stop.set()

@@ -282,3 +282,66 @@ def test_export_writes_safetensors_config_and_tokenizer(saved_run, tmp_path, cap
     assert not (tmp_path / "x").exists() and _snapshot(tmp_path / "fp32") == before
     assert export_main([str(run), "--out", str(tmp_path / "fp32"), "--force", "--step", "2", "--dtype", "fp32"]) == 0
     assert np.array_equal(load_file(str(tmp_path / "fp32" / "model.safetensors"))["embed"], expected[2]["embed"])
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def test_an_edited_data_position_falls_back_to_the_previous_checkpoint(saved_run, tmp_path):
+    import jax
+    run = _copy(saved_run, tmp_path / "out") / "base"
+    cfg = _cfg(tmp_path / "out")
+    data_file = run / "checkpoints" / "3" / "data" / "metadata"
+    position = json.loads(data_file.read_text())
+    assert position["next_index"] == 3
+    data_file.write_text(json.dumps({**position, "next_index": 10**12}))  # well-formed, and wrong
+    like, _ = init_state(cfg, make_mesh(cfg.mesh, jax.devices()[:8]), make_optimizer(cfg))
+    ck = Checkpointer(str(run), cfg.checkpoint)
+    warnings = []
+    step, state, data_state = ck.restore_latest(like, warn=warnings.append)
+    ck.close()
+    assert (step, int(state.step), data_state["next_index"]) == (2, 2, 2)
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert warnings[0].startswith(f"checkpoint {run / 'checkpoints' / '3'} is unreadable (CheckpointCorrupt: data position")
+    assert "1000000000000" in warnings[0] and "does not match its saved checksum" in warnings[0]
+    assert "falling back to step 2" in warnings[0]
+
+    # The config saved with a checkpoint is checked the same way.
+    config_file = run / "checkpoints" / "2" / "config" / "metadata"
+    config_file.write_text(config_file.read_text().replace('"seed": 0', '"seed": 1'))
+    ck = Checkpointer(str(run), cfg.checkpoint)
+    warnings.clear()
+    assert ck.restore_latest(like, warn=warnings.append)[0] == 1
+    ck.close()
+    assert "saved config does not match its checksum" in warnings[0]
+
+
+def test_verify_hashes_array_files_after_commit_and_catches_a_flipped_byte(tmp_path):
+    import jax
+    cfg = load_config(None, TINY + [f"run.output_dir={tmp_path}", "run.name=v", "mesh.data=1", "checkpoint.verify=true"])
+    state, _ = init_state(cfg, make_mesh(cfg.mesh, jax.devices()[:1]), make_optimizer(cfg))
+    ck = Checkpointer(cfg.run_dir, cfg.checkpoint)
+    for step in (1, 2):
+        ck.save(step, state, {"next_index": step, "global_batch": 8}, cfg.to_dict())
+    ck.wait()
+    step_dir = tmp_path / "v" / "checkpoints" / "2"
+    recorded = json.loads((step_dir / "checksums.process_0.json").read_text())["files"]
+    arrays = [p for p in recorded if p.startswith("state/ocdbt.process_0/d/")]
+    assert arrays and "state/_METADATA" in recorded and not any("commit_success" in p for p in recorded)
+    import hashlib
+    for rel, want in recorded.items():  # against an independent hash of each file
+        assert hashlib.sha256((step_dir / rel).read_bytes()).hexdigest() == want["sha256"], rel
+    assert ck.restore_latest(state)[0] == 2  # intact: restores, no warning needed
+
+    biggest = max(arrays, key=lambda p: recorded[p]["bytes"])
+    with open(step_dir / biggest, "r+b") as fh:  # one bit, same size: what a bad disk or copy does
+        fh.seek(recorded[biggest]["bytes"] // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    warnings = []
+    step, _, data_state = ck.restore_latest(state, warn=warnings.append)
+    ck.close()
+    assert (step, data_state["next_index"]) == (1, 1)
+    assert len(warnings) == 1 and f"array file {biggest}: SHA-256 differs from the saved one (checkpoint.verify)" in warnings[0]
+    assert "falling back to step 1" in warnings[0]

@@ -67,3 +67,115 @@ def test_unhandled_exception_writes_a_crash_report(tmp_path):
     assert report["config"]["resilience"]["fault"]["exception_at_step"] == 4
     assert report["last_metrics"]["step"] == 3  # step 4's metrics were not yet logged
     assert "crash.json" in proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------- signals at any moment
+
+# A model of 5M parameters (60 MB with the optimizer state), so that the final asynchronous save
+# is still being written when the test sees its temporary directory and signals.
+BIG = ["model.d_model=256", "model.d_ff=768", "model.vocab_size=4096", "model.n_layers=4"]
+
+
+def _start(tmp_path, name, *extra):
+    """The trainer with its output in a file (read while it runs)."""
+    log = open(tmp_path / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "maxfp4.train", os.path.join(REPO, "configs", "quickstart.yaml"),
+                             *ARGS, f"run.output_dir={tmp_path}", f"run.name={name}", *extra],
+                            env=cpu_env(1), stdout=log, stderr=subprocess.STDOUT, text=True)
+    return proc, tmp_path / f"{name}.log"
+
+
+def _wait_for(proc, predicate, what, timeout=240, poll=0.02):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"exited (code {proc.returncode}) before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+def _finish(proc, log, timeout=120):
+    proc.wait(timeout=timeout)
+    return log.read_text()
+
+
+def _checkpoint_entries(tmp_path, name):
+    directory = tmp_path / name / "checkpoints"
+    return sorted(os.listdir(directory)) if directory.exists() else []
+
+
+@pytest.mark.parametrize("signals", [2, 3])
+def test_sigterm_during_the_final_async_save_waits_for_it_or_aborts_on_the_third(tmp_path, signals):
+    # checkpoint.every=0: the final save is the run's only checkpoint, as in the default config.
+    proc, log = _start(tmp_path, "final", "train.steps=3", "checkpoint.every=0", *BIG)
+    ckpts = tmp_path / "final" / "checkpoints"
+    _wait_for(proc, lambda: ckpts.exists() and any(n.startswith("3.orbax-checkpoint-tmp") for n in os.listdir(ckpts)),
+              "the final save", poll=0.002)
+    for _ in range(signals):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)  # a signal sent while the last is still pending would merge with it
+    out = _finish(proc, log)
+    assert proc.returncode == 143, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "signal 15 (SIGTERM) again: still waiting for" in out
+    if signals == 2:
+        assert "stopped by signal 15 (SIGTERM) after step 3; checkpoint saved" in out
+        assert _checkpoint_entries(tmp_path, "final") == ["3"]  # complete, nothing temporary left
+        assert (ckpts / "3" / "commit_success.txt").exists()
+    else:
+        line = next(l for l in out.splitlines() if "a third time" in l)
+        assert "aborting without waiting" in line and "exiting with code 143" in line
+        assert "3" not in _checkpoint_entries(tmp_path, "final")  # the save cut short is no checkpoint
+    assert not (tmp_path / "final" / "run.lock").exists()  # released on every way out
+
+
+@pytest.mark.parametrize("sig, after", [(signal.SIGINT, "run directory "), (signal.SIGTERM, "model: ")])
+def test_signal_during_start_up_is_one_line_and_leaves_nothing_half_written(tmp_path, sig, after):
+    # SIGINT while the data and state are set up; SIGTERM while the first step compiles.
+    proc, log = _start(tmp_path, "early", "train.steps=1000", *BIG)
+    _wait_for(proc, lambda: after in log.read_text(), repr(after), poll=0.005)
+    sent = time.time()
+    proc.send_signal(sig)
+    out = _finish(proc, log)
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert time.time() - sent < 30  # promptly, not after the compilation
+    lines = [l for l in out.splitlines() if "(SIG" in l]
+    assert len(lines) == 1 and "during start-up" in lines[0] and "nothing was saved" in lines[0], out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    run = tmp_path / "early"
+    assert not [p for p in run.rglob("*") if p.name.endswith(".tmp") or "orbax-checkpoint-tmp" in p.name]
+    assert not (run / "run.lock").exists() and _checkpoint_entries(tmp_path, "early") == []
+    assert (run / "config.yaml").read_text().startswith("run:")  # complete, when written
+
+
+def test_a_hung_run_still_honours_sigterm(tmp_path):
+    # The loop blocks forever before step 4 and the hang watchdog is off (the default).
+    proc, log = _start(tmp_path, "hung", "train.steps=100", "checkpoint.every=2", "resilience.fault.hang_at_step=4")
+    _wait_for(proc, lambda: len(_steps_of(tmp_path, "hung")) >= 2, "two logged steps")
+    time.sleep(1)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out = _finish(proc, log, timeout=90)
+    assert proc.returncode == 143, out[-3000:]
+    waited = time.time() - sent
+    assert 10 <= waited < 60, waited  # the grace period (MIN_GRACE_S = 10 s), then out
+    line = next(l for l in out.splitlines() if "made no progress" in l)
+    assert "a hung step cannot be checkpointed" in line
+    assert f"the newest complete checkpoint is {tmp_path / 'hung' / 'checkpoints' / '2'}" in line
+    assert _checkpoint_entries(tmp_path, "hung") == ["2"]
+    assert not (tmp_path / "hung" / "run.lock").exists()
+
+
+def test_sigterm_with_checkpointing_off_says_nothing_was_saved(tmp_path):
+    proc, log = _start(tmp_path, "nosave", "train.steps=100000", "checkpoint.enabled=false")
+    _wait_for(proc, lambda: len(_steps_of(tmp_path, "nosave")) >= 2, "two logged steps")
+    proc.send_signal(signal.SIGTERM)
+    out = _finish(proc, log)
+    assert proc.returncode == 143, out[-3000:]
+    assert "checkpoint saved" not in out
+    assert "checkpointing is off (checkpoint.enabled=false): nothing was saved" in out
+    assert _checkpoint_entries(tmp_path, "nosave") == []
+
+
+def _steps_of(tmp_path, name):
+    path = tmp_path / name / "metrics.jsonl"
+    return [json.loads(l)["step"] for l in path.read_text().splitlines() if l.strip()] if path.exists() else []

@@ -1,0 +1,147 @@
+"""One run at a time in a run directory: ``<run_dir>/run.lock``.
+
+Two jobs with the same ``run.name`` would otherwise write one checkpoint directory and one
+``metrics.jsonl`` together. The lock is taken before anything else is written to the run
+directory and released on every way out (a normal end, an error, a signal; ``os._exit`` paths
+call :meth:`RunLock.release` first).
+
+How it is held: the file is created and ``flock``-ed, and holds JSON naming its holder (host,
+pid, start time). A live holder keeps the flock, so a second run on the same host (or on a
+file system with working ``flock``) is refused with one line naming the holder. A lock file left
+by a process that died (kill -9, a node reboot) has no flock any more: on the same host its pid
+is checked and, dead, the lock is taken over with one line saying so. A lock written by another
+host whose flock this file system cannot show is refused, naming the file to delete once that
+run is known to be gone.
+
+With several processes only process 0 takes the lock (the others learn the outcome from a
+broadcast in :mod:`maxfp4.train`): the run directory is one per job, not per host.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from typing import Callable
+
+from maxfp4.errors import UserError
+
+LOCK_NAME = "run.lock"
+
+
+class RunLocked(UserError):
+    """Another run holds the run directory (exit code 2)."""
+
+
+class RunDirNotWritable(UserError):
+    """The run directory cannot be created or written (exit code 2)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _describe(holder: dict) -> str:
+    started = holder.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    return f"host {holder.get('host', '?')} pid {holder.get('pid', '?')} started {when}"
+
+
+class RunLock:
+    """``with RunLock(run_dir, say=print):`` or ``acquire()`` / ``release()``."""
+
+    def __init__(self, run_dir: str, say: Callable[[str], None] = print):
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, LOCK_NAME)
+        self._say = say
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirNotWritable(f"run directory {self.run_dir}: cannot be written ({e.strerror or e}); "
+                                    f"expected a writable run.output_dir") from None
+        try:
+            self._take(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _take(self, fd: int) -> None:
+        locked = True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunLocked(self._refusal(self._read(fd), live=True)) from None
+        except OSError as e:  # no flock on this file system: the pid check below decides alone
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            locked = False
+        if os.fstat(fd).st_ino != os.stat(self.path).st_ino:
+            # The holder released (unlinked) it between our open and flock: a fresh file now.
+            os.close(fd)
+            return self.acquire()
+        previous = self._read(fd)
+        if previous:
+            same_host = previous.get("host") == socket.gethostname()
+            pid = previous.get("pid")
+            if not same_host or not isinstance(pid, int):
+                raise RunLocked(self._refusal(previous, live=False))
+            if pid != os.getpid() and _pid_alive(pid) and not locked:
+                raise RunLocked(self._refusal(previous, live=True))
+            self._say(f"run directory lock {self.path} of {_describe(previous)} is stale "
+                      f"(that process is gone); taking it over")
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+
+    def _refusal(self, holder: dict, live: bool) -> str:
+        if live:
+            return (f"run directory {self.run_dir} is in use by another run ({_describe(holder)}, lock {self.path}); "
+                    f"expected one run per run directory: wait for it, stop it, or choose another run.name")
+        return (f"run directory {self.run_dir} is locked by {_describe(holder)} ({self.path}), which cannot be "
+                f"checked from this host; if that run is gone, delete {self.path} and rerun")
+
+    @staticmethod
+    def _read(fd: int) -> dict:
+        try:
+            text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            holder = json.loads(text) if text.strip() else {}
+            return holder if isinstance(holder, dict) else {"host": "?", "pid": "?"}
+        except (OSError, ValueError):
+            return {"host": "?", "pid": "?"}  # unreadable content still counts as a holder
+
+    def release(self) -> None:
+        """Idempotent; safe from a signal-handling thread just before ``os._exit``."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(self.path)  # before unlocking, so no one takes a lock on a file about to vanish
+        except OSError:
+            pass
+        os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> "RunLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
