@@ -4,7 +4,7 @@ tokens, checkpoints off, median step time after the warm-up). Prints the model s
 table, writes JSON:
 
     PYTHONPATH=$PWD python benchmarks/determinism.py [--precision bf16 fp8 nvfp4] [--blocks 24]
-        [--steps 10 --warmup 3 --timeout 600 --json determinism.json]
+        [--steps 10 --warmup 3 --timeout 600 --json determinism.json] [dotted.key=value ...]
 
 ``--blocks`` runs fewer of the config's 24 blocks (memory or time); the table says which.
 """
@@ -57,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--json", default="determinism.json", help="write the results here")
+    parser.add_argument("overrides", nargs="*", help="more dotted.key=value overrides for both runs "
+                        "(train.scan_layers=true: cuDNN attention in unrolled blocks refuses the mode)")
     ns = parser.parse_args(argv)
-    print(shape_line(ns.blocks), flush=True)
+    print(shape_line(ns.blocks) + "".join(f"; {o}" for o in ns.overrides), flush=True)
     rows = []
     for preset in ns.precision:
-        args = [CONFIG, f"configs/precision/{preset}.yaml", f"model.n_layers={ns.blocks}"]
+        args = [CONFIG, f"configs/precision/{preset}.yaml", f"model.n_layers={ns.blocks}", *ns.overrides]
         row = {"precision": preset, "blocks": ns.blocks}
         for mode in ("off", "on"):
             label = f"{preset} deterministic {mode}"
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(rows))
     with open(ns.json, "w", encoding="utf-8") as fh:
-        json.dump({"shape": shape_line(ns.blocks), "rows": rows}, fh, indent=2)
+        json.dump({"shape": shape_line(ns.blocks), "overrides": ns.overrides, "rows": rows}, fh, indent=2)
     return 0 if all("error" not in r[m] for r in rows for m in ("off", "on")) else 1
 
 
