@@ -73,10 +73,13 @@ class Checkpointer:
     def __init__(self, run_dir: str, cfg: CheckpointConfig):
         self.directory = checkpoint_dir(run_dir)
         self.every = cfg.every
+        self.keep = cfg.keep
+        # Rotation is ours (see _rotate), so Orbax keeps every step it writes.
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_,
+            options=ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=cfg.async_,
                                                  create=True))
+        self._streak_start: int | None = None  # first skipped step of the streak of the newest save
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -94,6 +97,8 @@ class Checkpointer:
         """Returns once the arrays are copied off the devices; the files are written in the
         background (``wait`` blocks until they are complete). ``config`` (``Config.to_dict()``)
         is kept with the checkpoint so a rerun can be compared with the run it resumes."""
+        self._rotate()
+        self._note_streak(step, state)
         items = {"state": ocp.args.StandardSave(_to_saveable(state)),
                  "data": ocp.args.JsonSave({k: int(v) for k, v in data_state.items()})}
         if config is not None:
@@ -150,11 +155,37 @@ class Checkpointer:
     def delete(self, step: int) -> None:
         self.manager.delete(step)
 
+    def _note_streak(self, step: int, state: TrainState) -> None:
+        # The guard's streak as of the step being saved (replicated: the local copy is the value;
+        # the save reads the arrays off the devices anyway, so this adds no wait).
+        value = state.guard["consecutive"]
+        consecutive = int(value.addressable_data(0) if isinstance(value, jax.Array) else value)
+        self._streak_start = step - consecutive + 1 if consecutive > 0 else None
+
+    def kept_steps(self, steps: list[int]) -> list[int]:
+        """Of ``steps`` (ascending): the newest ``keep``, and, while the newest save was taken
+        inside a streak of skipped steps, the newest one from before the streak, which a
+        rollback will restore (with every=2, keep=3 a 10-step streak would rotate it out)."""
+        kept = set(steps[-self.keep:])
+        if self._streak_start is not None:
+            kept.update([s for s in steps if s < self._streak_start][-1:])
+        return sorted(kept)
+
+    def _rotate(self) -> None:
+        """Delete the complete checkpoints :meth:`kept_steps` leaves out. Runs before a save
+        starts (the previous one is complete by then) and after the last, so the newest
+        ``keep`` stay on disk while the next is written, as with Orbax's own rotation."""
+        self.manager.wait_until_finished()
+        steps = self.all_steps()
+        for step in sorted(set(steps) - set(self.kept_steps(steps))):
+            self.manager.delete(step)
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
+        self._rotate()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
 
