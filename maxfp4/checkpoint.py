@@ -95,13 +95,16 @@ class Checkpointer:
         self.every = cfg.every
         self.async_ = cfg.async_
         self.verify = cfg.verify
+        self.keep = cfg.keep
+        # Rotation is ours (see _rotate), so Orbax keeps every step it writes.
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_,
+            options=ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=cfg.async_,
                                                  create=True))
         self._hashing: threading.Thread | None = None
         self._saves_over = threading.Event()  # tells a hashing thread that its save will not commit
         self._warned_unverified = False
+        self._streak_start: int | None = None  # first skipped step of the streak of the newest save
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -119,6 +122,8 @@ class Checkpointer:
         """Returns once the arrays are copied off the devices; the files are written in the
         background (``wait`` blocks until they are complete). ``config`` (``Config.to_dict()``)
         is kept with the checkpoint so a rerun can be compared with the run it resumes."""
+        self.wait()  # the previous save committed and hashed, then rotated (Orbax waits for it anyway)
+        self._note_streak(step, state)
         data = {k: int(v) for k, v in data_state.items()}
         # Checksums of the JSON items: an edited data position or config is caught on restore.
         integrity = {"step": int(step), "data_sha256": json_sha256(data)}
@@ -127,7 +132,6 @@ class Checkpointer:
             items["config"] = ocp.args.JsonSave(config)
             integrity["config_sha256"] = json_sha256(json.loads(json.dumps(config, default=str)))
         items["integrity"] = ocp.args.JsonSave(integrity)
-        self._finish_hashing()  # the previous save's checksums, before Orbax may rotate it away
         self.manager.save(step, args=ocp.args.Composite(**items))
         if self.verify:
             self._saves_over.clear()
@@ -231,6 +235,31 @@ class Checkpointer:
     def delete(self, step: int) -> None:
         self.manager.delete(step)
 
+    def _note_streak(self, step: int, state: TrainState) -> None:
+        # The guard's streak as of the step being saved (replicated: the local copy is the value;
+        # the save reads the arrays off the devices anyway, so this adds no wait).
+        value = state.guard["consecutive"]
+        consecutive = int(value.addressable_data(0) if isinstance(value, jax.Array) else value)
+        self._streak_start = step - consecutive + 1 if consecutive > 0 else None
+
+    def kept_steps(self, steps: list[int]) -> list[int]:
+        """Of ``steps`` (ascending): the newest ``keep``, and, while the newest save was taken
+        inside a streak of skipped steps, the newest one from before the streak, which a
+        rollback will restore (with every=2, keep=3 a 10-step streak would rotate it out)."""
+        kept = set(steps[-self.keep:])
+        if self._streak_start is not None:
+            kept.update([s for s in steps if s < self._streak_start][-1:])
+        return sorted(kept)
+
+    def _rotate(self) -> None:
+        """Delete the complete checkpoints :meth:`kept_steps` leaves out. Runs before a save
+        starts (the previous one is complete by then) and after the last, so the newest
+        ``keep`` stay on disk while the next is written, as with Orbax's own rotation."""
+        self.manager.wait_until_finished()
+        steps = self.all_steps()
+        for step in sorted(set(steps) - set(self.kept_steps(steps))):
+            self.manager.delete(step)
+
     def wait(self) -> None:
         """Until the last save is committed (and, with ``verify``, hashed)."""
         try:
@@ -238,6 +267,7 @@ class Checkpointer:
         finally:
             self._saves_over.set()
             self._finish_hashing()
+        self._rotate()
 
     def remove_partial_saves(self) -> list[str]:
         """Delete temporary directories of saves that failed (they hold space a full disk

@@ -9,6 +9,7 @@ relative to the including file; the including file wins).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -175,7 +176,7 @@ class DistributedConfig:
 class CheckpointConfig:
     enabled: bool = True  # false: never save (throughput benchmarks)
     every: int = 0  # 0: only at the end
-    keep: int = 3
+    keep: int = 3  # newest saves kept, plus the newest from before a running streak of skipped steps
     async_: bool = field(default=True, metadata={"key": "async"})
     # SHA-256 of the array files, hashed by each process in the background once a save has
     # committed and checked on restore (a mismatch falls back to the previous checkpoint).
@@ -193,17 +194,28 @@ class FaultConfig:
     hang_at_step: int = 0  # the loop sleeps forever before this step (0: never); for the watchdog
     slow_process: int = -1  # this process index sleeps slow_seconds every step (-1: none)
     slow_seconds: float = 0.0  # per-step sleep of slow_process; for the straggler report
+    # From step loss_scale_at_step on (1-based; 0: never) the loss, and so the gradients, are
+    # multiplied by loss_scale inside the jitted step: a lasting level shift, as a change of the
+    # data mixture makes, for the spike guard.
+    loss_scale: float = 1.0
+    loss_scale_at_step: int = 0
 
 
 @dataclass(frozen=True)
 class ResilienceConfig:
-    # Skip the update of a step whose loss or gradients are non-finite or spike (params,
-    # optimizer and precision state unchanged; the step counter and data still advance).
+    # Skip the update of a step whose loss or gradients are non-finite or whose loss spikes
+    # (params, optimizer and precision state unchanged; the step counter and data still advance).
     guard: bool = True
-    spike_sigmas: float = 6.0  # a spike: loss or grad norm > mean + this x std of the window (0: off)
-    spike_window: int = 100  # good steps in the ring buffer the mean and std come from
-    spike_warmup: int = 100  # good steps before spikes are judged (non-finite is judged always)
-    # This many skipped steps in a row: reload the last checkpoint, keep the data moving (0: never).
+    # A spike: loss > (1 + spike_margin) x the median of the last spike_window finite losses
+    # (maxfp4.guard). Healthy runs measured up to 1.58 x the median (docs/RELIABILITY.md).
+    spike_margin: float = 1.0  # 0: spikes off, only non-finite steps are skipped
+    # Finite losses in the window, skipped ones included, so a lasting level shift is accepted
+    # after at most spike_window // 2 + 1 skipped steps (kept below max_consecutive_skips).
+    spike_window: int = 12
+    spike_warmup: int = 50  # finite steps before spikes are judged (non-finite is judged always)
+    # This many skipped steps in a row: reload the last checkpoint from before the streak, keep
+    # the data moving (0: never). With no checkpoint to go back to, a streak of finite losses
+    # suspends spike judgement for spike_window steps; a non-finite streak stops the run.
     max_consecutive_skips: int = 10
     max_rollbacks: int = 3  # rollbacks in one process's lifetime before it stops (exit code 3)
     hang_timeout_s: float = 0.0  # no step completes for this long -> stack dump, exit 124 (0: off)
@@ -438,12 +450,17 @@ def config_from_dict(raw: dict) -> Config:
 
 def _validate_resilience(res: ResilienceConfig) -> None:
     p, f = "resilience", res.fault
-    _require(res.spike_sigmas >= 0, f"{p}.spike_sigmas", res.spike_sigmas, "a number >= 0 (0: off)")
-    _require(res.spike_window >= 2, f"{p}.spike_window", res.spike_window, "an integer >= 2")
-    _require(res.spike_warmup >= 2, f"{p}.spike_warmup", res.spike_warmup,
-             "an integer >= 2 (a standard deviation needs two steps)")
+    _require(math.isfinite(res.spike_margin) and res.spike_margin >= 0, f"{p}.spike_margin", res.spike_margin,
+             "a finite fraction of the median loss >= 0 (0: spikes off; 1: a loss above twice the median)")
+    _require(res.spike_window >= 3, f"{p}.spike_window", res.spike_window, "an integer >= 3")
+    _require(res.spike_warmup >= 1, f"{p}.spike_warmup", res.spike_warmup, "an integer >= 1")
     _require(res.max_consecutive_skips >= 0, f"{p}.max_consecutive_skips", res.max_consecutive_skips,
              "an integer >= 0 (0: never roll back)")
+    if res.guard and res.spike_margin > 0 and res.max_consecutive_skips > 0:
+        # A lasting level shift skips up to window // 2 + 1 steps (maxfp4.guard): never a rollback.
+        _require(res.spike_window // 2 + 1 < res.max_consecutive_skips, f"{p}.spike_window", res.spike_window,
+                 f"at most {2 * res.max_consecutive_skips - 3} with max_consecutive_skips="
+                 f"{res.max_consecutive_skips} (a level shift skips up to spike_window // 2 + 1 steps)")
     _require(res.max_rollbacks >= 0, f"{p}.max_rollbacks", res.max_rollbacks, "an integer >= 0")
     _require(res.hang_timeout_s >= 0, f"{p}.hang_timeout_s", res.hang_timeout_s, "a number of seconds >= 0 (0: off)")
     _require(res.straggler_every >= 0, f"{p}.straggler_every", res.straggler_every, "an integer >= 0 (0: off)")
@@ -455,6 +472,10 @@ def _validate_resilience(res: ResilienceConfig) -> None:
     _require(f.hang_at_step >= 0, f"{p}.fault.hang_at_step", f.hang_at_step, "an integer >= 0 (0: never)")
     _require(f.slow_process >= -1, f"{p}.fault.slow_process", f.slow_process, "a process index or -1 (none)")
     _require(f.slow_seconds >= 0, f"{p}.fault.slow_seconds", f.slow_seconds, "a number of seconds >= 0")
+    _require(math.isfinite(f.loss_scale) and f.loss_scale > 0, f"{p}.fault.loss_scale", f.loss_scale,
+             "a finite factor > 0")
+    _require(f.loss_scale_at_step >= 0, f"{p}.fault.loss_scale_at_step", f.loss_scale_at_step,
+             "an integer >= 0 (0: never)")
 
 
 def _require(ok: bool, key: str, value: Any, expected: str) -> None:

@@ -18,6 +18,13 @@ def poison_gradients(grads: Any, step: jax.Array, steps: Sequence[int]) -> Any:
     return jax.tree.map(lambda g: jnp.where(hit, jnp.asarray(jnp.nan, g.dtype), g), grads)
 
 
+def loss_scale(step: jax.Array, from_step: int, factor: float) -> jax.Array:
+    """``factor`` from ``step`` ``from_step`` on (1-based, traced), else 1. The step divides its
+    loss normaliser by it, so the loss and every gradient of the backward pass (FP8 amaxes
+    included) grow by ``factor`` for good: a lasting level shift, as a data-mixture change makes."""
+    return jnp.where(step >= from_step, jnp.float32(factor), jnp.float32(1.0))
+
+
 def hang_forever() -> None:
     """What a deadlocked collective or a stuck filesystem looks like from the loop: no progress,
     no exception. Only the hang watchdog (or a signal) ends it."""

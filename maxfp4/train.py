@@ -318,7 +318,8 @@ def _run(cfg: Config, stream, watch: PreemptionWatch, lock: RunLock | None, poli
                             on_exit=lock.release if lock is not None else lambda: None)
     stragglers = StragglerMonitor(res.straggler_threshold) if res.straggler_every else None
     straggler_report: dict[str, Any] | None = None
-    rollbacks = Rollbacks(res.max_consecutive_skips, res.max_rollbacks)
+    rollbacks = Rollbacks(res.max_consecutive_skips, res.max_rollbacks, suspend_steps=res.spike_window,
+                          checkpoint=cfg.checkpoint)
     try:
         step = start_step
         while step < cfg.train.steps:
@@ -343,14 +344,15 @@ def _run(cfg: Config, stream, watch: PreemptionWatch, lock: RunLock | None, poli
                 eval_losses[step + 1] = mean_eval_loss(eval_fn, state, eval_global)
             done = flush(*pending, final=False) if pending is not None else None
             pending = (step + 1, metrics)
-            if not stop and done is not None and rollbacks.needed(int(done["consecutive_skips"])):
-                # The queued step is abandoned with the rest of the streak's branch.
-                state = rollbacks.roll_back(checkpointer, state, step=step, consecutive=int(done["consecutive_skips"]),
-                                            skipped_total=int(done["skipped_steps"]), say=_say)
-                step, pending, last_time = int(state.step), None, None
-                losses_since_log.clear()
-                watchdog.beat(step)
-                continue
+            if not stop and done is not None and rollbacks.needed(int(done["consecutive_skips"]), step):
+                state, rolled_back = rollbacks.recover(
+                    checkpointer, state, step=step, consecutive=int(done["consecutive_skips"]),
+                    nonfinite=int(done["streak_nonfinite"]), skipped_total=int(done["skipped_steps"]), say=_say)
+                if rolled_back:  # the queued step is abandoned with the rest of the streak's branch
+                    step, pending, last_time = int(state.step), None, None
+                    losses_since_log.clear()
+                    watchdog.beat(step)
+                    continue
             if stop:
                 break
             if step + 1 == fault.exception_at_step:

@@ -93,7 +93,7 @@ def test_nan_steps_are_skipped_a_streak_rolls_back_and_a_persistent_fault_stops(
     # data moving on. The fault is tied to step numbers, so the streak comes back after the
     # rollback: the second streak exceeds max_rollbacks=1 and the run stops with exit code 3.
     out = _run(tmp_path, "nan", "train.steps=14", "checkpoint.every=4", "resilience.fault.nonfinite_at_steps=[3,7,8,9]",
-               "resilience.max_consecutive_skips=3", "resilience.max_rollbacks=1")
+               "resilience.max_consecutive_skips=3", "resilience.spike_window=3", "resilience.max_rollbacks=1")
     text = out.stdout + out.stderr
     assert out.returncode == 3, text[-3000:]
     recs = _records(tmp_path, "nan")
@@ -107,6 +107,70 @@ def test_nan_steps_are_skipped_a_streak_rolls_back_and_a_persistent_fault_stops(
     assert recs[9]["loss"] != recs[4]["loss"]
     assert "resilience.max_rollbacks=1" in text and "Diverged" in text
     assert json.loads((tmp_path / "nan" / "crash.json").read_text())["error"].startswith("Diverged")
+
+
+def test_rollback_finds_the_pre_streak_checkpoint_that_rotation_would_have_deleted(tmp_path):
+    # Saves every 2 steps, keep 3: by the time an 11-step NaN streak (9..19) reaches 10 skips, the
+    # saves of steps 10-18 would have rotated out every checkpoint from before it. Checkpoint 8 is
+    # kept out of rotation while the streak runs, so the rollback restores it. The fault is tied to
+    # step numbers: the streak comes back after the rollback and, with max_rollbacks=1, stops the run.
+    out = _run(tmp_path, "rot", "train.steps=24", "checkpoint.every=2", "checkpoint.keep=3",
+               "resilience.fault.nonfinite_at_steps=[9,10,11,12,13,14,15,16,17,18,19]", "resilience.max_rollbacks=1")
+    text = out.stdout + out.stderr
+    assert out.returncode == 3, text[-3000:]
+    assert "rollback 1/1: 10 consecutive skipped steps (9..18); restored checkpoint 8," in text
+    recs = _records(tmp_path, "rot")
+    assert [r["step"] for r in recs[:18]] == list(range(1, 19)) and recs[18]["step"] == 9  # resumed after 8
+    # The second streak: checkpoint 8 was still there, the rollbacks were used up.
+    assert "10 consecutive skipped steps (9..18), all non-finite, and 1 rollback(s) done" in text
+    assert _complete(tmp_path / "rot" / "checkpoints")[0] == 8
+
+
+def test_streak_with_nothing_to_roll_back_to_suspends_spike_judgement_and_trains_on(tmp_path):
+    # The loss jumps x10 at step 20 (spikes for up to the bound, 7 steps with a window of 12),
+    # then steps 25-29 are NaN: a mixed streak of 10 (20..29) with checkpoint.every=0. It is said in
+    # one line, spike judgement is suspended for a window, and the run ends normally.
+    out = _run(tmp_path, "susp", "train.steps=48", "resilience.spike_warmup=10", "resilience.fault.loss_scale=10",
+               "resilience.fault.loss_scale_at_step=20", "resilience.fault.nonfinite_at_steps=[25,26,27,28,29]")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    line = next(l for l in text.splitlines() if l.startswith("guard: "))
+    assert line == ("guard: 10 consecutive skipped steps (20..29), 5 with a finite loss, and no checkpoint before "
+                    "step 20 to roll back to (checkpoint.every=0 saves only the last step; set checkpoint.every to "
+                    "roll back); spike judgement suspended for 12 steps while the loss window refills, training goes on")
+    skipped = [r["step"] for prev, r in zip([{"skipped_steps": 0}] + _records(tmp_path, "susp"), _records(tmp_path, "susp"))
+               if r["skipped_steps"] > prev["skipped_steps"]]
+    # Step 30 was already queued (judged before the suspension); nothing after it is skipped.
+    assert skipped == list(range(20, 31))
+    assert all(math.isfinite(r["loss"]) for r in _records(tmp_path, "susp")[30:])
+
+
+def test_nan_streak_with_no_checkpoint_before_it_stops_and_says_why(tmp_path):
+    # checkpoint.every=4 is set, but the streak (2..4) begins before the first save: the message
+    # names the setting instead of asking for it.
+    out = _run(tmp_path, "early", "train.steps=10", "checkpoint.every=4", "resilience.fault.nonfinite_at_steps=[2,3,4]",
+               "resilience.max_consecutive_skips=3", "resilience.spike_window=3")
+    text = out.stdout + out.stderr
+    assert out.returncode == 3, text[-3000:]
+    assert ("3 consecutive skipped steps (2..4), all non-finite, and no checkpoint before step 2 to roll back to "
+            "(checkpoint.every=4); stopping") in text
+    assert "set checkpoint.every" not in text
+
+
+def test_loss_level_shift_in_a_real_run_skips_at_most_the_bound(tmp_path):
+    # resilience.fault.loss_scale multiplies the loss and gradients by 3 from step 30 on (a loss x1.5
+    # stays under the default margin and is no spike at all): skips only from step 30, at most
+    # spike_window // 2 + 1 = 7 of them, no rollback, and the run ends normally.
+    out = _run(tmp_path, "shift", "train.steps=60", "resilience.spike_warmup=10", "resilience.fault.loss_scale=3",
+               "resilience.fault.loss_scale_at_step=30")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    recs = _records(tmp_path, "shift")
+    assert [r["step"] for r in recs] == list(range(1, 61))
+    assert recs[28]["skipped_steps"] == 0  # none before step 30
+    assert 1 <= recs[-1]["skipped_steps"] <= 7
+    assert recs[-1]["loss"] > 2.5 * recs[28]["loss"]  # the shift is real and training goes on at its level
+    assert "rollback" not in text and "guard: " not in text
 
 
 def test_hang_watchdog_dumps_stacks_and_exits(tmp_path):
