@@ -148,9 +148,33 @@ def _alias_bomb_value(levels, width):
     return text
 
 
+class _address_space_cap:
+    """Cap this process's address space at its current size + ``extra`` bytes while the block
+    runs (soft limit only, restored after), so a loader that expands an alias bomb fails with
+    MemoryError instead of taking the machine's memory."""
+
+    def __init__(self, extra=2 << 30):
+        import resource
+        self.resource, self.extra = resource, extra
+
+    def __enter__(self):
+        r = self.resource
+        self.saved = r.getrlimit(r.RLIMIT_AS)
+        with open("/proc/self/statm") as fh:
+            current = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        cap = current + self.extra
+        if self.saved[1] != r.RLIM_INFINITY:
+            cap = min(cap, self.saved[1])
+        r.setrlimit(r.RLIMIT_AS, (cap, self.saved[1]))
+
+    def __exit__(self, *exc):
+        self.resource.setrlimit(self.resource.RLIMIT_AS, self.saved)
+
+
 def _refused_in_one_line(overrides):
     try:
-        load_config(None, overrides)
+        with _address_space_cap():
+            load_config(None, overrides)
     except ConfigError as e:
         message = str(e)
         assert "\n" not in message and "\0" not in message and len(message) < 400, message
