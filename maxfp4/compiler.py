@@ -63,14 +63,15 @@ def check_compiler_options(options: Mapping[str, Any], device) -> None:
     error before anything else runs, not a traceback from the first train step."""
     import jax
 
-    from maxfp4.config import ConfigError
+    from maxfp4.config import ConfigError, describe
 
     try:
         with jax.default_device(device):  # jit's own device argument is deprecated
             jax.jit(lambda: 0, compiler_options=dict(options)).lower().compile()
     except Exception as error:  # XLA reports bad options as a runtime error
-        raise ConfigError(f"XLA options {dict(options)} (train.compiler_options, run.deterministic): "
-                          f"{str(error).splitlines()[0]}") from None
+        # describe() bounds the message: the options came from YAML and are never printed whole
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise ConfigError(f"XLA options {describe(dict(options))} (train.compiler_options, run.deterministic): {first}") from None
 
 
 # ----------------------------------------------------------------------------- cuBLASLt FP8 GEMMs

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -170,6 +171,12 @@ class DistributedConfig:
     coordinator: str = ""
     num_processes: int = 0
     process_id: int = -1
+    # start-up: every process must have joined the coordinator within this many seconds, else each
+    # waiting process ends with one line and exit code 2 (JAX's own limit aborts the process)
+    init_timeout_s: float = 300.0
+    # a process that sends no heartbeat for this long is declared dead by JAX's coordination
+    # service, which then aborts every other process (maxfp4.distributed, docs/RELIABILITY.md)
+    heartbeat_timeout_s: int = 100
 
 
 @dataclass(frozen=True)
@@ -254,9 +261,51 @@ def _yaml_key(f: dataclasses.Field) -> str:
     return f.metadata.get("key", f.name)
 
 
-def _describe(value: Any) -> str:
-    text = repr(value)
+# Bounded repr: a value named in an error message is never expanded past a few items, however
+# large or deeply shared the structure behind it (YAML aliases) is.
+def _short_repr() -> reprlib.Repr:
+    r = reprlib.Repr()  # keyword arguments need Python 3.12
+    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset = 3, 4, 4, 4, 4
+    r.maxstring, r.maxlong, r.maxother = 60, 40, 60
+    return r
+
+
+_SHORT_REPR = _short_repr()
+
+# Integer fields end up in int32 arrays (the step counter, schedules, shapes) or in loops over
+# them; run.seed alone is hashed into 64-bit PRNG keys.
+INT32_MAX = 2**31 - 1
+SEED_RANGE = (-2**63, 2**63 - 1)
+# The YAML a config may hold after its aliases are expanded, and how deep it may nest: real
+# configs hold a few hundred values, four levels deep (an alias bomb of 1 KB holds billions).
+YAML_MAX_VALUES = 100_000
+YAML_MAX_DEPTH = 64
+
+
+def describe(value: Any) -> str:
+    """A short repr for error messages, bounded however large ``value`` is."""
+    text = _SHORT_REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+_describe = describe
+
+
+def _control_character(text: str) -> int:
+    """Index of the first control character (NUL, newline, escape, ...) or lone surrogate, or -1:
+    no config string needs one, and in a path or a run name they truncate or corrupt it."""
+    for i, ch in enumerate(text):
+        if ord(ch) < 32 or 127 <= ord(ch) < 160 or 0xD800 <= ord(ch) <= 0xDFFF:
+            return i
+    return -1
+
+
+def check_text(text: str, key: str) -> str:
+    i = _control_character(text)
+    if i >= 0:
+        raise ConfigError(f"{key}={_describe(text)}: expected text without control characters "
+                          f"(found {text[i]!r} at position {i})")
+    return text
 
 
 def _convert(value: Any, typ: Any, key: str) -> Any:
@@ -273,25 +322,33 @@ def _convert(value: Any, typ: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}={_describe(value)}: expected true or false")
     if typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            low, high = SEED_RANGE if key == "run.seed" else (-INT32_MAX - 1, INT32_MAX)
+            if not low <= value <= high:
+                raise ConfigError(f"{key}={_describe(value)}: expected an integer in [{low}, {high}]")
+            return value
         raise ConfigError(f"{key}={_describe(value)}: expected an integer")
     if typ is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            number = float(value) if abs(value) < 1e308 else math.inf
+        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}={_describe(value)}: expected a number")
+        if number is None:
+            raise ConfigError(f"{key}={_describe(value)}: expected a number")
+        if not math.isfinite(number):  # no setting means anything at inf or nan
+            raise ConfigError(f"{key}={_describe(value)}: expected a finite number")
+        return number
     if typ is str:
-        if isinstance(value, str):
-            return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
+            value = str(value)
+        if isinstance(value, str):
+            return check_text(value, key)
         raise ConfigError(f"{key}={_describe(value)}: expected a string")
     if typ is dict:
         if value is None:
@@ -318,9 +375,8 @@ def _build(cls: type, raw: dict, prefix: str = "") -> Any:
     fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
     unknown = sorted((str(k) for k in set(raw) - set(fields)))
     if unknown:
-        raise ConfigError(
-            f"{prefix}{unknown[0]}: unknown key; expected one of {', '.join(sorted(fields))}"
-        )
+        name = unknown[0] if _control_character(unknown[0]) < 0 else repr(unknown[0])
+        raise ConfigError(f"{prefix}{name}: unknown key; expected one of {', '.join(sorted(fields))}")
     kwargs = {}
     for yaml_key, f in fields.items():
         if yaml_key in raw:
@@ -348,13 +404,92 @@ def _deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
+class YamlTooLarge(Exception):
+    """YAML that nests too deeply or expands (through aliases) past the bounds above."""
+
+    def __init__(self, problem: str, mark=None):
+        super().__init__(problem)
+        self.problem, self.line = problem, (mark.line + 1 if mark is not None else None)
+
+
+class _BoundedSafeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses documents nested deeper than ``YAML_MAX_DEPTH`` (the
+    composer recurses per level) or holding more than ``YAML_MAX_VALUES`` values once every alias
+    is expanded, checked on the composed graph before any Python object is built: aliases share
+    nodes there, so the check costs one pass over the text's own nodes, not over the expansion."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > YAML_MAX_DEPTH:
+                raise YamlTooLarge(f"nested deeper than {YAML_MAX_DEPTH} levels", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return self.construct_document(node)
+
+
+def _node_children(node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_expansion(root) -> None:
+    """Count the values of the document with every alias expanded (memoised per shared node, so
+    linear in the composed graph) and refuse more than ``YAML_MAX_VALUES`` or a cycle."""
+    expanded: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            on_path.discard(key)
+            total = 1 + sum(expanded[id(c)] for c in _node_children(node))
+            if total > YAML_MAX_VALUES:
+                raise YamlTooLarge(f"aliases expand it to more than {YAML_MAX_VALUES} values "
+                                   "(an alias bomb?)", node.start_mark)
+            expanded[key] = total
+            continue
+        if key in expanded:
+            continue
+        if key in on_path:
+            raise YamlTooLarge("an alias refers to a collection that contains it", node.start_mark)
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _node_children(node) if id(c) not in expanded)
+
+
+def load_yaml(text) -> Any:
+    """``yaml.safe_load`` with the depth and alias-expansion bounds of :class:`_BoundedSafeLoader`
+    (raises :class:`YamlTooLarge`)."""
+    loader = _BoundedSafeLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
     path = os.path.abspath(path)
     if path in seen:
         raise ConfigError(f"include: {path} includes itself")
     try:
         with open(path, encoding="utf-8") as fh:
-            raw = yaml.safe_load(fh)
+            raw = load_yaml(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path}: not found") from None
     except UnicodeDecodeError as e:
@@ -365,6 +500,10 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"config file {path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    except YamlTooLarge as e:
+        where = f" line {e.line}" if e.line else ""
+        raise ConfigError(f"config file {path}{where}: refused: {e.problem}; expected at most "
+                          f"{YAML_MAX_VALUES} values nested at most {YAML_MAX_DEPTH} deep") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -390,9 +529,12 @@ def apply_override(raw: dict, override: str) -> dict:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {override!r}: expected dotted.key=value")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = load_yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
+    except YamlTooLarge as e:
+        raise ConfigError(f"override {key}: refused: {e.problem}; expected at most {YAML_MAX_VALUES} "
+                          f"values nested at most {YAML_MAX_DEPTH} deep") from None
     out = dict(raw)
     node = out
     parts = key.split(".")
@@ -478,6 +620,39 @@ def _validate_resilience(res: ResilienceConfig) -> None:
              "an integer >= 0 (0: never)")
 
 
+MAX_LR = 1.0  # AdamW's step is about lr per parameter: above 1 nothing sensible is left
+MAX_INIT_STD = 1.0
+_COMPILER_OPTION_VALUES = (bool, int, float, str)
+
+
+def _validate_mixture_part(part: Any, key: str) -> None:
+    _require(isinstance(part, dict) and all(isinstance(k, str) for k in part)
+             and set(part) <= {"source", "paths", "weight"} and "source" in part,
+             key, part, "a mapping with keys source, paths (list) and weight")
+    _require(isinstance(part["source"], str) and part["source"] in MIXTURE_SOURCES, f"{key}.source",
+             part["source"], f"one of {', '.join(MIXTURE_SOURCES)}")
+    paths = part.get("paths", [])
+    _require(isinstance(paths, list), f"{key}.paths", paths, "a list of paths")
+    for j, path in enumerate(paths):
+        _require(isinstance(path, str) and bool(path), f"{key}.paths[{j}]", path, "a file, glob or directory name")
+        check_text(path, f"{key}.paths[{j}]")
+    weight = part.get("weight", 1.0)
+    _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
+             and weight > 0, f"{key}.weight", weight, "a positive finite number")
+
+
+def _validate_compiler_options(options: dict) -> None:
+    """XLA options are flat name -> scalar pairs; anything else is refused here, before the
+    options are handed to the compiler (or printed in its error)."""
+    for name, value in options.items():
+        key = f"train.compiler_options.{name}" if isinstance(name, str) else "train.compiler_options"
+        _require(isinstance(name, str) and name.isidentifier(), key, name, "option names such as xla_gpu_enable_triton_gemm")
+        _require(isinstance(value, _COMPILER_OPTION_VALUES) and not (isinstance(value, float) and not math.isfinite(value)),
+                 key, value, "true/false, a finite number or a string")
+        if isinstance(value, str):
+            check_text(value, key)
+
+
 def _require(ok: bool, key: str, value: Any, expected: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={_describe(value)}: expected {expected}")
@@ -545,7 +720,10 @@ def validate(cfg: Config) -> None:
              f"one of {', '.join(ATTENTION_IMPLS)}")
     _require(m.attention_max_segments >= 1, "model.attention_max_segments", m.attention_max_segments,
              "a positive number of segments per row")
-    _require(m.init_std > 0, "model.init_std", m.init_std, "a positive number")
+    # Far above 1 the first forward pass overflows or saturates and every gradient is 0 or NaN:
+    # the run would "train" without learning anything (0.02 is the usual choice).
+    _require(0 < m.init_std <= MAX_INIT_STD, "model.init_std", m.init_std,
+             f"a standard deviation in (0, {MAX_INIT_STD}] (0.02 is usual)")
 
     _require(d.source in DATA_SOURCES, "data.source", d.source, f"one of {', '.join(DATA_SOURCES)}")
     if d.source in ("text", "jsonl", "array_record"):
@@ -556,13 +734,7 @@ def validate(cfg: Config) -> None:
     _require((d.source == "mixture") == bool(d.mixture), "data.mixture", list(d.mixture),
              "a non-empty list of {source, paths, weight} exactly when data.source=mixture")
     for i, part in enumerate(d.mixture):
-        key = f"data.mixture[{i}]"
-        _require(isinstance(part, dict) and set(part) <= {"source", "paths", "weight"} and "source" in part,
-                 key, part, "a mapping with keys source, paths (list) and weight")
-        _require(part["source"] in MIXTURE_SOURCES, f"{key}.source", part["source"], f"one of {', '.join(MIXTURE_SOURCES)}")
-        _require(isinstance(part.get("paths", []), list), f"{key}.paths", part.get("paths"), "a list of paths")
-        weight = part.get("weight", 1.0)
-        _require(isinstance(weight, (int, float)) and weight > 0, f"{key}.weight", weight, "a positive number")
+        _validate_mixture_part(part, f"data.mixture[{i}]")
     _positive(d, "data", "seq_len", "global_batch", "read_threads", "eval_batches")
     _require(d.workers >= 0, "data.workers", d.workers, "an integer >= 0 (0: read in the training process)")
     _require(d.prefetch >= 0, "data.prefetch", d.prefetch, "an integer >= 0")
@@ -585,10 +757,11 @@ def validate(cfg: Config) -> None:
     _require(t.loss_chunks >= 1 and d.seq_len % t.loss_chunks == 0, "train.loss_chunks", t.loss_chunks,
              f"an integer >= 1 dividing data.seq_len={d.seq_len}")
     _require(t.remat in REMAT_POLICIES, "train.remat", t.remat, f"one of {', '.join(REMAT_POLICIES)}")
+    _validate_compiler_options(t.compiler_options)
     _require(t.profile_steps == () or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
              "train.profile_steps", list(t.profile_steps), "[] or [first, last] with 1 <= first <= last")
 
-    _require(o.lr > 0, "optim.lr", o.lr, "a positive learning rate")
+    _require(0 < o.lr <= MAX_LR, "optim.lr", o.lr, f"a learning rate in (0, {MAX_LR}] (AdamW)")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "an integer >= 0")
     _require(o.schedule_steps >= 0, "optim.schedule_steps", o.schedule_steps, "an integer >= 0 (0: train.steps)")
     horizon = o.schedule_steps or t.steps
@@ -604,12 +777,18 @@ def validate(cfg: Config) -> None:
     for name in ("data", "fsdp", "tensor"):
         v = getattr(cfg.mesh, name)
         _require(v == -1 or v >= 1, f"mesh.{name}", v, "a positive integer or -1 (the remaining devices)")
-    _require([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh", cfg.to_dict()["mesh"],
-             "at most one axis of size -1")
+    axes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+    _require(list(axes.values()).count(-1) <= 1, "mesh", axes, "at most one axis of size -1")
 
     dist = cfg.distributed
     _require(dist.num_processes >= 0, "distributed.num_processes", dist.num_processes, "an integer >= 0")
+    _require(dist.init_timeout_s > 0, "distributed.init_timeout_s", dist.init_timeout_s, "a positive number of seconds")
+    _require(dist.heartbeat_timeout_s >= 1, "distributed.heartbeat_timeout_s", dist.heartbeat_timeout_s,
+             "an integer number of seconds >= 1")
     if dist.coordinator:
+        host, _, port = dist.coordinator.rpartition(":")
+        _require(bool(host) and port.isdigit() and 1 <= int(port) <= 65535, "distributed.coordinator",
+                 dist.coordinator, "host:port with a port in [1, 65535]")
         _require(dist.num_processes >= 1, "distributed.num_processes", dist.num_processes,
                  "the number of processes when distributed.coordinator is set")
         _require(0 <= dist.process_id < dist.num_processes, "distributed.process_id", dist.process_id,

@@ -12,7 +12,11 @@ CPU processes exchange collectives through gloo, so multi-process runs work with
 from __future__ import annotations
 
 import glob
+import math
 import os
+import socket
+import sys
+import threading
 from typing import Mapping
 
 import jax
@@ -78,19 +82,117 @@ def slurm_local_device_ids(env: Mapping[str, str] = os.environ, gpus_on_node: in
     return [local]
 
 
+# Exit code of a process whose peers did not all join in time (bad start-up, like bad input).
+INIT_TIMEOUT_EXIT_CODE = 2
+# JAX's own start-up limit is set this much above ours, so ours always fires first: JAX's ends
+# in a C++ abort (exit 134) blaming "another task", after its full timeout.
+_JAX_INIT_MARGIN_S = 60
+
+
+def _check_coordinator_host(address: str) -> None:
+    """An unknown host name is a one-line error now, not a start-up timeout later."""
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(f"distributed.coordinator={address}: host {host!r} does not resolve "
+                        f"({getattr(e, 'strerror', None) or e}); expected a reachable host:port") from None
+
+
+def _reachable(address: str) -> str:
+    """'' when a TCP connection to ``address`` opens now, else why not."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+        return ""
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+def _start_up_report(address: str, process_id: int, num_processes: int, timeout_s: float) -> str:
+    """The one line a process prints when the processes have not all joined in ``timeout_s``.
+    JAX's coordination service does not tell a waiting process which peers are missing, so the
+    line says who is known to be there: process 0 hosts the service; a process that cannot even
+    reach it names the coordinator."""
+    waited = f"distributed.init_timeout_s={timeout_s:g}"
+    if process_id != 0 and (why := _reachable(address)):
+        return (f"distributed.coordinator={address}: not reachable from process {process_id} within {waited} "
+                f"({why}); expected process 0 to be running there")
+    others = [str(p) for p in range(num_processes) if p != process_id]
+    who = (f"process {others[0]}" if len(others) == 1 else
+           f"one or more of processes {', '.join(others[:8])}{', ...' if len(others) > 8 else ''}")
+    return (f"distributed: process {process_id} of {num_processes} waited {waited} at {address}, but not every "
+            f"process joined ({who} never started or died first); start all of them, or raise "
+            "distributed.init_timeout_s")
+
+
+def _join_within(timeout_s: float, report) -> threading.Timer:
+    """Give up the start-up after ``timeout_s``: print ``report()`` as one line and exit with
+    INIT_TIMEOUT_EXIT_CODE. A timer thread, because the blocked call is JAX's C++ connect, which
+    no Python exception can interrupt."""
+    def expire() -> None:
+        print(f"error: {report()}", file=sys.stderr, flush=True)
+        os._exit(INIT_TIMEOUT_EXIT_CODE)
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+# Exit code of a process whose collective failed because a peer process died.
+PEER_LOST_EXIT_CODE = 4
+# How a collective reports a vanished peer: gloo (CPU) and NCCL (GPU) messages, the
+# coordination service's heartbeat verdict.
+_PEER_LOST_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Gloo", "NCCL", "heartbeat",
+                    "remote process exited", "unhealthy")
+
+
+def _stop_quietly_when_a_peer_is_lost(previous=None) -> None:
+    """Install a ``sys.excepthook`` for multi-process runs: an uncaught runtime error from a
+    collective that lost its peer ends the process with one line and PEER_LOST_EXIT_CODE,
+    skipping interpreter shutdown, where JAX's shutdown barrier would abort the process
+    (exit 134, a C++ stack trace) because that peer never arrives. Other errors go to the
+    previous hook."""
+    previous = previous or sys.excepthook
+
+    def hook(kind, error, tb):
+        text = str(error)
+        if type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and any(s in text for s in _PEER_LOST_SIGNS):
+            first = (text.strip().splitlines() or [kind.__name__])[0][:300]
+            print(f"error: distributed: process {jax.process_index()} of {jax.process_count()} lost a peer "
+                  f"process (it died or was killed; its own log says why): {first}", file=sys.stderr, flush=True)
+            os._exit(PEER_LOST_EXIT_CODE)
+        previous(kind, error, tb)
+
+    sys.excepthook = hook
+
+
 def initialize(cfg: DistributedConfig, env: Mapping[str, str] = os.environ) -> str:
-    """Join the multi-process runtime if there is one; returns how the process started."""
+    """Join the multi-process runtime if there is one; returns how the process started.
+
+    Every process must join within ``distributed.init_timeout_s``; a process that dies later is
+    declared dead by JAX after ``distributed.heartbeat_timeout_s`` (docs/RELIABILITY.md)."""
     # CPU collectives across processes need an implementation; GPUs use NCCL regardless.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    limits = {"initialization_timeout": int(math.ceil(cfg.init_timeout_s)) + _JAX_INIT_MARGIN_S,
+              "heartbeat_timeout_seconds": int(cfg.heartbeat_timeout_s)}
     if cfg.coordinator:
+        _check_coordinator_host(cfg.coordinator)
+        timer = _join_within(cfg.init_timeout_s, lambda: _start_up_report(
+            cfg.coordinator, cfg.process_id, cfg.num_processes, cfg.init_timeout_s))
         # JAX's coordination service (started by process 0) binds to [::]:port, every interface,
         # unless told otherwise; bind it to the configured address only, so a run on loopback or
         # on the cluster network is not reachable from elsewhere. The environment variable
         # JAX_COORDINATOR_BIND_ADDRESS, which JAX reads, still wins for unusual setups (NAT).
-        jax.distributed.initialize(coordinator_address=cfg.coordinator,
-                                   num_processes=cfg.num_processes, process_id=cfg.process_id,
-                                   coordinator_bind_address=os.environ.get("JAX_COORDINATOR_BIND_ADDRESS",
-                                                                           cfg.coordinator))
+        try:
+            jax.distributed.initialize(coordinator_address=cfg.coordinator,
+                                       num_processes=cfg.num_processes, process_id=cfg.process_id,
+                                       coordinator_bind_address=os.environ.get("JAX_COORDINATOR_BIND_ADDRESS",
+                                                                               cfg.coordinator), **limits)
+        finally:
+            timer.cancel()
+        _stop_quietly_when_a_peer_is_lost()
         return f"explicit coordinator {cfg.coordinator}, process {cfg.process_id} of {cfg.num_processes}"
     if in_slurm_step(env):
         # JAX's own Slurm detection finds the coordinator (first node of the step, a port
@@ -98,7 +200,15 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] = os.environ) -> s
         # device ids it would pick only restrict GPUs, so they do no harm there. JAX derives the
         # coordinator address itself here and binds its service to every interface of the first
         # node; set JAX_COORDINATOR_BIND_ADDRESS=<node address>:<port> to narrow it.
-        jax.distributed.initialize(local_device_ids=slurm_local_device_ids(env))
+        procid, ntasks = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        timer = _join_within(cfg.init_timeout_s, lambda: (
+            f"distributed: Slurm task {procid} of {ntasks}: not every task joined within "
+            f"distributed.init_timeout_s={cfg.init_timeout_s:g}; check the other tasks' logs"))
+        try:
+            jax.distributed.initialize(local_device_ids=slurm_local_device_ids(env), **limits)
+        finally:
+            timer.cancel()
+        _stop_quietly_when_a_peer_is_lost()
         return (f"Slurm job {env['SLURM_JOB_ID']}, task {env['SLURM_PROCID']} of {env['SLURM_NTASKS']}"
                 f" on {env.get('SLURMD_NODENAME', '?')}")
     return "single process"

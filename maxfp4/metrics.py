@@ -9,9 +9,9 @@ score and value products forward and backward, halved because causal attention s
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
-import time
 from typing import Any
 
 import jax
@@ -98,6 +98,17 @@ def policy_peak_tflops(cfg: ModelConfig, seq_len: int, policy: PrecisionPolicy,
     return (total + head) / (seconds + head / peak_for(policy.lm_head))
 
 
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS``, with days in front past 24 hours (``3d 04:05:06``): plain arithmetic, as
+    ``time.gmtime`` wraps at a day and raises past year 9999 (a run of 10**12 steps)."""
+    if not math.isfinite(seconds):
+        return "unknown"
+    total = max(int(seconds), 0)
+    days, rest = divmod(total, 86400)
+    text = f"{rest // 3600:02d}:{rest // 60 % 60:02d}:{rest % 60:02d}"
+    return f"{days}d {text}" if days else text
+
+
 class MetricsLogger:
     """Writes metrics.jsonl and TensorBoard events (when ``enabled``), and a progress line."""
 
@@ -137,7 +148,7 @@ class MetricsLogger:
             parts.append(f"MFU {100 * r['mfu']:.1f}%")
         eta = r.get("eta_s")
         if eta is not None:
-            parts.append(f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+            parts.append(f"ETA {format_duration(eta)}")
         return " | ".join(parts)
 
     def close(self) -> None:

@@ -62,7 +62,7 @@ def test_include_merges_presets(tmp_path):
     ("precision.default=[bf16]", "precision.default=['bf16']: expected a string"),
     ("data.source=parquet", "data.source='parquet': expected one of"),
     ("data.source=text", "data.paths=[]: expected at least one file"),
-    ("optim.lr=0", "optim.lr=0.0: expected a positive learning rate"),
+    ("optim.lr=0", "optim.lr=0.0: expected a learning rate in (0, 1.0]"),
     ("checkpoint.async=maybe", "checkpoint.async='maybe': expected true or false"),
     ("mesh.data=-1", None),  # valid: one axis may be -1
     ("train.microbatches=3", "train.microbatches=3: expected a divisor of data.global_batch=16"),
@@ -125,3 +125,131 @@ def test_readme_config_walkthrough_is_a_valid_config(tmp_path):
     (tmp_path / "walkthrough.yaml").write_text(block)
     cfg = load_config(str(tmp_path / "walkthrough.yaml"))
     assert cfg.train.remat == "none" and cfg.data.source == "builtin"
+
+
+# ----------------------------------------------------------------------------- hostile input
+
+def _alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """A ~1 KB config whose mappings of aliases expand to width**levels values ("billion
+    laughs"), hidden where the schema takes any mapping."""
+    lines = ["train:", "  compiler_options:",
+             "    l0: &l0 {" + ", ".join(f"k{j}: lol" for j in range(width)) + "}"]
+    for k in range(1, levels):
+        lines.append(f"    l{k}: &l{k} {{" + ", ".join(f"k{j}: *l{k - 1}" for j in range(width)) + "}")
+    return "\n".join(lines) + "\n"
+
+
+def _cli(args, tmp_path, limit_bytes=None, timeout=60):
+    """``python -m maxfp4.train`` in a real process, optionally under an address-space cap."""
+    import resource
+
+    def cap():
+        if limit_bytes:
+            resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+    return subprocess.run([sys.executable, "-m", "maxfp4.train", *map(str, args), f"run.output_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=timeout, preexec_fn=cap,
+                          env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
+
+
+def _one_line(proc) -> str:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_alias_bomb_is_refused_in_one_line_within_bounded_time_and_memory(tmp_path):
+    """9**9 values from 1 KB: refused by the loader before any object is built, under a 2 GiB
+    address-space cap and within a few seconds (the old loader ran out of memory)."""
+    import time
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_alias_bomb())
+    assert bomb.stat().st_size < 1024
+    start = time.monotonic()
+    proc = _cli([bomb], tmp_path / "out", limit_bytes=2 << 30)
+    line = _one_line(proc)
+    assert time.monotonic() - start < 30
+    assert f"config file {bomb} line" in line and "aliases expand it to more than 100000 values" in line
+    # the same bomb in an override, and a self-referencing alias
+    with pytest.raises(ConfigError, match="override train.compiler_options: refused: aliases expand"):
+        load_config(None, ["train.compiler_options=" + "{" + _alias_bomb().split("compiler_options:\n", 1)[1]
+                           .replace("\n    ", ", ").replace("\n", "") .strip() + "}"])
+    with pytest.raises(ConfigError, match="an alias refers to a collection that contains it"):
+        load_config(None, ["precision.recipes=&a {nvfp4: *a}"])
+    with pytest.raises(ConfigError, match="nested deeper than 64 levels"):
+        load_config(None, ["precision.rules=" + "[" * 500 + "]" * 500])
+
+
+def test_small_anchors_still_load(tmp_path):
+    """Anchors and merge keys as configs use them stay valid."""
+    path = tmp_path / "anchors.yaml"
+    path.write_text("model: &m {d_model: 128, n_heads: 4}\n"
+                    "precision:\n  rules:\n    - &r {classes: [mlp_up], recipe: bf16}\n    - {<<: *r, classes: [mlp_down]}\n")
+    cfg = load_config(str(path))
+    assert cfg.model.d_model == 128 and [r["classes"] for r in cfg.precision.rules] == [["mlp_up"], ["mlp_down"]]
+
+
+def test_bounded_error_messages_never_expand_a_structure():
+    """A refused value is described in at most 60 characters, whatever it holds."""
+    from maxfp4.config import describe
+    shared = ["x" * 100] * 10
+    for _ in range(30):
+        shared = [shared] * 10  # 10**31 leaves if expanded
+    assert len(describe(shared)) <= 60
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["mesh.data=-1", "mesh.fsdp=-1"])
+    assert str(err.value) == "mesh={'data': -1, 'fsdp': -1, 'tensor': 1}: expected at most one axis of size -1"
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train.steps=100000000000000000000", "train.steps=100000000000000000000: expected an integer in [-2147483648, 2147483647]"),
+    ("run.seed=1000000000000000000000000000000", "run.seed=1000000000000000000000000000000: expected an integer in"),
+    ("model.d_model=1e400", "model.d_model='1e400': expected an integer"),
+    ("optim.lr=.inf", "optim.lr=inf: expected a finite number"),
+    ("optim.lr=.nan", "optim.lr=nan: expected a finite number"),
+    ("optim.lr=1e400", "optim.lr='1e400': expected a finite number"),
+    ("optim.lr=-3e-4", "optim.lr=-0.0003: expected a learning rate in (0, 1.0]"),
+    ("optim.lr=50", "optim.lr=50.0: expected a learning rate in (0, 1.0]"),
+    ("model.init_std=1e30", "model.init_std=1e+30: expected a standard deviation in (0, 1.0]"),
+    ("resilience.hang_timeout_s=.inf", "resilience.hang_timeout_s=inf: expected a finite number"),
+    ('run.name="a\\0b"', "run.name='a\\x00b': expected text without control characters (found '\\x00' at position 1)"),
+    ('data.tokenizer="tok\\nmodel"', "data.tokenizer='tok\\nmodel': expected text without control characters"),
+    ('data.paths=["a.txt", "b\\x1b[2J.txt"]', "data.paths[1]='b\\x1b[2J.txt': expected text without control"),
+    ('"run.n\\0me=x"', None),
+    ("data.mixture=[{source: text, paths: [1, null]}]", "data.mixture[0].paths[0]=1: expected a file, glob or directory name"),
+    ("data.mixture=[{source: text, paths: [[a.txt]]}]", "data.mixture[0].paths[0]=['a.txt']: expected a file"),
+    ("data.mixture=[{source: [text], paths: [a.txt]}]", "data.mixture[0].source=['text']: expected one of"),
+    ("data.mixture=[{source: text, paths: [a.txt], weight: .inf}]", "data.mixture[0].weight=inf: expected a positive finite"),
+    ("train.compiler_options={xla_x: {a: 1}}", "train.compiler_options.xla_x={'a': 1}: expected true/false"),
+    ("distributed.coordinator=localhost", "distributed.coordinator='localhost': expected host:port"),
+    ("distributed.init_timeout_s=0", "distributed.init_timeout_s=0.0: expected a positive number of seconds"),
+])
+def test_hostile_values_are_refused_in_one_line(override, fragment):
+    overrides = [override] + (["data.source=mixture"] if override.startswith("data.mixture") else [])
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    message = str(err.value)
+    assert "\n" not in message and "\0" not in message and len(message) < 300, message
+    if fragment is not None:
+        assert fragment in message, message
+
+
+def test_huge_steps_nul_name_and_inf_lr_exit_2_from_the_cli(tmp_path):
+    """Each used to be accepted: the ETA formatting crashed on 10**20 steps, a NUL reached the
+    file system, an infinite learning rate ran until the guard declared divergence."""
+    quick = os.path.join(REPO, "configs", "quickstart.yaml")
+    for override, fragment in [("train.steps=100000000000000000000", "train.steps=100000000000000000000"),
+                               ('run.name="a\\0b"', "run.name='a\\x00b'"), ("optim.lr=.inf", "optim.lr=inf")]:
+        line = _one_line(_cli([quick, override], tmp_path / "out"))
+        assert line.startswith("error: " + fragment), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_eta_is_formatted_past_a_day_and_for_any_run_length():
+    from maxfp4.metrics import format_duration
+    assert format_duration(0) == "00:00:00"
+    assert format_duration(3661.9) == "01:01:01"
+    assert format_duration(30 * 3600 + 5) == "1d 06:00:05"  # time.strftime("%H") wrapped to 06:00:05
+    assert format_duration(2**31 * 1e4) == f"{int(2**31 * 1e4) // 86400}d " + format_duration(int(2**31 * 1e4) % 86400)
+    assert format_duration(float("inf")) == "unknown"

@@ -350,3 +350,36 @@ def test_cli_corrupt_shard_and_bad_jsonl_exit_2(prepared, tmp_path):
     proc = _train_cli(tmp_path, "data.source=jsonl", f"data.paths=[{bad}]")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{bad}:3: no field 'text'" in proc.stderr
+
+
+def test_deeply_nested_jsonl_line_is_named(tmp_path):
+    """json's decoder recurses per level: a 100,000-deep line raised RecursionError."""
+    from maxfp4.data.sources import read_jsonl_file
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": "fine"}\n' + "[" * 100_000 + "]" * 100_000 + "\n", encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        read_jsonl_file(str(path), "text")
+    assert str(err.value) == (f"data.paths: {path}:2: JSON nested too deeply to read; expected one object per "
+                              "line with a string field")
+
+
+def test_shard_corrupted_mid_run_is_named_in_one_line_exit_2(prepared, tmp_path):
+    """Bytes flipped inside a chunk of a prepared shard: the shard still opens (its footer is
+    intact), so the damage shows when training reads that record. The run ends with one line
+    naming the shard and record, exit code 2 (before: a grain traceback not naming the file,
+    exit 1)."""
+    import shutil
+    out, _ = prepared
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    shard = broken / "shard-00000.array_record"
+    raw = bytearray(shard.read_bytes())
+    raw[20000:20064] = bytes(b ^ 0xFF for b in raw[20000:20064])  # inside a chunk, not a block header
+    shard.write_bytes(bytes(raw))
+    proc = _train_cli(tmp_path, "data.source=array_record", f"data.paths=[{broken}]", "train.steps=30",
+                      "train.log_every=1")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert re.match(rf"error: data.paths: ArrayRecord shard {re.escape(str(shard))} is corrupt: record \d+ cannot be "
+                    r"read \(Corrupted Riegeli", proc.stderr), proc.stderr
+    assert "step      1/30" in proc.stdout  # it failed mid-run, not at start-up

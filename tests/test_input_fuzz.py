@@ -114,3 +114,105 @@ def test_yaml_python_tags_are_refused(tmp_path):
     else:
         raise AssertionError("a python tag was accepted")
     assert not (tmp_path / "pwned").exists()
+
+
+# ----------------------------------------------------------------------------- every field, hostile values
+
+def _leaf_fields(cls=None, prefix=""):
+    """(dotted key, type) of every leaf field of Config, found by walking the dataclasses, so a
+    field added later is fuzzed without touching this file."""
+    import dataclasses
+    import typing
+
+    from maxfp4.config import Config
+    cls = cls or Config
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = prefix + f.metadata.get("key", f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _leaf_fields(hints[f.name], key + ".")
+        else:
+            yield key, hints[f.name]
+
+
+LEAVES = list(_leaf_fields())
+STRING_LEAVES = [k for k, t in LEAVES if t is str or t == tuple[str, ...]]
+CONTROL = st.sampled_from(["\0", "\n", "\r", "\x1b[2J", "\x7f", "\x85", "\ud800", "\t"])
+HOSTILE_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _alias_bomb_value(levels, width):
+    """YAML flow text for one value: ``width**levels`` values once its aliases are expanded."""
+    text = "[" + ", ".join(["&l0 [lol, lol]"] + [f"&l{k} [" + ", ".join([f"*l{k - 1}"] * width) + "]"
+                                                  for k in range(1, levels)]) + "]"
+    return text
+
+
+class _address_space_cap:
+    """Cap this process's address space at its current size + ``extra`` bytes while the block
+    runs (soft limit only, restored after), so a loader that expands an alias bomb fails with
+    MemoryError instead of taking the machine's memory."""
+
+    def __init__(self, extra=2 << 30):
+        import resource
+        self.resource, self.extra = resource, extra
+
+    def __enter__(self):
+        r = self.resource
+        self.saved = r.getrlimit(r.RLIMIT_AS)
+        with open("/proc/self/statm") as fh:
+            current = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        cap = current + self.extra
+        if self.saved[1] != r.RLIM_INFINITY:
+            cap = min(cap, self.saved[1])
+        r.setrlimit(r.RLIMIT_AS, (cap, self.saved[1]))
+
+    def __exit__(self, *exc):
+        self.resource.setrlimit(self.resource.RLIMIT_AS, self.saved)
+
+
+def _refused_in_one_line(overrides):
+    try:
+        with _address_space_cap():
+            load_config(None, overrides)
+    except ConfigError as e:
+        message = str(e)
+        assert "\n" not in message and "\0" not in message and len(message) < 400, message
+
+
+def test_every_leaf_field_is_fuzzed():
+    keys = dict(LEAVES)
+    assert {"run.name", "run.seed", "optim.lr", "data.paths", "data.mixture", "train.compiler_options"} <= set(keys)
+    assert "run.name" in STRING_LEAVES and "data.paths" in STRING_LEAVES
+
+
+@HOSTILE_FUZZ
+@given(key=st.sampled_from([k for k, _ in LEAVES]), levels=st.integers(2, 12), width=st.integers(2, 12))
+def test_nested_aliases_in_any_field_are_bounded(key, levels, width):
+    """Up to 12**12 values from a few hundred bytes: a valid config or a one-line error, fast."""
+    import time
+    start = time.monotonic()
+    _refused_in_one_line([f"{key}={_alias_bomb_value(levels, width)}"])
+    assert time.monotonic() - start < 5
+
+
+@HOSTILE_FUZZ
+@given(key=st.sampled_from([k for k, _ in LEAVES]),
+       value=st.integers(-10**40, 10**40) | st.sampled_from([2**31 - 1, 2**31, -2**31 - 1, 2**63, 10**400,
+                                                             ".inf", "-.inf", ".nan", "1e400", "-1e400"]))
+def test_huge_integers_and_non_finite_numbers_in_any_field(key, value):
+    _refused_in_one_line([f"{key}={value}"])
+
+
+@HOSTILE_FUZZ
+@given(key=st.sampled_from(STRING_LEAVES), before=st.text(max_size=5), control=CONTROL, after=st.text(max_size=5))
+def test_control_characters_in_every_string_field_are_refused(key, before, control, after):
+    import json
+    text = before + control + after
+    value = json.dumps(text)  # a YAML double-quoted scalar carrying the character escaped
+    try:
+        load_config(None, [f"{key}={value}"])
+    except ConfigError as e:
+        assert "\n" not in str(e) and "\0" not in str(e)
+        return
+    raise AssertionError(f"{key}={text!r} was accepted")

@@ -87,3 +87,77 @@ def test_two_processes_train_the_hybrid_with_its_kernels_on_each_devices_rows(re
     assert len(one) == len(two) == 3 and one[-1] < one[0]
     for a, c in zip(one, two):
         assert abs(a - c) <= 2e-3 * a, (one, two)
+
+
+# ----------------------------------------------------------------------------- start-up and lost peers
+
+SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
+         "model.vocab_size=256", "data.source=synthetic", "data.seq_len=32", "data.global_batch=8",
+         "optim.warmup_steps=0", "checkpoint.enabled=false", "resilience.preflight=false"]
+
+
+def _process(tmp_path, name, coordinator, process_id, *extra):
+    args = [sys.executable, "-m", "maxfp4.train", os.path.join(REPO, "configs", "quickstart.yaml"), *SMALL,
+            f"run.output_dir={tmp_path}", f"run.name={name}", f"distributed.coordinator={coordinator}",
+            "distributed.num_processes=2", f"distributed.process_id={process_id}", *extra]
+    return subprocess.Popen(args, env=cpu_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _last_line(proc, timeout):
+    out, err = proc.communicate(timeout=timeout)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert "Traceback" not in err and "Check failure" not in err, err[-3000:]
+    return lines[-1] if lines else "", out, err
+
+
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_process_whose_peer_never_starts_stops_after_init_timeout_with_one_line(tmp_path, process_id):
+    """Only one of two processes started: process 0 (hosting the coordinator) and process 1
+    (finding no coordinator) each end after distributed.init_timeout_s with one line and exit
+    code 2 (before: a C++ abort after JAX's 300 s, blaming "another task")."""
+    import time
+    coordinator = f"127.0.0.1:{_free_port()}"
+    start = time.monotonic()
+    proc = _process(tmp_path, "alone", coordinator, process_id, "distributed.init_timeout_s=3")
+    line, _, err = _last_line(proc, timeout=120)
+    assert proc.returncode == 2, err[-3000:]
+    assert time.monotonic() - start < 60
+    if process_id == 0:
+        assert line == (f"error: distributed: process 0 of 2 waited distributed.init_timeout_s=3 at {coordinator}, "
+                        "but not every process joined (process 1 never started or died first); start all of them, "
+                        "or raise distributed.init_timeout_s"), err[-2000:]
+    else:
+        assert line.startswith(f"error: distributed.coordinator={coordinator}: not reachable from process 1 within "
+                               "distributed.init_timeout_s=3 ("), err[-2000:]
+
+
+def test_an_unresolvable_coordinator_host_is_one_line(tmp_path):
+    proc = _process(tmp_path, "nohost", "no-such-host.invalid:1234", 1)
+    line, _, err = _last_line(proc, timeout=120)
+    assert proc.returncode == 2
+    assert line.startswith("error: distributed.coordinator=no-such-host.invalid:1234: host 'no-such-host.invalid' "
+                           "does not resolve"), err[-2000:]
+    assert len([l for l in err.splitlines() if l.strip()]) == 1, err
+
+
+def test_a_peer_killed_mid_run_ends_the_survivor_with_one_line_and_exit_4(tmp_path):
+    """kill -9 of process 1 while both train: process 0's next collective fails; it leaves
+    crash.json and ends with one line naming the lost peer's connection and exit code 4 (before:
+    a traceback, then JAX's shutdown barrier aborted it with exit 134)."""
+    import signal
+    import time
+    coordinator = f"127.0.0.1:{_free_port()}"
+    extra = ["train.steps=100000", "train.log_every=1", "mesh.data=2", "distributed.heartbeat_timeout_s=5"]
+    survivor = _process(tmp_path, "killed", coordinator, 0, *extra)
+    victim = _process(tmp_path, "killed", coordinator, 1, *extra)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert time.monotonic() < deadline and survivor.poll() is None, "the two processes never trained"
+        time.sleep(0.2)
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate()
+    line, out, err = _last_line(survivor, timeout=120)
+    assert survivor.returncode == 4, err[-3000:]
+    assert line.startswith("error: distributed: process 0 of 2 lost a peer process (it died or was killed"), line
+    assert (tmp_path / "killed" / "crash.json").exists()

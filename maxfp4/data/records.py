@@ -85,8 +85,8 @@ def read_manifest(directory: str) -> dict:
     except FileNotFoundError:
         raise DataError(f"data.paths: {directory} has no {MANIFEST}; expected a directory written by "
                         "python -m maxfp4.data.prepare (an interrupted prepare leaves none: rerun it)") from None
-    except (OSError, ValueError) as e:
-        raise DataError(f"data.paths: cannot read {path}: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise DataError(f"data.paths: cannot read {path}: {e or type(e).__name__}") from None
     keys = ("format", "vocab_size", "tokenizer_sha256", "shards")
     if not isinstance(manifest, dict) or any(k not in manifest for k in keys):
         raise DataError(f"data.paths: {path} is not a prepare manifest (expected keys {', '.join(keys)})")
@@ -103,25 +103,45 @@ class TokenShards:
     packing needs no document; ``__getitem__`` reads one record through grain's ArrayRecord source.
     """
 
-    def __init__(self, paths: Sequence[str], lengths_N: np.ndarray):
+    def __init__(self, paths: Sequence[str], lengths_N: np.ndarray, shard_sizes: Sequence[int] | None = None):
         self.paths = tuple(paths)
         self.lengths_N = lengths_N
+        # first document index of each shard, to name the file a bad record lives in
+        self.shard_starts = np.cumsum([0, *(shard_sizes or [len(lengths_N)])])[:-1]
         self._source = None
 
     def __len__(self) -> int:
         return len(self.lengths_N)
 
-    def __getitem__(self, index: int) -> np.ndarray:
-        if self._source is None:
-            import grain
+    def shard_of(self, index: int) -> tuple[str, int]:
+        """(shard path, record number in it) of document ``index``."""
+        shard = int(np.searchsorted(self.shard_starts, index, side="right")) - 1
+        return self.paths[min(shard, len(self.paths) - 1)], index - int(self.shard_starts[shard])
 
-            self._source = grain.sources.ArrayRecordDataSource(list(self.paths))
-        return np.frombuffer(self._source[int(index)], TOKEN_DTYPE)
+    def __getitem__(self, index: int) -> np.ndarray:
+        index = int(index)
+        try:
+            if self._source is None:
+                import grain
+
+                self._source = grain.sources.ArrayRecordDataSource(list(self.paths))
+            raw = self._source[index]
+        except Exception as e:  # riegeli reports a damaged chunk as one of several error types
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise self._corrupt(index, f"cannot be read ({reason})") from None
+        if len(raw) != 4 * int(self.lengths_N[index]):  # the sidecar and the shard disagree
+            raise self._corrupt(index, f"holds {len(raw)} bytes, expected {4 * int(self.lengths_N[index])}")
+        return np.frombuffer(raw, TOKEN_DTYPE)
+
+    def _corrupt(self, index: int, what: str) -> DataError:
+        path, record = self.shard_of(index)
+        return DataError(f"data.paths: ArrayRecord shard {path} is corrupt: record {record} {what}; "
+                         "rerun prepare with --force")
 
     def __getstate__(self) -> dict:
         # grain pickles the dataset into its worker processes; an open reader does not travel,
         # so each worker opens the shards itself on first read.
-        return {"paths": self.paths, "lengths_N": self.lengths_N, "_source": None}
+        return dict(self.__dict__, _source=None)
 
 
 def open_prepared(directories: Sequence[str]) -> tuple[TokenShards, str, dict]:
@@ -168,4 +188,4 @@ def open_prepared(directories: Sequence[str]) -> tuple[TokenShards, str, dict]:
     if not len(lengths_N):
         raise DataError(f"data.paths: {', '.join(directories)} hold no documents; expected prepared data")
     tokenizer = os.path.join(first["directory"], TOKENIZER)
-    return TokenShards(tuple(shard_paths), lengths_N), tokenizer, first
+    return TokenShards(tuple(shard_paths), lengths_N, [len(n) for n in lengths]), tokenizer, first

@@ -125,6 +125,9 @@ def read_jsonl_file(path: str, field: str) -> list[str]:
             record = json.loads(line)
         except ValueError as e:
             raise DataError(f"data.paths: {path}:{number}: not valid JSON ({e.msg})") from None
+        except RecursionError:  # json's decoder recurses once per level of [ or {
+            raise DataError(f"data.paths: {path}:{number}: JSON nested too deeply to read; expected one "
+                            "object per line with a string field") from None
         if not isinstance(record, dict) or field not in record:
             raise DataError(f"data.paths: {path}:{number}: no field {field!r} (set data.jsonl_field to the "
                             f"field holding the text)")
