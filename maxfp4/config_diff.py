@@ -37,6 +37,9 @@ HARMLESS_KEYS = (
     "data.workers", "data.read_threads", "data.prefetch", "data.eval_paths", "data.eval_batches",
     "checkpoint", "mesh", "distributed", "resilience",
 )
+# Harmless in themselves but shaping arrays the checkpoint holds: a resume that changes them
+# could not read its own checkpoint, so they are refused like the math (checked first).
+STATE_SHAPE_KEYS = ("resilience.spike_window",)  # the guard's window of losses
 # Compared through the schedule length they imply, not one by one.
 _SCHEDULE_KEYS = ("optim.schedule_steps", "train.steps")
 
@@ -62,7 +65,7 @@ def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def changes_math(key: str) -> bool:
-    return not _matches(key, HARMLESS_KEYS)
+    return _matches(key, STATE_SHAPE_KEYS) or not _matches(key, HARMLESS_KEYS)
 
 
 def _schedule_length(flat: dict[str, Any]) -> Any:

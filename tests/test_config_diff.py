@@ -82,3 +82,9 @@ def test_refusal_is_one_line_naming_every_key():
     message = str(info.value)
     assert "\n" not in message and "step 5" in message and "/runs/r" in message
     assert "model.n_layers: 4 -> 6" in message and "optim.warmup_steps: 5 -> 10" in message
+
+
+def test_guard_window_is_refused_on_resume_as_it_shapes_the_checkpoint():
+    # The guard's window of losses is an array in the checkpoint: another length could not restore.
+    assert _diff([], ["resilience.spike_window=8"]) == ["resilience.spike_window: 12 -> 8"]
+    assert _diff([], ["resilience.spike_margin=0.5", "resilience.spike_warmup=10"]) == []
