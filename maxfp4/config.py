@@ -523,11 +523,11 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
 def apply_override(raw: dict, override: str) -> dict:
     """Apply one ``dotted.key=value`` override (value parsed as YAML) to a raw config dict."""
     if "=" not in override:
-        raise ConfigError(f"override {override!r}: expected dotted.key=value")
+        raise ConfigError(f"override {describe(override)}: expected dotted.key=value")
     key, text = override.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {override!r}: expected dotted.key=value")
+        raise ConfigError(f"override {describe(override)}: expected dotted.key=value")
     try:
         value = load_yaml(text) if text.strip() else ""
     except yaml.YAMLError:
@@ -622,6 +622,9 @@ def _validate_resilience(res: ResilienceConfig) -> None:
 
 MAX_LR = 1.0  # AdamW's step is about lr per parameter: above 1 nothing sensible is left
 MAX_INIT_STD = 1.0
+# The deepest published stacks have a few hundred blocks; the precision table and the scan are
+# built per block, so an absurd count must be refused before anything is laid out for it.
+MAX_LAYERS = 4096
 _COMPILER_OPTION_VALUES = (bool, int, float, str)
 
 
@@ -707,6 +710,7 @@ def validate(cfg: Config) -> None:
         _require(not m.pattern, "model.pattern", m.pattern, "empty for model.kind=dense (set model.kind=hybrid)")
     _require(m.mlp in MLP_KINDS, "model.mlp", m.mlp, f"one of {', '.join(MLP_KINDS)}")
     _positive(m, "model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
+    _require(m.n_layers <= MAX_LAYERS, "model.n_layers", m.n_layers, f"at most {MAX_LAYERS} blocks")
     _require(m.head_dim >= 0, "model.head_dim", m.head_dim, "a positive integer (0: d_model // n_heads)")
     _require(m.d_model % m.n_heads == 0, "model.n_heads", m.n_heads,
              f"a divisor of model.d_model={m.d_model}")

@@ -8,7 +8,7 @@ import tempfile
 
 import yaml
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from maxfp4.config import ConfigError, load_config
@@ -138,7 +138,10 @@ def _leaf_fields(cls=None, prefix=""):
 LEAVES = list(_leaf_fields())
 STRING_LEAVES = [k for k, t in LEAVES if t is str or t == tuple[str, ...]]
 CONTROL = st.sampled_from(["\0", "\n", "\r", "\x1b[2J", "\x7f", "\x85", "\ud800", "\t"])
-HOSTILE_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# No shrink phase: a failing example is reported as generated, instead of minutes spent shrinking it.
+HOSTILE_FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+                        phases=[Phase.explicit, Phase.reuse, Phase.generate])
+BOUNDARY_VALUES = [2**31 - 1, 2**31, -2**31 - 1, 2**63, 10**400, -10**40, ".inf", "-.inf", ".nan", "1e400", "-1e400"]
 
 
 def _alias_bomb_value(levels, width):
@@ -202,6 +205,13 @@ def test_nested_aliases_in_any_field_are_bounded(key, levels, width):
                                                              ".inf", "-.inf", ".nan", "1e400", "-1e400"]))
 def test_huge_integers_and_non_finite_numbers_in_any_field(key, value):
     _refused_in_one_line([f"{key}={value}"])
+
+
+def test_every_boundary_number_in_every_field_is_accepted_or_refused_in_one_line():
+    """The sampled test above, exhaustively over the boundary values: each field x each value."""
+    for key, _ in LEAVES:
+        for value in BOUNDARY_VALUES:
+            _refused_in_one_line([f"{key}={value}"])
 
 
 @HOSTILE_FUZZ

@@ -14,7 +14,7 @@ import math
 from fractions import Fraction
 from typing import Any, Sequence
 
-from maxfp4.config import LAYER_CLASSES, ConfigError, PrecisionConfig
+from maxfp4.config import LAYER_CLASSES, ConfigError, PrecisionConfig, describe
 from maxfp4.precision.registry import RECIPES
 
 RULE_KEYS = ("classes", "layers", "recipe")
@@ -42,13 +42,13 @@ def _parse_layers(spec: Any, n_layers: int, key: str) -> frozenset[int]:
     if isinstance(spec, str):
         parts = spec.split(":")
         if len(parts) not in (2, 3):
-            raise ConfigError(f"{key}={spec!r}: expected a Python slice like '-4:' or '0:8:2', or a list of indices")
+            raise ConfigError(f"{key}={describe(spec)}: expected a Python slice like '-4:' or '0:8:2', or a list of indices")
         try:
             bounds = [_slice_bound(p, n_layers) for p in parts]
         except ValueError:
-            raise ConfigError(f"{key}={spec!r}: expected integers or percentages in the slice") from None
+            raise ConfigError(f"{key}={describe(spec)}: expected integers or percentages in the slice") from None
         if len(bounds) == 3 and bounds[2] == 0:
-            raise ConfigError(f"{key}={spec!r}: slice step must not be 0")
+            raise ConfigError(f"{key}={describe(spec)}: slice step must not be 0")
         picked = range(n_layers)[slice(*bounds)]
     elif isinstance(spec, int) and not isinstance(spec, bool):
         picked = [spec]
@@ -56,13 +56,13 @@ def _parse_layers(spec: Any, n_layers: int, key: str) -> frozenset[int]:
         picked = []
         for i in spec:
             if not isinstance(i, int) or isinstance(i, bool) or not -n_layers <= i < n_layers:
-                raise ConfigError(f"{key}: index {i!r} out of range for {n_layers} blocks")
+                raise ConfigError(f"{key}: index {describe(i)} out of range for {n_layers} blocks")
             picked.append(i % n_layers)
     else:
-        raise ConfigError(f"{key}={spec!r}: expected a slice string or a list of block indices")
+        raise ConfigError(f"{key}={describe(spec)}: expected a slice string or a list of block indices")
     chosen = frozenset(picked)
     if not chosen:
-        raise ConfigError(f"{key}={spec!r}: selects no block of {n_layers}")
+        raise ConfigError(f"{key}={describe(spec)}: selects no block of {n_layers}")
     return chosen
 
 
@@ -81,7 +81,7 @@ def _is_recipe(value: Any) -> bool:
 def _parse_rule(raw: Any, i: int, n_layers: int) -> Rule:
     key = f"precision.rules[{i}]"
     if not isinstance(raw, dict):
-        raise ConfigError(f"{key}={raw!r}: expected a mapping with classes/layers/recipe")
+        raise ConfigError(f"{key}={describe(raw)}: expected a mapping with classes/layers/recipe")
     unknown = sorted(set(raw) - set(RULE_KEYS))
     if unknown:
         raise ConfigError(f"{key}.{unknown[0]}: unknown key; expected one of {', '.join(RULE_KEYS)}")
@@ -89,15 +89,15 @@ def _parse_rule(raw: Any, i: int, n_layers: int) -> Rule:
         raise ConfigError(f"{key}: missing recipe; expected one of {', '.join(RECIPES)}")
     recipe = raw["recipe"]
     if not _is_recipe(recipe):
-        raise ConfigError(f"{key}.recipe={recipe!r}: unknown recipe; expected one of {', '.join(RECIPES)}")
+        raise ConfigError(f"{key}.recipe={describe(recipe)}: unknown recipe; expected one of {', '.join(RECIPES)}")
     classes = raw.get("classes", list(LAYER_CLASSES))
     if isinstance(classes, str):
         classes = [classes]
     if not isinstance(classes, list):
-        raise ConfigError(f"{key}.classes={classes!r}: expected a layer class or a list of them")
+        raise ConfigError(f"{key}.classes={describe(classes)}: expected a layer class or a list of them")
     for c in classes:
         if not isinstance(c, str) or c not in LAYER_CLASSES:
-            raise ConfigError(f"{key}.classes: unknown layer class {c!r}; expected one of {', '.join(LAYER_CLASSES)}")
+            raise ConfigError(f"{key}.classes: unknown layer class {describe(c)}; expected one of {', '.join(LAYER_CLASSES)}")
     layers = _parse_layers(raw["layers"], n_layers, key + ".layers") if "layers" in raw else None
     return Rule(frozenset(classes), layers, recipe)
 
@@ -150,7 +150,7 @@ OPTION_CHOICES = {"amax_algo": ("max", "most_recent")}
 
 
 def _check_option(recipe: str, key: str, value: Any, default: Any) -> None:
-    where = f"precision.recipes.{recipe}.{key}={value!r}"
+    where = f"precision.recipes.{recipe}.{key}={describe(value)}"
     if isinstance(default, dict):  # fast_accumulation: {forward: bool, backward: bool}
         if not (isinstance(value, dict) and set(value) <= set(default)
                 and all(isinstance(v, bool) for v in value.values())):
@@ -175,7 +175,7 @@ def _resolve_options(cfg: PrecisionConfig) -> dict[str, dict]:
             raise ConfigError(f"precision.recipes.{name}: unknown recipe; expected one of {', '.join(RECIPES)}")
         defaults = RECIPES[name][1]
         if not isinstance(opts, dict):
-            raise ConfigError(f"precision.recipes.{name}={opts!r}: expected a mapping of options")
+            raise ConfigError(f"precision.recipes.{name}={describe(opts)}: expected a mapping of options")
         for k, v in opts.items():
             if k not in defaults:
                 allowed = ", ".join(defaults) or "none"
@@ -197,7 +197,7 @@ def _with_defaults(defaults: dict, opts: dict) -> dict:
 
 def resolve_policy(cfg: PrecisionConfig, n_layers: int) -> PrecisionPolicy:
     if not _is_recipe(cfg.default):
-        raise ConfigError(f"precision.default={cfg.default!r}: unknown recipe; expected one of {', '.join(RECIPES)}")
+        raise ConfigError(f"precision.default={describe(cfg.default)}: unknown recipe; expected one of {', '.join(RECIPES)}")
     rules = [_parse_rule(r, i, n_layers) for i, r in enumerate(cfg.rules)]
     options = _resolve_options(cfg)
 
