@@ -26,7 +26,7 @@ from maxfp4.config import load_config
 from maxfp4.metrics import ssd_flops_per_token
 from maxfp4.model.mamba import dims
 from maxfp4.model.ssd import ssd_chunked
-from maxfp4.model.ssd_kernel import Tiling, chunk_outputs, kernel_inputs, ssd_fused
+from maxfp4.kernels.ssd import Tiling, chunk_outputs, kernel_inputs, ssd_fused
 from timing import median_ms
 
 

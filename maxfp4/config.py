@@ -214,7 +214,7 @@ class ResilienceConfig:
     # (params, optimizer and precision state unchanged; the step counter and data still advance).
     guard: bool = True
     # A spike: loss > (1 + spike_margin) x the median of the last spike_window finite losses
-    # (maxfp4.guard). Healthy runs measured up to 1.58 x the median (docs/RELIABILITY.md).
+    # (maxfp4.reliability.guard). Healthy runs measured up to 1.58 x the median (docs/RELIABILITY.md).
     spike_margin: float = 1.0  # 0: spikes off, only non-finite steps are skipped
     # Finite losses in the window, skipped ones included, so a lasting level shift is accepted
     # after at most spike_window // 2 + 1 skipped steps (kept below max_consecutive_skips).
@@ -228,7 +228,7 @@ class ResilienceConfig:
     hang_timeout_s: float = 0.0  # no step completes for this long -> stack dump, exit 124 (0: off)
     straggler_every: int = 0  # gather per-process host time per step every N steps (0: off)
     straggler_threshold: float = 1.2  # report processes slower than this x the median
-    preflight: bool = True  # run maxfp4.preflight's checks at start-up
+    preflight: bool = True  # run maxfp4.reliability.preflight's checks at start-up
     preflight_gemm: bool = False  # also time a GEMM on each device off GPU (always on GPU)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
@@ -599,7 +599,7 @@ def _validate_resilience(res: ResilienceConfig) -> None:
     _require(res.max_consecutive_skips >= 0, f"{p}.max_consecutive_skips", res.max_consecutive_skips,
              "an integer >= 0 (0: never roll back)")
     if res.guard and res.spike_margin > 0 and res.max_consecutive_skips > 0:
-        # A lasting level shift skips up to window // 2 + 1 steps (maxfp4.guard): never a rollback.
+        # A lasting level shift skips up to window // 2 + 1 steps (maxfp4.reliability.guard): never a rollback.
         _require(res.spike_window // 2 + 1 < res.max_consecutive_skips, f"{p}.spike_window", res.spike_window,
                  f"at most {2 * res.max_consecutive_skips - 3} with max_consecutive_skips="
                  f"{res.max_consecutive_skips} (a level shift skips up to spike_window // 2 + 1 steps)")
@@ -693,8 +693,8 @@ def validate(cfg: Config) -> None:
         _require(mb.kernels in ("auto", "xla", "pallas"), "model.mamba.kernels", mb.kernels,
                  "auto, xla or pallas")
         if mb.kernels == "pallas":
-            from maxfp4.model.conv_kernel import conv_kernel_supported
-            from maxfp4.model.ssd_kernel import kernel_supported
+            from maxfp4.kernels.conv import conv_kernel_supported
+            from maxfp4.kernels.ssd import kernel_supported
             _require(kernel_supported(mb.chunk_size, mb.head_dim, mb.d_state), "model.mamba.kernels",
                      mb.kernels, "xla or auto unless chunk_size, head_dim and d_state are powers of two >= 16")
             channels = mb.expand * m.d_model + 2 * mb.n_groups * mb.d_state

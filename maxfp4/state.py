@@ -16,7 +16,7 @@ class TrainState:
     opt_state: Any  # optimizer moments (FP32); never sees precision state
     rng: jax.Array  # base key; each step folds in its step number
     precision: Any  # FP8 delayed-scaling state (maxfp4.precision.state); {} when unused
-    guard: Any  # non-finite / spike guard statistics and skip counters (maxfp4.guard)
+    guard: Any  # non-finite / spike guard statistics and skip counters (maxfp4.reliability.guard)
 
     def replace(self, **changes: Any) -> "TrainState":
         return dataclasses.replace(self, **changes)

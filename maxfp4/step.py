@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import optax
 
 from maxfp4.config import Config, ConfigError
-from maxfp4.faults import loss_scale, poison_gradients
-from maxfp4.guard import guard_metrics, judge
+from maxfp4.reliability.faults import loss_scale, poison_gradients
+from maxfp4.reliability.guard import guard_metrics, judge
 from maxfp4.model import get_model
 from maxfp4.model.decoder import chunked_loss_sum, token_losses
 from maxfp4.optim import global_norm
@@ -111,7 +111,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
         guard = state.guard
         ok = jnp.array(True)
         if res.guard:
-            # A bad step keeps the old state; the step counter still advances (maxfp4.guard).
+            # A bad step keeps the old state; the step counter still advances (maxfp4.reliability.guard).
             # The old or the new state is selected element-wise rather than by a cond: XLA fuses
             # the select into the optimizer's own update passes (it reads the old values there
             # anyway), while a cond makes the host read the predicate from the device in the

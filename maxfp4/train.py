@@ -25,12 +25,12 @@ from maxfp4.checkpoint import Checkpointer, finalized_steps, refuse_changed_run
 from maxfp4.compiler import (check_compiler_options, check_deterministic_attention, compiler_options,
                              determinism_summary, use_compile_cache)
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
-from maxfp4.crash import RunFailed, disk_full_reason, quiet_disk_full_logs, write_crash_report
+from maxfp4.reliability.crash import RunFailed, disk_full_reason, quiet_disk_full_logs, write_crash_report
 from maxfp4.data import make_batches, make_eval_batches
 from maxfp4.errors import exit_code_of
 from maxfp4.evaluate import make_eval_step, mean_eval_loss
-from maxfp4.faults import hang_forever, maybe_slow_down
-from maxfp4.guard import init_guard_state
+from maxfp4.reliability.faults import hang_forever, maybe_slow_down
+from maxfp4.reliability.guard import init_guard_state
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import get_model, linear_shapes
@@ -39,14 +39,14 @@ from maxfp4.precision import resolve_policy
 from maxfp4.precision.policy import check_block_divisibility
 from maxfp4.precision.state import init_precision_state
 from maxfp4.profiling import StepProfiler
-from maxfp4.preflight import preflight_summary
-from maxfp4.resilience import InjectedFault, Interrupted, PreemptionWatch, signal_name
-from maxfp4.rollback import Diverged, Rollbacks
-from maxfp4.run_lock import RunLock, RunLocked
+from maxfp4.reliability.preflight import preflight_summary
+from maxfp4.reliability.preemption import InjectedFault, Interrupted, PreemptionWatch, signal_name
+from maxfp4.reliability.rollback import Diverged, Rollbacks
+from maxfp4.reliability.run_lock import RunLock, RunLocked
 from maxfp4.state import TrainState
 from maxfp4.step import check_loss_chunks, make_train_step
-from maxfp4.stragglers import StragglerMonitor
-from maxfp4.watchdog import HangWatchdog
+from maxfp4.reliability.stragglers import StragglerMonitor
+from maxfp4.reliability.watchdog import HangWatchdog
 
 
 def _say(msg: str) -> None:

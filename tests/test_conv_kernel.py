@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from maxfp4.config import ConfigError, load_config
-from maxfp4.model.conv_kernel import (ConvTiling, causal_conv_silu, conv_backward, conv_forward, conv_kernel_supported,
+from maxfp4.kernels.conv import (ConvTiling, causal_conv_silu, conv_backward, conv_forward, conv_kernel_supported,
                                       default_conv_tiling)
 from maxfp4.model.mamba import causal_conv, use_conv_kernel
 from tests.test_hybrid import TINY

@@ -20,7 +20,7 @@ from maxfp4.data import prepare as prepare_mod
 from maxfp4.data.corpus import tokenize_documents
 from maxfp4.data.sources import builtin_documents
 from maxfp4.errors import DataError
-from maxfp4.preflight import check_data
+from maxfp4.reliability.preflight import check_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 512

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from maxfp4.crash import write_crash_report
-from maxfp4.preflight import check_output, checkpoint_bytes, state_sizes
+from maxfp4.reliability.crash import write_crash_report
+from maxfp4.reliability.preflight import check_output, checkpoint_bytes, state_sizes
 from tests.conftest import cpu_env
 from tests.test_preemption import ARGS, REPO
 

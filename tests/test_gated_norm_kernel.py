@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxfp4.model.gated_norm_kernel import gated_norm_fused, gated_norm_supported
+from maxfp4.kernels.gated_norm import gated_norm_fused, gated_norm_supported
 
 EPS = 1e-5
 

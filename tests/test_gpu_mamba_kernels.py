@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxfp4.model.conv_kernel import causal_conv_silu
-from maxfp4.model.gated_norm_kernel import gated_norm_fused
+from maxfp4.kernels.conv import causal_conv_silu
+from maxfp4.kernels.gated_norm import gated_norm_fused
 from maxfp4.model.mamba import causal_conv, gated_group_norm
 from maxfp4.model.ssd import ssd_reference
-from maxfp4.model.ssd_kernel import ssd_fused
+from maxfp4.kernels.ssd import ssd_fused
 from tests.test_ssd import ARG_NAMES, _inputs, _rel
 
 pytestmark = pytest.mark.gpu

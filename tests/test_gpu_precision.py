@@ -125,7 +125,7 @@ def test_rht_kernels_on_gpu_equal_the_xla_path_and_the_cpu_bitwise(stochastic):
     """The Triton-compiled Hadamard + NVFP4 column kernels give the bits of the XLA path
     (hadamard16, then block_dequantize_nvfp4_columns) on the GPU, and those of the CPU."""
     from maxfp4.precision import formats as F
-    from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns
+    from maxfp4.kernels.rht import hadamard_block_dequantize_nvfp4_columns
 
     rng = np.random.default_rng(6)
     x = jnp.asarray((rng.standard_normal((2048, 1536)) * np.exp(2 * rng.standard_normal((2048, 1)))
@@ -148,7 +148,7 @@ def test_rht_kernels_split_over_the_gpus_equal_the_xla_path_bitwise(stochastic):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from maxfp4.precision import formats as F
-    from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns
+    from maxfp4.kernels.rht import hadamard_block_dequantize_nvfp4_columns
 
     gpus = jax.devices("gpu")
     mesh = jax.make_mesh((len(gpus),), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus)

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from maxfp4.config import ConfigError, ResilienceConfig, load_config
-from maxfp4.guard import init_guard_state, judge, level_shift_bound
+from maxfp4.reliability.guard import init_guard_state, judge, level_shift_bound
 from maxfp4.mesh import batch_sharding, make_constrain, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy

@@ -1,4 +1,4 @@
-"""The MLP activation's FP8 backward as one kernel (``maxfp4.model.mlp_grad_kernel``): mlp_up's
+"""The MLP activation's FP8 backward as one kernel (``maxfp4.kernels.mlp_grad``): mlp_up's
 output gradient in E5M2 in both layouts and mlp_down's input in E4M3 transposed, from one read.
 In interpret mode (CPU) the same bits as the XLA functions it replaces, and the whole MLP's
 gradients the same with it as without; compiled on the GPU, the same bits as the XLA path."""
@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4.config import load_config
-from maxfp4.model import fp8_mlp, mlp_grad_kernel
+from maxfp4.model import fp8_mlp
+from maxfp4.kernels import mlp_grad as mlp_grad_kernel
 from maxfp4.precision import LayerPrecision, resolve_policy
 
 B, T, D, F = 2, 64, 32, 128

@@ -4,9 +4,9 @@ tests/test_fault_tolerance.py): the flagging rules, a real GEMM timing, the chec
 import jax
 import numpy as np
 
-from maxfp4.preflight import (check_memory, checkpoint_bytes, format_table, gemm_rates, memory_per_device,
+from maxfp4.reliability.preflight import (check_memory, checkpoint_bytes, format_table, gemm_rates, memory_per_device,
                               run_checks, slow_devices, state_sizes)
-from maxfp4.stragglers import slow_processes
+from maxfp4.reliability.stragglers import slow_processes
 
 
 def test_straggler_and_slow_device_thresholds():

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4.config import load_config
 from maxfp4.mesh import batch_split_axes
-from maxfp4.model import qkv_grad_kernel
+from maxfp4.kernels import qkv_grad as qkv_grad_kernel
 from maxfp4.model.attention import assemble_qkv_grad, qkv_heads, split_heads
 from maxfp4.model.fp8_epilogue import Quantize
 from maxfp4.model.layers import rope_tables

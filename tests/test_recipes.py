@@ -15,7 +15,7 @@ from maxfp4.precision import resolve_policy
 from maxfp4.precision.recipes import (_hadamard_tokens, bf16_dot, fp8_current_dot, fp8_delayed_dot, nvfp4_dot,
                                      nvfp4_gemm_tn, nvfp4_wgrad)
 from maxfp4.precision.state import init_precision_state, scales_of, update_precision_state
-from maxfp4.precision.rht_kernel import rht_columns_supported
+from maxfp4.kernels.rht import rht_columns_supported
 
 M, K, N = 64, 48, 32  # M and K multiples of 16 for NVFP4 blocks
 

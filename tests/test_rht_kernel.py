@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4.precision import formats as F
-from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
+from maxfp4.kernels.rht import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
 
 
 def _bits(a) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from maxfp4.model.ssd import ssd_chunked, ssd_reference
-from maxfp4.model.ssd_kernel import ssd_fused
+from maxfp4.kernels.ssd import ssd_fused
 
 ARG_NAMES = ("x", "dt", "A", "B", "C")
 

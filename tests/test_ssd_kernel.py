@@ -20,7 +20,7 @@ from maxfp4.model import get_model
 from maxfp4.model.layers import ACT_DTYPE
 from maxfp4.model.mamba import use_ssd_kernel
 from maxfp4.model.ssd import ssd_reference
-from maxfp4.model.ssd_kernel import Tiling, default_tiling, kernel_supported, ssd_fused
+from maxfp4.kernels.ssd import Tiling, default_tiling, kernel_supported, ssd_fused
 from maxfp4.precision import resolve_policy
 from tests.test_hybrid import TINY
 from tests.test_ssd import ARG_NAMES, PACKED_IDS, _inputs, _rel
@@ -176,8 +176,8 @@ def test_chunk_entry_states_equals_the_matmul_then_the_recurrence():
     with its own VJP, then the recurrence kernel in FP32, whose FP32 state gradient the matmul's
     VJP rounds to BF16): same products, same roundings, so equal bit for bit."""
     from maxfp4.model.ssd import lowp_einsum
-    from maxfp4.model.ssd_kernel import chunk_entry_states
-    from maxfp4.model.state_passing_kernel import entry_states
+    from maxfp4.kernels.ssd import chunk_entry_states
+    from maxfp4.kernels.state_passing import entry_states
 
     b, k, q, g, r, p, n = 2, 3, 8, 2, 2, 16, 16
     rng = np.random.default_rng(5)

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxfp4.model.ssd_kernel import _entry_states_unrolled
-from maxfp4.model.state_passing_kernel import entry_states, state_passing_supported
+from maxfp4.kernels.ssd import _entry_states_unrolled
+from maxfp4.kernels.state_passing import entry_states, state_passing_supported
 
 
 def _numpy_reference(states, decay, w):

@@ -33,11 +33,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.mesh import batch_split_axes
-from maxfp4.model import qkv_grad_kernel
+from maxfp4.kernels import qkv_grad as qkv_grad_kernel
 from maxfp4.model.fp8_epilogue import Quantize
 from maxfp4.model.layers import rope_tables, rotate
 from maxfp4.model.remat import tag_attention_output
-from maxfp4.pallas_params import on_gpu
+from maxfp4.kernels.launch import on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
 from maxfp4.precision.formats import FP8_E5M2, quantize_fp8
 

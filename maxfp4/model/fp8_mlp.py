@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.mesh import batch_split_axes, split_size
-from maxfp4.model import activations, mlp_grad_kernel
-from maxfp4.pallas_params import on_gpu
+from maxfp4.model import activations
+from maxfp4.kernels import mlp_grad as mlp_grad_kernel
+from maxfp4.kernels.launch import on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2, cast_fp8
 

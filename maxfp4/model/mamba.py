@@ -25,12 +25,13 @@ from jax.ad_checkpoint import checkpoint_name
 from maxfp4.config import ModelConfig
 from maxfp4.model.layers import ACT_DTYPE, normal_init
 from maxfp4.model.ssd import ssd_chunked
-from maxfp4.model import conv_kernel, gated_norm_kernel
-from maxfp4.model.conv_kernel import causal_conv_silu, conv_kernel_supported
-from maxfp4.model.gated_norm_kernel import gated_norm_fused, gated_norm_supported
-from maxfp4.model.ssd_kernel import kernel_supported, ssd_fused
+from maxfp4.kernels import conv as conv_kernel
+from maxfp4.kernels import gated_norm as gated_norm_kernel
+from maxfp4.kernels.conv import causal_conv_silu, conv_kernel_supported
+from maxfp4.kernels.gated_norm import gated_norm_fused, gated_norm_supported
+from maxfp4.kernels.ssd import kernel_supported, ssd_fused
 from maxfp4.model.fp8_epilogue import Quantize, quantize_rounded
-from maxfp4.pallas_params import on_gpu
+from maxfp4.kernels.launch import on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2
 

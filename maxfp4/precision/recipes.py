@@ -26,9 +26,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.mesh import batch_split, split_size, splits_only
-from maxfp4.pallas_params import on_gpu
+from maxfp4.kernels.launch import on_gpu
 from maxfp4.precision import formats as F
-from maxfp4.precision.rht_kernel import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
+from maxfp4.kernels.rht import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
 
 COMPUTE_DTYPE = jnp.bfloat16
 TN = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands: the fast cuBLASLt FP8 layout

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec
 
 from maxfp4.mesh import batch_split_axes
 from maxfp4.model.fp8_epilogue import Quantize, Quantized
-from maxfp4.pallas_params import triton_params
+from maxfp4.kernels.launch import triton_params
 
 ROWS = 16  # tokens a program assembles
 NUM_WARPS = 4

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from maxfp4.pallas_params import triton_params
+from maxfp4.kernels.launch import triton_params
 
 # Elements of one program's state slice: 16 KiB in FP32, held in registers across the K steps.
 _SLICE_ELEMENTS = 4096

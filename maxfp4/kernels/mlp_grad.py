@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec
 
 from maxfp4.mesh import batch_split_axes
 from maxfp4.model.fp8_epilogue import Quantized
-from maxfp4.pallas_params import triton_params
+from maxfp4.kernels.launch import triton_params
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2
 
 # Tiles (block_m tokens, block_f features: SwiGLU's (gate, up) pairs) and warps: the fastest of

@@ -1,6 +1,6 @@
 """What the loop does about a streak of ``max_consecutive_skips`` skipped steps in a row.
 
-The guard (maxfp4.guard) skips single bad steps, and accepts a lasting level shift of the loss
+The guard (maxfp4.reliability.guard) skips single bad steps, and accepts a lasting level shift of the loss
 after at most ``spike_window // 2 + 1`` skips, fewer than ``max_consecutive_skips``. A longer streak
 means the parameters themselves have gone bad (a spike that slipped under the threshold and
 derailed the model), so skipping alone will not recover: the loop reloads the newest checkpoint

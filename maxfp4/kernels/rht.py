@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
 from maxfp4.mesh import split_size
-from maxfp4.pallas_params import triton_params
+from maxfp4.kernels.launch import triton_params
 from maxfp4.precision import formats as F
 
 _GROUP = F.NVFP4_BLOCK  # rows of a Hadamard group, which is also an NVFP4 block

@@ -8,7 +8,7 @@ late. Host time is what a process spends producing and dispatching a step (the n
 transfer, the dispatch), which never includes waiting for devices or peers; a process whose
 host is slow (data loading, CPU contention, a throttled or oversubscribed node, a slow
 filesystem) shows a long host time while its peers show a short one and wait for it instead.
-A slow *device* is masked by the collectives; ``maxfp4.preflight``'s GEMM check finds those.
+A slow *device* is masked by the collectives; ``maxfp4.reliability.preflight``'s GEMM check finds those.
 """
 
 from __future__ import annotations

@@ -36,10 +36,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from maxfp4.pallas_params import on_gpu, triton_params
+from maxfp4.kernels.launch import on_gpu, triton_params
 from maxfp4.model.ssd import (_check_shapes, _compute_dtype, _masked_exp, _segment_starts, lowp_einsum,
                               lowp_einsum_grads, ordered_dot)
-from maxfp4.model.state_passing_kernel import (entry_states_backward, entry_states_forward, pad_chunks,
+from maxfp4.kernels.state_passing import (entry_states_backward, entry_states_forward, pad_chunks,
                                                state_passing_supported)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
