@@ -194,7 +194,7 @@ def test_mixer_core_under_one_vjp_equals_its_pieces():
 def _fp8_mixer_value_and_grads(fp8_in_kernels: bool, out_proj_recipe: str = "fp8_delayed", trace_only=False):
     """One Mamba-2 mixer (in_proj, kernel core, out_proj) with FP8 delayed scaling on in_proj
     and ``out_proj_recipe`` on out_proj, kernels on, two packed documents in a row: whether it
-    runs as the fused ``_fp8_mixer``, and (unless ``trace_only``) its output and the gradients
+    runs as the fused ``_fused_mixer``, and (unless ``trace_only``) its output and the gradients
     of the input, every parameter and the scales (the amaxes the recipes report)."""
     from maxfp4.model import mamba
     from maxfp4.precision import LayerPrecision

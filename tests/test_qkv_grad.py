@@ -110,9 +110,9 @@ def test_fp8_qkv_heads_equals_dot_then_split_bit_for_bit(kernel, theta):
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
 
     def fused(x, w, scales):
-        from maxfp4.model.attention import fp8_qkv_heads
-        return fp8_qkv_heads(x, w.reshape(d, -1), scales, positions, (K, G + 2, H), theta,
-                             lp.policy.options_tuple("fp8_delayed"), kernel)
+        from maxfp4.model.attention import fused_qkv_heads
+        return fused_qkv_heads(x, w.reshape(d, -1), scales, positions, (K, G + 2, H), theta,
+                               lp.options("attn_qkv"), kernel, lp.fused("attn_qkv"))
 
     def reference(x, w, scales):
         ref_lp = _lp(scales)

@@ -38,8 +38,8 @@ from maxfp4.model.fp8_epilogue import Quantize
 from maxfp4.model.layers import rope_tables, rotate
 from maxfp4.model.remat import tag_attention_output
 from maxfp4.kernels.launch import on_gpu
-from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
-from maxfp4.precision.formats import FP8_E5M2, quantize_fp8
+from maxfp4.precision import GEMM_OUT, LayerPrecision
+from maxfp4.precision.formats import quantize_fp8
 
 
 def resolve_implementation(name: str) -> str:
@@ -224,41 +224,44 @@ def attention_block(x_BTD: jax.Array, w_qkv_DKGH: jax.Array, w_o_ND: jax.Array,
 
 def qkv_heads(x_BTD: jax.Array, w_qkv_DKGH: jax.Array, positions_BT: jax.Array, rope_theta: float | None,
               lp: LayerPrecision) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``split_heads`` of the qkv GEMM's output. With FP8 delayed scaling on attn_qkv (and the
-    layer's scaling state), the GEMM and the split are one VJP whose backward assembles dY
-    straight into E5M2 (``assemble_qkv_grad``): on GPU the cast then costs no pass of its own."""
+    """``split_heads`` of the qkv GEMM's output. When attn_qkv's recipe offers operand hooks (FP8
+    delayed scaling, with the layer's scaling state), the GEMM and the split are one VJP whose
+    backward assembles dY straight into its low-precision format (``assemble_qkv_grad``): on GPU
+    the cast then costs no pass of its own."""
     d = x_BTD.shape[-1]
     _, k, g2, h = w_qkv_DKGH.shape
     w_DN = w_qkv_DKGH.reshape(d, k * g2 * h)
-    if lp.fp8_delayed("attn_qkv"):
-        return fp8_qkv_heads(x_BTD, w_DN, lp.scales["attn_qkv"], positions_BT, (k, g2, h), rope_theta,
-                             lp.policy.options_tuple("fp8_delayed"), None)
+    ops = lp.fused("attn_qkv")
+    if ops is not None:
+        return fused_qkv_heads(x_BTD, w_DN, lp.scales["attn_qkv"], positions_BT, (k, g2, h), rope_theta,
+                               lp.options("attn_qkv"), None, ops)
     qkv = lp.dot(x_BTD, w_DN, "attn_qkv")
     return split_heads(qkv.reshape(*x_BTD.shape[:2], k, g2, h), positions_BT, rope_theta)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def fp8_qkv_heads(x_BTD, w_DN, scales, positions_BT, heads, rope_theta, options, kernel):
-    """``split_heads(fp8_delayed_dot(x, w))``; ``heads`` = (K, G+2, H); ``kernel`` as in
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def fused_qkv_heads(x_BTD, w_DN, scales, positions_BT, heads, rope_theta, options, kernel, ops):
+    """``split_heads(dot(x, w))`` through the recipe's operand hooks ``ops``
+    (:class:`maxfp4.precision.FusedOperands`); ``heads`` = (K, G+2, H); ``kernel`` as in
     ``assemble_qkv_grad``."""
-    return _fp8_qkv_heads_fwd(x_BTD, w_DN, scales, positions_BT, heads, rope_theta, options, kernel)[0]
+    return _fused_qkv_heads_fwd(x_BTD, w_DN, scales, positions_BT, heads, rope_theta, options, kernel, ops)[0]
 
 
-def _fp8_qkv_heads_fwd(x_BTD, w_DN, scales, positions_BT, heads, rope_theta, options, kernel):
+def _fused_qkv_heads_fwd(x_BTD, w_DN, scales, positions_BT, heads, rope_theta, options, kernel, ops):
     del kernel
-    qkv, gemm_res = recipes.fp8_delayed_forward(x_BTD, w_DN, options, scales)
+    qkv, gemm_res = ops.forward(x_BTD, w_DN, options, scales)
     qkv = checkpoint_name(qkv, GEMM_OUT)  # what train.remat=save_gemm keeps, as lp.dot names it
     qkv_heads_, tables = _split_heads_fwd(qkv.reshape(*x_BTD.shape[:2], *heads), positions_BT, rope_theta)
     return qkv_heads_, (gemm_res, tables)
 
 
-def _fp8_qkv_heads_bwd(heads, rope_theta, options, kernel, residuals, cotangents):
+def _fused_qkv_heads_bwd(heads, rope_theta, options, kernel, ops, residuals, cotangents):
     gemm_res, tables = residuals
-    quantize = Quantize(recipes.fp8_delayed_dy_scale(gemm_res), FP8_E5M2)
+    quantize = Quantize(ops.dy_scale(gemm_res), ops.dy_format)
     qdy_BTKGH, amax = assemble_qkv_grad(*cotangents, tables, quantize, kernel)
     qdy_BTN = qdy_BTKGH.reshape(*qdy_BTKGH.shape[:2], -1)
-    dx, dw, amaxes = recipes.fp8_delayed_backward_quantized(options, gemm_res, qdy_BTN, amax)
+    dx, dw, amaxes = ops.backward_quantized(options, gemm_res, qdy_BTN, amax)
     return dx, dw, amaxes, None
 
 
-fp8_qkv_heads.defvjp(_fp8_qkv_heads_fwd, _fp8_qkv_heads_bwd)
+fused_qkv_heads.defvjp(_fused_qkv_heads_fwd, _fused_qkv_heads_bwd)

@@ -29,24 +29,26 @@ from maxfp4.mesh import batch_split_axes, split_size
 from maxfp4.model import activations
 from maxfp4.kernels import mlp_grad as mlp_grad_kernel
 from maxfp4.kernels.launch import on_gpu
-from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
+from maxfp4.precision import GEMM_OUT, LayerPrecision
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2, cast_fp8
 
 
 def up_fused(lp: LayerPrecision) -> bool:
-    """Whether mlp_up runs with its activation as ``up_activation`` (``LayerPrecision.fp8_delayed``)."""
-    return lp.fp8_delayed("mlp_up")
+    """Whether mlp_up runs with its activation as ``up_activation``: its recipe offers FP8
+    operand hooks (``LayerPrecision.fused``), whose dY this module's kernels write."""
+    ops = lp.fused("mlp_up")
+    return ops is not None and (ops.x_format, ops.dy_format) == (FP8_E4M3, FP8_E5M2)
 
 
 def mlp_fused(lp: LayerPrecision) -> bool:
-    """Whether the whole MLP runs as ``mlp``: mlp_down on FP8 delayed scaling too."""
-    return up_fused(lp) and lp.fp8_delayed("mlp_down")
+    """Whether the whole MLP runs as ``mlp``: mlp_down on the same recipe's hooks too."""
+    return up_fused(lp) and lp.fused("mlp_down") == lp.fused("mlp_up")
 
 
 def up_activation(x_BTD: jax.Array, w_up_DK: jax.Array, lp: LayerPrecision, kind: str) -> jax.Array:
     """``activation(lp.dot(x, w_up, "mlp_up"))`` in FP32 ([B, T, F]); ``kind``: "swiglu" (w_up's
     columns interleaved gate/up pairs) or "relu2"."""
-    return _up_activation(x_BTD, w_up_DK, lp.scales["mlp_up"], kind, lp.policy.options_tuple("fp8_delayed"))
+    return _up_activation(x_BTD, w_up_DK, lp.scales["mlp_up"], kind, lp.options("mlp_up"), lp.fused("mlp_up"))
 
 
 def mlp(x_BTD: jax.Array, w_up_DK: jax.Array, w_down_FD: jax.Array, lp: LayerPrecision, kind: str,
@@ -62,7 +64,7 @@ def mlp(x_BTD: jax.Array, w_up_DK: jax.Array, w_down_FD: jax.Array, lp: LayerPre
     if kernel is None:
         kernel = _kernel_applies(x_BTD.shape[0] * x_BTD.shape[1], w_down_FD.shape[0], x_BTD.shape[0], kind)
     return _mlp(x_BTD, w_up_DK, lp.scales["mlp_up"], w_down_FD, lp.scales["mlp_down"], kind,
-                lp.policy.options_tuple("fp8_delayed"), bool(kernel))
+                lp.options("mlp_up"), bool(kernel), lp.fused("mlp_up"))
 
 
 def _kernel_applies(m: int, f: int, batch: int, kind: str) -> bool:
@@ -74,9 +76,9 @@ def _kernel_applies(m: int, f: int, batch: int, kind: str) -> bool:
     return split is not None and mlp_grad_kernel.supported(m // split_size(*split), f, *mlp_grad_kernel.TILES[kind])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _up_activation(x_BTD, w_up_DK, scales, kind, options):
-    return _up_activation_fwd(x_BTD, w_up_DK, scales, kind, options)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _up_activation(x_BTD, w_up_DK, scales, kind, options, ops):
+    return _up_activation_fwd(x_BTD, w_up_DK, scales, kind, options, ops)[0]
 
 
 def _activation(y_BTK: jax.Array, kind: str) -> jax.Array:
@@ -85,65 +87,64 @@ def _activation(y_BTK: jax.Array, kind: str) -> jax.Array:
     return activations.relu2(y_BTK)
 
 
-def _up_forward(x_BTD, w_up_DK, scales, options):
-    y_BTK, up_res = recipes.fp8_delayed_forward(x_BTD, w_up_DK, options, scales)
+def _up_forward(x_BTD, w_up_DK, scales, options, ops):
+    y_BTK, up_res = ops.forward(x_BTD, w_up_DK, options, scales)
     return checkpoint_name(y_BTK, GEMM_OUT), up_res  # what train.remat=save_gemm keeps, as lp.dot names it
 
 
-def _up_backward(kind, options, up_res, y_BTK, dh_BTF):
+def _up_backward(kind, options, ops, up_res, y_BTK, dh_BTF):
     """mlp_up's (dx, dw, amaxes) from the activation's output gradient."""
-    scale = recipes.fp8_delayed_dy_scale(up_res)
+    scale = ops.dy_scale(up_res)
     if kind == "swiglu":
         qdy_BTF2, amax = swiglu_grad_e5m2(y_BTK.reshape(*y_BTK.shape[:-1], -1, 2), dh_BTF, scale)
         qdy_BTK = qdy_BTF2.reshape(y_BTK.shape)
     else:
         qdy_BTK, amax = relu2_grad_e5m2(y_BTK, dh_BTF, scale)
-    return recipes.fp8_delayed_backward_quantized(options, up_res, qdy_BTK, amax)
+    return ops.backward_quantized(options, up_res, qdy_BTK, amax)
 
 
-def _up_activation_fwd(x_BTD, w_up_DK, scales, kind, options):
-    y_BTK, up_res = _up_forward(x_BTD, w_up_DK, scales, options)
+def _up_activation_fwd(x_BTD, w_up_DK, scales, kind, options, ops):
+    y_BTK, up_res = _up_forward(x_BTD, w_up_DK, scales, options, ops)
     return _activation(y_BTK, kind), (up_res, y_BTK)
 
 
-def _up_activation_bwd(kind, options, residuals, dh_BTF):
+def _up_activation_bwd(kind, options, ops, residuals, dh_BTF):
     up_res, y_BTK = residuals
-    return _up_backward(kind, options, up_res, y_BTK, dh_BTF)
+    return _up_backward(kind, options, ops, up_res, y_BTK, dh_BTF)
 
 
 _up_activation.defvjp(_up_activation_fwd, _up_activation_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _mlp(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel):
-    return _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _mlp(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel, ops):
+    return _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel, ops)[0]
 
 
-def _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel):
+def _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel, ops):
     del kernel
-    y_BTK, up_res = _up_forward(x_BTD, w_up_DK, scales_up, options)
-    sx_down = recipes.fp8_delayed_scales(options, scales_down)[0]
+    y_BTK, up_res = _up_forward(x_BTD, w_up_DK, scales_up, options, ops)
+    sx_down = ops.scales_of(options, scales_down)[0]
     qh_BTF, amax_h = activation_e4m3(y_BTK, kind, sx_down)
-    out_BTD, down_res = recipes.fp8_delayed_forward_quantized(qh_BTF, amax_h, jnp.bfloat16, w_down_FD, options,
-                                                              scales_down)
+    out_BTD, down_res = ops.forward_quantized(qh_BTF, amax_h, jnp.bfloat16, w_down_FD, options, scales_down)
     return checkpoint_name(out_BTD, GEMM_OUT), (up_res, y_BTK, down_res)
 
 
-def _mlp_bwd(kind, options, kernel, residuals, dout_BTD):
+def _mlp_bwd(kind, options, kernel, ops, residuals, dout_BTD):
     up_res, y_BTK, down_res = residuals
     if not kernel:
-        dh_BTF, dw_down, amaxes_down = recipes.fp8_delayed_backward(options, down_res, dout_BTD)
-        dx_BTD, dw_up, amaxes_up = _up_backward(kind, options, up_res, y_BTK, dh_BTF)
+        dh_BTF, dw_down, amaxes_down = ops.backward(options, down_res, dout_BTD)
+        dx_BTD, dw_up, amaxes_up = _up_backward(kind, options, ops, up_res, y_BTK, dh_BTF)
         return dx_BTD, dw_up, amaxes_up, dw_down, amaxes_down
     # mlp_down's dgrad first: the kernel needs dh, and stores mlp_down's input transposed for its
     # wgrad along with mlp_up's dY in both layouts.
-    qdout_BTD, amax_dout = recipes.fp8_delayed_quantize_dy(down_res, dout_BTD)
-    dh_BTF = recipes.fp8_delayed_dgrad(options, down_res, qdout_BTD)
+    qdout_BTD, amax_dout = ops.quantize_dy(down_res, dout_BTD)
+    dh_BTF = ops.dgrad(options, down_res, qdout_BTD)
     qdy_BTK, qdy_t_KM, qh_t_FM, amax_dy = mlp_grad_kernel.activation_grad_fp8(
-        y_BTK, dh_BTF, recipes.fp8_delayed_dy_scale(up_res), recipes.fp8_delayed_x_scale(down_res), kind,
+        y_BTK, dh_BTF, ops.dy_scale(up_res), ops.x_scale(down_res), kind,
         not on_gpu())
-    dw_down, amaxes_down = recipes.fp8_delayed_wgrad(options, down_res, qdout_BTD, amax_dout, qx_t_KM=qh_t_FM)
-    dx_BTD, dw_up, amaxes_up = recipes.fp8_delayed_backward_quantized(options, up_res, qdy_BTK, amax_dy, qdy_t_KM)
+    dw_down, amaxes_down = ops.wgrad(options, down_res, qdout_BTD, amax_dout, qx_t_KM=qh_t_FM)
+    dx_BTD, dw_up, amaxes_up = ops.backward_quantized(options, up_res, qdy_BTK, amax_dy, qdy_t_KM)
     return dx_BTD, dw_up, amaxes_up, dw_down, amaxes_down
 
 

@@ -32,8 +32,7 @@ from maxfp4.kernels.gated_norm import gated_norm_fused, gated_norm_supported
 from maxfp4.kernels.ssd import kernel_supported, ssd_fused
 from maxfp4.model.fp8_epilogue import Quantize, quantize_rounded
 from maxfp4.kernels.launch import on_gpu
-from maxfp4.precision import GEMM_OUT, LayerPrecision, recipes
-from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2
+from maxfp4.precision import GEMM_OUT, LayerPrecision
 
 Params = dict[str, Any]
 
@@ -130,8 +129,8 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     # BF16 storage here and in the SSD (2026-11-25).
     core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
     if _fp8_in_kernels(x_BTD, cfg, lp, constrain):
-        return _fp8_mixer(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params, p["out_proj"],
-                          lp.scales["mamba_out"], segment_ids_BT, cfg, lp.policy.options_tuple("fp8_delayed"))
+        return _fused_mixer(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params, p["out_proj"],
+                            lp.scales["mamba_out"], segment_ids_BT, cfg, lp.options("mamba_in"), lp.fused("mamba_in"))
     zxbcdt_BTI = lp.dot(x_BTD, p["in_proj"], "mamba_in")
     core = functools.partial(_mixer_core, cfg=cfg)
     per_batch_row = getattr(constrain, "per_batch_row", None)
@@ -143,11 +142,12 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
 
 
 def _fp8_in_kernels(x_BTD: jax.Array, cfg: ModelConfig, lp: LayerPrecision, constrain) -> bool:
-    """Whether the mixer runs as ``_fp8_mixer``: in_proj's and out_proj's recipe is FP8 delayed
-    scaling, the core runs as the kernel core, and one device holds the whole batch (split over
+    """Whether the mixer runs as ``_fused_mixer``: in_proj and out_proj share a recipe that offers
+    operand hooks (``LayerPrecision.fused``: FP8 delayed scaling), the core runs as the kernel core, and one device holds the whole batch (split over
     devices, the kernels run per device under ``per_batch_row``, and this fused form does not:
     it falls back to the recipes' own casts there, as with any other pair of recipes)."""
-    if not cfg.mamba.fp8_in_kernels or not (lp.fp8_delayed("mamba_in") and lp.fp8_delayed("mamba_out")):
+    ops = lp.fused("mamba_in")
+    if not cfg.mamba.fp8_in_kernels or ops is None or lp.fused("mamba_out") != ops:
         return False
     if getattr(constrain, "splits_batch", lambda b: False)(x_BTD.shape[0]):
         return False
@@ -289,30 +289,30 @@ _kernel_core.defvjp(_kernel_core_fwd, _kernel_core_bwd)
 # bounds tests/test_gpu_mamba_kernels.py states (GEMM accumulation order, and XLA may skip the
 # recipe path's BF16 rounding of dt's columns).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _fp8_mixer(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg: ModelConfig,
-               options):
-    return _fp8_mixer_fwd(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg,
-                          options)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _fused_mixer(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg: ModelConfig,
+                 options, ops):
+    return _fused_mixer_fwd(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg,
+                            options, ops)[0]
 
 
-def _fp8_mixer_fwd(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg, options):
-    zxbcdt_BTI, in_res = recipes.fp8_delayed_forward(x_BTD, w_in_DI, options, scales_in)
-    sx_out = recipes.fp8_delayed_scales(options, scales_out)[0]
+def _fused_mixer_fwd(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg, options,
+                     ops):
+    zxbcdt_BTI, in_res = ops.forward(x_BTD, w_in_DI, options, scales_in)
+    sx_out = ops.scales_of(options, scales_out)[0]
     (qy_BTE, amax_y), core_res = _kernel_core_fwd(checkpoint_name(zxbcdt_BTI, GEMM_OUT), segment_ids_BT,
-                                                  core_params, cfg, Quantize(sx_out, FP8_E4M3))
-    out_BTD, out_res = recipes.fp8_delayed_forward_quantized(qy_BTE, amax_y, ACT_DTYPE, w_out_ED, options,
-                                                             scales_out)
+                                                  core_params, cfg, Quantize(sx_out, ops.x_format))
+    out_BTD, out_res = ops.forward_quantized(qy_BTE, amax_y, ACT_DTYPE, w_out_ED, options, scales_out)
     return checkpoint_name(out_BTD, GEMM_OUT), (in_res, core_res, out_res)
 
 
-def _fp8_mixer_bwd(cfg, options, residuals, dout_BTD):
+def _fused_mixer_bwd(cfg, options, ops, residuals, dout_BTD):
     in_res, core_res, out_res = residuals
-    dy_BTE, dw_out, amaxes_out = recipes.fp8_delayed_backward(options, out_res, dout_BTD)
-    quantize = Quantize(recipes.fp8_delayed_dy_scale(in_res), FP8_E5M2)
+    dy_BTE, dw_out, amaxes_out = ops.backward(options, out_res, dout_BTD)
+    quantize = Quantize(ops.dy_scale(in_res), ops.dy_format)
     qdzxbcdt_BTI, grads, amax_dz = _core_backward(cfg, core_res, dy_BTE, quantize)
-    dx_BTD, dw_in, amaxes_in = recipes.fp8_delayed_backward_quantized(options, in_res, qdzxbcdt_BTI, amax_dz)
+    dx_BTD, dw_in, amaxes_in = ops.backward_quantized(options, in_res, qdzxbcdt_BTI, amax_dz)
     return dx_BTD, dw_in, amaxes_in, grads, dw_out, amaxes_out, None
 
 
-_fp8_mixer.defvjp(_fp8_mixer_fwd, _fp8_mixer_bwd)
+_fused_mixer.defvjp(_fused_mixer_fwd, _fused_mixer_bwd)

@@ -9,7 +9,8 @@ from jax.ad_checkpoint import checkpoint_name
 from maxfp4.config import LAYER_CLASSES
 from maxfp4.precision.policy import PrecisionPolicy, resolve_policy
 from maxfp4.precision.recipes import GEMM_IN, GEMM_WEIGHT  # each recipe's operands, as its backward keeps them
-from maxfp4.precision.registry import RECIPES
+from maxfp4.precision.fused import FusedOperands
+from maxfp4.precision.registry import FUSED_OPERANDS, RECIPES
 
 # The name every linear layer's output carries, so a remat policy can keep it
 # (train.remat=save_gemm, maxfp4.model.remat).
@@ -39,12 +40,17 @@ class LayerPrecision:
     scales: dict[str, jax.Array] | None = None
     key: jax.Array | None = None
 
-    def fp8_delayed(self, layer_class: str) -> bool:
-        """Whether ``layer_class`` runs FP8 delayed scaling with its scaling state at hand: the
-        condition for code next to the layer to store its FP8 operands itself (a model built
-        without scales, as ``compare`` builds some, leaves the casts to the recipe)."""
-        return (bool(self.scales) and layer_class in self.scales
-                and self.policy.recipe_for(layer_class, self.layer_index) == "fp8_delayed")
+    def fused(self, layer_class: str) -> FusedOperands | None:
+        """The operand hooks of ``layer_class``'s recipe when it offers them and its scaling state
+        is at hand (a model built without scales, as ``compare`` builds some, leaves the casts to
+        the recipe's ``dot``); None: use :meth:`dot`."""
+        if not self.scales or layer_class not in self.scales:
+            return None
+        return FUSED_OPERANDS.get(self.policy.recipe_for(layer_class, self.layer_index))
+
+    def options(self, layer_class: str) -> tuple:
+        """The hashable options of ``layer_class``'s recipe (a static argument of its VJPs)."""
+        return self.policy.options_tuple(self.policy.recipe_for(layer_class, self.layer_index))
 
     def dot(self, x: jax.Array, w: jax.Array, layer_class: str) -> jax.Array:
         scales = None if self.scales is None else self.scales.get(layer_class)
@@ -53,4 +59,4 @@ class LayerPrecision:
         return checkpoint_name(y, GEMM_OUT)
 
 
-__all__ = ["dot", "GEMM_IN", "GEMM_OUT", "GEMM_WEIGHT", "LayerPrecision", "PrecisionPolicy", "resolve_policy"]
+__all__ = ["dot", "FusedOperands", "GEMM_IN", "GEMM_OUT", "GEMM_WEIGHT", "LayerPrecision", "PrecisionPolicy", "resolve_policy"]

@@ -28,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxfp4.mesh import batch_split, split_size, splits_only
 from maxfp4.kernels.launch import on_gpu
 from maxfp4.precision import formats as F
+from maxfp4.precision.fused import FusedOperands
 from maxfp4.kernels.rht import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
 
 COMPUTE_DTYPE = jnp.bfloat16
@@ -489,3 +490,12 @@ FAST_ACCUMULATION_DEFAULT = {"forward": True, "backward": False}
 FP8_DELAYED_DEFAULTS = {"amax_history": 1024, "margin": 0, "amax_algo": "max", "power_2_scale": False,
                         "fast_accumulation": FAST_ACCUMULATION_DEFAULT}
 FP8_CURRENT_DEFAULTS = {"power_2_scale": False, "fast_accumulation": FAST_ACCUMULATION_DEFAULT}
+
+
+# The hooks through which a layer stores FP8 delayed-scaling operands from its own kernels.
+FP8_DELAYED_FUSED = FusedOperands(
+    recipe="fp8_delayed", x_format=F.FP8_E4M3, dy_format=F.FP8_E5M2, forward=fp8_delayed_forward,
+    scales_of=fp8_delayed_scales, forward_quantized=fp8_delayed_forward_quantized, dy_scale=fp8_delayed_dy_scale,
+    x_scale=fp8_delayed_x_scale, quantize_dy=fp8_delayed_quantize_dy, backward=fp8_delayed_backward,
+    backward_quantized=fp8_delayed_backward_quantized, dgrad=fp8_delayed_dgrad, wgrad=fp8_delayed_wgrad)
+
