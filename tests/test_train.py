@@ -138,6 +138,9 @@ def test_failed_preflight_leaves_no_run_directory(tiny_cfg, tmp_path):
     with pytest.raises(PreflightFailed, match="preflight data"):
         train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
     assert not (tmp_path / "fresh").exists()
+    # The disk check alone (python -m maxfp4.preflight) probes the directory and removes it again.
+    from maxfp4.reliability.preflight import check_output
+    assert check_output(cfg, 1000, 0).ok and not (tmp_path / "fresh").exists()
     # An existing output directory and what it holds are kept.
     out_dir.mkdir(parents=True)
     (out_dir / "other.txt").write_text("kept")
