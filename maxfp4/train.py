@@ -158,8 +158,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             # layout is global), so every process compiles the same attention kernel.
             step_fn = jit_train_step(cfg, start.policy, optimizer, make_schedule(cfg), start.mesh, state_sh,
                                      start.xla_options, data.max_runs_per_row)
-            metrics = make_metrics(start, stream)
-            hooks = make_hooks(start, watch, lock, checkpointer, data, metrics, eval_batches, state_sh)
+            hooks, metrics = make_hooks(start, watch, lock, checkpointer, data, eval_batches, state_sh, stream)
             to_global = _globalizer(start.mesh)
             loop = Loop(step_fn, state, (to_global(batch) for batch in data), total_steps=cfg.train.steps,
                         hooks=hooks, should_stop=watch.should_stop)
@@ -185,11 +184,10 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
 @dataclasses.dataclass(frozen=True)
 class StartUp:
     """What start-up decided before anything was written: the config as it will run (adjusted
-    to the devices), the precision policy and its table, the mesh and the XLA options."""
+    to the devices), the precision policy and its printed table, the mesh and the XLA options."""
 
     cfg: Config
     policy: PrecisionPolicy
-    block_classes: tuple[str, ...]
     table: str
     mesh: Mesh
     xla_options: dict
@@ -221,7 +219,7 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     check_compiler_options(xla_options, mesh.devices.flat[0])
     check_deterministic_attention(cfg, platform)
     refuse_changed_run(cfg)
-    return StartUp(cfg, policy, tuple(block_classes), policy.format_table(block_classes), mesh, xla_options,
+    return StartUp(cfg, policy, policy.format_table(block_classes), mesh, xla_options,
                    compile_cache)
 
 
@@ -269,7 +267,7 @@ def _globalizer(mesh: Mesh):
     return lambda local: {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
-def make_metrics(start: StartUp, stream) -> MetricsHook:
+def make_metrics(start: StartUp, stream, eval_losses: dict[int, float], stragglers) -> MetricsHook:
     cfg, mesh = start.cfg, start.mesh
     peaks = device_peaks(mesh.devices.flat[0])
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
@@ -277,13 +275,14 @@ def make_metrics(start: StartUp, stream) -> MetricsHook:
     return MetricsHook(logger, tokens_per_step=tokens_per_step, n_devices=mesh.devices.size, peaks=peaks,
                        flops_per_step=flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step,
                        policy_peak=policy_peak_tflops(cfg.model, cfg.data.seq_len, start.policy, peaks) if peaks else None,
-                       log_every=cfg.train.log_every, eval_losses={})
+                       log_every=cfg.train.log_every, eval_losses=eval_losses, stragglers=stragglers)
 
 
 def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Checkpointer, data,
-               metrics: MetricsHook, eval_batches: list, state_sh) -> list[Hook]:
+               eval_batches: list, state_sh, stream) -> tuple[list[Hook], MetricsHook]:
     """The hooks in the order they act at each point of the loop (maxfp4.loop): the watchdog and
-    stragglers see a finished step before it is logged; the rollback acts on it last."""
+    stragglers see a finished step before it is logged; the rollback acts on it last. Also
+    returns the metrics hook, whose records the run returns."""
     cfg, mesh, res = start.cfg, start.mesh, start.cfg.resilience
     is_writer = jax.process_index() == 0
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -292,7 +291,7 @@ def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Check
     evaluation = EvalHook(eval_step, eval_batches, every=cfg.train.eval_every, total_steps=cfg.train.steps)
     stragglers = (StragglerHook(StragglerMonitor(res.straggler_threshold), res.straggler_every, _say,
                                 is_writer=is_writer) if res.straggler_every else None)
-    metrics.eval_losses, metrics.stragglers = evaluation.losses, stragglers
+    metrics = make_metrics(start, stream, evaluation.losses, stragglers)
     watchdog = HangWatchdog(cfg.run_dir, res.hang_timeout_s, jax.process_index(),
                             on_exit=lock.release if lock is not None else lambda: None)
     rollbacks = Rollbacks(res.max_consecutive_skips, res.max_rollbacks, suspend_steps=res.spike_window,
@@ -305,7 +304,7 @@ def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Check
                        saving=watch.saving),
         evaluation, metrics, RollbackHook(rollbacks, checkpointer, _say),
     ]
-    return [hook for hook in hooks if hook is not None]
+    return [hook for hook in hooks if hook is not None], metrics
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
