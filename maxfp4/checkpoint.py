@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 from maxfp4 import checksums
 from maxfp4.config import CheckpointConfig
 from maxfp4.errors import UserError
+from maxfp4.loop import Hook
 from maxfp4.state import TrainState
 
 UNREADABLE_SUFFIX = ".unreadable"
@@ -361,3 +362,25 @@ def refuse_changed_run(cfg) -> None:
     saved = saved_config(cfg.run_dir)
     if saved is not None:
         refuse_changed_math(saved[0], cfg, saved[1])
+
+
+class CheckpointHook(Hook):
+    """Saves when ``checkpoint.every`` says so, on the last step and on a stop (the state is
+    saved before the next step's dispatch donates it); waits for the last save when the loop
+    ends. ``saving()``: a context the preemption watch uses to never cut a save short."""
+
+    def __init__(self, checkpointer: Checkpointer, *, enabled: bool, data, config: dict, saving):
+        self.checkpointer, self.enabled, self.data, self.config = checkpointer, enabled, data, config
+        self.saving = saving
+
+    def after_dispatch(self, loop, step: int, metrics) -> None:
+        if self.enabled and (loop.stopping or self.checkpointer.due(step, loop.total_steps)):
+            with self.saving():
+                self.checkpointer.save(step, loop.state, self.data.get_state(), self.config)
+
+    def on_loop_end(self, loop) -> None:
+        with self.saving():
+            self.checkpointer.wait()
+
+    def close(self) -> None:
+        self.checkpointer.close()

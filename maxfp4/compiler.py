@@ -20,6 +20,9 @@ import os
 import re
 from typing import Any, Mapping
 
+from maxfp4.config import describe
+from maxfp4.errors import ConfigError
+
 GPU_OPTIONS: dict[str, Any] = {
     "xla_gpu_enable_triton_gemm": False,
 }
@@ -43,11 +46,23 @@ def compiler_options(platform: str, overrides: Mapping[str, Any] | None = None,
                      deterministic: bool = False) -> dict[str, Any]:
     """The options for a jit compiled for ``platform`` (a device's ``.platform``); with
     ``deterministic`` on every platform (the CPU ignores them), so the step's options say so."""
+    check_deterministic_options(overrides or {}, deterministic)
     options = dict(GPU_OPTIONS) if platform in ("gpu", "cuda") else {}
     options.update(overrides or {})
-    if deterministic:  # config validation refuses overrides that contradict these
+    if deterministic:
         options.update(DETERMINISTIC_OPTIONS)
     return options
+
+
+def check_deterministic_options(overrides: Mapping[str, Any], deterministic: bool) -> None:
+    """With ``run.deterministic``, ``train.compiler_options`` may repeat XLA's deterministic
+    options but not contradict them (run at start-up, before the run directory is touched)."""
+    if not deterministic:
+        return
+    for key, value in DETERMINISTIC_OPTIONS.items():
+        if overrides.get(key, value) != value:
+            raise ConfigError(f"train.compiler_options.{key}={describe(overrides.get(key))}: "
+                              f"expected {value} or unset with run.deterministic=true")
 
 
 def determinism_summary(options: Mapping[str, Any]) -> str:
@@ -62,8 +77,6 @@ def check_compiler_options(options: Mapping[str, Any], device) -> None:
     """Compile an empty program with ``options`` so an unknown or ill-typed option is a config
     error before anything else runs, not a traceback from the first train step."""
     import jax
-
-    from maxfp4.config import ConfigError, describe
 
     try:
         with jax.default_device(device):  # jit's own device argument is deprecated
@@ -143,8 +156,6 @@ def check_deterministic_attention(cfg, platform: str) -> None:
     """run.deterministic with cuDNN attention in unrolled blocks compiles, then fails at the first
     step inside XLA (jax 0.11.2 on H200: ``IndexError: raw_hash_map<>::at``); scanned blocks and
     XLA's attention run deterministically. Refused before anything compiles, naming both ways out."""
-    from maxfp4.config import ConfigError
-
     m = cfg.model
     has_attention = m.kind == "dense" or "*" in m.pattern
     attention = m.attention if m.attention != "auto" else ("cudnn" if platform in ("gpu", "cuda") else "xla")

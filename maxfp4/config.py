@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from maxfp4.errors import UserError
+from maxfp4.errors import ConfigError  # noqa: F401 - re-exported: `from maxfp4.config import ConfigError`
 
 LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down", "mamba_in", "mamba_out", "lm_head")
 DATA_SOURCES = ("builtin", "text", "jsonl", "array_record", "tfds", "synthetic", "mixture")
@@ -29,10 +29,6 @@ MLP_KINDS = ("swiglu", "relu2")
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp"}
 REMAT_POLICIES = ("none", "full", "save_gemm", "save_gemm_io")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_mask")
-
-
-class ConfigError(UserError):
-    """A configuration problem, reported as one line to the user."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +44,11 @@ class RunConfig:
     # cuDNN attention's deterministic backward, no timing-based autotuning). Slower; see
     # docs/RELIABILITY.md "Deterministic runs".
     deterministic: bool = False
+
+    def check(self) -> None:
+        _require(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name", self.name,
+                 "a non-empty name without '/'")
+        _require(bool(self.output_dir), "run.output_dir", self.output_dir, "a directory path")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,20 @@ class MambaConfig:
     # values as the recipes' casts of the BF16 tensors, one pass less a layer each). false:
     # BF16, then the recipes' casts.
     fp8_in_kernels: bool = True
+
+    def check(self, d_model: int) -> None:
+        """Pallas tile sizes are the kernels' own check (maxfp4.kernels.support, at start-up)."""
+        _positive(self, "model.mamba", "d_state", "head_dim", "n_groups", "conv_kernel", "chunk_size", "expand")
+        _require(self.ssd_matmul in ("bf16", "fp32"), "model.mamba.ssd_matmul", self.ssd_matmul, "bf16 or fp32")
+        _require(isinstance(self.fp8_in_kernels, bool), "model.mamba.fp8_in_kernels",
+                 self.fp8_in_kernels, "true or false")
+        _require(self.kernels in ("auto", "xla", "pallas"), "model.mamba.kernels", self.kernels,
+                 "auto, xla or pallas")
+        inner = self.expand * d_model
+        _require(inner % self.head_dim == 0, "model.mamba.head_dim", self.head_dim,
+                 f"a divisor of model.mamba.expand x model.d_model = {inner}")
+        _require((inner // self.head_dim) % self.n_groups == 0, "model.mamba.n_groups", self.n_groups,
+                 f"a divisor of the Mamba head count {inner // self.head_dim}")
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,35 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
+    def check(self) -> None:
+        _require(self.kind in MODEL_KINDS, "model.kind", self.kind, f"one of {', '.join(MODEL_KINDS)}")
+        if self.kind == "hybrid":
+            _require(bool(self.pattern) and set(self.pattern) <= set(PATTERN_CHARS), "model.pattern", self.pattern,
+                     "a non-empty string of M (Mamba-2), * (attention) and - (MLP)")
+            self.mamba.check(self.d_model)
+        else:
+            _require(not self.pattern, "model.pattern", self.pattern, "empty for model.kind=dense (set model.kind=hybrid)")
+        _require(self.mlp in MLP_KINDS, "model.mlp", self.mlp, f"one of {', '.join(MLP_KINDS)}")
+        _positive(self, "model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
+        _require(self.n_layers <= MAX_LAYERS, "model.n_layers", self.n_layers, f"at most {MAX_LAYERS} blocks")
+        _require(self.head_dim >= 0, "model.head_dim", self.head_dim, "a positive integer (0: d_model // n_heads)")
+        _require(self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads,
+                 f"a divisor of model.d_model={self.d_model}")
+        _require(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
+                 f"a divisor of model.n_heads={self.n_heads}")
+        _require(self.resolved_head_dim % 2 == 0, "model.head_dim", self.resolved_head_dim,
+                 "an even head dimension (RoPE rotates pairs)")
+        _require(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "a positive number")
+        _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "a positive number")
+        _require(self.attention in ATTENTION_IMPLS, "model.attention", self.attention,
+                 f"one of {', '.join(ATTENTION_IMPLS)}")
+        _require(self.attention_max_segments >= 1, "model.attention_max_segments", self.attention_max_segments,
+                 "a positive number of segments per row")
+        # Far above 1 the first forward pass overflows or saturates and every gradient is 0 or NaN:
+        # the run would "train" without learning anything (0.02 is the usual choice).
+        _require(0 < self.init_std <= MAX_INIT_STD, "model.init_std", self.init_std,
+                 f"a standard deviation in (0, {MAX_INIT_STD}] (0.02 is usual)")
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -121,6 +165,30 @@ class DataConfig:
     eval_paths: tuple[str, ...] = ()  # held-out files/directories of the same source, instead of a fraction
     eval_batches: int = 8  # at most this many global batches in an evaluation
 
+    def check(self) -> None:
+        _require(self.source in DATA_SOURCES, "data.source", self.source, f"one of {', '.join(DATA_SOURCES)}")
+        if self.source in ("text", "jsonl", "array_record"):
+            what = "prepared directory" if self.source == "array_record" else "file or glob"
+            _require(len(self.paths) > 0, "data.paths", list(self.paths),
+                     f"at least one {what} for data.source={self.source}")
+        if self.source == "tfds":
+            _require(bool(self.tfds_name), "data.tfds_name", self.tfds_name, "a dataset name for data.source=tfds")
+        _require((self.source == "mixture") == bool(self.mixture), "data.mixture", list(self.mixture),
+                 "a non-empty list of {source, paths, weight} exactly when data.source=mixture")
+        for i, part in enumerate(self.mixture):
+            _check_mixture_part(part, f"data.mixture[{i}]")
+        _positive(self, "data", "seq_len", "global_batch", "read_threads", "eval_batches")
+        _require(self.workers >= 0, "data.workers", self.workers, "an integer >= 0 (0: read in the training process)")
+        _require(self.prefetch >= 0, "data.prefetch", self.prefetch, "an integer >= 0")
+        _require(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", self.eval_fraction, "a fraction in [0, 1)")
+        _require(not (self.eval_fraction and self.eval_paths), "data.eval_paths", list(self.eval_paths),
+                 "empty when data.eval_fraction is set (choose one way to hold out data)")
+        _require(not self.eval_paths or self.source in ("text", "jsonl", "array_record"), "data.eval_paths",
+                 list(self.eval_paths), "used only with data.source text, jsonl or array_record")
+        if self.tokenizer:
+            _require(os.path.isfile(self.tokenizer), "data.tokenizer", self.tokenizer,
+                     "an existing SentencePiece model file")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -138,6 +206,17 @@ class TrainConfig:
     profile_steps: tuple[int, ...] = ()  # [first, last]: JAX profiler trace of these steps in <run>/profile
     eval_every: int = 0  # held-out loss every this many steps and at the end; 0 = off
 
+    def check(self) -> None:
+        _require(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0 (0: no evaluation)")
+        _require(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
+        _require(self.log_every >= 1, "train.log_every", self.log_every, "an integer >= 1")
+        _require(self.microbatches >= 1, "train.microbatches", self.microbatches, "an integer >= 1")
+        _require(self.remat in REMAT_POLICIES, "train.remat", self.remat, f"one of {', '.join(REMAT_POLICIES)}")
+        _check_compiler_options(self.compiler_options)
+        _require(self.profile_steps == () or (len(self.profile_steps) == 2
+                                              and 1 <= self.profile_steps[0] <= self.profile_steps[1]),
+                 "train.profile_steps", list(self.profile_steps), "[] or [first, last] with 1 <= first <= last")
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -150,6 +229,18 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
+
+    def check(self) -> None:
+        _require(0 < self.lr <= MAX_LR, "optim.lr", self.lr, f"a learning rate in (0, {MAX_LR}] (AdamW)")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+        _require(self.schedule_steps >= 0, "optim.schedule_steps", self.schedule_steps,
+                 "an integer >= 0 (0: train.steps)")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
+        _require(self.clip >= 0, "optim.clip", self.clip, "a number >= 0 (0: no clipping)")
+        _require(0 <= self.b1 < 1, "optim.b1", self.b1, "a number in [0, 1)")
+        _require(0 <= self.b2 < 1, "optim.b2", self.b2, "a number in [0, 1)")
+        _require(self.eps > 0, "optim.eps", self.eps, "a positive number")
 
 
 @dataclass(frozen=True)
@@ -165,6 +256,12 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
 
+    def check(self) -> None:
+        axes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, v in axes.items():
+            _require(v == -1 or v >= 1, f"mesh.{name}", v, "a positive integer or -1 (the remaining devices)")
+        _require(list(axes.values()).count(-1) <= 1, "mesh", axes, "at most one axis of size -1")
+
 
 @dataclass(frozen=True)
 class DistributedConfig:
@@ -178,6 +275,21 @@ class DistributedConfig:
     # service, which then aborts every other process (maxfp4.distributed, docs/RELIABILITY.md)
     heartbeat_timeout_s: int = 100
 
+    def check(self) -> None:
+        _require(self.num_processes >= 0, "distributed.num_processes", self.num_processes, "an integer >= 0")
+        _require(self.init_timeout_s > 0, "distributed.init_timeout_s", self.init_timeout_s,
+                 "a positive number of seconds")
+        _require(self.heartbeat_timeout_s >= 1, "distributed.heartbeat_timeout_s", self.heartbeat_timeout_s,
+                 "an integer number of seconds >= 1")
+        if self.coordinator:
+            host, _, port = self.coordinator.rpartition(":")
+            _require(bool(host) and port.isdigit() and 1 <= int(port) <= 65535, "distributed.coordinator",
+                     self.coordinator, "host:port with a port in [1, 65535]")
+            _require(self.num_processes >= 1, "distributed.num_processes", self.num_processes,
+                     "the number of processes when distributed.coordinator is set")
+            _require(0 <= self.process_id < self.num_processes, "distributed.process_id", self.process_id,
+                     f"an integer in [0, {self.num_processes})")
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -188,6 +300,10 @@ class CheckpointConfig:
     # SHA-256 of the array files, hashed by each process in the background once a save has
     # committed and checked on restore (a mismatch falls back to the previous checkpoint).
     verify: bool = False
+
+    def check(self) -> None:
+        _require(self.every >= 0, "checkpoint.every", self.every, "an integer >= 0 (0: only at the end)")
+        _require(self.keep >= 1, "checkpoint.keep", self.keep, "an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -206,6 +322,20 @@ class FaultConfig:
     # data mixture makes, for the spike guard.
     loss_scale: float = 1.0
     loss_scale_at_step: int = 0
+
+    def check(self) -> None:
+        p = "resilience.fault"
+        _require(self.exception_at_step >= 0, f"{p}.exception_at_step", self.exception_at_step,
+                 "an integer >= 0 (0: never)")
+        _require(all(s >= 1 for s in self.nonfinite_at_steps), f"{p}.nonfinite_at_steps",
+                 list(self.nonfinite_at_steps), "a list of steps >= 1")
+        _require(self.hang_at_step >= 0, f"{p}.hang_at_step", self.hang_at_step, "an integer >= 0 (0: never)")
+        _require(self.slow_process >= -1, f"{p}.slow_process", self.slow_process, "a process index or -1 (none)")
+        _require(self.slow_seconds >= 0, f"{p}.slow_seconds", self.slow_seconds, "a number of seconds >= 0")
+        _require(math.isfinite(self.loss_scale) and self.loss_scale > 0, f"{p}.loss_scale", self.loss_scale,
+                 "a finite factor > 0")
+        _require(self.loss_scale_at_step >= 0, f"{p}.loss_scale_at_step", self.loss_scale_at_step,
+                 "an integer >= 0 (0: never)")
 
 
 @dataclass(frozen=True)
@@ -232,6 +362,27 @@ class ResilienceConfig:
     preflight_gemm: bool = False  # also time a GEMM on each device off GPU (always on GPU)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
+    def check(self) -> None:
+        p = "resilience"
+        _require(math.isfinite(self.spike_margin) and self.spike_margin >= 0, f"{p}.spike_margin", self.spike_margin,
+                 "a finite fraction of the median loss >= 0 (0: spikes off; 1: a loss above twice the median)")
+        _require(self.spike_window >= 3, f"{p}.spike_window", self.spike_window, "an integer >= 3")
+        _require(self.spike_warmup >= 1, f"{p}.spike_warmup", self.spike_warmup, "an integer >= 1")
+        _require(self.max_consecutive_skips >= 0, f"{p}.max_consecutive_skips", self.max_consecutive_skips,
+                 "an integer >= 0 (0: never roll back)")
+        if self.guard and self.spike_margin > 0 and self.max_consecutive_skips > 0:
+            # A lasting level shift skips up to window // 2 + 1 steps (maxfp4.reliability.guard): never a rollback.
+            _require(self.spike_window // 2 + 1 < self.max_consecutive_skips, f"{p}.spike_window", self.spike_window,
+                     f"at most {2 * self.max_consecutive_skips - 3} with max_consecutive_skips="
+                     f"{self.max_consecutive_skips} (a level shift skips up to spike_window // 2 + 1 steps)")
+        _require(self.max_rollbacks >= 0, f"{p}.max_rollbacks", self.max_rollbacks, "an integer >= 0")
+        _require(self.hang_timeout_s >= 0, f"{p}.hang_timeout_s", self.hang_timeout_s,
+                 "a number of seconds >= 0 (0: off)")
+        _require(self.straggler_every >= 0, f"{p}.straggler_every", self.straggler_every, "an integer >= 0 (0: off)")
+        _require(self.straggler_threshold > 1, f"{p}.straggler_threshold", self.straggler_threshold,
+                 "a ratio > 1 (1.2: 20% slower than the median)")
+        self.fault.check()
+
 
 @dataclass(frozen=True)
 class Config:
@@ -252,6 +403,13 @@ class Config:
 
     def to_dict(self) -> dict:
         return _to_plain(self)
+
+    def check(self) -> None:
+        """Each section checks itself, in file order; then what relates two sections."""
+        for section in (self.run, self.model, self.data, self.train, self.optim, self.mesh, self.distributed,
+                        self.checkpoint, self.resilience):
+            section.check()
+        _check_across_sections(self)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -587,37 +745,7 @@ def config_from_dict(raw: dict) -> Config:
     return cfg
 
 
-# ----------------------------------------------------------------------------- validation
-
-
-def _validate_resilience(res: ResilienceConfig) -> None:
-    p, f = "resilience", res.fault
-    _require(math.isfinite(res.spike_margin) and res.spike_margin >= 0, f"{p}.spike_margin", res.spike_margin,
-             "a finite fraction of the median loss >= 0 (0: spikes off; 1: a loss above twice the median)")
-    _require(res.spike_window >= 3, f"{p}.spike_window", res.spike_window, "an integer >= 3")
-    _require(res.spike_warmup >= 1, f"{p}.spike_warmup", res.spike_warmup, "an integer >= 1")
-    _require(res.max_consecutive_skips >= 0, f"{p}.max_consecutive_skips", res.max_consecutive_skips,
-             "an integer >= 0 (0: never roll back)")
-    if res.guard and res.spike_margin > 0 and res.max_consecutive_skips > 0:
-        # A lasting level shift skips up to window // 2 + 1 steps (maxfp4.reliability.guard): never a rollback.
-        _require(res.spike_window // 2 + 1 < res.max_consecutive_skips, f"{p}.spike_window", res.spike_window,
-                 f"at most {2 * res.max_consecutive_skips - 3} with max_consecutive_skips="
-                 f"{res.max_consecutive_skips} (a level shift skips up to spike_window // 2 + 1 steps)")
-    _require(res.max_rollbacks >= 0, f"{p}.max_rollbacks", res.max_rollbacks, "an integer >= 0")
-    _require(res.hang_timeout_s >= 0, f"{p}.hang_timeout_s", res.hang_timeout_s, "a number of seconds >= 0 (0: off)")
-    _require(res.straggler_every >= 0, f"{p}.straggler_every", res.straggler_every, "an integer >= 0 (0: off)")
-    _require(res.straggler_threshold > 1, f"{p}.straggler_threshold", res.straggler_threshold,
-             "a ratio > 1 (1.2: 20% slower than the median)")
-    _require(f.exception_at_step >= 0, f"{p}.fault.exception_at_step", f.exception_at_step, "an integer >= 0 (0: never)")
-    _require(all(s >= 1 for s in f.nonfinite_at_steps), f"{p}.fault.nonfinite_at_steps", list(f.nonfinite_at_steps),
-             "a list of steps >= 1")
-    _require(f.hang_at_step >= 0, f"{p}.fault.hang_at_step", f.hang_at_step, "an integer >= 0 (0: never)")
-    _require(f.slow_process >= -1, f"{p}.fault.slow_process", f.slow_process, "a process index or -1 (none)")
-    _require(f.slow_seconds >= 0, f"{p}.fault.slow_seconds", f.slow_seconds, "a number of seconds >= 0")
-    _require(math.isfinite(f.loss_scale) and f.loss_scale > 0, f"{p}.fault.loss_scale", f.loss_scale,
-             "a finite factor > 0")
-    _require(f.loss_scale_at_step >= 0, f"{p}.fault.loss_scale_at_step", f.loss_scale_at_step,
-             "an integer >= 0 (0: never)")
+# ----------------------------------------------------------------------------- checks
 
 
 MAX_LR = 1.0  # AdamW's step is about lr per parameter: above 1 nothing sensible is left
@@ -628,7 +756,7 @@ MAX_LAYERS = 4096
 _COMPILER_OPTION_VALUES = (bool, int, float, str)
 
 
-def _validate_mixture_part(part: Any, key: str) -> None:
+def _check_mixture_part(part: Any, key: str) -> None:
     _require(isinstance(part, dict) and all(isinstance(k, str) for k in part)
              and set(part) <= {"source", "paths", "weight"} and "source" in part,
              key, part, "a mapping with keys source, paths (list) and weight")
@@ -644,7 +772,7 @@ def _validate_mixture_part(part: Any, key: str) -> None:
              and weight > 0, f"{key}.weight", weight, "a positive finite number")
 
 
-def _validate_compiler_options(options: dict) -> None:
+def _check_compiler_options(options: dict) -> None:
     """XLA options are flat name -> scalar pairs; anything else is refused here, before the
     options are handed to the compiler (or printed in its error)."""
     for name, value in options.items():
@@ -667,141 +795,23 @@ def _positive(section: Any, prefix: str, *names: str) -> None:
         _require(v > 0, f"{prefix}.{n}", v, "a positive integer")
 
 
-def validate(cfg: Config) -> None:
-    from maxfp4.precision.policy import validate_precision  # late: precision imports config
-
-    r, m, d, t, o = cfg.run, cfg.model, cfg.data, cfg.train, cfg.optim
-    _require(bool(r.name) and "/" not in r.name and r.name not in (".", ".."), "run.name", r.name,
-             "a non-empty name without '/'")
-    _require(bool(r.output_dir), "run.output_dir", r.output_dir, "a directory path")
-    if r.deterministic:
-        from maxfp4.compiler import DETERMINISTIC_OPTIONS  # late: compiler imports config
-
-        for key, value in DETERMINISTIC_OPTIONS.items():
-            _require(cfg.train.compiler_options.get(key, value) == value, f"train.compiler_options.{key}",
-                     cfg.train.compiler_options.get(key), f"{value} or unset with run.deterministic=true")
-
-    _require(m.kind in MODEL_KINDS, "model.kind", m.kind, f"one of {', '.join(MODEL_KINDS)}")
-    if m.kind == "hybrid":
-        _require(bool(m.pattern) and set(m.pattern) <= set(PATTERN_CHARS), "model.pattern", m.pattern,
-                 "a non-empty string of M (Mamba-2), * (attention) and - (MLP)")
-        mb = m.mamba
-        _positive(mb, "model.mamba", "d_state", "head_dim", "n_groups", "conv_kernel", "chunk_size", "expand")
-        _require(mb.ssd_matmul in ("bf16", "fp32"), "model.mamba.ssd_matmul", mb.ssd_matmul, "bf16 or fp32")
-        _require(isinstance(mb.fp8_in_kernels, bool), "model.mamba.fp8_in_kernels",
-                 mb.fp8_in_kernels, "true or false")
-        _require(mb.kernels in ("auto", "xla", "pallas"), "model.mamba.kernels", mb.kernels,
-                 "auto, xla or pallas")
-        if mb.kernels == "pallas":
-            from maxfp4.kernels.conv import conv_kernel_supported
-            from maxfp4.kernels.ssd import kernel_supported
-            _require(kernel_supported(mb.chunk_size, mb.head_dim, mb.d_state), "model.mamba.kernels",
-                     mb.kernels, "xla or auto unless chunk_size, head_dim and d_state are powers of two >= 16")
-            channels = mb.expand * m.d_model + 2 * mb.n_groups * mb.d_state
-            _require(conv_kernel_supported(cfg.data.seq_len, channels), "model.mamba.kernels", mb.kernels,
-                     f"xla or auto unless data.seq_len ({cfg.data.seq_len}) is a multiple of 8 and the "
-                     f"convolution's {channels} channels a multiple of 16")
-        inner = mb.expand * m.d_model
-        _require(inner % mb.head_dim == 0, "model.mamba.head_dim", mb.head_dim,
-                 f"a divisor of model.mamba.expand x model.d_model = {inner}")
-        _require((inner // mb.head_dim) % mb.n_groups == 0, "model.mamba.n_groups", mb.n_groups,
-                 f"a divisor of the Mamba head count {inner // mb.head_dim}")
-    else:
-        _require(not m.pattern, "model.pattern", m.pattern, "empty for model.kind=dense (set model.kind=hybrid)")
-    _require(m.mlp in MLP_KINDS, "model.mlp", m.mlp, f"one of {', '.join(MLP_KINDS)}")
-    _positive(m, "model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
-    _require(m.n_layers <= MAX_LAYERS, "model.n_layers", m.n_layers, f"at most {MAX_LAYERS} blocks")
-    _require(m.head_dim >= 0, "model.head_dim", m.head_dim, "a positive integer (0: d_model // n_heads)")
-    _require(m.d_model % m.n_heads == 0, "model.n_heads", m.n_heads,
-             f"a divisor of model.d_model={m.d_model}")
-    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
-             f"a divisor of model.n_heads={m.n_heads}")
-    _require(m.resolved_head_dim % 2 == 0, "model.head_dim", m.resolved_head_dim,
-             "an even head dimension (RoPE rotates pairs)")
-    _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "a positive number")
-    _require(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "a positive number")
-    _require(m.attention in ATTENTION_IMPLS, "model.attention", m.attention,
-             f"one of {', '.join(ATTENTION_IMPLS)}")
-    _require(m.attention_max_segments >= 1, "model.attention_max_segments", m.attention_max_segments,
-             "a positive number of segments per row")
-    # Far above 1 the first forward pass overflows or saturates and every gradient is 0 or NaN:
-    # the run would "train" without learning anything (0.02 is the usual choice).
-    _require(0 < m.init_std <= MAX_INIT_STD, "model.init_std", m.init_std,
-             f"a standard deviation in (0, {MAX_INIT_STD}] (0.02 is usual)")
-
-    _require(d.source in DATA_SOURCES, "data.source", d.source, f"one of {', '.join(DATA_SOURCES)}")
-    if d.source in ("text", "jsonl", "array_record"):
-        what = "prepared directory" if d.source == "array_record" else "file or glob"
-        _require(len(d.paths) > 0, "data.paths", list(d.paths), f"at least one {what} for data.source={d.source}")
-    if d.source == "tfds":
-        _require(bool(d.tfds_name), "data.tfds_name", d.tfds_name, "a dataset name for data.source=tfds")
-    _require((d.source == "mixture") == bool(d.mixture), "data.mixture", list(d.mixture),
-             "a non-empty list of {source, paths, weight} exactly when data.source=mixture")
-    for i, part in enumerate(d.mixture):
-        _validate_mixture_part(part, f"data.mixture[{i}]")
-    _positive(d, "data", "seq_len", "global_batch", "read_threads", "eval_batches")
-    _require(d.workers >= 0, "data.workers", d.workers, "an integer >= 0 (0: read in the training process)")
-    _require(d.prefetch >= 0, "data.prefetch", d.prefetch, "an integer >= 0")
-    _require(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", d.eval_fraction, "a fraction in [0, 1)")
-    _require(not (d.eval_fraction and d.eval_paths), "data.eval_paths", list(d.eval_paths),
-             "empty when data.eval_fraction is set (choose one way to hold out data)")
-    _require(not d.eval_paths or d.source in ("text", "jsonl", "array_record"), "data.eval_paths",
-             list(d.eval_paths), "used only with data.source text, jsonl or array_record")
-    _require(t.eval_every >= 0, "train.eval_every", t.eval_every, "an integer >= 0 (0: no evaluation)")
+def _check_across_sections(cfg: Config) -> None:
+    d, t, o = cfg.data, cfg.train, cfg.optim
     _require(not t.eval_every or d.eval_fraction > 0 or d.eval_paths or d.source == "synthetic",
              "train.eval_every", t.eval_every, "0 unless data.eval_fraction > 0 or data.eval_paths is set")
-    if d.tokenizer:
-        _require(os.path.isfile(d.tokenizer), "data.tokenizer", d.tokenizer, "an existing SentencePiece model file")
-
-    _require(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
-    _require(t.log_every >= 1, "train.log_every", t.log_every, "an integer >= 1")
-    _require(t.microbatches >= 1, "train.microbatches", t.microbatches, "an integer >= 1")
     _require(d.global_batch % t.microbatches == 0, "train.microbatches", t.microbatches,
              f"a divisor of data.global_batch={d.global_batch}")
     _require(t.loss_chunks >= 1 and d.seq_len % t.loss_chunks == 0, "train.loss_chunks", t.loss_chunks,
              f"an integer >= 1 dividing data.seq_len={d.seq_len}")
-    _require(t.remat in REMAT_POLICIES, "train.remat", t.remat, f"one of {', '.join(REMAT_POLICIES)}")
-    _validate_compiler_options(t.compiler_options)
-    _require(t.profile_steps == () or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
-             "train.profile_steps", list(t.profile_steps), "[] or [first, last] with 1 <= first <= last")
-
-    _require(0 < o.lr <= MAX_LR, "optim.lr", o.lr, f"a learning rate in (0, {MAX_LR}] (AdamW)")
-    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "an integer >= 0")
-    _require(o.schedule_steps >= 0, "optim.schedule_steps", o.schedule_steps, "an integer >= 0 (0: train.steps)")
     horizon = o.schedule_steps or t.steps
     _require(o.warmup_steps <= horizon, "optim.warmup_steps", o.warmup_steps,
              f"at most the schedule length {horizon}")
-    _require(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", o.min_lr_ratio, "a number in [0, 1]")
-    _require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "a number >= 0")
-    _require(o.clip >= 0, "optim.clip", o.clip, "a number >= 0 (0: no clipping)")
-    _require(0 <= o.b1 < 1, "optim.b1", o.b1, "a number in [0, 1)")
-    _require(0 <= o.b2 < 1, "optim.b2", o.b2, "a number in [0, 1)")
-    _require(o.eps > 0, "optim.eps", o.eps, "a positive number")
 
-    for name in ("data", "fsdp", "tensor"):
-        v = getattr(cfg.mesh, name)
-        _require(v == -1 or v >= 1, f"mesh.{name}", v, "a positive integer or -1 (the remaining devices)")
-    axes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-    _require(list(axes.values()).count(-1) <= 1, "mesh", axes, "at most one axis of size -1")
 
-    dist = cfg.distributed
-    _require(dist.num_processes >= 0, "distributed.num_processes", dist.num_processes, "an integer >= 0")
-    _require(dist.init_timeout_s > 0, "distributed.init_timeout_s", dist.init_timeout_s, "a positive number of seconds")
-    _require(dist.heartbeat_timeout_s >= 1, "distributed.heartbeat_timeout_s", dist.heartbeat_timeout_s,
-             "an integer number of seconds >= 1")
-    if dist.coordinator:
-        host, _, port = dist.coordinator.rpartition(":")
-        _require(bool(host) and port.isdigit() and 1 <= int(port) <= 65535, "distributed.coordinator",
-                 dist.coordinator, "host:port with a port in [1, 65535]")
-        _require(dist.num_processes >= 1, "distributed.num_processes", dist.num_processes,
-                 "the number of processes when distributed.coordinator is set")
-        _require(0 <= dist.process_id < dist.num_processes, "distributed.process_id", dist.process_id,
-                 f"an integer in [0, {dist.num_processes})")
+def validate(cfg: Config) -> None:
+    """Every check a config can have without devices: the sections', then the precision policy's.
+    (XLA options, kernel tile sizes and the mesh are checked against the devices at start-up.)"""
+    from maxfp4.precision.policy import validate_precision  # late: precision imports config
 
-    ck = cfg.checkpoint
-    _require(ck.every >= 0, "checkpoint.every", ck.every, "an integer >= 0 (0: only at the end)")
-    _require(ck.keep >= 1, "checkpoint.keep", ck.keep, "an integer >= 1")
-
-    _validate_resilience(cfg.resilience)
-
-    validate_precision(cfg.precision, n_layers=m.n_layers)
+    cfg.check()
+    validate_precision(cfg.precision, n_layers=cfg.model.n_layers)

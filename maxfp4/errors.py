@@ -5,6 +5,10 @@ class UserError(Exception):
     """Bad input from the user (config, data, tokenizer, paths)."""
 
 
+class ConfigError(UserError):
+    """A configuration problem, reported as one line to the user."""
+
+
 class DataError(UserError):
     """A data file, tokenizer or dataset that cannot be used, named in the message."""
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from maxfp4.config import Config
+from maxfp4.loop import Hook
 from maxfp4.precision import PrecisionPolicy
 from maxfp4.precision.state import scales_of
 from maxfp4.state import TrainState
@@ -39,3 +40,16 @@ def mean_eval_loss(jitted_eval_step: Callable, state: TrainState, batches: Seque
     loss_sum = sum(float(s) for s, _ in totals)
     n_tokens = sum(float(n) for _, n in totals)
     return loss_sum / n_tokens if n_tokens else float("nan")
+
+
+class EvalHook(Hook):
+    """Held-out loss every ``every`` steps and after the last, on the state just dispatched;
+    ``losses`` (step -> loss) is read by the metrics, which log it with that step."""
+
+    def __init__(self, eval_step: Callable, batches: Sequence[dict], *, every: int, total_steps: int):
+        self.eval_step, self.batches, self.every, self.total_steps = eval_step, batches, every, total_steps
+        self.losses: dict[int, float] = {}
+
+    def after_dispatch(self, loop, step: int, metrics) -> None:
+        if self.batches and (step % self.every == 0 or step == self.total_steps):
+            self.losses[step] = mean_eval_loss(self.eval_step, loop.state, self.batches)

@@ -12,11 +12,13 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import jax
 
 from maxfp4.config import ModelConfig
+from maxfp4.loop import Hook
 from maxfp4.precision import PrecisionPolicy
 
 # Dense datasheet peaks in TFLOP/s per device, by precision.
@@ -132,19 +134,25 @@ class MetricsLogger:
             if k != "step" and isinstance(v, (int, float)) and v is not None:
                 self._tb.add_scalar(k, v, record["step"])
         self._tb.flush()
-        self.stream.write(self.progress_line(record) + "\n")
-        self.stream.flush()
+        self.say(self.progress_line(record))
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            self.stream.write(line + "\n")
+            self.stream.flush()
 
     def progress_line(self, r: dict[str, Any]) -> str:
         parts = [f"step {r['step']:>6d}/{self.total_steps}", f"loss {r['loss']:.4f}"]
         if "eval_loss" in r:
             parts.append(f"eval {r['eval_loss']:.4f}")
+        if "compile_s" in r:  # the first step of this process: said once, never counted in tok/s
+            parts.append(f"first step {r['first_step_s']:.1f} s, {r['compile_s']:.1f} s of it tracing and "
+                         f"compiling (not counted in tok/s)")
         if r.get("step_time_s") is None:
-            parts.append("compiled and ran the first step")
             return " | ".join(parts)
         parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
-        parts.append(f"{r['tflops_per_device']:.1f} TFLOP/s/dev")
-        if r.get("mfu") is not None:
+        if r.get("mfu") is not None:  # a known accelerator; a CPU has no stated peak, so neither is shown
+            parts.append(f"{r['tflops_per_device']:.1f} TFLOP/s/dev")
             parts.append(f"MFU {100 * r['mfu']:.1f}%")
         eta = r.get("eta_s")
         if eta is not None:
@@ -156,3 +164,97 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
+
+
+class MetricsHook(Hook):
+    """Turns each finished step's metrics into a logged record every ``train.log_every`` steps
+    (and on the first, the last and every evaluated step).
+
+    Rates are measured from the moment the first step of this process has finished: that step
+    traces and compiles the program, so it is waited for once (the only time the host waits for
+    the device on purpose) and left out of tokens/s. A logged rate covers the steps since the
+    previous logged line; the last line is followed by the rate over every measured step.
+    """
+
+    def __init__(self, logger: MetricsLogger, *, tokens_per_step: int, flops_per_step: float, n_devices: int,
+                 peaks: dict[str, float] | None, policy_peak: float | None, log_every: int,
+                 eval_losses: dict[int, float], stragglers=None):
+        self.logger = logger
+        self.tokens_per_step, self.flops_per_step, self.n_devices = tokens_per_step, flops_per_step, n_devices
+        self.peaks, self.policy_peak, self.log_every = peaks, policy_peak, log_every
+        self.eval_losses, self.stragglers = eval_losses, stragglers
+        self.records: list[dict[str, Any]] = []
+        self._losses: list[tuple[float, bool]] = []  # (loss, skipped by the guard) since the last record
+        self._first_step: int | None = None  # the first step this process ran (it compiled the program)
+        self._first: dict[str, float] | None = None  # its timings, until its record takes them
+        self._mark: tuple[int, float] | None = None  # (step, time) the current rate window starts at
+        self._measured_steps, self._measured_s = 0, 0.0
+
+    def after_dispatch(self, loop, step: int, metrics) -> None:
+        if self._first_step is None:
+            self._first_step = step
+            dispatched = time.perf_counter()
+            jax.block_until_ready(metrics)
+            done = time.perf_counter()
+            self._first = {"compile_s": loop.dispatch_s, "first_step_s": loop.dispatch_s + done - dispatched}
+            self._mark = (step, done)
+
+    def on_rewind(self, loop, step: int) -> None:
+        self._losses.clear()
+        self._mark = None  # restarts at the next finished step
+
+    def after_step(self, loop, step: int, values: dict[str, float], final: bool) -> None:
+        now = time.perf_counter()
+        self._losses.append((values["loss"], bool(values["skipped"])))
+        if self._mark is None:
+            self._mark = (step, now)
+        if not (step % self.log_every == 0 or final or step == loop.start_step + 1 or step in self.eval_losses):
+            return
+        record = self._record(step, values, now, loop.total_steps)
+        self.records.append(record)
+        self.logger.log(record)
+        if final and self._measured_steps:
+            self.logger.say(self.summary())
+
+    def _record(self, step: int, values: dict[str, float], now: float, total_steps: int) -> dict[str, Any]:
+        # The logged loss is the mean since the last record: one step's loss is too noisy.
+        # Skipped steps' losses are left out (they may be NaN) unless every step was skipped.
+        kept = [loss for loss, skipped in self._losses if not skipped] or [l for l, _ in self._losses]
+        self._losses.clear()
+        mark_step, mark_time = self._mark
+        step_time = (now - mark_time) / (step - mark_step) if step > mark_step else None
+        if step_time is not None:
+            self._measured_steps += step - mark_step
+            self._measured_s += now - mark_time
+            self._mark = (step, now)
+        tflops = self.flops_per_step / step_time / self.n_devices / 1e12 if step_time else None
+        record = {
+            "step": step,
+            "loss": sum(kept) / len(kept),
+            "grad_norm": values["grad_norm"],
+            "lr": values["lr"],
+            "tokens_per_s": self.tokens_per_step / step_time if step_time else None,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peaks["bf16"] if self.peaks and tflops else None,
+            "mfu_policy_peak": tflops / self.policy_peak if self.policy_peak and tflops else None,
+            "step_time_s": step_time,
+            "eta_s": (total_steps - step) * step_time if step_time else None,
+            "skipped_steps": int(values["skipped_steps"]),
+        }
+        if self._first is not None and step == self._first_step:
+            record.update(self._first)
+            self._first = None
+        if step in self.eval_losses:
+            record["eval_loss"] = self.eval_losses.pop(step)
+        report = self.stragglers.take_report() if self.stragglers is not None else None
+        if report is not None:
+            record["straggler_processes"] = report["slow"]
+        return record
+
+    def summary(self) -> str:
+        rate = self.tokens_per_step * self._measured_steps / self._measured_s
+        return (f"measured {self._measured_steps} step(s) in {self._measured_s:.1f} s: {rate:,.0f} tok/s "
+                f"(the first step, compilation included, not counted)")
+
+    def close(self) -> None:
+        self.logger.close()

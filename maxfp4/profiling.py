@@ -12,19 +12,21 @@ from typing import Any, Sequence
 
 import jax
 
+from maxfp4.loop import Hook
 
-class StepProfiler:
+
+class StepProfiler(Hook):
     def __init__(self, steps: Sequence[int], directory: str, *, enabled: bool = True):
         self.first, self.last = (steps[0], steps[1]) if steps and enabled else (None, None)
         self.directory = directory
         self.active = False
 
-    def before_dispatch(self, step: int) -> None:
+    def before_step(self, loop, step: int) -> None:
         if step == self.first:
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
             self.active = True
 
-    def after_dispatch(self, step: int, metrics: Any) -> None:
+    def after_dispatch(self, loop, step: int, metrics: Any) -> None:
         if self.active and step == self.last:
             jax.block_until_ready(metrics)
             self.close()

@@ -2,51 +2,55 @@
 
 Writes ``<output_dir>/<name>/{config.yaml, precision_table.txt, metrics.jsonl, tensorboard/}``.
 Bad input is reported as one line and exit code 2, before anything is compiled.
+
+:func:`train` reads as the data flow: start-up checks (nothing written yet), the locked run
+directory, data, state (restored if the run exists), the jitted step, and a :class:`Loop` with
+hooks for everything else (metrics, checkpoints, evaluation, reliability).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import os
 import sys
-import time
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import yaml
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxfp4 import distributed
-from maxfp4.checkpoint import Checkpointer, finalized_steps, refuse_changed_run
+from maxfp4.checkpoint import Checkpointer, CheckpointHook, finalized_steps, refuse_changed_run
 from maxfp4.compiler import (check_compiler_options, check_deterministic_attention, compiler_options,
                              determinism_summary, use_compile_cache)
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
-from maxfp4.reliability.crash import RunFailed, disk_full_reason, quiet_disk_full_logs, write_crash_report
 from maxfp4.data import make_batches, make_eval_batches
 from maxfp4.errors import exit_code_of
-from maxfp4.evaluate import make_eval_step, mean_eval_loss
-from maxfp4.reliability.faults import hang_forever, maybe_slow_down
-from maxfp4.reliability.guard import init_guard_state
+from maxfp4.evaluate import EvalHook, make_eval_step
+from maxfp4.kernels.support import check_mamba_kernels
+from maxfp4.loop import Hook, Loop, close_hooks
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
-from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
+from maxfp4.metrics import MetricsHook, MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import get_model, linear_shapes
 from maxfp4.optim import make_optimizer, make_schedule
-from maxfp4.precision import resolve_policy
+from maxfp4.precision import PrecisionPolicy, resolve_policy
 from maxfp4.precision.policy import check_block_divisibility
 from maxfp4.precision.state import init_precision_state
 from maxfp4.profiling import StepProfiler
+from maxfp4.reliability.crash import RunFailed, crash_error, quiet_disk_full_logs
+from maxfp4.reliability.faults import FaultHook
+from maxfp4.reliability.guard import init_guard_state
+from maxfp4.reliability.preemption import Interrupted, PreemptionHook, PreemptionWatch
 from maxfp4.reliability.preflight import preflight_summary
-from maxfp4.reliability.preemption import InjectedFault, Interrupted, PreemptionWatch, signal_name
-from maxfp4.reliability.rollback import Diverged, Rollbacks
-from maxfp4.reliability.run_lock import RunLock, RunLocked
+from maxfp4.reliability.rollback import Diverged, RollbackHook, Rollbacks
+from maxfp4.reliability.run_lock import run_directory
+from maxfp4.reliability.stragglers import StragglerHook, StragglerMonitor
+from maxfp4.reliability.watchdog import HangWatchdog
 from maxfp4.state import TrainState
 from maxfp4.step import check_loss_chunks, make_train_step
-from maxfp4.reliability.stragglers import StragglerMonitor
-from maxfp4.reliability.watchdog import HangWatchdog
 
 
 def _say(msg: str) -> None:
@@ -74,31 +78,6 @@ def _write_atomic(path: str, text: str) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-
-
-def _write_run_files(cfg: Config, run_dir: str, table: str) -> None:
-    _write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    _write_atomic(os.path.join(run_dir, "precision_table.txt"), table + "\n")
-
-
-def _lock_run_dir(run_dir: str) -> RunLock | None:
-    """Process 0 takes ``<run_dir>/run.lock``; every process learns whether it got it, so a
-    refused job stops everywhere with one line instead of hanging its other processes."""
-    lock = RunLock(run_dir, say=_say) if jax.process_index() == 0 else None
-    refusal = None
-    if lock is not None:
-        try:
-            lock.acquire()
-        except RunLocked as e:
-            refusal = e
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        took = multihost_utils.broadcast_one_to_all(np.int32(refusal is None))
-        if not int(took) and refusal is None:
-            raise RunLocked(f"run directory {run_dir} is in use by another run (process 0 could not lock it)")
-    if refusal is not None:
-        raise refusal
-    return lock
 
 
 def _newest_checkpoint(run_dir: str) -> str | None:
@@ -154,6 +133,9 @@ def jit_train_step(cfg: Config, policy, optimizer: optax.GradientTransformation,
                    compiler_options=xla_options)
 
 
+# ----------------------------------------------------------------------------- the run
+
+
 def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=None,
           watch: PreemptionWatch | None = None) -> list[dict[str, Any]]:
     """Run the training loop described by ``cfg``; returns the logged metric records. ``watch``:
@@ -164,258 +146,165 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         watch.multiprocess()
     watch.newest_checkpoint = lambda: _newest_checkpoint(cfg.run_dir)
     try:
-        return _train(cfg, devices, stream, watch)
+        start = start_up(cfg, devices)  # everything that can be refused, before the run directory is touched
+        cfg = start.cfg
+        with run_directory(cfg.run_dir, say=_say, on_exit_hooks=watch.add_exit_hook) as lock:
+            data, eval_batches = open_data(start)
+            optimizer = make_optimizer(cfg)
+            state, state_sh = init_state(cfg, start.mesh, optimizer, start.policy)
+            checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint)
+            state = restore(cfg, checkpointer, state, data)
+            # The data's bound on documents per row is the same on every process (the packing
+            # layout is global), so every process compiles the same attention kernel.
+            step_fn = jit_train_step(cfg, start.policy, optimizer, make_schedule(cfg), start.mesh, state_sh,
+                                     start.xla_options, data.max_runs_per_row)
+            hooks, metrics = make_hooks(start, watch, lock, checkpointer, data, eval_batches, state_sh, stream)
+            to_global = _globalizer(start.mesh)
+            loop = Loop(step_fn, state, (to_global(batch) for batch in data), total_steps=cfg.train.steps,
+                        hooks=hooks, should_stop=watch.should_stop)
+            failing = False
+            try:
+                loop.run()
+            except Interrupted:
+                raise
+            except Exception as error:
+                failing = True
+                last = metrics.records[-1] if metrics.records else None
+                raise crash_error(cfg.run_dir, error, step=loop.last_step, config=cfg.to_dict(), last_metrics=last,
+                                  newest_checkpoint=lambda: _newest_checkpoint(cfg.run_dir),
+                                  remove_partial_saves=checkpointer.remove_partial_saves, say=_say) from None
+            finally:
+                close_hooks(hooks, quietly=failing)
+            return metrics.records
     finally:
         if own_watch:
             watch.close()
 
 
-def _train(cfg: Config, devices, stream, watch: PreemptionWatch) -> list[dict[str, Any]]:
-    run_dir = cfg.run_dir
-    is_writer = jax.process_index() == 0
+@dataclasses.dataclass(frozen=True)
+class StartUp:
+    """What start-up decided before anything was written: the config as it will run (adjusted
+    to the devices), the precision policy and its printed table, the mesh and the XLA options."""
 
+    cfg: Config
+    policy: PrecisionPolicy
+    table: str
+    mesh: Mesh
+    xla_options: dict
+    compile_cache: str | None
+
+
+def adjust_to_devices(cfg: Config, mesh: Mesh) -> Config:
+    """Config changes decided at start-up from the devices found (none today): made before
+    anything is checked against the mesh, so config.yaml and the checks see the final config."""
+    del mesh
+    return cfg
+
+
+def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
+    """Every check that needs the devices or the run directory's history, before it is touched."""
     compile_cache = use_compile_cache(cfg.run.compile_cache_dir)  # before anything compiles
-    # Everything that can be refused is checked before the run directory is touched.
+    mesh = make_mesh(cfg.mesh, devices)
+    cfg = adjust_to_devices(cfg, mesh)
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     block_classes = get_model(cfg.model).block_layer_classes
     model_classes = set(block_classes) | {"lm_head"}
     check_block_divisibility(policy, {c: s for c, s in linear_shapes(cfg.model).items() if c in model_classes})
     check_loss_chunks(cfg, policy)
-    table = policy.format_table(block_classes)
-    mesh = make_mesh(cfg.mesh, devices)
+    check_mamba_kernels(cfg.model, cfg.data.seq_len)
     check_model_fits_mesh(cfg.model, mesh)
     _check_batch_fits_mesh(cfg, mesh)
-    xla_options = compiler_options(mesh.devices.flat[0].platform, cfg.train.compiler_options, cfg.run.deterministic)
+    platform = mesh.devices.flat[0].platform
+    xla_options = compiler_options(platform, cfg.train.compiler_options, cfg.run.deterministic)
     check_compiler_options(xla_options, mesh.devices.flat[0])
-    check_deterministic_attention(cfg, mesh.devices.flat[0].platform)
+    check_deterministic_attention(cfg, platform)
     refuse_changed_run(cfg)
-    lock = _lock_run_dir(run_dir)  # before anything is written to the run directory
-    if lock is not None:
-        watch.add_exit_hook(lock.release)
-    try:
-        return _run(cfg, stream, watch, lock, policy, block_classes, table, mesh, xla_options, compile_cache)
-    finally:
-        if lock is not None:
-            lock.release()
+    return StartUp(cfg, policy, policy.format_table(block_classes), mesh, xla_options,
+                   compile_cache)
 
 
-def _run(cfg: Config, stream, watch: PreemptionWatch, lock: RunLock | None, policy, block_classes,
-         table: str, mesh, xla_options: dict, compile_cache) -> list[dict[str, Any]]:
-    run_dir = cfg.run_dir
-    is_writer = jax.process_index() == 0
+def open_data(start: StartUp):
+    """Preflight, the training batches and the held-out ones (bad data is refused here, before
+    anything compiles), then the run's files and its start-up lines."""
+    cfg, mesh, is_writer = start.cfg, start.mesh, jax.process_index() == 0
     if cfg.resilience.preflight:
         summary = preflight_summary(cfg, list(mesh.devices.flat))
         if is_writer:
             _say(summary)
-    data = make_batches(cfg, run_dir, process_index=jax.process_index(),
-                        process_count=jax.process_count())
-    # Held-out batches are built now so bad eval data is refused before anything compiles.
-    eval_local = (make_eval_batches(cfg, run_dir, process_index=jax.process_index(),
-                                    process_count=jax.process_count(), corpus=data.corpus)
-                  if cfg.train.eval_every else [])
+    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    data = make_batches(cfg, cfg.run_dir, **where)
+    eval_local = make_eval_batches(cfg, cfg.run_dir, **where, corpus=data.corpus) if cfg.train.eval_every else []
     if is_writer:
-        _write_run_files(cfg, run_dir, table)
-        _say(f"run directory {run_dir}")
-        _say("precision policy:\n" + table)
+        _write_atomic(os.path.join(cfg.run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        _write_atomic(os.path.join(cfg.run_dir, "precision_table.txt"), start.table + "\n")
+        _say(f"run directory {cfg.run_dir}")
+        _say("precision policy:\n" + start.table)
         _say(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)")
-        _say(f"compilation cache {compile_cache or 'off'}; {determinism_summary(xla_options)}")
+        _say(f"compilation cache {start.compile_cache or 'off'}; {determinism_summary(start.xla_options)}")
+    to_global = _globalizer(mesh)
+    return data, [to_global(b) for b in eval_local]
 
-    optimizer = make_optimizer(cfg)
-    schedule = make_schedule(cfg)
-    state, state_sh = init_state(cfg, mesh, optimizer, policy)
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint)
+
+def restore(cfg: Config, checkpointer: Checkpointer, state: TrainState, data) -> TrainState:
+    """The newest readable checkpoint's state and data position, if the run has one."""
     resumed = checkpointer.restore_latest(state, warn=lambda m: _say(f"warning: {m}"))
     if resumed is not None:
         resume_step, state, data_state = resumed
         data.set_state(data_state)
-        if is_writer:
+        if jax.process_index() == 0:
             _say(f"resumed from {checkpointer.directory}/{resume_step}")
-    n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    if is_writer:
+    if jax.process_index() == 0:
         from maxfp4.model.attention import resolve_implementation
+        n_params = sum(x.size for x in jax.tree.leaves(state.params))
         _say(f"model: {n_params / 1e6:.1f}M parameters, {cfg.model.n_layers} blocks, "
              f"attention {resolve_implementation(cfg.model.attention)}, remat {cfg.train.remat}")
+    return state
 
-    constrain = make_constrain(mesh)
-    b_sh = batch_sharding(mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    # The data's bound on documents per row is the same on every process (the packing layout
-    # is global), so every process compiles the same attention kernel.
-    jitted = jit_train_step(cfg, policy, optimizer, schedule, mesh, state_sh, xla_options, data.max_runs_per_row)
 
-    eval_fn = jax.jit(make_eval_step(cfg, policy, constrain), in_shardings=(state_sh, b_sh),
-                      out_shardings=(replicated, replicated))
-    eval_losses: dict[int, float] = {}  # step -> held-out loss, added to that step's metrics record
+def _globalizer(mesh: Mesh):
+    """Each process's rows of a batch -> global arrays in the batch sharding."""
+    sharding = batch_sharding(mesh)
+    return lambda local: {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
-    tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-    step_flops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
-    n_devices = mesh.devices.size
+
+def make_metrics(start: StartUp, stream, eval_losses: dict[int, float], stragglers) -> MetricsHook:
+    cfg, mesh = start.cfg, start.mesh
     peaks = device_peaks(mesh.devices.flat[0])
-    policy_peak = policy_peak_tflops(cfg.model, cfg.data.seq_len, policy, peaks) if peaks else None
-    logger = MetricsLogger(run_dir, total_steps=cfg.train.steps, enabled=is_writer, stream=stream)
+    tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+    logger = MetricsLogger(cfg.run_dir, total_steps=cfg.train.steps, enabled=jax.process_index() == 0, stream=stream)
+    return MetricsHook(logger, tokens_per_step=tokens_per_step, n_devices=mesh.devices.size, peaks=peaks,
+                       flops_per_step=flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step,
+                       policy_peak=policy_peak_tflops(cfg.model, cfg.data.seq_len, start.policy, peaks) if peaks else None,
+                       log_every=cfg.train.log_every, eval_losses=eval_losses, stragglers=stragglers)
 
-    def to_global(local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: jax.make_array_from_process_local_data(b_sh, v) for k, v in local.items()}
 
-    eval_global = [to_global(b) for b in eval_local]
-    records: list[dict[str, Any]] = []
-    failing = False
-    start_step = int(state.step)
-    pending: tuple[int, dict[str, jax.Array]] | None = None
-    last_time: float | None = None
-    step_times: list[float] = []
-    losses_since_log: list[tuple[float, bool]] = []  # (loss, skipped by the guard)
-
-    def flush(step: int, metrics: dict[str, jax.Array], final: bool) -> dict[str, float]:
-        """Fetch a finished step's metrics (the next step is already queued) and log them."""
-        nonlocal last_time, straggler_report
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        if last_time is not None:
-            step_times.append(now - last_time)
-        last_time = now
-        watchdog.beat(step, values)
-        if stragglers and step % res.straggler_every == 0:  # a collective: same steps everywhere
-            straggler_report = stragglers.report()
-            if is_writer:
-                _say(stragglers.describe(straggler_report))
-        losses_since_log.append((values["loss"], bool(values["skipped"])))
-        if not (step % cfg.train.log_every == 0 or final or step == start_step + 1 or step in eval_losses):
-            return values
-        recent = step_times[-cfg.train.log_every:]
-        # The logged loss is the mean since the last log line: one step's loss is too noisy.
-        # Skipped steps' losses are left out (they may be NaN) unless every step was skipped.
-        kept = [loss for loss, skipped in losses_since_log if not skipped] or [l for l, _ in losses_since_log]
-        mean_loss = sum(kept) / len(kept)
-        losses_since_log.clear()
-        step_time = sum(recent) / len(recent) if recent else math.nan  # first step: compile
-        tflops = step_flops / step_time / n_devices / 1e12 if recent else 0.0
-        record = {
-            "step": step,
-            "loss": mean_loss,
-            "grad_norm": values["grad_norm"],
-            "lr": values["lr"],
-            "tokens_per_s": tokens_per_step / step_time if recent else 0.0,
-            "tflops_per_device": tflops,
-            "mfu": tflops / peaks["bf16"] if peaks and recent else None,
-            "mfu_policy_peak": tflops / policy_peak if policy_peak and recent else None,
-            "step_time_s": step_time if recent else None,
-            "eta_s": (cfg.train.steps - step) * step_time if recent else None,
-            "skipped_steps": int(values["skipped_steps"]),
-        }
-        if step in eval_losses:
-            record["eval_loss"] = eval_losses.pop(step)
-        if straggler_report is not None:
-            record["straggler_processes"] = straggler_report["slow"]
-            straggler_report = None
-        records.append(record)
-        logger.log(record)
-        return values
-
-    profiler = StepProfiler(cfg.train.profile_steps, os.path.join(run_dir, "profile"), enabled=is_writer)
-    res, fault = cfg.resilience, cfg.resilience.fault
-    watchdog = HangWatchdog(run_dir, res.hang_timeout_s, jax.process_index(),
+def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Checkpointer, data,
+               eval_batches: list, state_sh, stream) -> tuple[list[Hook], MetricsHook]:
+    """The hooks in the order they act at each point of the loop (maxfp4.loop): the watchdog and
+    stragglers see a finished step before it is logged; the rollback acts on it last. Also
+    returns the metrics hook, whose records the run returns."""
+    cfg, mesh, res = start.cfg, start.mesh, start.cfg.resilience
+    is_writer = jax.process_index() == 0
+    replicated = NamedSharding(mesh, PartitionSpec())
+    eval_step = jax.jit(make_eval_step(cfg, start.policy, make_constrain(mesh)),
+                        in_shardings=(state_sh, batch_sharding(mesh)), out_shardings=(replicated, replicated))
+    evaluation = EvalHook(eval_step, eval_batches, every=cfg.train.eval_every, total_steps=cfg.train.steps)
+    stragglers = (StragglerHook(StragglerMonitor(res.straggler_threshold), res.straggler_every, _say,
+                                is_writer=is_writer) if res.straggler_every else None)
+    metrics = make_metrics(start, stream, evaluation.losses, stragglers)
+    watchdog = HangWatchdog(cfg.run_dir, res.hang_timeout_s, jax.process_index(),
                             on_exit=lock.release if lock is not None else lambda: None)
-    stragglers = StragglerMonitor(res.straggler_threshold) if res.straggler_every else None
-    straggler_report: dict[str, Any] | None = None
     rollbacks = Rollbacks(res.max_consecutive_skips, res.max_rollbacks, suspend_steps=res.spike_window,
                           checkpoint=cfg.checkpoint)
-    try:
-        step = start_step
-        while step < cfg.train.steps:
-            if step + 1 == fault.hang_at_step:
-                hang_forever()
-            host_start = time.perf_counter()
-            maybe_slow_down(jax.process_index(), fault.slow_process, fault.slow_seconds)
-            batch = to_global(next(data))
-            profiler.before_dispatch(step + 1)
-            state, metrics = jitted(state, batch)
-            if step == start_step:
-                watch.start_training()  # compiled: from now on a signal checkpoints
-            watch.beat()
-            profiler.after_dispatch(step + 1, metrics)
-            if stragglers and step > start_step:  # host time: making and dispatching a step (not compiling it)
-                stragglers.add(time.perf_counter() - host_start)
-            stop = watch.should_stop(step + 1)
-            if cfg.checkpoint.enabled and (stop or checkpointer.due(step + 1, cfg.train.steps)):
-                with watch.saving():
-                    checkpointer.save(step + 1, state, data.get_state(), cfg.to_dict())  # before the state is donated
-            if eval_global and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
-                eval_losses[step + 1] = mean_eval_loss(eval_fn, state, eval_global)
-            done = flush(*pending, final=False) if pending is not None else None
-            pending = (step + 1, metrics)
-            if not stop and done is not None and rollbacks.needed(int(done["consecutive_skips"]), step):
-                state, rolled_back = rollbacks.recover(
-                    checkpointer, state, step=step, consecutive=int(done["consecutive_skips"]),
-                    nonfinite=int(done["streak_nonfinite"]), skipped_total=int(done["skipped_steps"]), say=_say)
-                if rolled_back:  # the queued step is abandoned with the rest of the streak's branch
-                    step, pending, last_time = int(state.step), None, None
-                    losses_since_log.clear()
-                    watchdog.beat(step)
-                    continue
-            if stop:
-                break
-            if step + 1 == fault.exception_at_step:
-                raise InjectedFault(f"resilience.fault.exception_at_step={fault.exception_at_step}")
-            step += 1
-        # The loop is over; signals from here on wait for the last save (never cut it short).
-        watch.final_save()
-        if pending is not None:
-            flush(*pending, final=True)
-        with watch.saving():
-            checkpointer.wait()
-        if watch.signum is not None:
-            last = pending[0] if pending else start_step
-            saved = ("checkpoint saved, rerun to resume" if cfg.checkpoint.enabled else
-                     "checkpointing is off (checkpoint.enabled=false): nothing was saved")
-            _say(f"stopped by signal {watch.signum} ({signal_name(watch.signum)}) after step {last}; {saved}")
-            watch.reported()
-            raise Interrupted(watch.exit_code)
-    except Interrupted:
-        raise
-    except Exception as error:
-        failing = True
-        raise _crashed(cfg, error, checkpointer, step=pending[0] if pending else start_step,
-                       last_metrics=records[-1] if records else None) from None
-    finally:
-        _close_all([profiler.close, watchdog.close, logger.close, checkpointer.close], quietly=failing)
-    return records
-
-
-def _crashed(cfg: Config, error: Exception, checkpointer: Checkpointer, *, step: int,
-             last_metrics: dict | None) -> BaseException:
-    """Report a crash (crash.json, one line) and return what to raise. A full disk is no bug:
-    one line naming the directory and the newest complete checkpoint, no traceback; the
-    temporary directory of the save it cut short is removed to give the space back."""
-    full = disk_full_reason(error)
-    if full:
-        checkpointer.remove_partial_saves()
-    report = None
-    if jax.process_index() == 0:
-        try:
-            report = write_crash_report(cfg.run_dir, error, step=step, config=cfg.to_dict(), last_metrics=last_metrics)
-        except OSError as e:
-            report = f"not written ({e.strerror or e})"
-    if full:
-        newest = _newest_checkpoint(cfg.run_dir)
-        return RunFailed(f"{cfg.run_dir}: {full} at step {step}; the newest complete checkpoint is "
-                         f"{newest or 'none'}, intact; free space and rerun to resume; crash report {report}")
-    if report is not None:
-        _say(f"crashed: {type(error).__name__}: {error}; report {report}")
-    return error
-
-
-def _close_all(closers, quietly: bool) -> None:
-    """Close everything even if one fails; while an error is already on its way out, a second
-    one (a full disk fails every writer) is not raised over it."""
-    first: Exception | None = None
-    for close in closers:
-        try:
-            close()
-        except Exception as e:  # noqa: BLE001 - raised below unless another error is leaving
-            first = first or e
-    if first is not None and not quietly:
-        raise first
+    hooks = [
+        watchdog, stragglers, FaultHook(res.fault, jax.process_index()),
+        PreemptionHook(watch, checkpoints=cfg.checkpoint.enabled, say=_say),
+        StepProfiler(cfg.train.profile_steps, os.path.join(cfg.run_dir, "profile"), enabled=is_writer),
+        CheckpointHook(checkpointer, enabled=cfg.checkpoint.enabled, data=data, config=cfg.to_dict(),
+                       saving=watch.saving),
+        evaluation, metrics, RollbackHook(rollbacks, checkpointer, _say),
+    ]
+    return [hook for hook in hooks if hook is not None], metrics
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -457,3 +346,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -253,3 +253,28 @@ def test_eta_is_formatted_past_a_day_and_for_any_run_length():
     assert format_duration(30 * 3600 + 5) == "1d 06:00:05"  # time.strftime("%H") wrapped to 06:00:05
     assert format_duration(2**31 * 1e4) == f"{int(2**31 * 1e4) // 86400}d " + format_duration(int(2**31 * 1e4) % 86400)
     assert format_duration(float("inf")) == "unknown"
+
+
+def test_config_is_a_leaf_and_each_section_checks_itself():
+    """Importing the config loads no other maxfp4 module but errors.py (no cycle through
+    precision, kernels or the compiler), and a section's dataclass refuses its own bad values
+    with the loader's message, without the rest of the config."""
+    code = ("import sys, maxfp4.config; "
+            "print(sorted(m for m in sys.modules if m.startswith('maxfp4')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.stdout.split() == ["['maxfp4',", "'maxfp4.config',", "'maxfp4.errors']"], proc.stderr
+    from maxfp4.config import MeshConfig, OptimConfig, ResilienceConfig
+    from maxfp4.errors import ConfigError as RootConfigError
+    assert ConfigError is RootConfigError
+    with pytest.raises(ConfigError) as err:
+        OptimConfig(lr=0.0).check()
+    assert str(err.value) == "optim.lr=0.0: expected a learning rate in (0, 1.0] (AdamW)"
+    with pytest.raises(ConfigError, match=r"^mesh.fsdp=0: expected a positive integer or -1"):
+        MeshConfig(fsdp=0).check()
+    with pytest.raises(ConfigError, match=r"^resilience.spike_window=30: expected at most 17"):
+        ResilienceConfig(spike_window=30).check()
+    # Only what relates two sections waits for the whole config.
+    OptimConfig(warmup_steps=10**6).check()
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps=1000000: expected at most the schedule length 100"):
+        load_config(None, ["optim.warmup_steps=1000000"])

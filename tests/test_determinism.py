@@ -42,8 +42,11 @@ def test_the_option_adds_xlas_deterministic_ops_and_xla_knows_them():
      "train.compiler_options.xla_gpu_exclude_nondeterministic_ops=False: expected True"),
 ])
 def test_bad_deterministic_settings_are_one_line_config_errors(overrides, fragment):
+    """A bad value is refused by the loader; options that contradict run.deterministic by the
+    trainer's start-up (maxfp4.compiler owns the options), before the run directory is touched."""
     with pytest.raises(ConfigError) as error:
-        load_config(None, overrides)
+        cfg = load_config(None, overrides)
+        compiler_options("cpu", cfg.train.compiler_options, cfg.run.deterministic)
     assert fragment in str(error.value) and "\n" not in str(error.value)
 
 

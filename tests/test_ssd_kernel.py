@@ -21,6 +21,7 @@ from maxfp4.model.layers import ACT_DTYPE
 from maxfp4.model.mamba import use_ssd_kernel
 from maxfp4.model.ssd import ssd_reference
 from maxfp4.kernels.ssd import Tiling, default_tiling, kernel_supported, ssd_fused
+from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.precision import resolve_policy
 from tests.test_hybrid import TINY
 from tests.test_ssd import ARG_NAMES, PACKED_IDS, _inputs, _rel
@@ -164,8 +165,14 @@ def test_kernel_choice_in_config():
     assert cfg.model.mamba.kernels == "auto" and use_ssd_kernel(cfg.model) == (jax.default_backend() == "gpu")
     assert use_ssd_kernel(load_config(TINY, ["model.mamba.head_dim=16", "model.mamba.d_state=16",
                                              "model.mamba.chunk_size=16", "model.mamba.kernels=pallas"]).model)
-    with pytest.raises(ConfigError, match=r"model.mamba.kernels='pallas': expected xla or auto unless"):
-        load_config(TINY, ["model.mamba.kernels=pallas"])  # hybrid-tiny's head_dim 8 cannot tile
+    # The kernels' own tile rules, run by the trainer at start-up (hybrid-tiny's head_dim 8 cannot tile).
+    cfg = load_config(TINY, ["model.mamba.kernels=pallas"])
+    with pytest.raises(ConfigError, match=r"model.mamba.kernels='pallas': expected xla or auto unless chunk_size"):
+        check_mamba_kernels(cfg.model, cfg.data.seq_len)
+    cfg = load_config(TINY, ["model.mamba.head_dim=16", "model.mamba.d_state=16", "model.mamba.chunk_size=16",
+                             "model.mamba.kernels=pallas", "data.seq_len=36"])
+    with pytest.raises(ConfigError, match=r"expected xla or auto unless data.seq_len \(36\) is a multiple of 8"):
+        check_mamba_kernels(cfg.model, cfg.data.seq_len)
     with pytest.raises(ConfigError, match=r"model.mamba.kernels='triton': expected auto, xla or pallas"):
         load_config(TINY, ["model.mamba.kernels=triton"])
 

@@ -95,3 +95,55 @@ def test_compile_cache_is_written_where_configured_and_an_existing_one_wins(tiny
     session_cache = jax.config.jax_compilation_cache_dir
     assert session_cache and use_compile_cache(str(elsewhere)) == session_cache
     assert jax.config.jax_compilation_cache_dir == session_cache and not elsewhere.exists()
+
+
+def test_two_step_run_measures_its_rate_without_the_compile_and_says_so(tiny_cfg, tmp_path):
+    """Step 2 sleeps 0.5 s on the host before its dispatch (a slow host, injected), so its real
+    step time is at least 0.5 s: the rate may not exceed tokens / 0.5 s (the old measure left the
+    sleep out and printed an absurd rate). Step 1 (tracing and compiling) is timed once, said
+    once, and left out of tok/s; on CPU there is no peak, so no TFLOP/s or MFU is printed."""
+    import time
+
+    cfg = tiny_cfg("train.steps=2", "checkpoint.enabled=false", "run.name=two",
+                   "resilience.fault.slow_process=0", "resilience.fault.slow_seconds=0.5")
+    out = io.StringIO()
+    start = time.perf_counter()
+    records = train(cfg, devices=jax.devices()[:1], stream=out)
+    wall_s = time.perf_counter() - start
+    first, second = records
+    assert first["step"] == 1 and first["tokens_per_s"] is None and first["step_time_s"] is None
+    assert 0 < first["compile_s"] <= first["first_step_s"] < wall_s
+    tokens = cfg.data.global_batch * cfg.data.seq_len
+    assert 0.5 <= second["step_time_s"] < wall_s - first["first_step_s"]
+    assert 0 < second["tokens_per_s"] <= tokens / 0.5
+    assert second["tflops_per_device"] > 0 and second["mfu"] is None  # measured, but no CPU peak to divide by
+    text = out.getvalue()
+    lines = [l for l in text.splitlines() if l.startswith("step ")]
+    assert "tracing and compiling (not counted in tok/s)" in lines[0] and "tok/s |" not in lines[0]
+    assert text.count("compiling") == 1
+    assert "tok/s" in lines[1] and "TFLOP" not in text and "MFU" not in text
+    assert "measured 1 step(s)" in text and "not counted" in text.splitlines()[-1]
+
+
+def test_failed_preflight_leaves_no_run_directory(tiny_cfg, tmp_path):
+    """A preflight that fails (a data file that does not exist) ends with its one-line error and
+    leaves neither the run directory nor the output directory it would have created."""
+    import pytest
+
+    from maxfp4.reliability.preflight import PreflightFailed
+
+    out_dir = tmp_path / "fresh" / "runs"
+    cfg = tiny_cfg("data.source=text", f"data.paths=[{tmp_path / 'missing.txt'}]", "run.name=pf",
+                   f"run.output_dir={out_dir}")
+    with pytest.raises(PreflightFailed, match="preflight data"):
+        train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
+    assert not (tmp_path / "fresh").exists()
+    # The disk check alone (python -m maxfp4.preflight) probes the directory and removes it again.
+    from maxfp4.reliability.preflight import check_output
+    assert check_output(cfg, 1000, 0).ok and not (tmp_path / "fresh").exists()
+    # An existing output directory and what it holds are kept.
+    out_dir.mkdir(parents=True)
+    (out_dir / "other.txt").write_text("kept")
+    with pytest.raises(PreflightFailed):
+        train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
+    assert sorted(os.listdir(out_dir)) == ["other.txt"]

@@ -41,9 +41,12 @@ def _tile(size: int, options: tuple[int, ...]) -> int | None:
     return next((o for o in options if size % o == 0), None)
 
 
-def conv_kernel_supported(t: int, channels: int) -> bool:
+def supported(t: int, channels: int) -> bool:
     """Tiles are powers of two (Triton): T and the channel count must split into them."""
     return _tile(t, _TILE_T) is not None and _tile(channels, _TILE_C) is not None
+
+
+conv_kernel_supported = supported  # the name the model code and older callers use
 
 
 def _rows(ref, bi, start, size, c0=None, cb=None):

@@ -48,9 +48,12 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 _MAX_HEADS_PER_PROGRAM = 16
 
 
-def kernel_supported(chunk_size: int, head_dim: int, d_state: int) -> bool:
+def supported(chunk_size: int, head_dim: int, d_state: int) -> bool:
     """Triton tiles need power-of-two sides of at least 16 (its smallest matmul)."""
     return all(v >= 16 and v & (v - 1) == 0 for v in (chunk_size, head_dim, d_state))
+
+
+kernel_supported = supported  # the name the model code and older callers use
 
 
 def _dot(a, b, matmul_dtype, out_dtype):

@@ -114,3 +114,27 @@ def write_crash_report(run_dir: str, error: BaseException, *, step: int | None, 
             pass
         raise
     return path
+
+
+def crash_error(run_dir: str, error: Exception, *, step: int, config: dict[str, Any],
+                last_metrics: dict | None, newest_checkpoint, remove_partial_saves, say) -> BaseException:
+    """Report a crash (crash.json, one line) and return what to raise. A full disk is no bug:
+    one line naming the directory and the newest complete checkpoint, no traceback; the
+    temporary directory of the save it cut short is removed to give the space back."""
+    import jax
+
+    full = disk_full_reason(error)
+    if full:
+        remove_partial_saves()
+    report = None
+    if jax.process_index() == 0:
+        try:
+            report = write_crash_report(run_dir, error, step=step, config=config, last_metrics=last_metrics)
+        except OSError as e:
+            report = f"not written ({e.strerror or e})"
+    if full:
+        return RunFailed(f"{run_dir}: {full} at step {step}; the newest complete checkpoint is "
+                         f"{newest_checkpoint() or 'none'}, intact; free space and rerun to resume; crash report {report}")
+    if report is not None:
+        say(f"crashed: {type(error).__name__}: {error}; report {report}")
+    return error

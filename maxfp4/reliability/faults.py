@@ -10,6 +10,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from maxfp4.loop import Hook
+
 
 def poison_gradients(grads: Any, step: jax.Array, steps: Sequence[int]) -> Any:
     """NaN gradients when ``step`` (1-based, traced) is one of ``steps``. The comparison runs on
@@ -35,3 +37,21 @@ def maybe_slow_down(process_index: int, slow_process: int, seconds: float) -> No
     """A straggling host: this process loses ``seconds`` of host time every step."""
     if process_index == slow_process and seconds > 0:
         time.sleep(seconds)
+
+
+class FaultHook(Hook):
+    """The host-side faults of ``resilience.fault``: a hang before a step, a slow host, an
+    exception after a step (the jitted step injects NaN gradients and loss scaling itself)."""
+
+    def __init__(self, fault, process_index: int):
+        self.fault, self.process_index = fault, process_index
+
+    def before_step(self, loop, step: int) -> None:
+        if step == self.fault.hang_at_step:
+            hang_forever()
+        maybe_slow_down(self.process_index, self.fault.slow_process, self.fault.slow_seconds)
+
+    def end_step(self, loop, step: int) -> None:
+        from maxfp4.reliability.preemption import InjectedFault
+        if step == self.fault.exception_at_step:
+            raise InjectedFault(f"resilience.fault.exception_at_step={self.fault.exception_at_step}")

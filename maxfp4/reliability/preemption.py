@@ -45,6 +45,8 @@ from typing import Callable, Iterator
 
 from jax.experimental import multihost_utils
 
+from maxfp4.loop import Hook
+
 STARTUP, TRAINING, FINAL_SAVE = "start-up", "training", "final save"
 STARTUP_EXIT_S = 5.0  # how long the main thread may take to unwind a start-up stop on its own
 MIN_GRACE_S = 10.0  # a loop without progress this long after a signal counts as hung ...
@@ -278,3 +280,30 @@ class PreemptionWatch:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class PreemptionHook(Hook):
+    """Tells the watch where the loop is (compiled, stepping, saving for the last time), and
+    after the loop reports a stop by signal: one line, then :class:`Interrupted` with 128 + signal.
+    The loop itself asks ``watch.should_stop`` after each dispatch."""
+
+    def __init__(self, watch: PreemptionWatch, *, checkpoints: bool, say: Callable[[str], None]):
+        self.watch, self.checkpoints, self.say = watch, checkpoints, say
+
+    def after_dispatch(self, loop, step: int, metrics) -> None:
+        if step == loop.start_step + 1:
+            self.watch.start_training()  # compiled: from now on a signal checkpoints
+        self.watch.beat()
+
+    def on_loop_end(self, loop) -> None:
+        self.watch.final_save()  # signals from here on wait for the last save (never cut it short)
+
+    def on_finish(self, loop) -> None:
+        if self.watch.signum is None:
+            return
+        saved = ("checkpoint saved, rerun to resume" if self.checkpoints else
+                 "checkpointing is off (checkpoint.enabled=false): nothing was saved")
+        self.say(f"stopped by signal {self.watch.signum} ({signal_name(self.watch.signum)}) after step "
+                 f"{loop.last_step}; {saved}")
+        self.watch.reported()
+        raise Interrupted(self.watch.exit_code)

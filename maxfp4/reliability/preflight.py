@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
+from maxfp4.reliability.run_lock import missing_directories, remove_if_empty
 from maxfp4.errors import UserError, exit_code_of
 
 GEMM_SLOW_RATIO = 0.7
@@ -198,6 +199,7 @@ def check_output(cfg: Config, n_params: int, precision_bytes: int) -> Check:
     count = checkpoints_to_fit(cfg)
     one = checkpoint_bytes(n_params, precision_bytes)
     need = count * one
+    created = missing_directories(cfg.run_dir)  # removed again: a check leaves nothing behind
     try:
         os.makedirs(cfg.run_dir, exist_ok=True)
         probe = os.path.join(cfg.run_dir, f".preflight_{jax.process_index()}_{os.getpid()}")
@@ -207,6 +209,8 @@ def check_output(cfg: Config, n_params: int, precision_bytes: int) -> Check:
         free = shutil.disk_usage(cfg.run_dir).free
     except OSError as e:
         return Check("output", False, f"{cfg.run_dir}: not writable ({e.strerror or e})")
+    finally:
+        remove_if_empty(created)
     if free < need:
         return Check("output", False, f"{cfg.run_dir}: {free / 2**30:.3f} GiB free; checkpoint.keep={cfg.checkpoint.keep} "
                                       f"+ 1 checkpoints of about {one / 2**30:.3f} GiB need {need / 2**30:.3f} GiB "

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from maxfp4.checkpoint import Checkpointer
+from maxfp4.loop import Hook
 from maxfp4.config import CheckpointConfig
 from maxfp4.state import TrainState
 
@@ -102,3 +103,23 @@ class Rollbacks:
         say(f"rollback {self.count}/{self.max_rollbacks}: {streak}; restored checkpoint {target}, "
             f"data continues past the skipped batches")
         return restored.replace(guard=guard)
+
+
+class RollbackHook(Hook):
+    """After a streak of skipped steps, reload the checkpoint from before it (the loop rewinds)
+    or suspend spike judgement; see :meth:`Rollbacks.recover`. Not on the last step or a stop."""
+
+    def __init__(self, rollbacks: Rollbacks, checkpointer: Checkpointer, say: Callable[[str], None]):
+        self.rollbacks, self.checkpointer, self.say = rollbacks, checkpointer, say
+
+    def after_step(self, loop, step: int, values: dict[str, float], final: bool) -> None:
+        consecutive = int(values["consecutive_skips"])
+        if final or loop.stopping or not self.rollbacks.needed(consecutive, step):
+            return
+        state, rolled_back = self.rollbacks.recover(
+            self.checkpointer, loop.state, step=step, consecutive=consecutive,
+            nonfinite=int(values["streak_nonfinite"]), skipped_total=int(values["skipped_steps"]), say=self.say)
+        if rolled_back:  # the queued step is abandoned with the rest of the streak's branch
+            loop.rewind(state)
+        else:
+            loop.state = state

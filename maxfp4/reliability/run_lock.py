@@ -14,7 +14,7 @@ host whose flock this file system cannot show is refused, naming the file to del
 run is known to be gone.
 
 With several processes only process 0 takes the lock (the others learn the outcome from a
-broadcast in :mod:`maxfp4.train`): the run directory is one per job, not per host.
+broadcast in :func:`lock_run_dir`): the run directory is one per job, not per host.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ import json
 import os
 import socket
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import numpy as np
 
 from maxfp4.errors import UserError
 
@@ -145,3 +148,70 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def lock_run_dir(run_dir: str, say: Callable[[str], None]) -> RunLock | None:
+    """Process 0 takes ``<run_dir>/run.lock``; every process learns whether it got it, so a
+    refused job stops everywhere with one line instead of hanging its other processes."""
+    import jax
+
+    lock = RunLock(run_dir, say=say) if jax.process_index() == 0 else None
+    refusal = None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except RunLocked as e:
+            refusal = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        took = multihost_utils.broadcast_one_to_all(np.int32(refusal is None))
+        if not int(took) and refusal is None:
+            raise RunLocked(f"run directory {run_dir} is in use by another run (process 0 could not lock it)")
+    if refusal is not None:
+        raise refusal
+    return lock
+
+
+def missing_directories(path: str) -> list[str]:
+    """``path`` and its parents that do not exist yet, deepest first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def remove_if_empty(directories: list[str]) -> None:
+    """Remove each of ``directories`` (deepest first) that holds nothing: a run that failed at
+    start-up leaves no empty run directory behind, and never loses a file."""
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+
+
+@contextmanager
+def run_directory(run_dir: str, *, say: Callable[[str], None],
+                  on_exit_hooks: Callable[[Callable[[], None]], None]) -> Iterator[RunLock | None]:
+    """The run directory, locked for the block (``on_exit_hooks`` registers the release for the
+    paths that end the process with ``os._exit``). If the block fails, the directories it
+    created are removed again when nothing was written into them (a failed preflight)."""
+    created = missing_directories(run_dir)
+    lock = lock_run_dir(run_dir, say)
+    if lock is not None:
+        on_exit_hooks(lock.release)
+    try:
+        yield lock
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        remove_if_empty(created)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import numpy as np
+
+from maxfp4.loop import Hook
 
 HOST_BYTES = 64
 # Host times of a few milliseconds jitter by more than 20%; a straggler must also be this much
@@ -80,3 +83,30 @@ class StragglerMonitor:
         parts = [f"process {s['process']} on {s['host']} {s['host_time_s']:.3f} s ({s['ratio']}x)"
                  for s in report["slow"]]
         return f"stragglers (host time per step vs median {report['median_s']:.3f} s): " + ", ".join(parts)
+
+
+class StragglerHook(Hook):
+    """Times each process's host work per step (making and dispatching it, not compiling it) and
+    compares the processes every ``every`` steps; the report goes into the next metrics record."""
+
+    def __init__(self, monitor: StragglerMonitor, every: int, say, *, is_writer: bool):
+        self.monitor, self.every, self.say, self.is_writer = monitor, every, say, is_writer
+        self.report: dict[str, Any] | None = None  # the newest report, until the metrics take it
+        self._host_start = 0.0
+
+    def before_step(self, loop, step: int) -> None:
+        self._host_start = time.perf_counter()
+
+    def after_dispatch(self, loop, step: int, metrics) -> None:
+        if step > loop.start_step + 1:
+            self.monitor.add(time.perf_counter() - self._host_start)
+
+    def after_step(self, loop, step: int, values, final: bool) -> None:
+        if step % self.every == 0:  # a collective: the same steps on every process
+            self.report = self.monitor.report()
+            if self.is_writer:
+                self.say(self.monitor.describe(self.report))
+
+    def take_report(self) -> dict[str, Any] | None:
+        report, self.report = self.report, None
+        return report

@@ -22,10 +22,12 @@ import threading
 import time
 from typing import Any, Callable
 
+from maxfp4.loop import Hook
+
 EXIT_CODE = 124
 
 
-class HangWatchdog:
+class HangWatchdog(Hook):
     def __init__(self, run_dir: str, timeout_s: float, process_index: int = 0,
                  on_exit: Callable[[], None] = lambda: None):
         self.on_exit = on_exit  # runs just before os._exit (releases the run-directory lock)
@@ -48,6 +50,12 @@ class HangWatchdog:
             self._step = step
             if metrics is not None:
                 self._metrics = metrics
+
+    def after_step(self, loop, step: int, values: dict[str, float], final: bool) -> None:
+        self.beat(step, values)
+
+    def on_rewind(self, loop, step: int) -> None:
+        self.beat(step)
 
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 4)

@@ -1,0 +1,135 @@
+"""The training loop: dispatch the jitted step, and call hooks around it.
+
+The loop owns only the order of events. Everything else (metrics, checkpoints, evaluation,
+signals, the guard's rollback, the watchdog, stragglers, injected faults, the profiler) is a
+:class:`Hook` registered on it. A finished step's metrics are fetched only after the next step
+has been dispatched, so the host never waits for the device in steady state (nanodo's loop).
+
+One iteration, for step ``n`` (1-based: the step that the dispatch completes)::
+
+    before_step(n) -> next batch -> dispatch -> after_dispatch(n, metrics)
+      -> after_step(n - 1, values)   (the previous step's metrics, fetched now)
+      -> end_step(n)                 (unless a hook rewound the loop or a stop was requested)
+
+then, once the last step is dispatched or a stop was requested: ``on_loop_end``, the last
+step's ``after_step(..., final=True)``, ``on_finish``. Hooks run in the order they were given.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+
+
+class Hook:
+    """A piece of the run that acts at fixed points of the loop; every method is optional."""
+
+    def before_step(self, loop: "Loop", step: int) -> None:
+        """Before step ``step`` is dispatched (its batch is not made yet)."""
+
+    def after_dispatch(self, loop: "Loop", step: int, metrics: dict[str, jax.Array]) -> None:
+        """Step ``step`` is queued; ``loop.state`` is its output, not yet donated to the next step."""
+
+    def after_step(self, loop: "Loop", step: int, values: dict[str, float], final: bool) -> None:
+        """Step ``step``'s metrics on the host (fetched after the next step was dispatched;
+        ``final``: the loop's last step, fetched after the loop)."""
+
+    def end_step(self, loop: "Loop", step: int) -> None:
+        """Step ``step``'s iteration is over and the loop goes on."""
+
+    def on_rewind(self, loop: "Loop", step: int) -> None:
+        """A hook replaced the state with an earlier step's: the loop continues after ``step``."""
+
+    def on_loop_end(self, loop: "Loop") -> None:
+        """No more steps will be dispatched; the last one's metrics are not fetched yet."""
+
+    def on_finish(self, loop: "Loop") -> None:
+        """The loop ended (every step, or a stop) and the last step's metrics were handled."""
+
+    def close(self) -> None:
+        """Release what the hook holds; called once, also after an error."""
+
+
+class Loop:
+    """``Loop(step_fn, state, batches, ...).run()``: steps from ``state.step`` to ``total_steps``.
+
+    ``step_fn(state, batch) -> (state, metrics)`` is the jitted step; ``should_stop(step)`` is
+    asked after each dispatch (a signal or a preemption notice ends the loop after that step).
+    """
+
+    def __init__(self, step_fn: Callable, state: Any, batches: Iterator[Any], *, total_steps: int,
+                 hooks: Sequence[Hook], should_stop: Callable[[int], bool] = lambda step: False):
+        self.step_fn = step_fn
+        self.state = state
+        self.batches = batches
+        self.total_steps = total_steps
+        self.hooks = list(hooks)
+        self.should_stop = should_stop
+        self.start_step = int(state.step)
+        self.step = self.start_step  # the last step dispatched
+        self.stopping = False  # set after a dispatch when should_stop said so
+        self.dispatch_s = 0.0  # host time of the last dispatch (the first one traces and compiles)
+        self._pending: tuple[int, dict[str, jax.Array]] | None = None
+        self._rewound = False
+
+    @property
+    def last_step(self) -> int:
+        """The newest step dispatched whose metrics were not abandoned (for crash reports)."""
+        return self._pending[0] if self._pending else self.start_step
+
+    def rewind(self, state: Any) -> None:
+        """Continue from ``state`` (an earlier step's): the queued step is abandoned."""
+        self.state, self.step, self._pending, self._rewound = state, int(state.step), None, True
+        for hook in self.hooks:
+            hook.on_rewind(self, self.step)
+
+    def run(self) -> None:
+        while self.step < self.total_steps:
+            n = self.step + 1
+            for hook in self.hooks:
+                hook.before_step(self, n)
+            batch = next(self.batches)
+            start = time.perf_counter()
+            self.state, metrics = self.step_fn(self.state, batch)
+            self.dispatch_s = time.perf_counter() - start
+            self.stopping = self.should_stop(n)
+            for hook in self.hooks:
+                hook.after_dispatch(self, n, metrics)
+            previous, self._pending, self._rewound = self._pending, (n, metrics), False
+            if previous is not None:
+                self._fetch(*previous, final=False)
+            if self._rewound:
+                continue
+            if self.stopping:
+                break
+            for hook in self.hooks:
+                hook.end_step(self, n)
+            self.step = n
+        for hook in self.hooks:
+            hook.on_loop_end(self)
+        if self._pending is not None:
+            self._fetch(*self._pending, final=True)
+        for hook in self.hooks:
+            hook.on_finish(self)
+
+    def _fetch(self, step: int, metrics: dict[str, jax.Array], final: bool) -> None:
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        for hook in self.hooks:
+            hook.after_step(self, step, values, final)
+            if self._rewound:  # the rest of this step's hooks belong to the abandoned branch
+                return
+
+
+def close_hooks(hooks: Sequence[Hook], quietly: bool) -> None:
+    """Close every hook even if one fails; while an error is already on its way out, a second
+    one (a full disk fails every writer) is not raised over it."""
+    first: Exception | None = None
+    for hook in hooks:
+        try:
+            hook.close()
+        except Exception as e:  # noqa: BLE001 - raised below unless another error is leaving
+            first = first or e
+    if first is not None and not quietly:
+        raise first
