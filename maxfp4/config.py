@@ -94,6 +94,9 @@ class ModelConfig:
     rope: bool = True  # rotary position embeddings in attention (Nemotron-H uses none)
     mlp: str = "swiglu"  # hybrid MLP blocks: swiglu or relu2 (squared ReLU, not gated)
     mamba: MambaConfig = field(default_factory=MambaConfig)
+    # A Hugging Face model directory (Llama for dense, Nemotron-H for hybrid) whose weights a new
+    # run starts from (maxfp4.hf); empty: random initialisation. A resumed run restores its checkpoint.
+    init_from: str = ""
 
     @property
     def resolved_head_dim(self) -> int:
@@ -104,7 +107,7 @@ class ModelConfig:
 class DataConfig:
     source: str = "builtin"  # one of DATA_SOURCES; docs/DATA.md describes each
     paths: tuple[str, ...] = ()  # text/jsonl: files or globs; array_record: directories written by prepare
-    tokenizer: str = ""  # SentencePiece model; empty: train one on the data, kept in the run dir
+    tokenizer: str = ""  # SentencePiece model or tokenizer.json; empty: train one on the data, kept in the run dir
     seq_len: int = 256
     global_batch: int = 16
     jsonl_field: str = "text"  # jsonl: the key of each line's object that holds the document text
@@ -751,7 +754,7 @@ def validate(cfg: Config) -> None:
     _require(not t.eval_every or d.eval_fraction > 0 or d.eval_paths or d.source == "synthetic",
              "train.eval_every", t.eval_every, "0 unless data.eval_fraction > 0 or data.eval_paths is set")
     if d.tokenizer:
-        _require(os.path.isfile(d.tokenizer), "data.tokenizer", d.tokenizer, "an existing SentencePiece model file")
+        _require(os.path.isfile(d.tokenizer), "data.tokenizer", d.tokenizer, "an existing SentencePiece model or tokenizer.json file")
 
     _require(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
     _require(t.log_every >= 1, "train.log_every", t.log_every, "an integer >= 1")

@@ -31,6 +31,7 @@ from maxfp4.errors import exit_code_of
 from maxfp4.evaluate import make_eval_step, mean_eval_loss
 from maxfp4.reliability.faults import hang_forever, maybe_slow_down
 from maxfp4.reliability.guard import init_guard_state
+from maxfp4.hf import check_init_from, read_params as read_hf_params
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import get_model, linear_shapes
@@ -189,6 +190,7 @@ def _train(cfg: Config, devices, stream, watch: PreemptionWatch) -> list[dict[st
     check_compiler_options(xla_options, mesh.devices.flat[0])
     check_deterministic_attention(cfg, mesh.devices.flat[0].platform)
     refuse_changed_run(cfg)
+    check_init_from(cfg)
     lock = _lock_run_dir(run_dir)  # before anything is written to the run directory
     if lock is not None:
         watch.add_exit_hook(lock.release)
@@ -223,6 +225,8 @@ def _run(cfg: Config, stream, watch: PreemptionWatch, lock: RunLock | None, poli
     optimizer = make_optimizer(cfg)
     schedule = make_schedule(cfg)
     state, state_sh = init_state(cfg, mesh, optimizer, policy)
+    if cfg.model.init_from and _newest_checkpoint(run_dir) is None:  # a resume restores its checkpoint
+        state = state.replace(params=read_hf_params(cfg.model, cfg.model.init_from, state_sh.params, state.params))
     checkpointer = Checkpointer(run_dir, cfg.checkpoint)
     resumed = checkpointer.restore_latest(state, warn=lambda m: _say(f"warning: {m}"))
     if resumed is not None:
