@@ -201,7 +201,7 @@ def _export_hf(out: str, model_cfg, params, shapes, tokenizer, *, dtype: str, sh
     if tokenizer is not None:
         write_hf_tokenizer(tokenizer, out, _write_text_file, max_length=max_positions)
     else:
-        print("warning: the run has no tokenizer (synthetic data); no tokenizer files written", file=sys.stderr)
+        print("warning: the run has no tokenizer (synthetic data?); no tokenizer files written", file=sys.stderr)
     path = os.path.join(out, CONFIG_FILE)
     _write_text_file(path, json.dumps(config, indent=2) + "\n")  # last: a complete config means a complete export
     return path
