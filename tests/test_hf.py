@@ -412,3 +412,50 @@ def test_nemotron_h_export_config_tensors_and_round_trip(hybrid_run, tmp_path, c
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0] and "--format native" in err[0], err
         assert not (tmp_path / f"{key}_out").exists()
+
+
+def test_a_tokenizer_json_run_trains_on_the_same_ids_as_its_sentencepiece_model(dense_run, tmp_path):
+    """data.tokenizer may name a tokenizer.json: the exported one encodes every builtin document
+    to the SentencePiece model's ids, so a run with either sees the same batches and loss."""
+    import jax
+
+    from maxfp4.data.corpus import tokenize_documents
+    from maxfp4.data.sources import builtin_documents
+    from maxfp4.data.tokenizer import Tokenizer, load_checked
+    from maxfp4.export import export
+
+    hf_dir = tmp_path / "hf"
+    export(str(dense_run), str(hf_dir))
+    sp = Tokenizer(str(dense_run / "tokenizer.model"))
+    js = load_checked(str(hf_dir / "tokenizer.json"), 512, "data.tokenizer")
+    assert (js.kind, js.vocab_size, js.bos_id, js.eos_id, js.pad_id) == ("tokenizers", 512, 2, 3, 0)
+    docs = builtin_documents()
+    assert all(np.array_equal(a, b) for a, b in zip(tokenize_documents(docs, sp), tokenize_documents(docs, js)))
+    assert js.decode(js.encode("x = {'a': 1}\n")) == "x = {'a': 1}\n"
+
+    # Alone (no tokenizer_config.json beside it), the markers are found by the template and names.
+    alone = tmp_path / "alone" / "tokenizer.json"
+    alone.parent.mkdir()
+    shutil.copyfile(hf_dir / "tokenizer.json", alone)
+    t = Tokenizer(str(alone))
+    assert (t.bos_id, t.eos_id, t.pad_id) == (2, 3, 0)
+    # Any name: the content tells a tokenizer.json from a SentencePiece model.
+    shutil.copyfile(alone, tmp_path / "alone" / "tokenizer.model")
+    assert Tokenizer(str(tmp_path / "alone" / "tokenizer.model")).kind == "tokenizers"
+
+    losses = {}
+    for name, path in (("sp", dense_run / "tokenizer.model"), ("json", hf_dir / "tokenizer.json")):
+        cfg = _load(tmp_path, DENSE + [f"run.name={name}", "train.steps=1", f"data.tokenizer={path}"])
+        losses[name] = train(cfg, devices=jax.devices()[:1], stream=io.StringIO())[0]["loss"]
+    assert losses["sp"] == losses["json"], losses  # same program, same batches
+
+
+def test_a_tokenizer_that_is_neither_is_refused_in_one_line(tmp_path):
+    from maxfp4.data.tokenizer import Tokenizer
+    from maxfp4.errors import DataError
+
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": "not a tokenizer"}')
+    with pytest.raises(DataError, match=r"tokenizer .*tokenizer.json: not a readable tokenizer.json") as error:
+        Tokenizer(str(bad))
+    assert "\n" not in str(error.value)

@@ -124,7 +124,7 @@ class _TokenizersJson:
             from tokenizers import Tokenizer as JsonTokenizer
         except ImportError:
             raise DataError(f"tokenizer {path}: a tokenizer.json needs the tokenizers package "
-                            "(pip install 'maxfp4[hf]')") from None
+                            "(pip install tokenizers)") from None
         try:
             self.tok = JsonTokenizer.from_file(path)
         except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions for bad files

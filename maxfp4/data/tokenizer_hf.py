@@ -88,7 +88,7 @@ def hf_tokenizer_files(tokenizer: Tokenizer, *, max_length: int,
         import tokenizers  # noqa: F401
     except ImportError:
         raise DataError("the Hugging Face export writes tokenizer.json with the tokenizers package "
-                        "(pip install 'maxfp4[hf]')") from None
+                        "(pip install tokenizers)") from None
     if tokenizer.kind == "sentencepiece":
         source = sentencepiece_json(tokenizer.path)
     else:
