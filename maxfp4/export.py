@@ -93,12 +93,6 @@ def flat_params(params: Any) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(x) for path, x in leaves}
 
 
-def param_paths(params: Any) -> set[tuple[str, ...]]:
-    import jax
-
-    return {tuple(str(k.key) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-
-
 def export(run_dir: str, out: str, *, fmt: str = "hf", dtype: str = "bf16", step: int | None = None,
            force: bool = False, shard_size: int = 5 * 10**9) -> str:
     """Export ``run_dir``'s checkpoint (newest, or ``step``) into ``out``; returns the path of
@@ -177,7 +171,7 @@ def _export_hf(out: str, model_cfg, params, shapes, tokenizer, *, dtype: str, sh
     from maxfp4.data.tokenizer_hf import write_hf_tokenizer
     from maxfp4.hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, check_covers, hf_config, hf_tensor_shapes, hf_tensors
 
-    check_covers(model_cfg, param_paths(params))
+    check_covers(model_cfg, params)
     itemsize = 2 if dtype == "bf16" else 4
     named_shapes = hf_tensor_shapes(model_cfg, shapes)
     files = plan_shards([(name, int(np.prod(shape)) * itemsize) for name, shape in named_shapes], shard_size)

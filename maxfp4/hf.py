@@ -186,9 +186,13 @@ def leaf_of(tree: Any, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def check_covers(model_cfg, param_paths: set[tuple[str, ...]]) -> None:
-    """The table and the model's pytree name the same parameters (a renamed parameter fails
-    here, not as a silently missing tensor)."""
+def check_covers(model_cfg, params: Any) -> None:
+    """The table and the model's pytree (arrays or shapes) name the same parameters: a renamed
+    parameter fails here, not as a silently missing tensor."""
+    import jax
+
+    param_paths = {tuple(str(getattr(k, "key", k)) for k in path)
+                   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
     table = {leaf.path for leaf in leaves(model_cfg)}
     if table != param_paths:
         extra = sorted(".".join(p) for p in param_paths - table) or sorted(".".join(p) for p in table - param_paths)
@@ -392,6 +396,7 @@ def read_params(model_cfg, path: str, shardings: Any, param_shapes: Any) -> Any:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
+    check_covers(model_cfg, param_shapes)
     model_dir = ModelDir(path)
     check_model_dir(model_cfg, model_dir, param_shapes)
     out: dict = {}

@@ -143,11 +143,13 @@ def test_llama_export_config_tensors_and_tokenizer(dense_run, tmp_path):
     assert np.array_equal(got["model.layers.0.mlp.gate_proj.weight"], bf16(params["blocks"]["w_up"][0, :, :, 0].T))
     assert np.array_equal(got["lm_head.weight"], bf16(params["lm_head"]).T)
 
-    # AutoTokenizer encodes as the pipeline does: [bos] + pieces + [eos], on every builtin document.
+    # AutoTokenizer encodes as the pipeline does: [bos] + pieces + [eos], on every builtin document
+    # and each of their 2,604 paragraphs.
     from maxfp4.data.sources import builtin_documents
     sp = Tokenizer(str(dense_run / "tokenizer.model"))
     hf = AutoTokenizer.from_pretrained(str(out))
     docs = builtin_documents()
+    docs += [p for doc in docs for p in doc.split("\n\n") if p.strip()]
     assert hf(docs).input_ids == [[sp.bos_id] + ids + [sp.eos_id] for ids in sp.encode_batch(docs)]
     assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (sp.bos_id, sp.eos_id, sp.pad_id)
     assert hf.decode(hf("  indented\n\ttab  ").input_ids, skip_special_tokens=True) == "  indented\n\ttab  "
