@@ -368,6 +368,7 @@ def check_model_dir(model_cfg, model_dir: ModelDir, param_shapes: Any) -> None:
         if pattern != model_cfg.pattern:
             raise HFError(f"model.init_from={where}: hybrid_override_pattern={pattern!r}; expected "
                           f"model.pattern={model_cfg.pattern!r}")
+    _check_scalars(model_cfg, model_dir.config, where)
     for leaf in leaves(model_cfg):
         shape = leaf_of(param_shapes, leaf.path).shape
         slice_shape = shape if leaf.layers is None else shape[1:]
@@ -379,6 +380,35 @@ def check_model_dir(model_cfg, model_dir: ModelDir, param_shapes: Any) -> None:
                 if tuple(got) != tuple(want):
                     raise HFError(f"model.init_from={where}: tensor {name} has shape {list(got)}; expected "
                                   f"{list(want)} from the model config")
+
+
+def _check_scalars(model_cfg, hf_cfg: dict, where: str) -> None:
+    """The values that change the math without changing a shape: RoPE, norm epsilon, activations."""
+    def differs(name, got, key, want):
+        if got is not None and not np.isclose(float(got), float(want), rtol=1e-9, atol=0):
+            raise HFError(f"model.init_from={where}: {name}={got} in {CONFIG_FILE}; expected {key}={want} "
+                          f"(set {key}={got} to use this model)")
+
+    if model_cfg.kind != "hybrid":
+        rope = dict(hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {})
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if kind != "default":
+            raise HFError(f"model.init_from={where}: rope_type={kind} in {CONFIG_FILE}; maxfp4 has plain RoPE "
+                          "(rope_type=default) only")
+        differs("rope_theta", hf_cfg.get("rope_theta", rope.get("rope_theta")), "model.rope_theta", model_cfg.rope_theta)
+        differs("rms_norm_eps", hf_cfg.get("rms_norm_eps"), "model.norm_eps", model_cfg.norm_eps)
+        activations = {"hidden_act": hf_cfg.get("hidden_act", "silu")}
+    else:
+        differs("layer_norm_epsilon", hf_cfg.get("layer_norm_epsilon"), "model.norm_eps", model_cfg.norm_eps)
+        activations = {"mlp_hidden_act": hf_cfg.get("mlp_hidden_act", "relu2"),
+                       "mamba_hidden_act": hf_cfg.get("mamba_hidden_act", "silu")}
+    for key, value in activations.items():
+        if value != ("relu2" if key == "mlp_hidden_act" else "silu"):
+            raise HFError(f"model.init_from={where}: {key}={value} in {CONFIG_FILE}; maxfp4's model has "
+                          f"{'relu2' if key == 'mlp_hidden_act' else 'silu'} there")
+    for key in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias"):
+        if hf_cfg.get(key):
+            raise HFError(f"model.init_from={where}: {key}=true in {CONFIG_FILE}; maxfp4's layers have no biases")
 
 
 def read_slice(model_dir: ModelDir, leaf: Leaf, layer: int | None, slice_shape: tuple[int, ...]) -> np.ndarray:

@@ -311,6 +311,7 @@ def test_init_from_refuses_a_directory_that_does_not_match(dense_run, tmp_path, 
         (["model.d_ff=256"], ["model.layers.0.mlp.gate_proj.weight", "[128, 64]", "expected [256, 64]"]),
         (["model.n_kv_heads=4"], ["model.layers.0.self_attn.k_proj.weight", "[32, 64]", "expected [64, 64]"]),
         (HYBRID[:-2], ["architectures=['LlamaForCausalLM']", "NemotronHForCausalLM"]),
+        (["model.rope_theta=10000"], ["rope_theta=20000", "expected model.rope_theta=10000", "set model.rope_theta="]),
     ]:
         cfg = _load(tmp_path, DENSE + overrides + [f"model.init_from={hf_dir}"])
         with pytest.raises(Exception) as error:
