@@ -27,11 +27,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from maxfp4.config import PATTERN_CHARS as TYPES  # model.pattern's characters -> block types
 from maxfp4.errors import UserError
 
 LLAMA, NEMOTRON_H = "LlamaForCausalLM", "NemotronHForCausalLM"
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
-TYPES = {"M": "mamba", "*": "attention", "-": "mlp"}  # model.pattern's characters
 
 
 class HFError(UserError):
@@ -296,8 +296,11 @@ class ModelDir:
             raise HFError(f"{config}: not readable JSON ({e})") from None
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as fh:
-                self.files = dict(json.load(fh)["weight_map"])
+            try:
+                with open(index, encoding="utf-8") as fh:
+                    self.files = dict(json.load(fh)["weight_map"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise HFError(f"{index}: not a safetensors index (expected JSON with a weight_map; {e!r})") from None
         elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
             self.files = {name: SINGLE_FILE for name in self._header(SINGLE_FILE)}
         else:
