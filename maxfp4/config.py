@@ -754,7 +754,8 @@ def validate(cfg: Config) -> None:
     _require(not t.eval_every or d.eval_fraction > 0 or d.eval_paths or d.source == "synthetic",
              "train.eval_every", t.eval_every, "0 unless data.eval_fraction > 0 or data.eval_paths is set")
     if d.tokenizer:
-        _require(os.path.isfile(d.tokenizer), "data.tokenizer", d.tokenizer, "an existing SentencePiece model or tokenizer.json file")
+        _require(os.path.isfile(d.tokenizer), "data.tokenizer", d.tokenizer,
+                 "an existing SentencePiece model or tokenizer.json file")
 
     _require(t.steps >= 1, "train.steps", t.steps, "an integer >= 1")
     _require(t.log_every >= 1, "train.log_every", t.log_every, "an integer >= 1")
