@@ -109,6 +109,9 @@ class ModelConfig:
     rope: bool = True  # rotary position embeddings in attention (Nemotron-H uses none)
     mlp: str = "swiglu"  # hybrid MLP blocks: swiglu or relu2 (squared ReLU, not gated)
     mamba: MambaConfig = field(default_factory=MambaConfig)
+    # A Hugging Face model directory (Llama for dense, Nemotron-H for hybrid) whose weights a new
+    # run starts from (maxfp4.hf); empty: random initialisation. A resumed run restores its checkpoint.
+    init_from: str = ""
 
     @property
     def resolved_head_dim(self) -> int:
@@ -148,7 +151,7 @@ class ModelConfig:
 class DataConfig:
     source: str = "builtin"  # one of DATA_SOURCES; docs/DATA.md describes each
     paths: tuple[str, ...] = ()  # text/jsonl: files or globs; array_record: directories written by prepare
-    tokenizer: str = ""  # SentencePiece model; empty: train one on the data, kept in the run dir
+    tokenizer: str = ""  # SentencePiece model or tokenizer.json; empty: train one on the data, kept in the run dir
     seq_len: int = 256
     global_batch: int = 16
     jsonl_field: str = "text"  # jsonl: the key of each line's object that holds the document text
@@ -187,7 +190,7 @@ class DataConfig:
                  list(self.eval_paths), "used only with data.source text, jsonl or array_record")
         if self.tokenizer:
             _require(os.path.isfile(self.tokenizer), "data.tokenizer", self.tokenizer,
-                     "an existing SentencePiece model file")
+                     "an existing SentencePiece model or tokenizer.json file")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from maxfp4.errors import exit_code_of
 from maxfp4.evaluate import EvalHook, make_eval_step
 from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.loop import Hook, Loop, close_hooks
+from maxfp4.hf import check_init_from, read_params as read_hf_params
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsHook, MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import get_model, linear_shapes
@@ -153,7 +154,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             optimizer = make_optimizer(cfg)
             state, state_sh = init_state(cfg, start.mesh, optimizer, start.policy)
             checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint)
-            state = restore(cfg, checkpointer, state, data)
+            state = restore(cfg, checkpointer, state, state_sh, data)
             # The data's bound on documents per row is the same on every process (the packing
             # layout is global), so every process compiles the same attention kernel.
             step_fn = jit_train_step(cfg, start.policy, optimizer, make_schedule(cfg), start.mesh, state_sh,
@@ -219,6 +220,7 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     check_compiler_options(xla_options, mesh.devices.flat[0])
     check_deterministic_attention(cfg, platform)
     refuse_changed_run(cfg)
+    check_init_from(cfg)
     return StartUp(cfg, policy, policy.format_table(block_classes), mesh, xla_options,
                    compile_cache)
 
@@ -245,14 +247,19 @@ def open_data(start: StartUp):
     return data, [to_global(b) for b in eval_local]
 
 
-def restore(cfg: Config, checkpointer: Checkpointer, state: TrainState, data) -> TrainState:
-    """The newest readable checkpoint's state and data position, if the run has one."""
+def restore(cfg: Config, checkpointer: Checkpointer, state: TrainState, state_sh, data) -> TrainState:
+    """The newest readable checkpoint's state and data position, if the run has one; else the
+    weights of ``model.init_from`` when set (a resume never reads that directory again)."""
     resumed = checkpointer.restore_latest(state, warn=lambda m: _say(f"warning: {m}"))
     if resumed is not None:
         resume_step, state, data_state = resumed
         data.set_state(data_state)
         if jax.process_index() == 0:
             _say(f"resumed from {checkpointer.directory}/{resume_step}")
+    elif cfg.model.init_from:
+        state = state.replace(params=read_hf_params(cfg.model, cfg.model.init_from, state_sh.params, state.params))
+        if jax.process_index() == 0:
+            _say(f"initialized from {cfg.model.init_from}")
     if jax.process_index() == 0:
         from maxfp4.model.attention import resolve_implementation
         n_params = sum(x.size for x in jax.tree.leaves(state.params))

@@ -251,8 +251,9 @@ def test_export_writes_safetensors_config_and_tokenizer(saved_run, tmp_path, cap
     expected = {3: flat_params(_cpu_params(str(run), 3, cfg)), 2: flat_params(_cpu_params(str(run), 2, cfg))}
     assert set(expected[3]) >= {"embed", "lm_head", "final_norm", "blocks.w_qkv", "blocks.w_down"}
 
-    assert export_main([str(run), "--out", str(tmp_path / "fp32"), "--dtype", "fp32"]) == 0
-    assert export_main([str(run), "--out", str(tmp_path / "bf16"), "--step", "2"]) == 0  # bf16 by default
+    native = ["--format", "native"]
+    assert export_main([str(run), "--out", str(tmp_path / "fp32"), "--dtype", "fp32"] + native) == 0
+    assert export_main([str(run), "--out", str(tmp_path / "bf16"), "--step", "2"] + native) == 0  # bf16 by default
     fp32, bf16 = load_file(str(tmp_path / "fp32" / "model.safetensors")), load_file(str(tmp_path / "bf16" / "model.safetensors"))
     assert set(fp32) == set(bf16) == set(expected[3])
     for name, want in expected[3].items():
@@ -280,7 +281,8 @@ def test_export_writes_safetensors_config_and_tokenizer(saved_run, tmp_path, cap
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and all(w in err[0] for w in words), (argv, err)
     assert not (tmp_path / "x").exists() and _snapshot(tmp_path / "fp32") == before
-    assert export_main([str(run), "--out", str(tmp_path / "fp32"), "--force", "--step", "2", "--dtype", "fp32"]) == 0
+    assert export_main([str(run), "--out", str(tmp_path / "fp32"), "--force", "--step", "2", "--dtype", "fp32"]
+                       + native) == 0
     assert np.array_equal(load_file(str(tmp_path / "fp32" / "model.safetensors"))["embed"], expected[2]["embed"])
 
 

@@ -1,4 +1,5 @@
-"""SentencePiece tokenizer: load the user's, reuse the run's, or train one on the documents.
+"""Tokenizers: load the user's (SentencePiece, or a Hugging Face tokenizer.json), reuse the run's,
+or train a SentencePiece model on the documents.
 
 Training choices and why:
 - BPE with byte fallback (the Llama/Mistral convention): any UTF-8 text encodes without
@@ -35,43 +36,142 @@ _MAX_TRAIN_LINES = 2_000_000
 
 
 class Tokenizer:
-    """A loaded SentencePiece model. ``bos_id``/``eos_id``/``pad_id`` are -1 where absent."""
+    """A loaded tokenizer: a SentencePiece model, or a Hugging Face ``tokenizer.json`` (the
+    ``tokenizers`` library, e.g. Llama-3's), told apart by the file's content so that either
+    works under any name (``prepare`` keeps its copy as ``tokenizer.model``). ``bos_id`` /
+    ``eos_id`` / ``pad_id`` are -1 where absent; ``encode`` never adds them (the pipeline does)."""
 
     def __init__(self, path: str):
         self.path = path
-        try:
-            self._sp = spm.SentencePieceProcessor(model_file=path)
-        except (OSError, RuntimeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise DataError(f"tokenizer {path}: not a readable SentencePiece model ({first})") from None
+        self._backend = _TokenizersJson(path) if _is_json(path) else _SentencePiece(path)
+
+    @property
+    def kind(self) -> str:
+        """``sentencepiece`` or ``tokenizers``."""
+        return self._backend.kind
 
     @property
     def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
+        return self._backend.vocab_size
 
     @property
     def bos_id(self) -> int:
-        return self._sp.bos_id()
+        return self._backend.bos_id
 
     @property
     def eos_id(self) -> int:
-        return self._sp.eos_id()
+        return self._backend.eos_id
 
     @property
     def pad_id(self) -> int:
-        return self._sp.pad_id()
+        return self._backend.pad_id
 
     def encode(self, text: str) -> list[int]:
-        return self._sp.encode(text)
+        return self._backend.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._sp.encode(list(texts))
+        return self._backend.encode_batch(list(texts))
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
+        return self._backend.decode([int(i) for i in ids])
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+def _is_json(path: str) -> bool:
+    # A SentencePiece model is a protobuf, whose first byte is a field tag (never "{").
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(64).lstrip()[:1] == b"{"
+    except OSError as e:
+        raise DataError(f"tokenizer {path}: not readable ({e.strerror or e})") from None
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+class _SentencePiece:
+    kind = "sentencepiece"
+
+    def __init__(self, path: str):
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=path)
+        except (OSError, RuntimeError) as e:
+            raise DataError(f"tokenizer {path}: not a readable SentencePiece model ({_first_line(e)})") from None
+        self.vocab_size = self.sp.get_piece_size()
+        self.bos_id, self.eos_id, self.pad_id = self.sp.bos_id(), self.sp.eos_id(), self.sp.pad_id()
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(texts)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode(ids)
+
+
+# Names of the markers in common tokenizer.json files, for one without a tokenizer_config.json.
+_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<|startoftext|>", "<bos>", "[BOS]")
+_EOS_NAMES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "[EOS]")
+_PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
+
+
+class _TokenizersJson:
+    kind = "tokenizers"
+
+    def __init__(self, path: str):
+        try:
+            from tokenizers import Tokenizer as JsonTokenizer
+        except ImportError:
+            raise DataError(f"tokenizer {path}: a tokenizer.json needs the tokenizers package "
+                            "(pip install tokenizers)") from None
+        try:
+            self.tok = JsonTokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions for bad files
+            raise DataError(f"tokenizer {path}: not a readable tokenizer.json ({_first_line(e)})") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id, self.eos_id, self.pad_id = special_ids(self.tok, path)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def special_ids(tok, path: str) -> tuple[int, int, int]:
+    """(bos, eos, pad) ids of a tokenizer.json: as the ``tokenizer_config.json`` beside it names
+    them (Hugging Face's own record), else the first marker its post-processor adds (BOS), else
+    the usual names; -1 where none is found."""
+    import json
+
+    named: dict[str, str] = {}
+    config = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+    if os.path.isfile(config):
+        try:
+            with open(config, encoding="utf-8") as fh:
+                raw = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise DataError(f"tokenizer {config}: not readable JSON ({e})") from None
+        for key in ("bos", "eos", "pad"):
+            value = raw.get(f"{key}_token")
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                named[key] = value
+    if "bos" not in named:
+        template = (json.loads(tok.to_str()).get("post_processor") or {}).get("single") or []
+        first = template[0] if template else {}
+        if "SpecialToken" in first:
+            named["bos"] = first["SpecialToken"]["id"]
+
+    def find(key: str, names: tuple[str, ...]) -> int:
+        for name in ([named[key]] if key in named else list(names)):
+            i = tok.token_to_id(name)
+            if i is not None:
+                return i
+        return -1
+
+    return find("bos", _BOS_NAMES), find("eos", _EOS_NAMES), find("pad", _PAD_NAMES)
 
 
 def load_checked(path: str, vocab_size: int, what: str) -> Tokenizer:

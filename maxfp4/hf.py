@@ -1,0 +1,478 @@
+"""maxfp4's parameters in Hugging Face layouts, both directions: dense models as
+``LlamaForCausalLM``, hybrid models as ``NemotronHForCausalLM``.
+
+One table (:func:`leaves`) says, for every parameter of the pytree, which Hugging Face tensors
+hold it and how a slice converts. Export writes through it (``maxfp4.export``) and
+``model.init_from`` reads through it (:func:`read_params`), so the two directions cannot drift.
+
+Layout facts the table encodes:
+- ``torch.nn.Linear`` stores [out, in]; maxfp4 stores [in, out]: every projection transposes.
+- ``w_qkv`` [D, K, G+2, H] holds, per KV head, its G query heads, then K, then V. Query head
+  ``k*G + g`` uses KV head k, which is Hugging Face's ``repeat_kv`` order, so q/k/v_proj are
+  plain slices. RoPE rotates halves (pairs (i, i + H/2)) in both, so no row permutation.
+- ``w_up`` [D, F, 2] is (gate, up) per hidden unit: gate_proj and up_proj.
+- Mamba-2: ``in_proj``'s columns are z, x, B, C, dt in both; ``conv_w`` [W, C] is conv1d's
+  [C, 1, W] (tap w multiplies x[t - W + 1 + w] in both); ``D_skip`` is ``D``.
+
+Dimension letters: D d_model, K kv heads, G query heads per kv head, H head dim, F MLP hidden,
+V vocabulary, W conv width, C conv channels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterator
+
+import numpy as np
+
+from maxfp4.config import PATTERN_CHARS as TYPES  # model.pattern's characters -> block types
+from maxfp4.errors import UserError
+
+LLAMA, NEMOTRON_H = "LlamaForCausalLM", "NemotronHForCausalLM"
+CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
+
+
+class HFError(UserError):
+    """A model that does not map onto (or from) a Hugging Face architecture: one line naming it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One parameter of the pytree. ``layers``: for a stacked parameter, the Hugging Face layer
+    index of each slice along its first axis (None: not stacked); ``names``: the Hugging Face
+    tensors of one slice, ``{i}`` standing for the layer index; ``kind``: how a slice converts."""
+
+    path: tuple[str, ...]
+    kind: str
+    names: tuple[str, ...]
+    layers: tuple[int, ...] | None = None
+
+    def hf_names(self, layer: int | None) -> tuple[str, ...]:
+        return tuple(n.format(i=layer) for n in self.names)
+
+
+# ----------------------------------------------------------------------------- one slice, both ways
+
+def to_hf(kind: str, a: np.ndarray) -> list[np.ndarray]:
+    """One maxfp4 slice -> its Hugging Face tensors (in ``Leaf.names`` order)."""
+    if kind == "same":
+        return [a]
+    if kind == "linear":
+        return [a.T]
+    if kind == "qkv":
+        d, k, g2, h = a.shape
+        g = g2 - 2
+        return [a[:, :, :g].reshape(d, k * g * h).T, a[:, :, g].reshape(d, k * h).T, a[:, :, g + 1].reshape(d, k * h).T]
+    if kind == "gate_up":
+        return [a[:, :, 0].T, a[:, :, 1].T]
+    if kind == "up":
+        return [a[:, :, 0].T]
+    if kind == "conv":
+        return [a.T[:, None, :]]
+    raise AssertionError(kind)
+
+
+def from_hf(kind: str, tensors: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    """Hugging Face tensors (already checked against :func:`hf_shapes`) -> one maxfp4 slice."""
+    if kind == "same":
+        return tensors[0]
+    if kind == "linear":
+        return tensors[0].T
+    if kind == "qkv":
+        d, k, g2, h = shape
+        q, kk, v = (t.T.reshape(d, k, -1, h) for t in tensors)
+        return np.concatenate([q, kk, v], axis=2)
+    if kind == "gate_up":
+        return np.stack([tensors[0].T, tensors[1].T], axis=-1)
+    if kind == "up":
+        return tensors[0].T[:, :, None]
+    if kind == "conv":
+        return tensors[0][:, 0, :].T
+    raise AssertionError(kind)
+
+
+def hf_shapes(kind: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The Hugging Face tensor shapes of a maxfp4 slice of ``shape``."""
+    if kind == "same":
+        return [tuple(shape)]
+    if kind == "linear":
+        return [tuple(shape[::-1])]
+    if kind == "qkv":
+        d, k, g2, h = shape
+        return [(k * (g2 - 2) * h, d), (k * h, d), (k * h, d)]
+    if kind in ("gate_up", "up"):
+        d, f, n = shape
+        return [(f, d)] * n
+    if kind == "conv":
+        w, c = shape
+        return [(c, 1, w)]
+    raise AssertionError(kind)
+
+
+# ----------------------------------------------------------------------------- the tables
+
+def architecture(model_cfg) -> str:
+    return NEMOTRON_H if model_cfg.kind == "hybrid" else LLAMA
+
+
+def check_maps(model_cfg) -> None:
+    """Refuse, in one line naming the feature, a model the Hugging Face architecture cannot hold."""
+    if model_cfg.kind != "hybrid":
+        return  # every dense config is a Llama: RoPE, GQA, SwiGLU, RMSNorm, untied head
+    present = set(model_cfg.pattern)
+    if "*" in present and model_cfg.rope:
+        raise HFError("model.rope=true: NemotronHForCausalLM's attention has no rotary position embedding; "
+                      "export with --format native")
+    if "-" in present and model_cfg.mlp != "relu2":
+        raise HFError(f"model.mlp={model_cfg.mlp}: NemotronHForCausalLM's MLP blocks are squared-ReLU (relu2), "
+                      "not gated; export with --format native")
+
+
+def leaves(model_cfg) -> list[Leaf]:
+    """Every parameter of ``model_cfg``'s pytree with its Hugging Face tensors."""
+    if model_cfg.kind == "hybrid":
+        return _nemotron_h_leaves(model_cfg)
+    layers = tuple(range(model_cfg.n_layers))
+    p = "model.layers.{i}."
+    return [
+        Leaf(("embed",), "same", ("model.embed_tokens.weight",)),
+        Leaf(("blocks", "attn_norm"), "same", (p + "input_layernorm.weight",), layers),
+        Leaf(("blocks", "w_qkv"), "qkv", tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"), layers),
+        Leaf(("blocks", "w_o"), "linear", (p + "self_attn.o_proj.weight",), layers),
+        Leaf(("blocks", "mlp_norm"), "same", (p + "post_attention_layernorm.weight",), layers),
+        Leaf(("blocks", "w_up"), "gate_up", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), layers),
+        Leaf(("blocks", "w_down"), "linear", (p + "mlp.down_proj.weight",), layers),
+        Leaf(("final_norm",), "same", ("model.norm.weight",)),
+        Leaf(("lm_head",), "linear", ("lm_head.weight",)),
+    ]
+
+
+# Nemotron-H's published checkpoints name the trunk "backbone"; transformers 5 renames it to
+# "model" while loading, and older versions expect "backbone": writing "backbone" suits both.
+NEMOTRON_PREFIX = "backbone."
+
+
+def _nemotron_h_leaves(model_cfg) -> list[Leaf]:
+    pattern = model_cfg.pattern
+    at = {t: tuple(i for i, c in enumerate(pattern) if TYPES[c] == t) for t in TYPES.values()}
+    m = NEMOTRON_PREFIX + "layers.{i}."
+    out = [Leaf(("embed",), "same", (NEMOTRON_PREFIX + "embeddings.weight",))]
+    if at["mamba"]:
+        for name, kind, hf in (("pre_norm", "same", "norm.weight"), ("in_proj", "linear", "mixer.in_proj.weight"),
+                               ("conv_w", "conv", "mixer.conv1d.weight"), ("conv_b", "same", "mixer.conv1d.bias"),
+                               ("A_log", "same", "mixer.A_log"), ("D_skip", "same", "mixer.D"),
+                               ("dt_bias", "same", "mixer.dt_bias"), ("norm", "same", "mixer.norm.weight"),
+                               ("out_proj", "linear", "mixer.out_proj.weight")):
+            out.append(Leaf(("mamba", name), kind, (m + hf,), at["mamba"]))
+    if at["attention"]:
+        out += [Leaf(("attention", "pre_norm"), "same", (m + "norm.weight",), at["attention"]),
+                Leaf(("attention", "w_qkv"), "qkv", tuple(m + f"mixer.{x}_proj.weight" for x in "qkv"),
+                     at["attention"]),
+                Leaf(("attention", "w_o"), "linear", (m + "mixer.o_proj.weight",), at["attention"])]
+    if at["mlp"]:
+        out += [Leaf(("mlp", "pre_norm"), "same", (m + "norm.weight",), at["mlp"]),
+                Leaf(("mlp", "w_up"), "up", (m + "mixer.up_proj.weight",), at["mlp"]),
+                Leaf(("mlp", "w_down"), "linear", (m + "mixer.down_proj.weight",), at["mlp"])]
+    out += [Leaf(("final_norm",), "same", (NEMOTRON_PREFIX + "norm_f.weight",)),
+            Leaf(("lm_head",), "linear", ("lm_head.weight",))]
+    return out
+
+
+def leaf_of(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def check_covers(model_cfg, params: Any) -> None:
+    """The table and the model's pytree (arrays or shapes) name the same parameters: a renamed
+    parameter fails here, not as a silently missing tensor."""
+    import jax
+
+    param_paths = {tuple(str(getattr(k, "key", k)) for k in path)
+                   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    table = {leaf.path for leaf in leaves(model_cfg)}
+    if table != param_paths:
+        extra = sorted(".".join(p) for p in param_paths - table) or sorted(".".join(p) for p in table - param_paths)
+        raise HFError(f"parameter {extra[0]}: no Hugging Face name for it in maxfp4.hf.leaves")
+
+
+def ordered_slices(model_cfg) -> list[tuple[Leaf, int | None, int | None]]:
+    """(leaf, index along its stacked axis or None, Hugging Face layer or None) of every slice:
+    the embedding, then layer by layer (table order within a layer), then the final norm and
+    the head, the order a reader of the files meets them in."""
+    items = []
+    for leaf in leaves(model_cfg):
+        if leaf.layers is None:
+            items.append((-1 if leaf.path == ("embed",) else 2**31, (leaf, None, None)))
+        else:
+            items += [(layer, (leaf, j, layer)) for j, layer in enumerate(leaf.layers)]
+    return [item for _, item in sorted(items, key=lambda it: it[0])]  # a stable sort
+
+
+def hf_tensors(model_cfg, params: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) of every Hugging Face tensor in :func:`ordered_slices` order, one slice
+    converted at a time."""
+    for leaf, j, layer in ordered_slices(model_cfg):
+        a = np.asarray(leaf_of(params, leaf.path))
+        yield from zip(leaf.hf_names(layer), to_hf(leaf.kind, a if j is None else a[j]))
+
+
+def hf_tensor_shapes(model_cfg, param_shapes: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every Hugging Face tensor in :func:`ordered_slices` order, from shapes only."""
+    out = []
+    for leaf, j, layer in ordered_slices(model_cfg):
+        shape = tuple(leaf_of(param_shapes, leaf.path).shape)
+        out += zip(leaf.hf_names(layer), hf_shapes(leaf.kind, shape if j is None else shape[1:]))
+    return out
+
+
+# ----------------------------------------------------------------------------- config.json
+
+def hf_config(model_cfg, *, max_positions: int, dtype: str, bos_id: int, eos_id: int, pad_id: int,
+              provenance: dict) -> dict:
+    """The config.json of the exported model. ``provenance``: the run, checkpoint and step."""
+    check_maps(model_cfg)
+    head_dim = model_cfg.resolved_head_dim
+    common = {
+        "architectures": [architecture(model_cfg)],
+        "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.d_model,
+        "intermediate_size": model_cfg.d_ff,
+        "num_attention_heads": model_cfg.n_heads, "num_key_value_heads": model_cfg.n_kv_heads,
+        "head_dim": head_dim, "max_position_embeddings": max_positions,
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "initializer_range": model_cfg.init_std, "use_cache": True,
+        "bos_token_id": bos_id if bos_id >= 0 else None, "eos_token_id": eos_id if eos_id >= 0 else None,
+        "pad_token_id": pad_id if pad_id >= 0 else None,
+        # transformers 5 reads "dtype", older versions "torch_dtype".
+        "dtype": dtype, "torch_dtype": dtype,
+        "maxfp4": provenance,
+    }
+    if model_cfg.kind != "hybrid":
+        theta = model_cfg.rope_theta
+        return {"model_type": "llama", **common, "num_hidden_layers": model_cfg.n_layers, "hidden_act": "silu",
+                "rms_norm_eps": model_cfg.norm_eps, "pretraining_tp": 1,
+                # transformers 5 reads rope_parameters, older versions rope_theta and rope_scaling.
+                "rope_theta": theta, "rope_scaling": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    from maxfp4.model.mamba import dims
+    mb, md = model_cfg.mamba, dims(model_cfg)
+    return {
+        "model_type": "nemotron_h", **common, "num_hidden_layers": len(model_cfg.pattern),
+        "hybrid_override_pattern": model_cfg.pattern, "mlp_hidden_act": "relu2", "use_bias": False,
+        "layer_norm_epsilon": model_cfg.norm_eps, "residual_in_fp32": False,
+        "ssm_state_size": mb.d_state, "mamba_num_heads": md["H"], "mamba_head_dim": mb.head_dim,
+        "mamba_hidden_act": "silu", "mamba_proj_bias": False,
+        # Each Mamba field under both spellings: the attribute names transformers 5 keeps and
+        # the constructor names older versions take (transformers 5 maps the latter as well).
+        "attention_head_dim": head_dim,
+        "n_groups": mb.n_groups, "mamba_n_groups": mb.n_groups,
+        "conv_kernel": mb.conv_kernel, "mamba_d_conv": mb.conv_kernel,
+        "expand": mb.expand, "mamba_expand": mb.expand,
+        "chunk_size": mb.chunk_size, "mamba_chunk_size": mb.chunk_size,
+        "use_conv_bias": True, "mamba_conv_bias": True,
+        # transformers 5 clamps dt from below at time_step_min; maxfp4 does not clamp.
+        "time_step_min": 0.0, "mamba_dt_min": 0.0,
+    }
+
+
+# ----------------------------------------------------------------------------- reading a model directory
+
+class ModelDir:
+    """A Hugging Face model directory: config.json and one or several safetensors files. Tensors
+    are read one at a time (memory-mapped), never the whole model."""
+
+    def __init__(self, path: str):
+        self.path = path
+        config = os.path.join(path, CONFIG_FILE)
+        if not os.path.isfile(config):
+            raise HFError(f"model.init_from={path}: no {CONFIG_FILE}; expected a Hugging Face model directory")
+        try:
+            with open(config, encoding="utf-8") as fh:
+                self.config = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise HFError(f"{config}: not readable JSON ({e})") from None
+        index = os.path.join(path, INDEX_FILE)
+        if os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as fh:
+                    self.files = dict(json.load(fh)["weight_map"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise HFError(f"{index}: not a safetensors index (expected JSON with a weight_map; {e!r})") from None
+        elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+            self.files = {name: SINGLE_FILE for name in self._header(SINGLE_FILE)}
+        else:
+            raise HFError(f"model.init_from={path}: no {SINGLE_FILE} or {INDEX_FILE}")
+        self._headers: dict[str, dict] = {}
+
+    def _header(self, file: str) -> dict:
+        path = os.path.join(self.path, file)
+        try:
+            with open(path, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError) as e:
+            raise HFError(f"{path}: not a safetensors file ({e})") from None
+        header.pop("__metadata__", None)
+        return header
+
+    def name(self, name: str) -> str:
+        """``name`` as this directory spells it (Nemotron-H: ``backbone.`` or ``model.``)."""
+        if name not in self.files and name.startswith(NEMOTRON_PREFIX):
+            other = "model." + name[len(NEMOTRON_PREFIX):]
+            if other in self.files:
+                return other
+        return name
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        name = self.name(name)
+        file = self.files.get(name)
+        if file is None:
+            return None
+        if file not in self._headers:
+            self._headers[file] = self._header(file)
+        return tuple(self._headers[file][name]["shape"])
+
+    def read(self, name: str) -> np.ndarray:
+        """One tensor as float32 (BF16 and F16 files widened exactly)."""
+        import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy for safetensors' numpy reader
+        from safetensors import safe_open
+
+        name = self.name(name)
+        with safe_open(os.path.join(self.path, self.files[name]), framework="np") as fh:
+            return np.asarray(fh.get_tensor(name), np.float32)
+
+
+def _source_of(model_dir: ModelDir, name: str) -> str:
+    """The tensor to read for ``name``: a model with tied embeddings has no lm_head.weight and
+    reads its embedding, which has the same [V, D] layout."""
+    if name == "lm_head.weight" and model_dir.shape(name) is None and model_dir.config.get("tie_word_embeddings"):
+        return ("model.embed_tokens.weight" if "model.embed_tokens.weight" in model_dir.files
+                else NEMOTRON_PREFIX + "embeddings.weight")
+    return name
+
+
+def check_model_dir(model_cfg, model_dir: ModelDir, param_shapes: Any) -> None:
+    """Refuse a directory whose architecture or any tensor's shape does not match ``model_cfg``:
+    one line naming the tensor. Reads only the headers."""
+    check_maps(model_cfg)
+    where = model_dir.path
+    want_arch = architecture(model_cfg)
+    arch = (model_dir.config.get("architectures") or [""])[0]
+    if arch != want_arch:
+        raise HFError(f"model.init_from={where}: architectures={model_dir.config.get('architectures')}; "
+                      f"expected [{want_arch!r}] for model.kind={model_cfg.kind}")
+    if model_cfg.kind == "hybrid":
+        pattern = model_dir.config.get("hybrid_override_pattern") or "".join(
+            {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-",
+             "moe": "E"}.get(t, "?") for t in model_dir.config.get("layers_block_type") or [])
+        if pattern != model_cfg.pattern:
+            raise HFError(f"model.init_from={where}: hybrid_override_pattern={pattern!r}; expected "
+                          f"model.pattern={model_cfg.pattern!r}")
+    _check_scalars(model_cfg, model_dir.config, where)
+    for leaf in leaves(model_cfg):
+        shape = leaf_of(param_shapes, leaf.path).shape
+        slice_shape = shape if leaf.layers is None else shape[1:]
+        for layer in leaf.layers or (None,):
+            for name, want in zip(leaf.hf_names(layer), hf_shapes(leaf.kind, slice_shape)):
+                got = model_dir.shape(_source_of(model_dir, name))
+                if got is None:
+                    raise HFError(f"model.init_from={where}: tensor {name} is missing; expected shape {list(want)}")
+                if tuple(got) != tuple(want):
+                    raise HFError(f"model.init_from={where}: tensor {name} has shape {list(got)}; expected "
+                                  f"{list(want)} from the model config")
+
+
+def _check_scalars(model_cfg, hf_cfg: dict, where: str) -> None:
+    """The values that change the math without changing a shape: RoPE, norm epsilon, activations."""
+    def differs(name, got, key, want):
+        if got is not None and not np.isclose(float(got), float(want), rtol=1e-9, atol=0):
+            raise HFError(f"model.init_from={where}: {name}={got} in {CONFIG_FILE}; expected {key}={want} "
+                          f"(set {key}={got} to use this model)")
+
+    if model_cfg.kind != "hybrid":
+        rope = dict(hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {})
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if kind != "default":
+            raise HFError(f"model.init_from={where}: rope_type={kind} in {CONFIG_FILE}; maxfp4 has plain RoPE "
+                          "(rope_type=default) only")
+        differs("rope_theta", hf_cfg.get("rope_theta", rope.get("rope_theta")), "model.rope_theta", model_cfg.rope_theta)
+        differs("rms_norm_eps", hf_cfg.get("rms_norm_eps"), "model.norm_eps", model_cfg.norm_eps)
+        activations = {"hidden_act": hf_cfg.get("hidden_act", "silu")}
+    else:
+        differs("layer_norm_epsilon", hf_cfg.get("layer_norm_epsilon"), "model.norm_eps", model_cfg.norm_eps)
+        activations = {"mlp_hidden_act": hf_cfg.get("mlp_hidden_act", "relu2"),
+                       "mamba_hidden_act": hf_cfg.get("mamba_hidden_act", "silu")}
+    for key, value in activations.items():
+        if value != ("relu2" if key == "mlp_hidden_act" else "silu"):
+            raise HFError(f"model.init_from={where}: {key}={value} in {CONFIG_FILE}; maxfp4's model has "
+                          f"{'relu2' if key == 'mlp_hidden_act' else 'silu'} there")
+    for key in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias"):
+        if hf_cfg.get(key):
+            raise HFError(f"model.init_from={where}: {key}=true in {CONFIG_FILE}; maxfp4's layers have no biases")
+
+
+def read_slice(model_dir: ModelDir, leaf: Leaf, layer: int | None, slice_shape: tuple[int, ...]) -> np.ndarray:
+    """One maxfp4 slice (float32) read from the directory."""
+    tensors = [model_dir.read(_source_of(model_dir, name)) for name in leaf.hf_names(layer)]
+    return np.ascontiguousarray(from_hf(leaf.kind, tensors, slice_shape), np.float32)
+
+
+def read_params(model_cfg, path: str, shardings: Any, param_shapes: Any) -> Any:
+    """The parameters of the Hugging Face model at ``path``, converted and placed onto
+    ``shardings`` one tensor (one layer of a stacked parameter) at a time: no process holds more
+    than one layer of one parameter on the host. Stacked parameters are assembled on the devices
+    by an in-place (donated) update per layer."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    check_covers(model_cfg, param_shapes)
+    model_dir = ModelDir(path)
+    check_model_dir(model_cfg, model_dir, param_shapes)
+    out: dict = {}
+    for leaf in leaves(model_cfg):
+        sharding, shape = leaf_of(shardings, leaf.path), leaf_of(param_shapes, leaf.path)
+        if leaf.layers is None:
+            host = read_slice(model_dir, leaf, None, shape.shape)
+            array = jax.make_array_from_callback(shape.shape, sharding, lambda idx, h=host: h[idx])
+        else:
+            # The layer axis is never sharded (mesh.LOGICAL_RULES["layers"] is empty).
+            spec = tuple(sharding.spec) + (None,) * (len(shape.shape) - len(sharding.spec))
+            layer_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[1:]))
+            array = jax.jit(lambda: jnp.zeros(shape.shape, jnp.float32), out_shardings=sharding)()
+            put = jax.jit(lambda a, x, j: jax.lax.dynamic_update_index_in_dim(a, x, j, 0),
+                          donate_argnums=0, out_shardings=sharding)
+            for j, layer in enumerate(leaf.layers):
+                host = read_slice(model_dir, leaf, layer, shape.shape[1:])
+                piece = jax.make_array_from_callback(host.shape, layer_sharding, lambda idx, h=host: h[idx])
+                array = put(array, piece, j)
+        node = out
+        for key in leaf.path[:-1]:
+            node = node.setdefault(key, {})
+        node[leaf.path[-1]] = array
+    return out
+
+
+
+
+def check_init_from(cfg) -> None:
+    """Before a run touches its directory: ``model.init_from`` names a Hugging Face directory whose
+    architecture and tensor shapes match ``cfg.model`` (headers only). A run that will resume
+    from its own checkpoint does not read the directory, so it is not checked then."""
+    if not cfg.model.init_from:
+        return
+    import jax
+
+    from maxfp4.checkpoint import finalized_steps
+    from maxfp4.model import get_model
+
+    if finalized_steps(cfg.run_dir):
+        return
+    if not os.path.isdir(cfg.model.init_from):
+        raise HFError(f"model.init_from={cfg.model.init_from}: not a directory; expected a Hugging Face model "
+                      "directory (config.json and safetensors)")
+    shapes = jax.eval_shape(lambda k: get_model(cfg.model).init_params(cfg.model, k), jax.random.key(0))
+    check_model_dir(cfg.model, ModelDir(cfg.model.init_from), shapes)
