@@ -131,7 +131,10 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
                 need = memory_gb(c, mesh)
                 if need <= usable:
                     step = model.project(c, mesh, gpu, "bf16", gpus_per_node=gpus_per_node)["step_time_s"]
-                    fitting.append((step / (rows * seq), mesh[2], -mesh[0], rows, c, mesh, need))
+                    # Across nodes, the smallest group of nodes that holds the model (data parallel
+                    # over the rest, as hybrid sharding does): FSDP over IB scales worse than the model says.
+                    group = mesh[1] * mesh[2] if across else 0
+                    fitting.append((group, step / (rows * seq), mesh[2], -mesh[0], rows, c, mesh, need))
                     break
         if fitting:
             break
@@ -141,9 +144,9 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
                         f"included); expected more GPUs or GPUs with more memory")
     # A batch far above the asked one changes the training recipe, so it is taken only when no
     # mesh can split a smaller one (the batch shards, data x fsdp, each need a whole sequence).
-    smallest = min(f[3] for f in fitting)
+    smallest = min(f[4] for f in fitting)
     ceiling = max(batch_tokens / seq, smallest) * BATCH_TOLERANCE
-    near = [f for f in fitting if f[3] <= ceiling]
+    near = [f for f in fitting if f[4] <= ceiling]
     best = min(near)
     *_, c, mesh, need = best
     data, fsdp, tensor = mesh
@@ -160,8 +163,9 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
         why,
         f"  batch: {rows:,} sequences x {c.data.seq_len:,} = {rows * c.data.seq_len:,} tokens a step "
         f"(~{batch_tokens:,.0f} asked, rounded to whole sequences on each of {data * fsdp:,} data x fsdp shards)",
-        f"  mesh: data={data:,} x fsdp={fsdp} x tensor={tensor}: {placement}; the fastest per token of "
-        f"the {len(near)} meshes that fit {usable:.0f} GB with a batch under {ceiling * seq:,.0f} tokens "
+        f"  mesh: data={data:,} x fsdp={fsdp} x tensor={tensor}: {placement}; "
+        + ("the smallest such group, then " if inner > gpus_per_node else "")
+        + f"the fastest per token of the {len(near)} meshes that fit {usable:.0f} GB with a batch under {ceiling * seq:,.0f} tokens "
         f"({BATCH_TOLERANCE}x the asked or the smallest the GPUs can split); BF16 needs {need:.1f} GB "
         f"({tried - len(fitting)} of {tried} meshes did not fit)",
     ]
