@@ -20,7 +20,7 @@ import optax
 import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxfp4 import distributed
+from maxfp4 import distributed, elastic
 from maxfp4.checkpoint import Checkpointer, finalized_steps, refuse_changed_run
 from maxfp4.compiler import (check_compiler_options, check_deterministic_attention, compiler_options,
                              determinism_summary, use_compile_cache)
@@ -184,6 +184,7 @@ def _train(cfg: Config, devices, stream, watch: PreemptionWatch) -> list[dict[st
     table = policy.format_table(block_classes)
     mesh = make_mesh(cfg.mesh, devices)
     check_model_fits_mesh(cfg.model, mesh)
+    cfg = elastic.start_up(cfg, mesh, say=_say if is_writer else lambda _: None)  # microbatches for this device count
     _check_batch_fits_mesh(cfg, mesh)
     xla_options = compiler_options(mesh.devices.flat[0].platform, cfg.train.compiler_options, cfg.run.deterministic)
     check_compiler_options(xla_options, mesh.devices.flat[0])
