@@ -9,9 +9,9 @@ so that every device's microbatch is a whole number of rows and no larger than t
 checkpoint trained with; ``data.global_batch`` never changes, so the update is the same up to
 summation order (maxfp4.step: microbatch losses are divided by the whole batch's token count).
 
-The reference is the checkpoint's saved config: it records the microbatches and the resolved
-mesh (this module writes the resolved axis sizes into the config the run saves) that the last
-run trained with.
+The reference is the checkpoint's saved config: it records the microbatches and the mesh, its
+axes resolved to the sizes the state was sharded over (maxfp4.checkpoint), that the run that
+saved it trained with.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ import dataclasses
 from typing import Callable
 
 from maxfp4.config import Config, ConfigError
-
-MESH_AXES = ("data", "fsdp", "tensor")
-
 
 def saved_rows_per_device(saved: dict | None) -> int | None:
     """Rows per data x fsdp device per microbatch of the run that saved ``saved`` (a checkpoint's
@@ -42,15 +39,13 @@ def saved_rows_per_device(saved: dict | None) -> int | None:
 
 def fit_to_mesh(cfg: Config, mesh_shape: dict[str, int], saved: dict | None,
                 say: Callable[[str], None] = print) -> Config:
-    """``cfg`` with the mesh's resolved sizes and, under ``train.elastic``, the fewest
-    microbatches that split the global batch into whole rows on each of the mesh's data x fsdp
+    """``cfg`` with, under ``train.elastic``, the fewest microbatches that split the global batch into whole rows on each of the mesh's data x fsdp
     devices, no more rows a device than the saved run had (``saved``: its config dict, None on a
     first start). Says in one line what it changed; raises a one-line ConfigError when no count of
     microbatches can split the batch."""
-    resolved = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **{a: int(mesh_shape[a]) for a in MESH_AXES}))
     reference = saved_rows_per_device(saved)
     if not cfg.train.elastic or reference is None:
-        return resolved
+        return cfg
     g, micro = cfg.data.global_batch, cfg.train.microbatches
     devices = mesh_shape["data"] * mesh_shape["fsdp"]
     if g % devices:
@@ -66,12 +61,12 @@ def fit_to_mesh(cfg: Config, mesh_shape: dict[str, int], saved: dict | None,
     chosen = next(m for m in range(1, g // devices + 1) if (g // devices) % m == 0 and g // (m * devices) <= limit)
     saved_micro = int(saved["train"].get("microbatches", 1))
     if chosen == micro and chosen == saved_micro:
-        return resolved
+        return cfg
     # Said against the checkpoint's run, the run this start continues.
     say(f"elastic: {devices} data x fsdp devices, the checkpoint trained with {reference} row(s) a device a "
         f"microbatch: train.microbatches {saved_micro} -> {chosen} ({g // (chosen * devices)} row(s) a device a "
         f"microbatch), data.global_batch={g} kept")
-    return dataclasses.replace(resolved, train=dataclasses.replace(resolved.train, microbatches=chosen))
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=chosen))
 
 
 def start_up(cfg: Config, mesh, say: Callable[[str], None] = print) -> Config:

@@ -36,11 +36,30 @@ def _fit(cfg, mesh, saved):
 # ----------------------------------------------------------------------------- the start-up rule
 
 
-def test_first_start_keeps_the_config_and_records_the_resolved_mesh(tiny_cfg):
+def test_first_start_keeps_the_config(tiny_cfg):
     cfg = tiny_cfg("mesh.data=-1", "mesh.fsdp=2")
     out, said = _fit(cfg, (4, 2, 1), None)
-    assert out.train.microbatches == 1 and said == []
-    assert (out.mesh.data, out.mesh.fsdp, out.mesh.tensor) == (4, 2, 1)  # saved with the checkpoint
+    assert out == cfg and said == []
+
+
+def test_a_checkpoint_records_the_mesh_it_was_sharded_over(tiny_cfg, tmp_path):
+    """The saved config's mesh axes are the sizes the state had (mesh.data=-1 resolved), so the
+    next start knows the rows a device; config.yaml keeps -1, so it still runs anywhere."""
+    import jax
+    from maxfp4.checkpoint import Checkpointer, saved_config
+    from maxfp4.mesh import make_mesh
+    from maxfp4.optim import make_optimizer
+    from maxfp4.train import init_state
+    cfg = tiny_cfg("mesh.data=-1", "mesh.fsdp=2", "run.name=mesh")
+    mesh = make_mesh(cfg.mesh, jax.devices()[:4])
+    state, _ = init_state(cfg, mesh, make_optimizer(cfg))
+    ck = Checkpointer(cfg.run_dir, cfg.checkpoint)
+    ck.save(1, state, {"next_index": 1, "global_batch": 8}, cfg.to_dict())
+    ck.close()
+    saved, _ = saved_config(cfg.run_dir)
+    assert saved["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+    assert elastic.saved_rows_per_device(saved) == 2
+    assert ck.restore(1, state)[1] == {"next_index": 1, "global_batch": 8}  # integrity holds
 
 
 def test_fewer_devices_raise_microbatches_to_the_checkpoints_rows_a_device(tiny_cfg):
