@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maxfp4 import plan  # noqa: E402
 from maxfp4.config import load_config  # noqa: E402
+from maxfp4.mesh import resolve_mesh_shape  # noqa: E402
 
 GOAL = 0.15
 LLAMA = "configs/llama3-8b.yaml"
@@ -112,7 +113,7 @@ def calibration_rows() -> list[dict]:
     rows = []
     for label, path, overrides, gpus, gpu, precision, step_ms, peak_gib, stale in MEASURED:
         cfg = load_config(path, overrides)
-        row = plan.project(cfg, plan.resolve_mesh_shape(cfg.mesh, gpus), gpu, precision)
+        row = plan.project(cfg, resolve_mesh_shape(cfg.mesh, gpus), gpu, precision)
         predicted = row["step_time_s"] * 1e3
         rows.append({"run": label, "gpus": f"{gpus} x {gpu.upper()}", "precision": precision,
                      "measured_ms": step_ms, "predicted_ms": predicted, "error": predicted / step_ms - 1,

@@ -10,7 +10,6 @@ Every formula and constant is stated in docs/PLANNING.md; the constants below ca
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import math
@@ -21,7 +20,6 @@ import jax
 
 from maxfp4.config import Config, ModelConfig, PrecisionConfig, add_config_arguments, config_from_arguments
 from maxfp4.errors import UserError, exit_code_of
-from maxfp4.mesh import resolve_mesh_shape
 from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, block_linear_params, block_matmul_params, attention_flops_per_token,
                             matmul_params, ssd_flops_per_token)
 from maxfp4.model import get_model, linear_shapes

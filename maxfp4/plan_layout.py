@@ -14,7 +14,6 @@ The config's own batch and mesh are kept when they run well on the GPUs asked fo
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Iterator
 
 from maxfp4.config import Config, ModelConfig
