@@ -185,7 +185,12 @@ def what_if(cfg: Config, gpu_counts: list[int], gpu: str, tokens: float, *, batc
     (the config's batch is sized for its own GPUs, not for a grid)."""
     out = []
     for gpus in gpu_counts:
-        layout = choose_layout(cfg, gpus, gpu, batch_tokens or DEFAULT_BATCH_TOKENS, gpus_per_node)
+        try:
+            layout = choose_layout(cfg, gpus, gpu, batch_tokens or DEFAULT_BATCH_TOKENS, gpus_per_node)
+        except UserError:  # too few GPUs to hold the model: a row that says so, not the end of the grid
+            out.append({"gpus": gpus, "mesh": None, "global_batch": None, "microbatches": None, "remat": None,
+                        **{f"{p}_{k}": None for p in model.PRECISIONS for k in ("days", "gpu_hours", "step_time_s", "mfu")}})
+            continue
         rows = model.rows_for(layout, gpus, gpu, tokens, None, gpus_per_node, goodput)
         out.append({"gpus": gpus, "mesh": rows[0]["mesh"], "global_batch": layout.cfg.data.global_batch,
                     "microbatches": layout.cfg.train.microbatches, "remat": layout.cfg.train.remat,
@@ -199,6 +204,9 @@ def format_what_if(grid: list[dict], gpu: str, tokens: float, goodput: float) ->
              f"{'GPUs':>7} {'mesh d x f x t':>16} {'batch':>6} "
              + "".join(f"{p + ' days':>12}{p + ' GPU-h':>14}{'MFU':>6}" for p in model.PRECISIONS)]
     for r in grid:
+        if r["mesh"] is None:
+            lines.append(f"{r['gpus']:>7,}  no mesh of {r['gpus']:,} GPUs holds the model")
+            continue
         mesh = f"{r['mesh']['data']}x{r['mesh']['fsdp']}x{r['mesh']['tensor']}"
         lines.append(f"{r['gpus']:>7,} {mesh:>16} {r['global_batch']:>6,} "
                      + "".join(f"{r[p + '_days']:>12.1f}{r[p + '_gpu_hours']:>14,.0f}{r[p + '_mfu']:>6.0%}"
@@ -214,6 +222,7 @@ def plot_what_if(grid: list[dict], path: str, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot: needs matplotlib (a maxfp4 dependency): pip install matplotlib") from None
+    grid = [r for r in grid if r["mesh"] is not None]
     gpus = [r["gpus"] for r in grid]
     fig, (days_ax, hours_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     for p in model.PRECISIONS:

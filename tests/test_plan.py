@@ -314,6 +314,15 @@ def test_what_if_grid_has_a_row_per_gpu_count_and_every_precision(capsys, tmp_pa
     assert len(lines) == 2 + 3 and "bf16 days" in lines[1] and "nvfp4 GPU-h" in lines[1]
 
 
+def test_what_if_marks_counts_too_small_for_the_model_and_goes_on(capsys):
+    b70 = ["model.d_model=8192", "model.n_layers=80", "model.n_heads=64", "model.d_ff=28672"]
+    assert plan.main(["configs/llama3-8b.yaml", *b70, "--what-if", "8,256", "--gpu", "h100", "--tokens", "1e12",
+                      "--json"]) == 0
+    small, large = json.loads(capsys.readouterr().out)
+    assert small["mesh"] is None and small["bf16_days"] is None
+    assert large["mesh"]["data"] * large["mesh"]["fsdp"] * large["mesh"]["tensor"] == 256 and large["bf16_days"] > 0
+
+
 def test_calibration_against_every_measured_step_is_within_15_percent():
     """benchmarks/plan_calibration.py's table: every current measured step of docs/PERFORMANCE.md
     against the planner (the goal of docs/PLANNING.md); stale rows are shown, not counted."""
