@@ -494,7 +494,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--plot", metavar="FILE", help="with --what-if: draw the grid to this image")
     parser.add_argument("--mfu-from", help="JSON results with 'mfu' or 'tflops_per_device'")
     parser.add_argument("--json", action="store_true", help="print JSON")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # key=value overrides may follow the flags
 
 
 def main(argv: Sequence[str] | None = None) -> int:

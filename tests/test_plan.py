@@ -253,6 +253,15 @@ def test_1024_gpus_llama3_8b_choose_a_batch_and_mesh_and_land_in_the_published_b
     assert rows[1]["days"] < bf16["days"]  # FP8 GEMMs are faster on H100
 
 
+def test_overrides_may_follow_the_flags(capsys):
+    args = ["--gpus", "2", "--gpu", "h200", "--tokens", "1e9", "--json"]
+    assert plan.main(["configs/llama3-8b.yaml", *args, "data.global_batch=4", "train.remat=save_gemm"]) == 0
+    after = json.loads(capsys.readouterr().out)
+    assert plan.main(["configs/llama3-8b.yaml", "data.global_batch=4", "train.remat=save_gemm", *args]) == 0
+    assert json.loads(capsys.readouterr().out) == after
+    assert after[0]["global_batch"] == 4 and after[0]["remat"] == "save_gemm" and not after[0]["layout_chosen"]
+
+
 def test_printed_plan_says_what_it_chose_and_how_to_train_with_it(capsys):
     assert plan.main(["configs/llama3-8b.yaml", "--gpus", "1024", "--gpu", "h100", "--tokens", "15e12"]) == 0
     out = capsys.readouterr().out
@@ -291,9 +300,14 @@ def test_goodput_stretches_days_and_gpu_hours_only():
 def test_a_model_no_mesh_can_hold_is_one_line(capsys):
     """A 405B-parameter model's state (16 bytes a parameter) cannot fit 8 H100s however sharded."""
     b405 = ["model.d_model=16384", "model.n_layers=126", "model.n_heads=128", "model.d_ff=53248"]
-    assert plan.main(["configs/llama3-8b.yaml", *b405, "--gpus", "8", "--gpu", "h100", "--tokens", "1e12"]) == 2
+    args = ["--gpus", "8", "--gpu", "h100", "--tokens", "1e12"]
+    assert plan.main(["configs/llama3-8b.yaml", *b405, *args, "--batch-tokens", "4e6"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --gpus 8: no mesh of 8 H100 GPUs fits")
+    # The config's own batch and mesh (one sequence a GPU) are kept, with a note on memory.
+    assert plan.main(["configs/llama3-8b.yaml", *b405, *args]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("layout: the config's") and "\nnote: the model estimates" in out and " NO " in out
 
 
 def test_what_if_grid_has_a_row_per_gpu_count_and_every_precision(capsys, tmp_path):
