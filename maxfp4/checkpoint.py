@@ -130,6 +130,7 @@ class Checkpointer:
         integrity = {"step": int(step), "data_sha256": json_sha256(data)}
         items = {"state": ocp.args.StandardSave(_to_saveable(state)), "data": ocp.args.JsonSave(data)}
         if config is not None:
+            config = _with_saving_mesh(config, state)
             items["config"] = ocp.args.JsonSave(config)
             integrity["config_sha256"] = json_sha256(json.loads(json.dumps(config, default=str)))
         items["integrity"] = ocp.args.JsonSave(integrity)
@@ -288,6 +289,16 @@ class Checkpointer:
                 self.manager.close()
             except Exception:  # noqa: BLE001 - a failed save was already raised by wait()
                 pass
+
+
+def _with_saving_mesh(config: dict, state: TrainState) -> dict:
+    """The config as saved: its mesh axes (-1 included) as the state is sharded, so a resume on
+    another device count knows the per-device batch this run trained with (maxfp4.elastic)."""
+    mesh = getattr(getattr(state.step, "sharding", None), "mesh", None)
+    if not isinstance(config.get("mesh"), dict) or not hasattr(mesh, "shape"):
+        return config
+    sizes = {axis: int(size) for axis, size in dict(mesh.shape).items() if axis in config["mesh"]}
+    return {**config, "mesh": {**config["mesh"], **sizes}}
 
 
 def _check_integrity(step: int, integrity: dict, data: dict, config: dict | None) -> None:

@@ -198,6 +198,9 @@ class TrainConfig:
     steps: int = 100
     log_every: int = 10
     microbatches: int = 1  # gradient accumulation: global_batch is split into this many
+    # a resume on another device count may change microbatches (never the global batch) so each
+    # device's share divides and stays within the checkpoint's (maxfp4.elastic)
+    elastic: bool = True
     # the LM head and loss over this many slices of the sequence, each recomputed in the backward
     # pass: 1/loss_chunks of the [B, T, V] logits live at once (maxfp4.model.decoder.chunked_loss_sum)
     loss_chunks: int = 1

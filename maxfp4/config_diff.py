@@ -31,7 +31,7 @@ MATH_KEYS = (
 # Checked before MATH_KEYS, so e.g. model.attention (an implementation choice) wins over model.
 HARMLESS_KEYS = (
     "model.attention", "model.attention_max_segments", "model.mamba.kernels",
-    "train.log_every", "train.remat", "train.scan_layers", "train.loss_chunks", "run.name", "run.output_dir",
+    "train.log_every", "train.elastic", "train.remat", "train.scan_layers", "train.loss_chunks", "run.name", "run.output_dir",
     "run.compile_cache_dir", "run.deterministic",
     "train.eval_every", "train.compiler_options", "train.profile_steps",
     "data.workers", "data.read_threads", "data.prefetch", "data.eval_paths", "data.eval_batches",
@@ -95,6 +95,8 @@ def math_differences(old: dict, new: dict, run_dir: str = "") -> list[str]:
     for key in sorted(base):
         if key in _SCHEDULE_KEYS or not changes_math(key):
             continue
+        if key == "train.microbatches" and before["train.elastic"] and after["train.elastic"]:
+            continue  # chosen per device count (maxfp4.elastic); the update is the same up to summation order
         if before[key] != after[key]:
             lines.append(f"{key}: {before[key]!r} -> {after[key]!r}")
     if _schedule_length(before) != _schedule_length(after):

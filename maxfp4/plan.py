@@ -1,6 +1,8 @@
 """``python -m maxfp4.plan CONFIG [more.yaml ...] [key=value ...] --gpus N --gpu h100|h200|b200
---tokens T [--mfu-from RESULTS.json] [--json]``: project a run's memory, step time and days
-before it starts, for BF16, FP8 and NVFP4 side by side.
+--tokens T [--batch-tokens B] [--gpus-per-node G] [--goodput F] [--mfu-from RESULTS.json] [--json]``
+and ``--what-if [N,N,...] [--plot FILE]``: project a run's memory, step time and days before it
+starts, for BF16, FP8 and NVFP4 side by side. Where the config's batch does not split over the
+GPUs (or fit them), the batch and mesh are chosen (maxfp4.plan_layout) and the choice is printed.
 
 Every formula and constant is stated in docs/PLANNING.md; the constants below carry the same names.
 """
@@ -8,6 +10,7 @@ Every formula and constant is stated in docs/PLANNING.md; the constants below ca
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -15,21 +18,36 @@ from typing import Any, Sequence
 
 import jax
 
-from maxfp4.config import Config, ModelConfig, add_config_arguments, config_from_arguments
+from maxfp4.config import Config, ModelConfig, PrecisionConfig, add_config_arguments, config_from_arguments
 from maxfp4.errors import UserError, exit_code_of
-from maxfp4.mesh import resolve_mesh_shape
 from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, block_linear_params, block_matmul_params, attention_flops_per_token,
                             matmul_params, ssd_flops_per_token)
 from maxfp4.model import get_model, linear_shapes
 
 PRECISIONS = ("bf16", "fp8", "nvfp4")
 
-# Effective GEMM rates in TFLOP/s measured on one H200 (docs/PERFORMANCE.md, one linear layer at
-# M = K = N = 8192, forward + both gradients, quantization passes included): bf16 recipe, the
-# fp8_delayed recipe, and the emulated nvfp4 recipe (RHT + stochastic rounding) as shipped.
-MEASURED_H200_TFLOPS = {"bf16": 666.0, "fp8": 1079.0, "nvfp4": 392.0}
+# Effective GEMM rates in TFLOP/s on one H200 (docs/PERFORMANCE.md, one linear layer at
+# M = K = N = 8192, forward + both gradients, quantization passes included): bf16 recipe and
+# fp8_delayed as measured; emulated nvfp4 runs BF16 GEMMs, its quantization passes are charged
+# as memory traffic (NVFP4_QUANT_BYTES).
+MEASURED_H200_TFLOPS = {"bf16": 666.0, "fp8": 1079.0, "nvfp4": 666.0}
+# Emulated NVFP4's quantize passes (RHT, stochastic rounding, scales, the FP32 output's cast),
+# bytes moved per element of each GEMM operand (x and dY per token, the weight once a
+# microbatch): fitted to the whole-model NVFP4 steps of 2026-11-25/27 (docs/PLANNING.md); the
+# passes run below HBM bandwidth (one layer's ~2.7 GB took ~1.7 ms on an H100).
+NVFP4_QUANT_BYTES = 36.0
 # Native FP4 GEMMs (B200) run at the datasheet FP4 peak times the efficiency FP8 reached on H200.
 FP4_EFFICIENCY = MEASURED_H200_TFLOPS["fp8"] / DEVICE_PEAKS_TFLOPS["H200"]["fp8"]
+# cuDNN flash attention, model FLOPs (causal half) per second on one H200: the Llama-3-8B BF16
+# profile spends 283 ms on 1.06e14 attention FLOPs a GPU (docs/PERFORMANCE.md, "What bounds each").
+ATTENTION_H200_TFLOPS = 370.0
+# Mamba-2's SSD and convolution kernels, charged per SSD matmul FLOP: ~1.8 ms a layer at
+# mamba2-1p3b's shapes on one H200 (the profile's kernel times), i.e. ~70 TFLOP/s; they are
+# bound by memory traffic and occupancy, so other GPUs scale it by HBM bandwidth.
+SSD_H200_TFLOPS = 70.0
+# Scanned blocks (train.scan_layers=true) zero and fill stacked residual buffers: dense-1p3b BF16
+# 350.9 vs 292.2 ms unrolled (2026-11-23), 329.8 vs 275.0 (2026-11-27) on one H200.
+SCANNED_BLOCKS_FACTOR = 1.20
 
 GPUS: dict[str, dict[str, float]] = {
     # memory GB (1e9 bytes), HBM bandwidth TB/s, NVLink GB/s per GPU (one direction)
@@ -37,10 +55,14 @@ GPUS: dict[str, dict[str, float]] = {
     "h200": {"memory_gb": 141.0, "hbm_tbs": 4.8, "nvlink_gbs": 450.0},
     "b200": {"memory_gb": 180.0, "hbm_tbs": 8.0, "nvlink_gbs": 900.0},
 }
-GPUS_PER_NODE = 8
+GPUS_PER_NODE = 8  # default of --gpus-per-node
 IB_GBS = 50.0  # one 400 Gb/s InfiniBand NIC per GPU
 USABLE_MEMORY = 0.90  # the rest goes to the CUDA context, XLA workspace and fragmentation
 OVERLAP = 0.70  # fraction of communication hidden behind compute (capped at the compute time)
+# Share of wall-clock time that trains (default of --goodput): failures, restarts from the last
+# checkpoint, checkpoint stalls and evaluation take the rest. Llama 3 405B: "higher than 90%
+# effective training time" over 54 days with 419 unexpected interruptions (Meta, 2024).
+GOODPUT = 0.90
 
 # Bytes per parameter.
 MASTER_BYTES, ADAM_BYTES, GRAD_BYTES = 4, 8, 4
@@ -60,14 +82,15 @@ LOGIT_BYTES = 4  # x vocab per token: the loss streams the logits in FP32 (traff
 # BF16 gradient and ~2 more bytes of temporaries. Fitted to measured peaks: with 4 (FP32 logits
 # alone) the model was 4-12 GB under every Llama-3-8B peak (docs/PLANNING.md, calibration).
 LOGIT_MEMORY_BYTES = 6
-# The NVFP4 preset keeps both ends of the stack in BF16, the first 3% and the last 12% of blocks
-# (configs/precision/nvfp4.yaml): about 15% of the blocks' GEMM FLOPs at the BF16 rate.
-NVFP4_BF16_BLOCKS = 0.15
+# The NVFP4 preset keeps both ends of the stack in BF16 (configs/precision/nvfp4.yaml): its rules,
+# resolved against the model's blocks, give the share of block GEMM FLOPs that run at BF16.
+NVFP4_PRESET_RULES = ({"layers": ":3%", "recipe": "bf16"}, {"layers": "-12%:", "recipe": "bf16"})
 
 
 # ----------------------------------------------------------------------------- model counts
 
 
+@functools.lru_cache(maxsize=64)
 def param_count(cfg: ModelConfig) -> int:
     """Every parameter of the real model, from its abstract init (nothing is allocated)."""
     model = get_model(cfg)
@@ -102,23 +125,54 @@ def gemm_tflops(gpu: str, precision: str) -> float:
     return MEASURED_H200_TFLOPS[precision] * peaks[peak_key] / DEVICE_PEAKS_TFLOPS["H200"][peak_key]
 
 
+def _bf16_peak_ratio(gpu: str) -> float:
+    return DEVICE_PEAKS_TFLOPS[gpu.upper()]["bf16"] / DEVICE_PEAKS_TFLOPS["H200"]["bf16"]
+
+
+def attention_tflops(gpu: str) -> float:
+    return ATTENTION_H200_TFLOPS * _bf16_peak_ratio(gpu)
+
+
+def ssd_tflops(gpu: str) -> float:
+    return SSD_H200_TFLOPS * GPUS[gpu]["hbm_tbs"] / GPUS["h200"]["hbm_tbs"]
+
+
 def datasheet_tflops(gpu: str, precision: str) -> float:
     peaks = DEVICE_PEAKS_TFLOPS[gpu.upper()]
     key = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "fp4"}[precision]
     return peaks.get(key, peaks["bf16"])
 
 
+@functools.lru_cache(maxsize=64)
+def nvfp4_bf16_share(cfg: ModelConfig) -> float:
+    """Share of the blocks' GEMM parameters that the NVFP4 preset keeps in BF16."""
+    from maxfp4.precision import resolve_policy
+    policy = resolve_policy(PrecisionConfig(default="nvfp4", rules=NVFP4_PRESET_RULES), cfg.n_layers)
+    blocks = block_linear_params(cfg)
+    kept = sum(n for i, block in enumerate(blocks) for c, n in block.items() if policy.recipe_for(c, i) == "bf16")
+    return kept / max(sum(sum(b.values()) for b in blocks), 1)
+
+
+def nvfp4_quant_bytes(cfg: Config, tokens: float) -> float:
+    """Bytes the emulated NVFP4 recipe's quantize passes move a step for ``tokens`` a device."""
+    m = cfg.model
+    shapes = linear_shapes(m)
+    per_token = sum(shapes[c][0] + shapes[c][1] for b in block_linear_params(m) for c in b)
+    weights = block_matmul_params(m) * cfg.train.microbatches
+    return NVFP4_QUANT_BYTES * (1 - nvfp4_bf16_share(m)) * (tokens * per_token + weights)
+
+
 def _split_gemm_flops(cfg: ModelConfig, flops: dict[str, float], seq_len: int,
                       precision: str) -> tuple[float, float]:
-    """(FLOPs at the precision's rate, FLOPs at BF16): the LM head stays BF16 in the shipped
-    FP8/NVFP4 policies; attention scores and SSD products always run in BF16."""
+    """(block GEMM FLOPs at the precision's rate, GEMM FLOPs at BF16): the LM head stays BF16
+    in the shipped FP8/NVFP4 policies, as do the NVFP4 preset's end blocks. Attention scores and
+    SSD products are not GEMMs here (see :func:`compute_seconds`)."""
     scores, ssd = attention_flops_per_token(cfg, seq_len), ssd_flops_per_token(cfg)
     block_gemm = flops["attention"] - scores + flops["mlp"] + flops["mamba"] - ssd
-    bf16 = flops["lm_head"] + scores + ssd
     if precision == "bf16":
-        return 0.0, block_gemm + bf16
-    tail = NVFP4_BF16_BLOCKS if precision == "nvfp4" else 0.0
-    return block_gemm * (1 - tail), block_gemm * tail + bf16
+        return 0.0, block_gemm + flops["lm_head"]
+    tail = nvfp4_bf16_share(cfg) if precision == "nvfp4" else 0.0
+    return block_gemm * (1 - tail), block_gemm * tail + flops["lm_head"]
 
 
 # ----------------------------------------------------------------------------- memory
@@ -180,49 +234,65 @@ def _non_gemm_bytes_per_token(m: ModelConfig, recompute: bool = False) -> float:
     return total + 4 * LOGIT_BYTES * m.vocab_size
 
 
-def _link_gbs(gpu: str, span: int) -> float:
+def _link_gbs(gpu: str, span: int, gpus_per_node: int = GPUS_PER_NODE) -> float:
     """Bandwidth of a collective over ``span`` consecutive GPUs: NVLink inside a node, IB across."""
-    return GPUS[gpu]["nvlink_gbs"] if span <= GPUS_PER_NODE else IB_GBS
+    return GPUS[gpu]["nvlink_gbs"] if span <= gpus_per_node else IB_GBS
 
 
-def comm_seconds(cfg: Config, mesh: tuple[int, int, int], params: int, precision: str, gpu: str) -> float:
+def comm_seconds(cfg: Config, mesh: tuple[int, int, int], params: int, precision: str, gpu: str,
+                 gpus_per_node: int = GPUS_PER_NODE) -> float:
     """Ring collectives per step, bytes per device / link bandwidth. Axes are laid out tensor
     innermost, then fsdp, then data (maxfp4.mesh), so an axis crosses nodes once the product of
-    it and the axes inside it exceeds a node."""
+    it and the axes inside it exceeds a node. FSDP gathers and reduce-scatters once a microbatch."""
     data, fsdp, tensor = mesh
     m = cfg.model
     seconds = 0.0
     if tensor > 1:  # two activation all-reduces per block forward, two backward
         ar = 2 * (tensor - 1) / tensor * _tokens_per_device(cfg, mesh) * m.d_model * 2
-        seconds += 4 * len(block_linear_params(m)) * ar / (_link_gbs(gpu, tensor) * 1e9)
+        seconds += 4 * len(block_linear_params(m)) * ar / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9)
     if fsdp > 1:  # weights gathered forward and again backward, FP32 gradients reduce-scattered
-        per_device = params / tensor * (fsdp - 1) / fsdp
-        seconds += per_device * (2 * WORKING_BYTES[precision] + GRAD_BYTES) / (_link_gbs(gpu, tensor * fsdp) * 1e9)
+        per_device = params / tensor * (fsdp - 1) / fsdp * cfg.train.microbatches
+        seconds += per_device * (2 * WORKING_BYTES[precision] + GRAD_BYTES) / (
+            _link_gbs(gpu, tensor * fsdp, gpus_per_node) * 1e9)
     if data > 1:  # all-reduce of each device's FP32 gradient shard
         shard = params / (fsdp * tensor) * GRAD_BYTES
-        seconds += 2 * (data - 1) / data * shard / (_link_gbs(gpu, data * fsdp * tensor) * 1e9)
+        seconds += 2 * (data - 1) / data * shard / (_link_gbs(gpu, data * fsdp * tensor, gpus_per_node) * 1e9)
     return seconds
 
 
 def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, float], params: int,
                     precision: str, gpu: str, utilisation: float | None) -> float:
-    """GEMMs at the precision's effective rate, the rest at BF16, elementwise work at HBM
-    bandwidth; or, given a measured utilisation, all FLOPs at that fraction of the peak."""
+    """GEMMs at the precision's effective rate (the LM head at BF16), attention at cuDNN's rate,
+    Mamba-2's SSD at its kernels' rate, elementwise work at HBM bandwidth; or, given a measured
+    utilisation, all FLOPs at that fraction of the peak."""
+    m = cfg.model
     tokens = _tokens_per_device(cfg, mesh) / mesh[2]  # tensor parallelism splits each token's work
-    fast, slow = _split_gemm_flops(cfg.model, flops, cfg.data.seq_len, precision)
+    fast, slow = _split_gemm_flops(m, flops, cfg.data.seq_len, precision)
+    scores, ssd = attention_flops_per_token(m, cfg.data.seq_len), ssd_flops_per_token(m)
     if utilisation is not None:
         peak = datasheet_tflops(gpu, precision) * 1e12
+        slow += scores + ssd
         return tokens * (fast / (utilisation * peak) + slow / (utilisation * datasheet_tflops(gpu, "bf16") * 1e12))
     lm_head = flops["lm_head"]
-    if cfg.train.remat == "full":  # the blocks' forward runs again: a third of their FLOPs
-        fast, slow = fast * 4 / 3, lm_head + (slow - lm_head) * 4 / 3
+    recompute = 4 / 3  # one more forward pass: a third of a layer's training FLOPs
+    if cfg.train.remat == "full":  # the blocks' forward runs again
+        fast, slow = fast * recompute, lm_head + (slow - lm_head) * recompute
+        scores, ssd = scores * recompute, ssd * recompute
+    elif cfg.train.remat != "none":  # save_gemm keeps the GEMM outputs; the Mamba-2 kernels run again
+        ssd *= recompute
     if cfg.train.loss_chunks > 1:  # each slice's LM head runs again in the backward pass
         slow += lm_head / 3
     gemm = tokens * (fast / (gemm_tflops(gpu, precision) * 1e12) + slow / (gemm_tflops(gpu, "bf16") * 1e12))
+    if precision == "nvfp4" and "fp4" not in DEVICE_PEAKS_TFLOPS[gpu.upper()]:
+        gemm += nvfp4_quant_bytes(cfg, tokens) / (GPUS[gpu]["hbm_tbs"] * 1e12)
+    kernels = tokens * (scores / (attention_tflops(gpu) * 1e12) + ssd / (ssd_tflops(gpu) * 1e12))
     hbm = GPUS[gpu]["hbm_tbs"] * 1e12
-    elementwise = tokens * _non_gemm_bytes_per_token(cfg.model, recompute=cfg.train.remat != "none") / hbm
+    elementwise = tokens * _non_gemm_bytes_per_token(m, recompute=cfg.train.remat != "none") / hbm
     optimizer = params / (mesh[1] * mesh[2]) * OPTIMIZER_TRAFFIC_BYTES / hbm
-    return gemm + elementwise + optimizer
+    blocks = gemm + kernels + elementwise
+    if cfg.train.scan_layers:
+        blocks *= SCANNED_BLOCKS_FACTOR
+    return blocks + optimizer
 
 
 def step_seconds(compute: float, comm: float) -> float:
@@ -281,89 +351,188 @@ def _check_inputs(gpus: int, gpu: str, tokens: float) -> None:
         raise UserError(f"--tokens {tokens:g}: expected a positive number of tokens")
 
 
-def plan(cfg: Config, gpus: int, gpu: str, tokens: float, utilisation: float | None = None) -> list[dict]:
-    _check_inputs(gpus, gpu, tokens)
-    mesh = resolve_mesh_shape(cfg.mesh, gpus)
+def project(cfg: Config, mesh: tuple[int, int, int], gpu: str, precision: str,
+            utilisation: float | None = None, gpus_per_node: int = GPUS_PER_NODE) -> dict:
+    """One precision's memory and step time for ``cfg`` (its batch, remat, microbatches) on ``mesh``."""
     m = cfg.model
     params = param_count(m)
     flops = flops_by_block_type(m, cfg.data.seq_len)
+    mem = memory_per_device(cfg, mesh, params, precision, cfg.train.remat)
+    compute = compute_seconds(cfg, mesh, flops, params, precision, gpu, utilisation)
+    comm = comm_seconds(cfg, mesh, params, precision, gpu, gpus_per_node)
+    step = step_seconds(compute, comm)
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-    steps = math.ceil(tokens / tokens_per_step)
-    notes = []
-    if (cfg.data.global_batch // cfg.train.microbatches) % (mesh[0] * mesh[1]):
-        notes.append(f"data.global_batch={cfg.data.global_batch} does not split over "
-                     f"{mesh[0] * mesh[1]} data x fsdp devices; training would refuse this mesh")
+    other_remat = "full" if cfg.train.remat == "none" else "none"
+    return {
+        "precision": precision, "gpu": gpu, "gpus": math.prod(mesh),
+        "mesh": dict(zip(("data", "fsdp", "tensor"), mesh)),
+        "params": params, "matmul_params": matmul_params(m),
+        "flops_per_token": sum(flops.values()), "flops_per_token_by_block": flops,
+        "memory_per_device_gb": sum(mem.values()) / 1e9,
+        "memory_breakdown_gb": {k: v / 1e9 for k, v in mem.items()},
+        "memory_other_remat_gb": sum(memory_per_device(cfg, mesh, params, precision, other_remat).values()) / 1e9,
+        "remat": cfg.train.remat, "microbatches": cfg.train.microbatches,
+        "global_batch": cfg.data.global_batch,
+        "fits": sum(mem.values()) / 1e9 <= USABLE_MEMORY * GPUS[gpu]["memory_gb"],
+        "tokens_per_step": tokens_per_step,
+        "compute_s": compute, "comm_s": comm, "step_time_s": step,
+        # model FLOPs over the BF16 peak while training (goodput not included), as metrics.py reports MFU
+        "mfu": sum(flops.values()) * tokens_per_step / step / math.prod(mesh) / (datasheet_tflops(gpu, "bf16") * 1e12),
+    }
+
+
+def rows_for(layout, gpus: int, gpu: str, tokens: float, utilisation: float | None,
+             gpus_per_node: int, goodput: float) -> list[dict]:
+    """The plan of each precision for a layout (maxfp4.plan_layout.Layout)."""
     rows = []
     for precision in PRECISIONS:
-        mem = memory_per_device(cfg, mesh, params, precision, cfg.train.remat)
-        compute = compute_seconds(cfg, mesh, flops, params, precision, gpu, utilisation)
-        comm = comm_seconds(cfg, mesh, params, precision, gpu)
-        step = step_seconds(compute, comm)
-        total_gb = sum(mem.values()) / 1e9
-        rows.append({
-            "precision": precision, "gpu": gpu, "gpus": gpus,
-            "mesh": dict(zip(("data", "fsdp", "tensor"), mesh)),
-            "params": params, "matmul_params": matmul_params(m),
-            "flops_per_token": sum(flops.values()), "flops_per_token_by_block": flops,
-            "memory_per_device_gb": total_gb,
-            "memory_breakdown_gb": {k: v / 1e9 for k, v in mem.items()},
-            "memory_other_remat_gb": sum(memory_per_device(
-                cfg, mesh, params, precision, "full" if cfg.train.remat == "none" else "none").values()) / 1e9,
-            "remat": cfg.train.remat,
-            "fits": total_gb <= USABLE_MEMORY * GPUS[gpu]["memory_gb"],
-            "tokens_per_step": tokens_per_step, "steps": steps,
-            "compute_s": compute, "comm_s": comm, "step_time_s": step,
-            "days": steps * step / 86400, "gpu_hours": steps * step * gpus / 3600,
-            "utilisation_from_file": utilisation, "notes": notes,
-        })
+        row = project(layout.cfg, layout.mesh, gpu, precision, utilisation, gpus_per_node)
+        steps = math.ceil(tokens / row["tokens_per_step"])
+        wall = steps * row["step_time_s"] / goodput
+        row.update(steps=steps, days=wall / 86400, gpu_hours=wall * gpus / 3600, goodput=goodput,
+                   utilisation_from_file=utilisation, layout_chosen=layout.chosen, notes=list(layout.reasons))
+        rows.append(row)
     return rows
+
+
+def _check_inputs(gpus: int, gpu: str, tokens: float, batch_tokens: float | None = None,
+                  gpus_per_node: int = GPUS_PER_NODE, goodput: float = GOODPUT) -> None:
+    if gpu not in GPUS:
+        raise UserError(f"--gpu {gpu}: expected one of {', '.join(GPUS)}")
+    if gpus <= 0:
+        raise UserError(f"--gpus {gpus}: expected a positive number of GPUs")
+    if not tokens > 0 or not math.isfinite(tokens):
+        raise UserError(f"--tokens {tokens:g}: expected a positive number of tokens")
+    if batch_tokens is not None and not (batch_tokens > 0 and math.isfinite(batch_tokens)):
+        raise UserError(f"--batch-tokens {batch_tokens:g}: expected a positive number of tokens a step")
+    if gpus_per_node <= 0:
+        raise UserError(f"--gpus-per-node {gpus_per_node}: expected a positive number of GPUs")
+    if not 0 < goodput <= 1:
+        raise UserError(f"--goodput {goodput:g}: expected a fraction in (0, 1]")
+
+
+def plan(cfg: Config, gpus: int, gpu: str, tokens: float, utilisation: float | None = None, *,
+         batch_tokens: float | None = None, gpus_per_node: int = GPUS_PER_NODE,
+         goodput: float = GOODPUT) -> list[dict]:
+    """One row per precision. The config's batch and mesh are used if they suit ``gpus``;
+    otherwise (or with ``batch_tokens``) a layout is chosen, and each row's notes say which."""
+    from maxfp4.plan_layout import layout_for
+    _check_inputs(gpus, gpu, tokens, batch_tokens, gpus_per_node, goodput)
+    layout = layout_for(cfg, gpus, gpu, batch_tokens, gpus_per_node)
+    return rows_for(layout, gpus, gpu, tokens, utilisation, gpus_per_node, goodput)
 
 
 def format_table(rows: list[dict]) -> str:
     r0 = rows[0]
     f = r0["flops_per_token_by_block"]
-    lines = [
-        f"{r0['gpus']} x {r0['gpu'].upper()}, mesh {r0['mesh']}, remat {r0['remat']}, "
+    mesh = r0["mesh"]
+    lines = list(r0["notes"]) + [
+        "",
+        f"{r0['gpus']:,} x {r0['gpu'].upper()}, mesh data={mesh['data']:,} x fsdp={mesh['fsdp']} x "
+        f"tensor={mesh['tensor']}, remat {r0['remat']}, {r0['microbatches']} microbatch(es), "
         f"{r0['tokens_per_step']:,} tokens/step, {r0['steps']:,} steps",
         f"params {r0['params'] / 1e9:.3f} B (matmul {r0['matmul_params'] / 1e9:.3f} B); "
         f"FLOPs/token {r0['flops_per_token'] / 1e9:.2f} G = "
         + ", ".join(f"{k} {v / 1e9:.2f} G" for k, v in f.items()),
-        f"usable memory {USABLE_MEMORY:.0%} of {GPUS[r0['gpu']]['memory_gb']:.0f} GB; "
-        f"comm overlap {OVERLAP:.0%}",
+        f"usable memory {USABLE_MEMORY:.0%} of {GPUS[r0['gpu']]['memory_gb']:.0f} GB; comm overlap "
+        f"{OVERLAP:.0%}; days and GPU-hours at goodput {r0['goodput']:.0%} (failures, restarts, "
+        f"checkpoints: --goodput)",
         "",
         f"{'precision':<10}{'mem GB':>9}{'other remat':>12}{'fits':>6}{'compute s':>11}{'comm s':>9}"
-        f"{'step s':>9}{'days':>10}{'GPU-hours':>13}",
+        f"{'step s':>9}{'MFU':>6}{'days':>10}{'GPU-hours':>13}",
     ]
     for r in rows:
         lines.append(f"{r['precision']:<10}{r['memory_per_device_gb']:>9.1f}{r['memory_other_remat_gb']:>12.1f}"
                      f"{'yes' if r['fits'] else 'NO':>6}{r['compute_s']:>11.3f}{r['comm_s']:>9.3f}"
-                     f"{r['step_time_s']:>9.3f}{r['days']:>10.2f}{r['gpu_hours']:>13,.0f}")
-    lines += [f"note: {n}" for n in r0["notes"]]
+                     f"{r['step_time_s']:>9.3f}{r['mfu']:>6.0%}{r['days']:>10.2f}{r['gpu_hours']:>13,.0f}")
     return "\n".join(lines)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's usage block would make a bad flag several lines
+        raise UserError(message)
+
+
+def _number(text: str, flag: str) -> float:
+    try:
+        return float(text.replace("_", ""))
+    except ValueError:
+        raise UserError(f"{flag} {text}: expected a number") from None
+
+
+def _count(text: str, flag: str) -> int:
+    value = _number(text, flag)
+    if value != int(value):
+        raise UserError(f"{flag} {text}: expected a whole number")
+    return int(value)
+
+
+def _gpu_counts(text: str) -> list[int]:
+    counts = [_count(t, "--what-if") for t in text.split(",") if t.strip()]
+    if not counts or min(counts) <= 0:
+        raise UserError(f"--what-if {text}: expected GPU counts > 0 separated by commas, e.g. 1024,4096")
+    return counts
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="python -m maxfp4.plan",
         description="Project parameters, memory, step time and days of a training run.")
     add_config_arguments(parser)
-    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--gpus", help="number of GPUs (not with --what-if)")
     parser.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
-    parser.add_argument("--tokens", type=float, required=True, help="training tokens, e.g. 15e12")
+    parser.add_argument("--tokens", required=True, help="training tokens, e.g. 15e12")
+    parser.add_argument("--batch-tokens", help="choose the global batch near this many tokens a step, "
+                        "and the mesh for it (default: the config's, unless it does not suit the GPUs; "
+                        "then ~4.2M)")
+    parser.add_argument("--gpus-per-node", default=str(GPUS_PER_NODE), help="GPUs a node (default 8)")
+    parser.add_argument("--goodput", default=str(GOODPUT),
+                        help=f"share of wall-clock time that trains (default {GOODPUT})")
+    parser.add_argument("--what-if", nargs="?", const="default", metavar="N,N,...",
+                        help="days and GPU-hours for these GPU counts x precisions (default grid "
+                             "8..16384)")
+    parser.add_argument("--plot", metavar="FILE", help="with --what-if: draw the grid to this image")
     parser.add_argument("--mfu-from", help="JSON results with 'mfu' or 'tflops_per_device'")
-    parser.add_argument("--json", action="store_true", help="print one JSON list")
-    return parser.parse_args(argv)
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    return parser.parse_intermixed_args(argv)  # key=value overrides may follow the flags
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-
     def run() -> None:
+        args = parse_args(argv)
         gpu = args.gpu.lower()
-        _check_inputs(args.gpus, gpu, args.tokens)  # before reading any file
+        tokens = _number(args.tokens, "--tokens")
+        batch_tokens = _number(args.batch_tokens, "--batch-tokens") if args.batch_tokens is not None else None
+        gpus_per_node = _count(args.gpus_per_node, "--gpus-per-node")
+        goodput = _number(args.goodput, "--goodput")
+        if args.what_if is None:
+            if args.gpus is None:
+                raise UserError("--gpus: expected a number of GPUs (or --what-if for a grid)")
+            if args.plot:
+                raise UserError(f"--plot {args.plot}: draws the --what-if grid; add --what-if")
+            gpus = _count(args.gpus, "--gpus")
+        else:
+            if args.gpus is not None:
+                raise UserError(f"--gpus {args.gpus}: --what-if takes its GPU counts as --what-if N,N,...")
+            if args.mfu_from:
+                raise UserError("--mfu-from: not with --what-if (one run's utilisation does not hold at every scale)")
+            gpus = 1
+        _check_inputs(gpus, gpu, tokens, batch_tokens, gpus_per_node, goodput)  # before reading any file
         cfg = config_from_arguments(args)
+        if args.what_if is not None:
+            from maxfp4.plan_layout import DEFAULT_WHAT_IF_GPUS, format_what_if, plot_what_if, what_if
+            counts = list(DEFAULT_WHAT_IF_GPUS) if args.what_if == "default" else _gpu_counts(args.what_if)
+            grid = what_if(cfg, counts, gpu, tokens, batch_tokens=batch_tokens, gpus_per_node=gpus_per_node,
+                           goodput=goodput)
+            print(json.dumps(grid) if args.json else format_what_if(grid, gpu, tokens, goodput))
+            if args.plot:
+                plot_what_if(grid, args.plot, f"{args.config}: {tokens:.3g} tokens on {gpu.upper()}")
+                if not args.json:
+                    print(f"plot written to {args.plot}")
+            return
         utilisation = read_utilisation(args.mfu_from, gpu) if args.mfu_from else None
-        rows = plan(cfg, args.gpus, gpu, args.tokens, utilisation)
+        rows = plan(cfg, gpus, gpu, tokens, utilisation, batch_tokens=batch_tokens,
+                    gpus_per_node=gpus_per_node, goodput=goodput)
         print(json.dumps(rows) if args.json else format_table(rows))
 
     return exit_code_of(run)

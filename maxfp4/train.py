@@ -22,7 +22,7 @@ import optax
 import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxfp4 import distributed
+from maxfp4 import distributed, elastic
 from maxfp4.checkpoint import Checkpointer, CheckpointHook, finalized_steps, refuse_changed_run
 from maxfp4.compiler import (check_compiler_options, check_deterministic_attention, compiler_options,
                              determinism_summary, use_compile_cache)
@@ -195,18 +195,13 @@ class StartUp:
     compile_cache: str | None
 
 
-def adjust_to_devices(cfg: Config, mesh: Mesh) -> Config:
-    """Config changes decided at start-up from the devices found (none today): made before
-    anything is checked against the mesh, so config.yaml and the checks see the final config."""
-    del mesh
-    return cfg
-
-
 def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     """Every check that needs the devices or the run directory's history, before it is touched."""
     compile_cache = use_compile_cache(cfg.run.compile_cache_dir)  # before anything compiles
     mesh = make_mesh(cfg.mesh, devices)
-    cfg = adjust_to_devices(cfg, mesh)
+    # Elastic restarts: train.microbatches for this device count, before anything is checked
+    # against the mesh, so config.yaml and the checks see the config as it will run.
+    cfg = elastic.start_up(cfg, mesh, say=_say if jax.process_index() == 0 else lambda _: None)
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     block_classes = get_model(cfg.model).block_layer_classes
     model_classes = set(block_classes) | {"lm_head"}

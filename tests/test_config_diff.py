@@ -23,7 +23,8 @@ def test_every_config_key_is_classified_exactly_once():
 
 
 def test_math_changes_are_listed_with_old_and_new_values():
-    diffs = _diff([], ["model.d_model=512", "optim.lr=1e-3", "run.seed=3", "data.seq_len=128",
+    rigid = ["train.elastic=false"]  # with train.elastic, microbatches follow the device count
+    diffs = _diff(rigid, rigid + ["model.d_model=512", "optim.lr=1e-3", "run.seed=3", "data.seq_len=128",
                        "train.microbatches=2", "precision.default=fp8_current",
                        "precision.rules=[{classes: [lm_head], recipe: bf16}]"])
     assert diffs == [

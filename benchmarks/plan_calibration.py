@@ -1,0 +1,189 @@
+"""The planner's step time and memory against every whole-model step measured in
+docs/PERFORMANCE.md, and its days against published runs.
+
+    python benchmarks/plan_calibration.py [--json OUT.json]
+
+Prints two tables (no device needed: the planner is a model) and exits 0; the goal is every
+current measured step within 15%. Rows marked stale ran code that has since changed and are
+shown for the record, not counted against the goal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from maxfp4 import plan  # noqa: E402
+from maxfp4.config import load_config  # noqa: E402
+from maxfp4.mesh import resolve_mesh_shape  # noqa: E402
+
+GOAL = 0.15
+LLAMA = "configs/llama3-8b.yaml"
+NO_PREFLIGHT = ["resilience.preflight=false"]
+# (label, config, overrides, GPUs, GPU, precision recipe, measured step ms, measured peak GiB or None, stale)
+MEASURED = [
+    # One H200, configs as committed (unrolled, no remat, 8 x 2048)
+    ("dense-1p3b bf16", "configs/dense-1p3b.yaml", [], 1, "h200", "bf16", 275.0, 50.8, False),
+    ("dense-1p3b fp8", "configs/dense-1p3b.yaml", [], 1, "h200", "fp8", 209.4, 46.9, False),
+    ("dense-1p3b fp8-pow2", "configs/dense-1p3b.yaml", [], 1, "h200", "fp8", 221.8, 55.1, False),
+    ("dense-1p3b nvfp4 (before the RHT kernels)", "configs/dense-1p3b.yaml", [], 1, "h200", "nvfp4", 455.6, None, True),
+    ("hybrid-1b bf16", "configs/hybrid-1b.yaml", [], 1, "h200", "bf16", 208.7, 48.1, False),
+    ("hybrid-1b fp8", "configs/hybrid-1b.yaml", [], 1, "h200", "fp8", 164.0, 43.1, False),
+    ("hybrid-1b fp8-pow2", "configs/hybrid-1b.yaml", [], 1, "h200", "fp8", 162.7, None, False),
+    ("hybrid-1b fp8 save_gemm", "configs/hybrid-1b.yaml", ["train.remat=save_gemm"], 1, "h200", "fp8", 178.3, 31.9, False),
+    ("mamba2-1p3b bf16", "configs/mamba2-1p3b.yaml", [], 1, "h200", "bf16", 394.4, 93.6, False),
+    ("mamba2-1p3b fp8", "configs/mamba2-1p3b.yaml", [], 1, "h200", "fp8", 325.9, 87.9, False),
+    ("mamba2-1p3b fp8-pow2", "configs/mamba2-1p3b.yaml", [], 1, "h200", "fp8", 329.4, 87.9, False),
+    ("mamba2-1p3b fp8 scanned save_gemm", "configs/mamba2-1p3b.yaml",
+     ["train.scan_layers=true", "train.remat=save_gemm"], 1, "h200", "fp8", 400.3, 45.7, False),
+    # One H100
+    ("dense-1p3b bf16", "configs/dense-1p3b.yaml", [], 1, "h100", "bf16", 300.7, None, False),
+    ("dense-1p3b fp8 (FP32 GEMM outputs then)", "configs/dense-1p3b.yaml", [], 1, "h100", "fp8", 263.2, 50.1, True),
+    ("dense-1p3b fp8-pow2", "configs/dense-1p3b.yaml", [], 1, "h100", "fp8", 243.5, 50.2, False),
+    ("dense-1p3b nvfp4", "configs/dense-1p3b.yaml", [], 1, "h100", "nvfp4", 400.0, None, False),
+    ("hybrid-1b bf16", "configs/hybrid-1b.yaml", [], 1, "h100", "bf16", 221.9, 48.76, False),
+    ("hybrid-1b fp8-pow2", "configs/hybrid-1b.yaml", [], 1, "h100", "fp8", 180.2, 44.88, False),
+    ("hybrid-1b fp8 scanned save_gemm (before the Mamba-2 kernels)", "configs/hybrid-1b.yaml",
+     ["train.scan_layers=true", "train.remat=save_gemm"], 1, "h100", "fp8", 355.2, 50.4, True),
+    ("mamba2-1p3b bf16 scanned save_gemm (before the Mamba-2 kernels)", "configs/mamba2-1p3b.yaml",
+     ["train.scan_layers=true", "train.remat=save_gemm"], 1, "h100", "bf16", 749.0, None, True),
+    # Several GPUs, one process, FSDP
+    ("llama3-8b B=4 save_gemm bf16", LLAMA, ["data.global_batch=4", "train.remat=save_gemm"], 2, "h200", "bf16", 1528.4, 106.6, False),
+    ("llama3-8b B=4 save_gemm fp8", LLAMA, ["data.global_batch=4", "train.remat=save_gemm"], 2, "h200", "fp8", 1048.8, 107.3, False),
+    ("llama3-8b B=4 save_gemm_io fp8", LLAMA, ["data.global_batch=4", "train.remat=save_gemm_io"], 2, "h200", "fp8", 1057.3, 113.4, False),
+    ("llama3-8b B=2 no remat bf16", LLAMA, ["data.global_batch=2"], 2, "h200", "bf16", 812.4, 111.0, False),
+    ("llama3-8b B=2 no remat fp8", LLAMA, ["data.global_batch=2"], 2, "h200", "fp8", 589.1, 100.1, False),
+    ("llama3-8b B=2 full remat bf16", LLAMA, ["data.global_batch=2", "train.remat=full"], 2, "h100", "bf16", 1111.8, 71.8, False),
+    ("llama3-8b 8 blocks B=8 full bf16", LLAMA, ["model.n_layers=8", "data.global_batch=8", "train.remat=full"], 2, "h100", "bf16", 1092.4, 52.5, False),
+    ("llama3-8b 8 blocks B=8 full fp8", LLAMA, ["model.n_layers=8", "data.global_batch=8", "train.remat=full"], 2, "h100", "fp8", 923.0, 51.5, False),
+    ("llama3-8b 8 blocks B=8 save_gemm x4 fp8", LLAMA,
+     ["model.n_layers=8", "data.global_batch=8", "train.remat=save_gemm", "train.microbatches=4"], 2, "h100", "fp8", 873.1, 38.7, False),
+    ("dense-1p3b fsdp=2 B=16 bf16", "configs/dense-1p3b.yaml", ["mesh.data=1", "mesh.fsdp=2", "data.global_batch=16"], 2, "h200", "bf16", 308.7, 56.3, True),
+    ("dense-1p3b 6 blocks data=2 B=16 bf16", "configs/dense-1p3b.yaml",
+     ["model.n_layers=6", "mesh.data=2", "data.global_batch=16"], 2, "h100", "bf16", 120.1, 24.6, False),
+    ("dense-1p3b 6 blocks data=2 B=16 nvfp4", "configs/dense-1p3b.yaml",
+     ["model.n_layers=6", "mesh.data=2", "data.global_batch=16"], 2, "h100", "nvfp4", 147.8, 25.1, False),
+    ("hybrid-1b fsdp=2 B=16 save_gemm bf16 (before the Mamba-2 kernels)", "configs/hybrid-1b.yaml",
+     ["mesh.data=1", "mesh.fsdp=2", "data.global_batch=16", "train.remat=save_gemm", "train.scan_layers=true"],
+     2, "h200", "bf16", 411.1, 42.9, True),
+    # Four H200s, one process per GPU, full remat (code of 2026-11-22)
+    ("llama3-8b fsdp=4 B=16 full bf16", LLAMA, ["data.global_batch=16", "train.remat=full"], 4, "h200", "bf16", 4440.4, None, True),
+    ("llama3-8b fsdp=4 B=16 full fp8", LLAMA, ["data.global_batch=16", "train.remat=full"], 4, "h200", "fp8", 3517.9, None, True),
+    ("llama3-8b data=2 fsdp=2 B=16 full bf16", LLAMA,
+     ["data.global_batch=16", "train.remat=full", "mesh.data=2", "mesh.fsdp=2"], 4, "h200", "bf16", 4469.2, None, True),
+    # Scale models on one H200 (one sequence of 8192, no remat)
+    ("llama widths 6 blocks V=24064 bf16", LLAMA, ["model.n_layers=6", "model.vocab_size=24064", "data.global_batch=1"], 1, "h200", "bf16", 141.3, None, False),
+    ("llama widths 6 blocks V=24064 nvfp4", LLAMA, ["model.n_layers=6", "model.vocab_size=24064", "data.global_batch=1"], 1, "h200", "nvfp4", 167.7, None, False),
+    ("llama widths 12 blocks V=48128 bf16", LLAMA, ["model.n_layers=12", "model.vocab_size=48128", "data.global_batch=1"], 1, "h200", "bf16", 285.1, None, False),
+    ("llama widths 12 blocks V=48128 nvfp4", LLAMA, ["model.n_layers=12", "model.vocab_size=48128", "data.global_batch=1"], 1, "h200", "nvfp4", 350.5, None, False),
+    ("nemotron-h-8b 7 blocks 2 x 8192 full bf16", "configs/nemotron-h-8b.yaml",
+     ["model.pattern=M-M-M*-", "data.global_batch=2"], 1, "h200", "bf16", 338.3, 50.1, False),
+]
+GIB = 2**30
+
+B70 = ["model.d_model=8192", "model.n_layers=80", "model.n_heads=64", "model.n_kv_heads=8", "model.d_ff=28672"]
+B405 = ["model.d_model=16384", "model.n_layers=126", "model.n_heads=128", "model.n_kv_heads=8", "model.d_ff=53248"]
+# Nemotron-H-56B: 54 Mamba-2, 54 MLP and 10 attention blocks (their order does not change the
+# counts), d_model 8192, MLP 32768 (relu2), 64 query / 8 KV heads, Mamba-2 256 heads of 64, state
+# 128 x 8 groups; seq 8192, vocabulary 131072.
+NEMOTRON_56B = ["model.pattern=" + "".join("M-" * n + "*" for n in (6, 5, 6, 5, 6, 5, 6, 5, 5, 5)),
+                "model.d_model=8192", "model.d_ff=32768", "model.n_heads=64", "model.n_kv_heads=8",
+                "model.head_dim=128", "model.mamba.d_state=128", "model.mamba.n_groups=8"]
+# 3.4e24 model FLOPs of the 70B shape at 449.2 GFLOP a token (seq 8192): 7.57e12 tokens.
+TALK_TOKENS = 7.57e12
+# (run, config, overrides, GPUs, precision, tokens, published days or None, published GPU-hours or None, source)
+PUBLISHED = [
+    ("Llama 3 8B", LLAMA, [], 1024, "bf16", 15e12, None, 1.46e6, "Meta 2024: 1.46M H100-hours"),
+    ("Llama 3 70B", LLAMA, B70, 4096, "bf16", 15e12, None, 7.0e6, "Meta 2024: 7.0M H100-hours"),
+    ("Llama 3 405B", LLAMA, B405, 16384, "bf16", 15.6e12, None, 30.84e6,
+     "Meta 2024: 30.84M H100-hours on up to 16,384 H100s, 38-43% MFU"),
+    ("Nemotron-H 56B, FP8", "configs/nemotron-h-8b.yaml", NEMOTRON_56B, 6144, "fp8", 20e12, None, None,
+     "NVIDIA 2025: 20T tokens in FP8 on 6,144 H100s; duration not published"),
+    ("70B shape, 3.4e24 FLOPs, FP8", LLAMA, B70, 1024, "fp8", TALK_TOKENS, 97, None, "FP8 at 10k GPUs talk: 97 days"),
+    ("70B shape, 3.4e24 FLOPs, FP8", LLAMA, B70, 5120, "fp8", TALK_TOKENS, 22, None, "the talk: 22 days"),
+    ("70B shape, 3.4e24 FLOPs, FP8", LLAMA, B70, 10240, "fp8", TALK_TOKENS, 13, None, "the talk: 13 days"),
+]
+
+
+def calibration_rows() -> list[dict]:
+    rows = []
+    for label, path, overrides, gpus, gpu, precision, step_ms, peak_gib, stale in MEASURED:
+        cfg = load_config(path, overrides)
+        row = plan.project(cfg, resolve_mesh_shape(cfg.mesh, gpus), gpu, precision)
+        predicted = row["step_time_s"] * 1e3
+        rows.append({"run": label, "gpus": f"{gpus} x {gpu.upper()}", "precision": precision,
+                     "measured_ms": step_ms, "predicted_ms": predicted, "error": predicted / step_ms - 1,
+                     "measured_peak_gb": peak_gib * GIB / 1e9 if peak_gib else None,
+                     "predicted_memory_gb": row["memory_per_device_gb"], "stale": stale})
+    return rows
+
+
+def format_calibration(rows: list[dict]) -> str:
+    lines = [f"| run | GPUs | measured ms | planner ms | error | measured peak GB | planner GB |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        peak = f"{r['measured_peak_gb']:.1f}" if r["measured_peak_gb"] else ""
+        mark = " (stale)" if r["stale"] else ""
+        lines.append(f"| {r['run']}{mark} | {r['gpus']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
+                     f"{r['error']:+.0%} | {peak} | {r['predicted_memory_gb']:.1f} |")
+    current = [r for r in rows if not r["stale"]]
+    within = sum(abs(r["error"]) <= GOAL for r in current)
+    worst = max(current, key=lambda r: abs(r["error"]))
+    lines.append("")
+    lines.append(f"{within} of {len(current)} current rows within {GOAL:.0%}; mean |error| "
+                 f"{sum(abs(r['error']) for r in current) / len(current):.1%}; worst {worst['run']} "
+                 f"({worst['gpus']}) {worst['error']:+.0%}")
+    return "\n".join(lines)
+
+
+def published_rows() -> list[dict]:
+    rows = []
+    for label, path, overrides, gpus, precision, tokens, days, gpu_hours, source in PUBLISHED:
+        cfg = load_config(path, overrides)
+        r = next(r for r in plan.plan(cfg, gpus, "h100", tokens) if r["precision"] == precision)
+        published_hours = gpu_hours or (days * 24 * gpus if days else None)
+        flops = r["flops_per_token"] * tokens
+        rows.append({"run": label, "gpus": gpus, "precision": precision, "tokens": tokens,
+                     "mesh": r["mesh"], "global_batch": r["global_batch"], "mfu": r["mfu"],
+                     "days": r["days"], "gpu_hours": r["gpu_hours"], "published_days": days,
+                     "published_gpu_hours": published_hours, "source": source,
+                     # model FLOPs over the published GPU-hours at the BF16 peak: the MFU the run averaged
+                     "published_mfu": flops / (published_hours * 3600 * 989e12) if published_hours else None})
+    return rows
+
+
+def format_published(rows: list[dict]) -> str:
+    lines = ["| run | H100s | mesh (d x f x t), batch | planner MFU | planner days | planner GPU-hours | "
+             "published | published / planner | published MFU |",
+             "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+    for r in rows:
+        m = r["mesh"]
+        ratio = f"{r['published_gpu_hours'] / r['gpu_hours']:.2f}x" if r["published_gpu_hours"] else ""
+        mfu = f"{r['published_mfu']:.0%}" if r["published_mfu"] else ""
+        lines.append(f"| {r['run']} | {r['gpus']:,} | {m['data']} x {m['fsdp']} x {m['tensor']}, {r['global_batch']:,} "
+                     f"| {r['mfu']:.0%} | {r['days']:.1f} | {r['gpu_hours'] / 1e6:.2f}M | {r['source']} | {ratio} | {mfu} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    rows = calibration_rows()
+    print(format_calibration(rows))
+    published = published_rows()
+    print()
+    print(f"Published runs (planner at its default goodput {plan.GOODPUT:.0%}, H100):")
+    print(format_published(published))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"measured": rows, "published": published}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
