@@ -124,6 +124,11 @@ class MetricsLogger:
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
     def log(self, record: dict[str, Any]) -> None:
+        self.write(record)
+        self.show(record)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """One line of metrics.jsonl and the TensorBoard scalars of one step."""
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
@@ -132,6 +137,11 @@ class MetricsLogger:
             if k != "step" and isinstance(v, (int, float)) and v is not None:
                 self._tb.add_scalar(k, v, record["step"])
         self._tb.flush()
+
+    def show(self, record: dict[str, Any]) -> None:
+        """The progress line of a record."""
+        if not self.enabled:
+            return
         self.stream.write(self.progress_line(record) + "\n")
         self.stream.flush()
 

@@ -280,19 +280,15 @@ def _run(cfg: Config, stream, watch: PreemptionWatch, lock: RunLock | None, poli
             if is_writer:
                 _say(stragglers.describe(straggler_report))
         losses_since_log.append((values["loss"], bool(values["skipped"])))
-        if not (step % cfg.train.log_every == 0 or final or step == start_step + 1 or step in eval_losses):
-            return values
+        # Every step goes to metrics.jsonl and TensorBoard (the plot's curves); the terminal
+        # line comes every train.log_every steps.
+        shown = step % cfg.train.log_every == 0 or final or step == start_step + 1 or step in eval_losses
         recent = step_times[-cfg.train.log_every:]
-        # The logged loss is the mean since the last log line: one step's loss is too noisy.
-        # Skipped steps' losses are left out (they may be NaN) unless every step was skipped.
-        kept = [loss for loss, skipped in losses_since_log if not skipped] or [l for l, _ in losses_since_log]
-        mean_loss = sum(kept) / len(kept)
-        losses_since_log.clear()
         step_time = sum(recent) / len(recent) if recent else math.nan  # first step: compile
         tflops = step_flops / step_time / n_devices / 1e12 if recent else 0.0
         record = {
             "step": step,
-            "loss": mean_loss,
+            "loss": values["loss"],
             "grad_norm": values["grad_norm"],
             "lr": values["lr"],
             "tokens_per_s": tokens_per_step / step_time if recent else 0.0,
@@ -308,8 +304,16 @@ def _run(cfg: Config, stream, watch: PreemptionWatch, lock: RunLock | None, poli
         if straggler_report is not None:
             record["straggler_processes"] = straggler_report["slow"]
             straggler_report = None
+        logger.write(record)
+        if not shown:
+            return values
+        # The line's loss is the mean since the last line: one step's loss is too noisy.
+        # Skipped steps' losses are left out (they may be NaN) unless every step was skipped.
+        kept = [loss for loss, skipped in losses_since_log if not skipped] or [l for l, _ in losses_since_log]
+        losses_since_log.clear()
+        record = dict(record, loss=sum(kept) / len(kept))
         records.append(record)
-        logger.log(record)
+        logger.show(record)
         return values
 
     profiler = StepProfiler(cfg.train.profile_steps, os.path.join(run_dir, "profile"), enabled=is_writer)
