@@ -24,13 +24,13 @@ import jax.numpy as jnp
 
 from maxfp4.config import ModelConfig, PrecisionConfig
 from maxfp4.model.attention import split_heads
+from maxfp4.model.hybrid import TYPES
 from maxfp4.model.layers import ACT_DTYPE, mlp_block, output_logits, rms_norm
 from maxfp4.model.mamba import dims as mamba_dims
 from maxfp4.model.mamba import gated_group_norm
 from maxfp4.precision import LayerPrecision, PrecisionPolicy, resolve_policy
 
 Cache = dict[str, Any]
-TYPES = {"M": "mamba", "*": "attention", "-": "mlp"}  # as maxfp4.model.hybrid's pattern letters
 
 
 def bf16_policy(cfg: ModelConfig) -> PrecisionPolicy:
@@ -202,6 +202,7 @@ def generate(params: dict, prompt_ids: list[int], *, cfg: ModelConfig, max_token
     if not prompt_ids or len(prompt_ids) >= length:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens: expected 1 to {length - 1}")
     step = step_fn or make_step(cfg)
+    pick = jax.jit(pick_tokens)
     cache = init_cache(cfg, 1, length)
     key = jax.random.key(seed)
     temperature_, top_p_ = jnp.float32(temperature), jnp.float32(top_p)
@@ -211,7 +212,7 @@ def generate(params: dict, prompt_ids: list[int], *, cfg: ModelConfig, max_token
     token, position = prompt_ids[-1], len(prompt_ids) - 1
     while len(out) < max_tokens and position < length:
         logits_BV, cache = step(params, cache, jnp.asarray([token], jnp.int32), jnp.int32(position))
-        token = int(pick_tokens(logits_BV, jax.random.fold_in(key, position), temperature_, top_p_)[0])
+        token = int(pick(logits_BV, jax.random.fold_in(key, position), temperature_, top_p_)[0])
         out.append(token)
         position += 1
         if token == stop_id:
