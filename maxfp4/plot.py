@@ -116,6 +116,9 @@ def draw(run_dirs: Sequence[str]):
                 drawn = True
         if key == "grad_norm" and drawn:
             ax.set_yscale("log")
+        if key == "skipped_steps":  # a count: whole numbers from 0, also when nothing was skipped
+            ax.set_ylim(bottom=0, top=max(1, ax.get_ylim()[1]))
+            ax.yaxis.get_major_locator().set_params(integer=True)
         if not drawn:
             ax.text(0.5, 0.5, NOT_LOGGED.get(key, "not logged"), ha="center", va="center",
                     transform=ax.transAxes, color="gray")
