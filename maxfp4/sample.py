@@ -43,10 +43,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("run", help="run directory (<output_dir>/<run name>) or an export directory")
     parser.add_argument("--prompt", default="The", help='text to continue (default "The")')
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    parser.add_argument("--temperature", type=float, default=0.8,
-                        help="softmax temperature; 0 = greedy, always the most likely token (default 0.8)")
-    parser.add_argument("--top-p", type=float, default=0.95,
-                        help="sample from the most likely tokens holding this probability (default 0.95; 1 = all)")
+    # Lower temperatures sent the quickstart's small model into runs of one space token; 1.0 with
+    # the tail cut at 0.9 shows what it learned.
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="softmax temperature; 0 = greedy, always the most likely token (default 1.0)")
+    parser.add_argument("--top-p", type=float, default=0.9,
+                        help="sample from the most likely tokens holding this probability (default 0.9; 1 = all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
     return parser.parse_args(argv)
 
