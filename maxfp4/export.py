@@ -142,9 +142,10 @@ def export(run_dir: str, out: str, *, fmt: str = "hf", dtype: str = "bf16", step
     os.makedirs(out, exist_ok=True)
     if fmt == "native":
         return _export_native(run_dir, out, model_cfg, params, step, dtype)
-    provenance = {"run_dir": os.path.abspath(run_dir), "checkpoint": os.path.join(checkpoints, str(step)),
-                  "step": step, "dtype": dtype}
     seq_len = int((saved[0].get("data") or {}).get("seq_len") or 0) or 2048
+    # The model section and seq_len too, so maxfp4's own tools (python -m maxfp4.sample) read the export.
+    provenance = {"run_dir": os.path.abspath(run_dir), "checkpoint": os.path.join(checkpoints, str(step)),
+                  "step": step, "dtype": dtype, "model": _plain_model(model_cfg), "seq_len": seq_len}
     return _export_hf(out, model_cfg, params, shapes, tokenizer, dtype=dtype, shard_size=shard_size,
                       max_positions=seq_len, provenance=provenance)
 

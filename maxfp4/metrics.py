@@ -126,6 +126,11 @@ class MetricsLogger:
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
     def log(self, record: dict[str, Any]) -> None:
+        self.write(record)
+        self.say(self.progress_line(record))
+
+    def write(self, record: dict[str, Any]) -> None:
+        """One line of metrics.jsonl and the TensorBoard scalars of one step."""
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
@@ -134,7 +139,6 @@ class MetricsLogger:
             if k != "step" and isinstance(v, (int, float)) and v is not None:
                 self._tb.add_scalar(k, v, record["step"])
         self._tb.flush()
-        self.say(self.progress_line(record))
 
     def say(self, line: str) -> None:
         if self.enabled:
@@ -167,8 +171,8 @@ class MetricsLogger:
 
 
 class MetricsHook(Hook):
-    """Turns each finished step's metrics into a logged record every ``train.log_every`` steps
-    (and on the first, the last and every evaluated step).
+    """Writes each finished step's metrics to metrics.jsonl and TensorBoard, and a progress line
+    with rates every ``train.log_every`` steps (and on the first, the last and every evaluated step).
 
     Rates are measured from the moment the first step of this process has finished: that step
     traces and compiles the program, so it is waited for once (the only time the host waits for
@@ -189,6 +193,7 @@ class MetricsHook(Hook):
         self._first: dict[str, float] | None = None  # its timings, until its record takes them
         self._mark: tuple[int, float] | None = None  # (step, time) the current rate window starts at
         self._measured_steps, self._measured_s = 0, 0.0
+        self._last: tuple[int, float] | None = None  # (step, time) the previous step finished
 
     def after_dispatch(self, loop, step: int, metrics) -> None:
         if self._first_step is None:
@@ -201,6 +206,7 @@ class MetricsHook(Hook):
 
     def on_rewind(self, loop, step: int) -> None:
         self._losses.clear()
+        self._last = None
         self._mark = None  # restarts at the next finished step
 
     def after_step(self, loop, step: int, values: dict[str, float], final: bool) -> None:
@@ -208,11 +214,22 @@ class MetricsHook(Hook):
         self._losses.append((values["loss"], bool(values["skipped"])))
         if self._mark is None:
             self._mark = (step, now)
+        # Every step goes to metrics.jsonl and TensorBoard with its own loss (the plot's curves);
+        # the terminal line, and the records the run returns, come every train.log_every steps.
         if not (step % self.log_every == 0 or final or step == loop.start_step + 1 or step in self.eval_losses):
+            record = {"step": step, "loss": values["loss"], "grad_norm": values["grad_norm"], "lr": values["lr"],
+                      "skipped_steps": int(values["skipped_steps"])}
+            if self._last is not None and self._last[0] == step - 1:
+                step_time = now - self._last[1]  # since the previous step finished: never the compile
+                record |= {"step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time}
+            self._last = (step, now)
+            self.logger.write(record)
             return
+        self._last = (step, now)
         record = self._record(step, values, now, loop.total_steps)
         self.records.append(record)
-        self.logger.log(record)
+        self.logger.write(dict(record, loss=values["loss"]))
+        self.logger.say(self.logger.progress_line(record))
         if final and self._measured_steps:
             self.logger.say(self.summary())
 
