@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,9 +18,9 @@ from typing import Any
 
 import yaml
 
-from maxfp4.errors import UserError
+from maxfp4.errors import ConfigError, describe
+from maxfp4.precision.catalog import LAYER_CLASSES, validate_precision
 
-LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down", "mamba_in", "mamba_out", "lm_head")
 DATA_SOURCES = ("builtin", "text", "jsonl", "array_record", "tfds", "synthetic", "mixture")
 MIXTURE_SOURCES = ("builtin", "text", "jsonl", "array_record")
 MODEL_KINDS = ("dense", "hybrid")
@@ -29,10 +28,6 @@ MLP_KINDS = ("swiglu", "relu2")
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp"}
 REMAT_POLICIES = ("none", "full", "save_gemm", "save_gemm_io")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_mask")
-
-
-class ConfigError(UserError):
-    """A configuration problem, reported as one line to the user."""
 
 
 @dataclass(frozen=True)
@@ -261,16 +256,6 @@ def _yaml_key(f: dataclasses.Field) -> str:
     return f.metadata.get("key", f.name)
 
 
-# Bounded repr: a value named in an error message is never expanded past a few items, however
-# large or deeply shared the structure behind it (YAML aliases) is.
-def _short_repr() -> reprlib.Repr:
-    r = reprlib.Repr()  # keyword arguments need Python 3.12
-    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset = 3, 4, 4, 4, 4
-    r.maxstring, r.maxlong, r.maxother = 60, 40, 60
-    return r
-
-
-_SHORT_REPR = _short_repr()
 
 # Integer fields end up in int32 arrays (the step counter, schedules, shapes) or in loops over
 # them; run.seed alone is hashed into 64-bit PRNG keys.
@@ -280,12 +265,6 @@ SEED_RANGE = (-2**63, 2**63 - 1)
 # configs hold a few hundred values, four levels deep (an alias bomb of 1 KB holds billions).
 YAML_MAX_VALUES = 100_000
 YAML_MAX_DEPTH = 64
-
-
-def describe(value: Any) -> str:
-    """A short repr for error messages, bounded however large ``value`` is."""
-    text = _SHORT_REPR.repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 _describe = describe
@@ -668,8 +647,6 @@ def _positive(section: Any, prefix: str, *names: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    from maxfp4.precision.policy import validate_precision  # late: precision imports config
-
     r, m, d, t, o = cfg.run, cfg.model, cfg.data, cfg.train, cfg.optim
     _require(bool(r.name) and "/" not in r.name and r.name not in (".", ".."), "run.name", r.name,
              "a non-empty name without '/'")

@@ -17,7 +17,8 @@ from typing import Any
 import jax
 
 from maxfp4.config import ModelConfig
-from maxfp4.precision import PrecisionPolicy
+from maxfp4.precision.catalog import SPECS
+from maxfp4.precision.policy import PrecisionPolicy
 
 # Dense datasheet peaks in TFLOP/s per device, by precision.
 DEVICE_PEAKS_TFLOPS: dict[str, dict[str, float]] = {
@@ -25,8 +26,6 @@ DEVICE_PEAKS_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989.0, "fp8": 1979.0},
     "B200": {"bf16": 2250.0, "fp8": 4500.0, "fp4": 9000.0},
 }
-RECIPE_PRECISION = {"bf16": "bf16", "fp8_delayed": "fp8", "fp8_current": "fp8", "fp8_block": "fp8",
-                    "mxfp8": "fp8", "nvfp4": "fp4", "mxfp4": "fp4"}
 
 
 def block_linear_params(cfg: ModelConfig) -> list[dict[str, int]]:
@@ -86,7 +85,7 @@ def policy_peak_tflops(cfg: ModelConfig, seq_len: int, policy: PrecisionPolicy,
     precision's peak (a precision the device lacks, such as FP4 on Hopper, at BF16); attention
     and SSD products at BF16."""
     def peak_for(recipe: str) -> float:
-        return peaks.get(RECIPE_PRECISION.get(recipe, "bf16"), peaks["bf16"])
+        return peaks.get(SPECS[recipe].peak, peaks["bf16"])
 
     unquantized = attention_flops_per_token(cfg, seq_len) + ssd_flops_per_token(cfg)
     total, seconds = unquantized, unquantized / peaks["bf16"]

@@ -32,11 +32,11 @@ from maxfp4.evaluate import make_eval_step, mean_eval_loss
 from maxfp4.reliability.faults import hang_forever, maybe_slow_down
 from maxfp4.reliability.guard import init_guard_state
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
-from maxfp4.metrics import MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
+from maxfp4.metrics import MetricsLogger, block_linear_params, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import get_model, linear_shapes
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
-from maxfp4.precision.policy import check_block_divisibility
+from maxfp4.precision.policy import check_block_divisibility, unmatched_rules
 from maxfp4.precision.state import init_precision_state
 from maxfp4.profiling import StepProfiler
 from maxfp4.reliability.preflight import preflight_summary
@@ -182,6 +182,11 @@ def _train(cfg: Config, devices, stream, watch: PreemptionWatch) -> list[dict[st
     check_block_divisibility(policy, {c: s for c, s in linear_shapes(cfg.model).items() if c in model_classes})
     check_loss_chunks(cfg, policy)
     table = policy.format_table(block_classes)
+    # A rule that decides nothing here (a preset shared by dense and hybrid models, or a typo) is shown, not refused.
+    for line in unmatched_rules(cfg.precision, cfg.model.n_layers, [set(b) for b in block_linear_params(cfg.model)]):
+        table += f"\nwarning: {line}"
+        if is_writer:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
     mesh = make_mesh(cfg.mesh, devices)
     check_model_fits_mesh(cfg.model, mesh)
     _check_batch_fits_mesh(cfg, mesh)
