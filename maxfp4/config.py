@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from maxfp4.errors import ConfigError, describe
-from maxfp4.precision.catalog import LAYER_CLASSES, validate_precision
+from maxfp4.precision.catalog import BF16, validate_precision
 
 DATA_SOURCES = ("builtin", "text", "jsonl", "array_record", "tfds", "synthetic", "mixture")
 MIXTURE_SOURCES = ("builtin", "text", "jsonl", "array_record")
@@ -149,9 +149,11 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    default: str = "bf16"
-    rules: tuple[dict, ...] = ()
-    recipes: dict = field(default_factory=dict)
+    """Checked by maxfp4.precision.catalog (names, rules, options; docs/PRECISION.md)."""
+
+    default: str = BF16.name  # the recipe of every layer no rule names
+    rules: tuple[dict, ...] = ()  # ordered {classes, layers, recipe}; the first match wins
+    recipes: dict = field(default_factory=dict)  # recipe -> {option: value}, over its defaults
 
 
 @dataclass(frozen=True)

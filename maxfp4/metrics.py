@@ -20,11 +20,11 @@ from maxfp4.config import ModelConfig
 from maxfp4.precision.catalog import SPECS
 from maxfp4.precision.policy import PrecisionPolicy
 
-# Dense datasheet peaks in TFLOP/s per device, by precision.
+# Dense datasheet peaks in TFLOP/s per device, by peak class (maxfp4.precision.catalog.PEAK_CLASSES).
 DEVICE_PEAKS_TFLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989.0, "fp8": 1979.0},
     "H200": {"bf16": 989.0, "fp8": 1979.0},
-    "B200": {"bf16": 2250.0, "fp8": 4500.0, "fp4": 9000.0},
+    "B200": {"bf16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "fp4": 9000.0},
 }
 
 

@@ -25,8 +25,9 @@ from maxfp4.errors import ConfigError, describe
 LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down", "mamba_in", "mamba_out", "lm_head")
 BLOCK_CLASSES = tuple(c for c in LAYER_CLASSES if c != "lm_head")
 # The datasheet peak a recipe's GEMMs are charged at for MFU (maxfp4.metrics.DEVICE_PEAKS_TFLOPS);
-# a device without that peak (FP4 on Hopper: emulated) charges BF16.
-PEAK_CLASSES = ("bf16", "fp8", "fp4")
+# a device without that peak charges BF16, the rate it emulates at (FP4 and block-scaled MXFP8
+# GEMMs need Blackwell; Hopper's FP8 tensor cores take per-tensor scales only).
+PEAK_CLASSES = ("bf16", "fp8", "mxfp8", "fp4")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,7 +71,7 @@ FP8_CURRENT = RecipeSpec("fp8_current", {"power_2_scale": False, "fast_accumulat
 NVFP4 = RecipeSpec("nvfp4", {"rht": True, "stochastic_rounding": True, "weight_2d": True, "rht_bf16": True},
                    peak="fp4", weight_bytes=0.5 + 1 / 16, operand_bytes=2.0, block=16)  # FP4 + an E4M3 scale per 16
 # OCP MX: E8M0 scale per 32 elements; the backward keeps x in BF16 (its wgrad blocks run along M).
-MXFP8 = RecipeSpec("mxfp8", {}, peak="fp8", weight_bytes=1.0 + 1 / 32, operand_bytes=2.0, block=32)
+MXFP8 = RecipeSpec("mxfp8", {}, peak="mxfp8", weight_bytes=1.0 + 1 / 32, operand_bytes=2.0, block=32)
 MXFP4 = RecipeSpec("mxfp4", {}, peak="fp4", weight_bytes=0.5 + 1 / 32, operand_bytes=2.0, block=32)
 # DeepSeek-V3's block FP8: an FP32 scale per 128x128 weight tile.
 FP8_BLOCK = RecipeSpec("fp8_block", {}, peak="fp8", weight_bytes=1.0 + 4 / 128**2, operand_bytes=2.0, block=128)
