@@ -1,4 +1,4 @@
-"""Tests of the comparison recipes (maxfp4.precision.compare): mxfp8, mxfp4 and fp8_block.
+"""Tests of the comparison recipes (maxfp4.precision.recipes.mx and .fp8_block): mxfp8, mxfp4 and fp8_block.
 
 Each recipe's forward output and its three GEMMs (fprop, dgrad, wgrad through ``jax.vjp`` with a
 random dY) are compared with a float64 NumPy reference built from the same quantized operands.

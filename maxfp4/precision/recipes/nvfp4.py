@@ -110,7 +110,7 @@ def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | N
     [N, M]. Emulated, the same values (bit for bit) are formed in the activations' own [M, K]
     and [M, N] layout and the BF16 GEMM contracts over their first axis: transposing the two
     activations cost ~10% of dense-1p3b's emulated NVFP4 step (2026-11-25). With
-    ``rht`` the emulated operands come from the Pallas kernels of ``rht_kernel`` (same bits).
+    ``rht`` the emulated operands come from the Pallas kernels of ``maxfp4.kernels.rht`` (same bits).
     ``block_scaled`` and ``kernels`` force one path each (None: the device decides).
     """
     if block_scaled_fp4_available() if block_scaled is None else block_scaled:
