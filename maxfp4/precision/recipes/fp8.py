@@ -26,7 +26,6 @@ from maxfp4.precision.fused import FusedOperands
 from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, amax, dtype_token, flat
 
 
-
 # FP8 accumulation, as XLA hands it to cuBLASLt: a dot whose operand precisions are all DEFAULT
 # becomes an FP8 GEMM with CUBLASLT_MATMUL_DESC_FAST_ACCUM (Hopper's fast accumulation: the
 # tensor cores' partial sums are not promoted to FP32 every few K steps); any higher precision
