@@ -57,7 +57,7 @@ def gemm_operands(gemm: str, m: int, k: int, n: int):
 
 def time_gemm(gemm: str, m: int, k: int, n: int, fast: bool, iters: int) -> dict:
     from maxfp4.compiler import compiler_options, fp8_gemms
-    from maxfp4.precision.recipes import fp8_gemm_tn
+    from maxfp4.precision.recipes.fp8 import fp8_gemm_tn
 
     a, sa, b, sb, out = gemm_operands(gemm, m, k, n)
     fn = jax.jit(lambda a, b, sa, sb: fp8_gemm_tn(a, sa, b, sb, out, fast_accumulation=fast),

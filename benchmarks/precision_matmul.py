@@ -90,7 +90,7 @@ def main() -> None:
     for label, name, opts in VARIANTS:
         if name not in RECIPES or (only and name not in only):
             continue
-        fn = RECIPES[name][0]
+        fn = RECIPES[name].dot
 
         def layer(x, w, dy, scales, key, fn=fn, opts=opts):
             y, vjp = jax.vjp(lambda x, w, s: fn(x, w, opts, s, key), x, w, scales)

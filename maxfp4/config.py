@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,9 +18,9 @@ from typing import Any
 
 import yaml
 
-from maxfp4.errors import ConfigError  # noqa: F401 - re-exported: `from maxfp4.config import ConfigError`
+from maxfp4.errors import ConfigError, describe  # noqa: F401 - re-exported: `from maxfp4.config import ConfigError`
+from maxfp4.precision.catalog import BF16, validate_precision
 
-LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down", "mamba_in", "mamba_out", "lm_head")
 DATA_SOURCES = ("builtin", "text", "jsonl", "array_record", "tfds", "synthetic", "mixture")
 MIXTURE_SOURCES = ("builtin", "text", "jsonl", "array_record")
 MODEL_KINDS = ("dense", "hybrid")
@@ -251,9 +250,11 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    default: str = "bf16"
-    rules: tuple[dict, ...] = ()
-    recipes: dict = field(default_factory=dict)
+    """Checked by maxfp4.precision.catalog (names, rules, options; docs/PRECISION.md)."""
+
+    default: str = BF16.name  # the recipe of every layer no rule names
+    rules: tuple[dict, ...] = ()  # ordered {classes, layers, recipe}; the first match wins
+    recipes: dict = field(default_factory=dict)  # recipe -> {option: value}, over its defaults
 
 
 @dataclass(frozen=True)
@@ -425,16 +426,6 @@ def _yaml_key(f: dataclasses.Field) -> str:
     return f.metadata.get("key", f.name)
 
 
-# Bounded repr: a value named in an error message is never expanded past a few items, however
-# large or deeply shared the structure behind it (YAML aliases) is.
-def _short_repr() -> reprlib.Repr:
-    r = reprlib.Repr()  # keyword arguments need Python 3.12
-    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset = 3, 4, 4, 4, 4
-    r.maxstring, r.maxlong, r.maxother = 60, 40, 60
-    return r
-
-
-_SHORT_REPR = _short_repr()
 
 # Integer fields end up in int32 arrays (the step counter, schedules, shapes) or in loops over
 # them; run.seed alone is hashed into 64-bit PRNG keys.
@@ -444,12 +435,6 @@ SEED_RANGE = (-2**63, 2**63 - 1)
 # configs hold a few hundred values, four levels deep (an alias bomb of 1 KB holds billions).
 YAML_MAX_VALUES = 100_000
 YAML_MAX_DEPTH = 64
-
-
-def describe(value: Any) -> str:
-    """A short repr for error messages, bounded however large ``value`` is."""
-    text = _SHORT_REPR.repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 _describe = describe
@@ -817,7 +802,6 @@ def _check_across_sections(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Every check a config can have without devices: the sections', then the precision policy's.
     (XLA options, kernel tile sizes and the mesh are checked against the devices at start-up.)"""
-    from maxfp4.precision.policy import validate_precision  # late: precision imports config
 
     cfg.check()
     validate_precision(cfg.precision, n_layers=cfg.model.n_layers)

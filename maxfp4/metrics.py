@@ -19,16 +19,15 @@ import jax
 
 from maxfp4.config import ModelConfig
 from maxfp4.loop import Hook
-from maxfp4.precision import PrecisionPolicy
+from maxfp4.precision.catalog import SPECS
+from maxfp4.precision.policy import PrecisionPolicy
 
-# Dense datasheet peaks in TFLOP/s per device, by precision.
+# Dense datasheet peaks in TFLOP/s per device, by peak class (maxfp4.precision.catalog.PEAK_CLASSES).
 DEVICE_PEAKS_TFLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989.0, "fp8": 1979.0},
     "H200": {"bf16": 989.0, "fp8": 1979.0},
-    "B200": {"bf16": 2250.0, "fp8": 4500.0, "fp4": 9000.0},
+    "B200": {"bf16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "fp4": 9000.0},
 }
-RECIPE_PRECISION = {"bf16": "bf16", "fp8_delayed": "fp8", "fp8_current": "fp8", "fp8_block": "fp8",
-                    "mxfp8": "fp8", "nvfp4": "fp4", "mxfp4": "fp4"}
 
 
 def block_linear_params(cfg: ModelConfig) -> list[dict[str, int]]:
@@ -88,7 +87,7 @@ def policy_peak_tflops(cfg: ModelConfig, seq_len: int, policy: PrecisionPolicy,
     precision's peak (a precision the device lacks, such as FP4 on Hopper, at BF16); attention
     and SSD products at BF16."""
     def peak_for(recipe: str) -> float:
-        return peaks.get(RECIPE_PRECISION.get(recipe, "bf16"), peaks["bf16"])
+        return peaks.get(SPECS[recipe].peak, peaks["bf16"])
 
     unquantized = attention_flops_per_token(cfg, seq_len) + ssd_flops_per_token(cfg)
     total, seconds = unquantized, unquantized / peaks["bf16"]
@@ -217,11 +216,10 @@ class MetricsHook(Hook):
         # Every step goes to metrics.jsonl and TensorBoard with its own loss (the plot's curves);
         # the terminal line, and the records the run returns, come every train.log_every steps.
         if not (step % self.log_every == 0 or final or step == loop.start_step + 1 or step in self.eval_losses):
+            # Timed since the previous step finished, so never the compile.
+            step_time = now - self._last[1] if self._last is not None and self._last[0] == step - 1 else None
             record = {"step": step, "loss": values["loss"], "grad_norm": values["grad_norm"], "lr": values["lr"],
-                      "skipped_steps": int(values["skipped_steps"])}
-            if self._last is not None and self._last[0] == step - 1:
-                step_time = now - self._last[1]  # since the previous step finished: never the compile
-                record |= {"step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time}
+                      **self._rates(step_time, step, loop.total_steps), "skipped_steps": int(values["skipped_steps"])}
             self._last = (step, now)
             self.logger.write(record)
             return
@@ -244,18 +242,12 @@ class MetricsHook(Hook):
             self._measured_steps += step - mark_step
             self._measured_s += now - mark_time
             self._mark = (step, now)
-        tflops = self.flops_per_step / step_time / self.n_devices / 1e12 if step_time else None
         record = {
             "step": step,
             "loss": sum(kept) / len(kept),
             "grad_norm": values["grad_norm"],
             "lr": values["lr"],
-            "tokens_per_s": self.tokens_per_step / step_time if step_time else None,
-            "tflops_per_device": tflops,
-            "mfu": tflops / self.peaks["bf16"] if self.peaks and tflops else None,
-            "mfu_policy_peak": tflops / self.policy_peak if self.policy_peak and tflops else None,
-            "step_time_s": step_time,
-            "eta_s": (total_steps - step) * step_time if step_time else None,
+            **self._rates(step_time, step, total_steps),
             "skipped_steps": int(values["skipped_steps"]),
         }
         if self._first is not None and step == self._first_step:
@@ -267,6 +259,18 @@ class MetricsHook(Hook):
         if report is not None:
             record["straggler_processes"] = report["slow"]
         return record
+
+    def _rates(self, step_time: float | None, step: int, total_steps: int) -> dict[str, float | None]:
+        """What a step time gives: tokens/s, TFLOP/s per device, MFU (None without a stated peak), ETA."""
+        tflops = self.flops_per_step / step_time / self.n_devices / 1e12 if step_time else None
+        return {
+            "tokens_per_s": self.tokens_per_step / step_time if step_time else None,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peaks["bf16"] if self.peaks and tflops else None,
+            "mfu_policy_peak": tflops / self.policy_peak if self.policy_peak and tflops else None,
+            "step_time_s": step_time,
+            "eta_s": (total_steps - step) * step_time if step_time else None,
+        }
 
     def summary(self) -> str:
         rate = self.tokens_per_step * self._measured_steps / self._measured_s

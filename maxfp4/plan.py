@@ -23,8 +23,12 @@ from maxfp4.errors import UserError, exit_code_of
 from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, block_linear_params, block_matmul_params, attention_flops_per_token,
                             matmul_params, ssd_flops_per_token)
 from maxfp4.model import get_model, linear_shapes
+from maxfp4.precision.catalog import SPECS
 
-PRECISIONS = ("bf16", "fp8", "nvfp4")
+# The recipe each column of the plan stands for; bytes and peak classes come from its catalog
+# entry. The memory functions also take any recipe's name (``mxfp8``).
+PLAN_RECIPES = {"bf16": "bf16", "fp8": "fp8_delayed", "nvfp4": "nvfp4"}
+PRECISIONS = tuple(PLAN_RECIPES)
 
 # Effective GEMM rates in TFLOP/s on one H200 (docs/PERFORMANCE.md, one linear layer at
 # M = K = N = 8192, forward + both gradients, quantization passes included): bf16 recipe and
@@ -66,7 +70,9 @@ GOODPUT = 0.90
 
 # Bytes per parameter.
 MASTER_BYTES, ADAM_BYTES, GRAD_BYTES = 4, 8, 4
-WORKING_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16}  # FP4 + one E4M3 scale per 16
+# Bytes per element of the working weight copy the GEMMs read (FP4 + one E4M3 scale per 16 for NVFP4).
+WORKING_BYTES = {name: spec.weight_bytes for name, spec in SPECS.items()} | {
+    column: SPECS[recipe].weight_bytes for column, recipe in PLAN_RECIPES.items()}
 # Adam update traffic per parameter: read master, grad, two moments; write master, two moments.
 OPTIMIZER_TRAFFIC_BYTES = 4 * 4 + 3 * 4
 # Activations kept for the backward pass, bytes per token per block (BF16, flash attention).
@@ -76,7 +82,8 @@ GEMM_OUT_BYTES = 2  # per output feature: train.remat=save_gemm keeps each linea
 # Per input feature: train.remat=save_gemm_io also keeps each linear layer's activation operand as
 # its recipe's backward reads it (FP8 bytes; BF16 for BF16 and for NVFP4, whose wgrad quantizes it
 # again along the tokens).
-GEMM_IN_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 2.0}
+GEMM_IN_BYTES = {name: spec.operand_bytes for name, spec in SPECS.items()} | {
+    column: SPECS[recipe].operand_bytes for column, recipe in PLAN_RECIPES.items()}
 LOGIT_BYTES = 4  # x vocab per token: the loss streams the logits in FP32 (traffic)
 # x vocab per token held at the loss's peak: the BF16 logits kept for the backward pass, their
 # BF16 gradient and ~2 more bytes of temporaries. Fitted to measured peaks: with 4 (FP32 logits
@@ -119,9 +126,10 @@ def flops_by_block_type(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
 def gemm_tflops(gpu: str, precision: str) -> float:
     """Effective GEMM rate: the H200 measurement scaled by the datasheet peak of ``gpu``."""
     peaks = DEVICE_PEAKS_TFLOPS[gpu.upper()]
-    if precision == "nvfp4" and "fp4" in peaks:
+    peak_class = SPECS[PLAN_RECIPES[precision]].peak
+    if peak_class == "fp4" and "fp4" in peaks:
         return peaks["fp4"] * FP4_EFFICIENCY
-    peak_key = "fp8" if precision == "fp8" else "bf16"  # emulated NVFP4 runs BF16 GEMMs
+    peak_key = "bf16" if peak_class == "fp4" else peak_class  # emulated FP4 runs BF16 GEMMs
     return MEASURED_H200_TFLOPS[precision] * peaks[peak_key] / DEVICE_PEAKS_TFLOPS["H200"][peak_key]
 
 
@@ -139,8 +147,7 @@ def ssd_tflops(gpu: str) -> float:
 
 def datasheet_tflops(gpu: str, precision: str) -> float:
     peaks = DEVICE_PEAKS_TFLOPS[gpu.upper()]
-    key = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "fp4"}[precision]
-    return peaks.get(key, peaks["bf16"])
+    return peaks.get(SPECS[PLAN_RECIPES[precision]].peak, peaks["bf16"])
 
 
 @functools.lru_cache(maxsize=64)

@@ -22,6 +22,7 @@ from maxfp4.model import get_model
 from maxfp4.model.decoder import chunked_loss_sum, token_losses
 from maxfp4.optim import global_norm
 from maxfp4.precision import PrecisionPolicy
+from maxfp4.precision.catalog import SPECS
 from maxfp4.precision.state import scales_of, update_precision_state
 from maxfp4.state import TrainState
 
@@ -32,8 +33,9 @@ def check_loss_chunks(cfg: Config, policy: PrecisionPolicy) -> None:
     """train.loss_chunks > 1 computes the LM head a slice of the sequence at a time, which only
     keeps the recipe's arithmetic when the head is BF16 (no tensor-wide scale or amax)."""
     chunks, recipe = cfg.train.loss_chunks, policy.recipe_for("lm_head", None)
-    if chunks > 1 and recipe != "bf16":
-        raise ConfigError(f"train.loss_chunks={chunks}: needs the lm_head layer class in bf16, the "
+    if chunks > 1 and not SPECS[recipe].token_local:
+        local = ", ".join(name for name, spec in SPECS.items() if spec.token_local)
+        raise ConfigError(f"train.loss_chunks={chunks}: needs the lm_head layer class in {local}, the "
                           f"precision policy gives it {recipe!r} (its scales span the whole tensor)")
 
 

@@ -34,11 +34,11 @@ from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.loop import Hook, Loop, close_hooks
 from maxfp4.hf import check_init_from, read_params as read_hf_params
 from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
-from maxfp4.metrics import MetricsHook, MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
+from maxfp4.metrics import MetricsHook, MetricsLogger, block_linear_params, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import get_model, linear_shapes
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import PrecisionPolicy, resolve_policy
-from maxfp4.precision.policy import check_block_divisibility
+from maxfp4.precision.policy import check_block_divisibility, unmatched_rules
 from maxfp4.precision.state import init_precision_state
 from maxfp4.profiling import StepProfiler
 from maxfp4.reliability.crash import RunFailed, crash_error, quiet_disk_full_logs
@@ -208,6 +208,12 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     check_block_divisibility(policy, {c: s for c, s in linear_shapes(cfg.model).items() if c in model_classes})
     check_loss_chunks(cfg, policy)
     check_mamba_kernels(cfg.model, cfg.data.seq_len)
+    table = policy.format_table(block_classes)
+    # A rule that decides nothing here (a preset shared by dense and hybrid models, or a typo) is shown, not refused.
+    for line in unmatched_rules(cfg.precision, cfg.model.n_layers, [set(b) for b in block_linear_params(cfg.model)]):
+        table += f"\nwarning: {line}"
+        if jax.process_index() == 0:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
     check_model_fits_mesh(cfg.model, mesh)
     _check_batch_fits_mesh(cfg, mesh)
     platform = mesh.devices.flat[0].platform
@@ -216,7 +222,7 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     check_deterministic_attention(cfg, platform)
     refuse_changed_run(cfg)
     check_init_from(cfg)
-    return StartUp(cfg, policy, policy.format_table(block_classes), mesh, xla_options,
+    return StartUp(cfg, policy, table, mesh, xla_options,
                    compile_cache)
 
 

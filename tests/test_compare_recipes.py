@@ -1,4 +1,4 @@
-"""Tests of the comparison recipes (maxfp4.precision.compare): mxfp8, mxfp4 and fp8_block.
+"""Tests of the comparison recipes (maxfp4.precision.recipes.mx and .fp8_block): mxfp8, mxfp4 and fp8_block.
 
 Each recipe's forward output and its three GEMMs (fprop, dgrad, wgrad through ``jax.vjp`` with a
 random dY) are compared with a float64 NumPy reference built from the same quantized operands.
@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxfp4.precision import compare as C
+from maxfp4.precision.recipes import fp8_block as FB, mx as MX
 from maxfp4.precision import formats as F
-from maxfp4.precision.recipes import nvfp4_dot
+from maxfp4.precision.recipes.nvfp4 import nvfp4_dot
 from maxfp4.precision.registry import RECIPES
 
 # ---------------------------------------------------------------------------------------------
@@ -217,9 +217,9 @@ NAMES = ["mxfp8", "mxfp4", "fp8_block"]
 
 def test_registry_names():
     from maxfp4.config import load_config
-    assert RECIPES["mxfp8"] == (C.mxfp8_dot, {})
-    assert RECIPES["mxfp4"] == (C.mxfp4_dot, {})
-    assert RECIPES["fp8_block"] == (C.fp8_block_dot, {})
+    assert (RECIPES["mxfp8"].dot, RECIPES["mxfp8"].spec.defaults) == (MX.mxfp8_dot, {})
+    assert (RECIPES["mxfp4"].dot, RECIPES["mxfp4"].spec.defaults) == (MX.mxfp4_dot, {})
+    assert (RECIPES["fp8_block"].dot, RECIPES["fp8_block"].spec.defaults) == (FB.fp8_block_dot, {})
     for name in NAMES:
         assert load_config(None, [f"precision.default={name}"]).precision.default == name
 
@@ -227,7 +227,7 @@ def test_registry_names():
 @pytest.mark.parametrize("name", NAMES)
 def test_gemms_match_reference(name):
     x, w, dy = make_inputs(seed=1)
-    y, dx, dw = _run_jit(RECIPES[name][0], x, w, dy)
+    y, dx, dw = _run_jit(RECIPES[name].dot, x, w, dy)
     assert y.dtype == jnp.bfloat16 and y.shape == (B, T, N)
     assert dx.dtype == x.dtype and dx.shape == x.shape
     assert dw.dtype == jnp.float32 and dw.shape == w.shape
@@ -247,7 +247,7 @@ def test_gemms_match_reference(name):
 def test_dx_follows_input_dtype():
     x, w, dy = make_inputs(seed=2)
     for name in NAMES:
-        _, dx, dw = _run_jit(RECIPES[name][0], x.astype(jnp.float32), w, dy)
+        _, dx, dw = _run_jit(RECIPES[name].dot, x.astype(jnp.float32), w, dy)
         assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32, name
 
 
@@ -258,7 +258,7 @@ def test_forward_of_2d_input_and_undifferentiated_any_m():
     x_np = np.asarray(x.astype(jnp.float32), np.float64)
     w_np = np.asarray(w, np.float64)
     for name in NAMES:
-        y = jax.jit(RECIPES[name][0], static_argnums=2)(x, w, (), None, None)
+        y = jax.jit(RECIPES[name].dot, static_argnums=2)(x, w, (), None, None)
         assert y.shape == (5, N) and y.dtype == jnp.bfloat16
         if name == "fp8_block":
             a, b = ref_fp8_block(x_np, name), fp8_block_weight(w_np)[0]
@@ -277,16 +277,16 @@ def test_quantize_fp8_tiles_bitwise():
     x[7, 1:128] = 3e-31
     x = x.astype(np.float32)
     for tile in [(1, 128), (128, 128), (128, 1)]:
-        q, s = jax.jit(C.quantize_fp8_tiles, static_argnums=1)(jnp.asarray(x), tile)
+        q, s = jax.jit(FB.quantize_fp8_tiles, static_argnums=1)(jnp.asarray(x), tile)
         want_q, want_s, want_deq = ref_fp8_tiles(x, tile)
         assert q.dtype == jnp.float8_e4m3fn and s.dtype == jnp.float32
         assert s.shape == (256 // tile[0], 384 // tile[1])
         np.testing.assert_array_equal(np.asarray(s), want_s)
         np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32), np.float64), want_q)
-        got = jax.jit(C.qdq_fp8_tiles, static_argnums=1)(jnp.asarray(x), tile)
+        got = jax.jit(FB.qdq_fp8_tiles, static_argnums=1)(jnp.asarray(x), tile)
         np.testing.assert_array_equal(np.asarray(got, np.float64), want_deq)
     # the zero tiles really took scale 1, and the tile amax maps onto 448
-    q, s = C.quantize_fp8_tiles(jnp.asarray(x), (1, 128))
+    q, s = FB.quantize_fp8_tiles(jnp.asarray(x), (1, 128))
     assert float(s[5, 1]) == 1.0 and np.all(np.asarray(q[5, 128:256].astype(jnp.float32)) == 0)
     assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == 448.0
 
@@ -294,22 +294,22 @@ def test_quantize_fp8_tiles_bitwise():
 def test_fp8_block_shape_errors():
     good_w = jnp.ones((256, 256), jnp.float32)
     with pytest.raises(ValueError, match=r"\(192, 256\)"):
-        C.fp8_block_dot(jnp.ones((128, 192), jnp.bfloat16), jnp.ones((192, 256)))
+        FB.fp8_block_dot(jnp.ones((128, 192), jnp.bfloat16), jnp.ones((192, 256)))
     with pytest.raises(ValueError, match=r"\(256, 200\)"):
-        C.fp8_block_dot(jnp.ones((128, 256), jnp.bfloat16), jnp.ones((256, 200)))
+        FB.fp8_block_dot(jnp.ones((128, 256), jnp.bfloat16), jnp.ones((256, 200)))
     with pytest.raises(ValueError, match=r"token count M.*\(3, 40, 256\)"):
-        jax.vjp(lambda a, b: C.fp8_block_dot(a, b), jnp.ones((3, 40, 256), jnp.bfloat16), good_w)
+        jax.vjp(lambda a, b: FB.fp8_block_dot(a, b), jnp.ones((3, 40, 256), jnp.bfloat16), good_w)
     with pytest.raises(ValueError, match=r"expected x\[..., K\]"):
-        C.fp8_block_dot(jnp.ones((128, 128), jnp.bfloat16), good_w)
+        FB.fp8_block_dot(jnp.ones((128, 128), jnp.bfloat16), good_w)
     with pytest.raises(ValueError, match=r"\(100, 200\).*tile \(1, 128\)"):
-        C.quantize_fp8_tiles(jnp.ones((100, 200)), (1, 128))
+        FB.quantize_fp8_tiles(jnp.ones((100, 200)), (1, 128))
     with pytest.raises(ValueError, match=r"\(100, 256\)"):
-        C.quantize_fp8_tiles(jnp.ones((100, 256)), (128, 128))
+        FB.quantize_fp8_tiles(jnp.ones((100, 256)), (128, 128))
     # MX: blocks of 32
     with pytest.raises(ValueError, match=r"\(48, 64\)"):
-        C.mxfp4_dot(jnp.ones((32, 48), jnp.bfloat16), jnp.ones((48, 64)))
+        MX.mxfp4_dot(jnp.ones((32, 48), jnp.bfloat16), jnp.ones((48, 64)))
     with pytest.raises(ValueError, match=r"token count M"):
-        jax.vjp(lambda a, b: C.mxfp8_dot(a, b), jnp.ones((40, 64), jnp.bfloat16), jnp.ones((64, 64)))
+        jax.vjp(lambda a, b: MX.mxfp8_dot(a, b), jnp.ones((40, 64), jnp.bfloat16), jnp.ones((64, 64)))
 
 
 def _rel_err(got, want):
@@ -331,7 +331,7 @@ def test_mxfp4_error_exceeds_nvfp4():
     plain = unquantized_operands(x, w, dy)
     exact = {g: a @ b.T for g, (a, b) in plain.items()}
     nv_opts = (("rht", False), ("stochastic_rounding", False), ("weight_2d", True))
-    mx = dict(zip(["fprop", "dgrad", "wgrad"], _run_jit(C.mxfp4_dot, x, w, dy)))
+    mx = dict(zip(["fprop", "dgrad", "wgrad"], _run_jit(MX.mxfp4_dot, x, w, dy)))
     nv = dict(zip(["fprop", "dgrad", "wgrad"], _run_jit(nvfp4_dot, x, w, dy, nv_opts)))
     for g in exact:
         e_mx, e_nv = _rel_err(mx[g], exact[g]), _rel_err(nv[g], exact[g])
@@ -346,7 +346,7 @@ def test_mxfp4_error_exceeds_nvfp4():
 @pytest.mark.parametrize("name", NAMES)
 def test_jit_equals_eager(name):
     x, w, dy = make_inputs(seed=6)
-    fn = RECIPES[name][0]
+    fn = RECIPES[name].dot
     eager = run_recipe(fn, x, w, dy)
     jitted = _run_jit(fn, x, w, dy)
     for e, j in zip(eager, jitted):
@@ -358,7 +358,7 @@ def test_jit_equals_eager(name):
 def test_options_scales_key_ignored():
     x, w, dy = make_inputs(seed=7)
     for name in NAMES:
-        fn = RECIPES[name][0]
+        fn = RECIPES[name].dot
         a = _run_jit(fn, x, w, dy)
         b = jax.jit(lambda p, q, r: run_recipe(fn, p, q, r, (("ignored", 1),),
                                                jax.random.key(1)))(x, w, dy)

@@ -256,14 +256,15 @@ def test_eta_is_formatted_past_a_day_and_for_any_run_length():
 
 
 def test_config_is_a_leaf_and_each_section_checks_itself():
-    """Importing the config loads no other maxfp4 module but errors.py (no cycle through
-    precision, kernels or the compiler), and a section's dataclass refuses its own bad values
-    with the loader's message, without the rest of the config."""
+    """Importing the config loads no other maxfp4 module but errors.py and the JAX-free precision
+    catalog (no cycle through the recipes, kernels or the compiler; no JAX), and a section's
+    dataclass refuses its own bad values with the loader's message, without the rest of the config."""
     code = ("import sys, maxfp4.config; "
-            "print(sorted(m for m in sys.modules if m.startswith('maxfp4')))")
+            "print(sorted(m for m in sys.modules if m.startswith('maxfp4')), 'jax' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=REPO))
-    assert proc.stdout.split() == ["['maxfp4',", "'maxfp4.config',", "'maxfp4.errors']"], proc.stderr
+    assert proc.stdout.split() == ["['maxfp4',", "'maxfp4.config',", "'maxfp4.errors',", "'maxfp4.precision',",
+                                   "'maxfp4.precision.catalog']", "False"], proc.stdout + proc.stderr
     from maxfp4.config import MeshConfig, OptimConfig, ResilienceConfig
     from maxfp4.errors import ConfigError as RootConfigError
     assert ConfigError is RootConfigError

@@ -16,7 +16,7 @@ from maxfp4.compiler import fp8_gemms
 from maxfp4.config import ConfigError, load_config
 from maxfp4.model import get_model
 from maxfp4.precision import resolve_policy
-from maxfp4.precision.recipes import fp8_current_dot, fp8_delayed_dot
+from maxfp4.precision.recipes.fp8 import fp8_current_dot, fp8_delayed_dot
 from maxfp4.precision.state import init_precision_state, scales_of
 from maxfp4.step import make_loss_fn
 

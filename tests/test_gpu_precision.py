@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from maxfp4.compiler import compiler_options
-from maxfp4.precision.recipes import fp8_current_dot, fp8_delayed_dot
+from maxfp4.precision.recipes.fp8 import fp8_current_dot, fp8_delayed_dot
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +65,8 @@ def test_bf16_gemm_outputs_apply_the_fp32_scales_exactly(scales_are_arguments):
     bit, the FP32-result form's (FP32 GEMM output times ``1/(sa*sb)``, one rounding to BF16),
     whether the scales are program inputs (the trainer's state) or constants."""
     from maxfp4.precision import formats as F
-    from maxfp4.precision.recipes import COMPUTE_DTYPE, fp8_gemm_tn
+    from maxfp4.precision.recipes import COMPUTE_DTYPE
+    from maxfp4.precision.recipes.fp8 import fp8_gemm_tn
 
     a = jax.random.normal(jax.random.key(0), (2048, 1024), jnp.bfloat16)
     b = 0.02 * jax.random.normal(jax.random.key(1), (512, 1024), jnp.float32)

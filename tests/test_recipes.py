@@ -12,8 +12,9 @@ import pytest
 from maxfp4.config import ConfigError, load_config
 from maxfp4.precision import formats as F
 from maxfp4.precision import resolve_policy
-from maxfp4.precision.recipes import (_hadamard_tokens, bf16_dot, fp8_current_dot, fp8_delayed_dot, nvfp4_dot,
-                                     nvfp4_gemm_tn, nvfp4_wgrad)
+from maxfp4.precision.recipes.bf16 import bf16_dot
+from maxfp4.precision.recipes.fp8 import fp8_current_dot, fp8_delayed_dot
+from maxfp4.precision.recipes.nvfp4 import _hadamard_tokens, nvfp4_dot, nvfp4_gemm_tn, nvfp4_wgrad
 from maxfp4.precision.state import init_precision_state, scales_of, update_precision_state
 from maxfp4.kernels.rht import rht_columns_supported
 
@@ -246,7 +247,7 @@ def test_weight_gradient_leaves_every_recipe_in_fp32(recipe):
     """Weight-gradient accumulation is FP32 (DESIGN.md): dW leaves each recipe in FP32, and has
     more than BF16's 8 significant bits (some element differs from its BF16 rounding)."""
     from maxfp4.precision.registry import RECIPES
-    fn, defaults = RECIPES[recipe]
+    fn, defaults = RECIPES[recipe].dot, RECIPES[recipe].spec.defaults
     rng = np.random.default_rng(9)
     x, w, dy = (rng.normal(size=s).astype(np.float32) for s in ((128, 128), (128, 128), (128, 128)))
     x, dy = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
@@ -422,7 +423,7 @@ def test_smooth_swiglu_same_function_less_fp8_error():
 def test_row_block_scales_expand_2d_tiles_like_block_dequantize():
     """The scales handed to the Blackwell block-scaled GEMM describe the same values as the
     emulated path: elements x per-row block scales == block_dequantize, bit for bit."""
-    from maxfp4.precision.recipes import _row_block_scales
+    from maxfp4.precision.recipes.nvfp4 import _row_block_scales
     w = jax.random.normal(jax.random.key(3), (48, 64))
     for two_d in (False, True):
         q = F.quantize_nvfp4(w, two_d=two_d)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from maxfp4.precision import formats as F
-from maxfp4.precision import recipes as R
+from maxfp4.precision.recipes import nvfp4 as R
 
 F32 = np.float32
 F32_MAX = np.finfo(F32).max

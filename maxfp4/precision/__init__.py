@@ -1,62 +1,27 @@
-"""Per-layer precision: every linear layer of every model calls :func:`dot`."""
+"""Per-layer precision: every linear layer of every model calls :func:`dot`.
+
+The package imports nothing until a name is asked for, so that the JAX-free parts (``catalog``,
+``policy``) can be imported by the config without JAX: ``from maxfp4.precision import
+LayerPrecision`` loads :mod:`.layer` (and JAX) then.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import jax
-from jax.ad_checkpoint import checkpoint_name
+import importlib
 
-from maxfp4.config import LAYER_CLASSES
-from maxfp4.precision.policy import PrecisionPolicy, resolve_policy
-from maxfp4.precision.recipes import GEMM_IN, GEMM_WEIGHT  # each recipe's operands, as its backward keeps them
-from maxfp4.precision.fused import FusedOperands
-from maxfp4.precision.registry import FUSED_OPERANDS, RECIPES
-
-# The name every linear layer's output carries, so a remat policy can keep it
-# (train.remat=save_gemm, maxfp4.model.remat).
-GEMM_OUT = "gemm_out"
+_HOMES = {
+    "dot": "maxfp4.precision.layer", "LayerPrecision": "maxfp4.precision.layer", "GEMM_OUT": "maxfp4.precision.layer",
+    # each recipe's operands, as its backward keeps them (remat policies name them)
+    "GEMM_IN": "maxfp4.precision.recipes", "GEMM_WEIGHT": "maxfp4.precision.recipes",
+    "FusedOperands": "maxfp4.precision.fused",
+    "PrecisionPolicy": "maxfp4.precision.policy", "resolve_policy": "maxfp4.precision.policy",
+}
 
 
-def dot(x: jax.Array, w: jax.Array, layer_class: str, layer_index: int | None,
-        policy: PrecisionPolicy, *, scales: jax.Array | None = None,
-        key: jax.Array | None = None) -> jax.Array:
-    """``x[..., K] @ w[K, N]`` with the recipe the policy chose for (layer_class, layer_index).
-
-    ``scales`` (f32[3]) is the layer's delayed-scaling state, ``key`` seeds stochastic rounding.
-    """
-    recipe = policy.recipe_for(layer_class, layer_index)
-    fn, _ = RECIPES[recipe]
-    return fn(x, w, policy.options_tuple(recipe), scales, key)
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'maxfp4.precision' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerPrecision:
-    """What a block needs to run its linear layers: the policy, its index (the first block of
-    its scan group: recipes are identical inside a group), its delayed-scaling scales by class,
-    and a PRNG key from which each class derives its own."""
-
-    policy: PrecisionPolicy
-    layer_index: int | None
-    scales: dict[str, jax.Array] | None = None
-    key: jax.Array | None = None
-
-    def fused(self, layer_class: str) -> FusedOperands | None:
-        """The operand hooks of ``layer_class``'s recipe when it offers them and its scaling state
-        is at hand (a model built without scales, as ``compare`` builds some, leaves the casts to
-        the recipe's ``dot``); None: use :meth:`dot`."""
-        if not self.scales or layer_class not in self.scales:
-            return None
-        return FUSED_OPERANDS.get(self.policy.recipe_for(layer_class, self.layer_index))
-
-    def options(self, layer_class: str) -> tuple:
-        """The hashable options of ``layer_class``'s recipe (a static argument of its VJPs)."""
-        return self.policy.options_tuple(self.policy.recipe_for(layer_class, self.layer_index))
-
-    def dot(self, x: jax.Array, w: jax.Array, layer_class: str) -> jax.Array:
-        scales = None if self.scales is None else self.scales.get(layer_class)
-        key = None if self.key is None else jax.random.fold_in(self.key, LAYER_CLASSES.index(layer_class))
-        y = dot(x, w, layer_class, self.layer_index, self.policy, scales=scales, key=key)
-        return checkpoint_name(y, GEMM_OUT)
-
-
-__all__ = ["dot", "FusedOperands", "GEMM_IN", "GEMM_OUT", "GEMM_WEIGHT", "LayerPrecision", "PrecisionPolicy", "resolve_policy"]
+__all__ = sorted(_HOMES)

@@ -1,56 +1,59 @@
-"""FP8 delayed-scaling state: a scale and an amax history per quantized tensor (x, w, dY) of
-every linear layer whose recipe is ``fp8_delayed``.
+"""Precision state: what a stateful recipe (``fp8_delayed``: a scale and an amax history per
+quantized tensor x, w, dY) keeps for every linear layer it runs.
 
 It lives beside the parameters in the train state, is never seen by the optimizer, and is
 updated once per step from the amaxes the recipes report (combined across microbatches by
-max). Layout::
+max). The recipe's record makes and updates each slot (``Recipe.init_state`` and
+``update_state``); this module lays them out::
 
-    {"blocks": {layer_class: {"scale": f32[L, 3], "amax_history": f32[L, 3, H]}},
-     "lm_head": {"scale": f32[3], "amax_history": f32[3, H]}}
+    {"blocks": {layer_class: {"scale": f32[L, 3], ...}}, "lm_head": {"scale": f32[3], ...}}
 
-with only the classes that use delayed scaling somewhere present. Slot order: x, w, dY.
+with only the classes that use the stateful recipe somewhere present. Slot order: x, w, dY.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
-
-from maxfp4.precision import formats as F
+from maxfp4.errors import ConfigError
 from maxfp4.precision.policy import BLOCK_CLASSES, PrecisionPolicy
-from maxfp4.precision.registry import STATEFUL_RECIPES
+from maxfp4.precision.recipes import Recipe
+from maxfp4.precision.registry import RECIPES
 
-SLOT_DTYPES = (F.FP8_E4M3, F.FP8_E4M3, F.FP8_E5M2)  # HYBRID: E4M3 forward, E5M2 backward
+
+def _stateful(recipe: str) -> bool:
+    return RECIPES[recipe].spec.stateful
 
 
 def stateful_classes(policy: PrecisionPolicy, model_classes: Sequence[str] = BLOCK_CLASSES) -> tuple[list[str], bool]:
-    """Block classes of the model with a delayed-scaling recipe in any block, and whether the LM
-    head has one."""
+    """Block classes of the model with a stateful recipe in any block, and whether the LM head has one."""
     classes = [c for c in BLOCK_CLASSES if c in model_classes
-               and any(policy.recipe_for(c, i) in STATEFUL_RECIPES for i in range(policy.n_layers))]
-    return classes, policy.lm_head in STATEFUL_RECIPES
+               and any(_stateful(policy.recipe_for(c, i)) for i in range(policy.n_layers))]
+    return classes, _stateful(policy.lm_head)
 
 
-def _history_len(policy: PrecisionPolicy) -> int:
-    return int(policy.options_for("fp8_delayed").get("amax_history", 1024))
+def state_recipe(policy: PrecisionPolicy) -> Recipe | None:
+    """The one stateful recipe the policy uses (a layer class's slots hold one recipe's state)."""
+    used = sorted({r for row in policy.block_table for r in row} | {policy.lm_head})
+    stateful = [r for r in used if _stateful(r)]
+    if len(stateful) > 1:
+        raise ConfigError(f"precision: recipes {' and '.join(stateful)} both keep state; expected at most one "
+                          f"stateful recipe in a policy")
+    return RECIPES[stateful[0]] if stateful else None
 
 
 def init_precision_state(policy: PrecisionPolicy, model_classes: Sequence[str] = BLOCK_CLASSES) -> dict[str, Any]:
     """``model_classes``: the block layer classes the model has (a dense model has no Mamba)."""
     classes, head = stateful_classes(policy, model_classes)
-    h, n = _history_len(policy), policy.n_layers
-
-    def slot(*lead):
-        return {"scale": jnp.ones((*lead, 3), jnp.float32),
-                "amax_history": jnp.zeros((*lead, 3, h), jnp.float32)}
-
     state: dict[str, Any] = {}
+    if not classes and not head:
+        return state
+    recipe = state_recipe(policy)
+    options = policy.options_tuple(recipe.name)
     if classes:
-        state["blocks"] = {c: slot(n) for c in classes}
+        state["blocks"] = {c: recipe.init_state(options, (policy.n_layers,)) for c in classes}
     if head:
-        state["lm_head"] = slot()
+        state["lm_head"] = recipe.init_state(options, ())
     return state
 
 
@@ -64,30 +67,16 @@ def scales_of(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _update_slot(slot: dict[str, jax.Array], amax: jax.Array, margin: int, algo: str,
-                 power_2: bool) -> dict[str, jax.Array]:
-    """Roll this step's amax into the history (newest at index 0) and compute the next scales
-    ``(fp8_max / amax_h) / 2**margin`` (rounded down to a power of two with ``power_2``); a zero
-    or non-finite amax_h keeps the old scale."""
-    history = jnp.roll(slot["amax_history"], 1, axis=-1).at[..., 0].set(amax)
-    amax_h = jnp.max(history, axis=-1) if algo == "max" else history[..., 0]
-    scales = [F.scale_from_amax(amax_h[..., i], SLOT_DTYPES[i], margin, slot["scale"][..., i], power_2)
-              for i in range(3)]
-    return {"scale": jnp.stack(scales, axis=-1), "amax_history": history}
-
-
 def update_precision_state(state: dict[str, Any], amaxes: dict[str, Any],
                            policy: PrecisionPolicy) -> dict[str, Any]:
     """``amaxes`` has the layout of :func:`scales_of` (the scales' cotangents)."""
     if not state:
         return state
-    opts = policy.options_for("fp8_delayed")
-    margin, algo = int(opts.get("margin", 0)), str(opts.get("amax_algo", "max"))
-    power_2 = bool(opts.get("power_2_scale", False))
+    recipe = state_recipe(policy)
+    options = policy.options_tuple(recipe.name)
     new: dict[str, Any] = {}
     if "blocks" in state:
-        new["blocks"] = {c: _update_slot(s, amaxes["blocks"][c], margin, algo, power_2)
-                         for c, s in state["blocks"].items()}
+        new["blocks"] = {c: recipe.update_state(s, amaxes["blocks"][c], options) for c, s in state["blocks"].items()}
     if "lm_head" in state:
-        new["lm_head"] = _update_slot(state["lm_head"], amaxes["lm_head"], margin, algo, power_2)
+        new["lm_head"] = recipe.update_state(state["lm_head"], amaxes["lm_head"], options)
     return new

@@ -223,11 +223,13 @@ def memory_per_device(cfg: Config, n_params: int, mesh_shape: dict[str, int]) ->
     """Bytes per device by the planner's memory model (``maxfp4.plan.memory_per_device``: state
     over fsdp x tensor, one block's working weights, activations by ``train.remat``, FP32 logits;
     docs/PLANNING.md gives it with its calibration against measured peaks). The working copy is
-    taken in BF16, the widest a policy uses: it is one block's weights, so the recipe barely
-    moves the total."""
+    taken in the widest recipe (BF16): it is one block's weights, so the recipe barely moves the
+    total."""
     from maxfp4.plan import memory_per_device as planned
+    from maxfp4.precision.catalog import SPECS
     mesh = (mesh_shape["data"], mesh_shape["fsdp"], mesh_shape["tensor"])
-    return sum(planned(cfg, mesh, n_params, "bf16", cfg.train.remat).values())
+    widest = max(SPECS.values(), key=lambda spec: (spec.weight_bytes, spec.operand_bytes)).name
+    return sum(planned(cfg, mesh, n_params, widest, cfg.train.remat).values())
 
 
 def check_memory(cfg: Config, devices: Sequence[jax.Device], n_params: int, mesh_shape: dict[str, int]) -> Check:

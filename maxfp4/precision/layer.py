@@ -1,0 +1,58 @@
+"""What a linear layer calls: :func:`dot` and the per-block :class:`LayerPrecision`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from maxfp4.precision.catalog import LAYER_CLASSES
+from maxfp4.precision.fused import FusedOperands
+from maxfp4.precision.policy import PrecisionPolicy
+from maxfp4.precision.registry import RECIPES
+
+# The name every linear layer's output carries, so a remat policy can keep it
+# (train.remat=save_gemm, maxfp4.model.remat).
+GEMM_OUT = "gemm_out"
+
+
+def dot(x: jax.Array, w: jax.Array, layer_class: str, layer_index: int | None,
+        policy: PrecisionPolicy, *, scales: jax.Array | None = None,
+        key: jax.Array | None = None) -> jax.Array:
+    """``x[..., K] @ w[K, N]`` with the recipe the policy chose for (layer_class, layer_index).
+
+    ``scales`` (f32[3]) is the layer's delayed-scaling state, ``key`` seeds stochastic rounding.
+    """
+    recipe = policy.recipe_for(layer_class, layer_index)
+    return RECIPES[recipe].dot(x, w, policy.options_tuple(recipe), scales, key)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPrecision:
+    """What a block needs to run its linear layers: the policy, its index (the first block of
+    its scan group: recipes are identical inside a group), its delayed-scaling scales by class,
+    and a PRNG key from which each class derives its own."""
+
+    policy: PrecisionPolicy
+    layer_index: int | None
+    scales: dict[str, jax.Array] | None = None
+    key: jax.Array | None = None
+
+    def fused(self, layer_class: str) -> FusedOperands | None:
+        """The operand hooks of ``layer_class``'s recipe when it offers them and its scaling state
+        is at hand (a model built without scales, as ``compare`` builds some, leaves the casts to
+        the recipe's ``dot``); None: use :meth:`dot`."""
+        if not self.scales or layer_class not in self.scales:
+            return None
+        return RECIPES[self.policy.recipe_for(layer_class, self.layer_index)].fused
+
+    def options(self, layer_class: str) -> tuple:
+        """The hashable options of ``layer_class``'s recipe (a static argument of its VJPs)."""
+        return self.policy.options_tuple(self.policy.recipe_for(layer_class, self.layer_index))
+
+    def dot(self, x: jax.Array, w: jax.Array, layer_class: str) -> jax.Array:
+        scales = None if self.scales is None else self.scales.get(layer_class)
+        key = None if self.key is None else jax.random.fold_in(self.key, LAYER_CLASSES.index(layer_class))
+        y = dot(x, w, layer_class, self.layer_index, self.policy, scales=scales, key=key)
+        return checkpoint_name(y, GEMM_OUT)

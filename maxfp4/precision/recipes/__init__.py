@@ -1,0 +1,85 @@
+"""Linear-layer recipes, one module per family: how the operands of ``Y = X W`` and of its two
+gradient GEMMs are quantized.
+
+Every linear layer makes three GEMMs: fprop ``Y = X W``, dgrad ``dX = dY W^T`` and wgrad
+``dW = X^T dY``. A recipe is a ``jax.custom_vjp`` that decides each operand's format. Master
+weights arrive in FP32; the weight gradient leaves in FP32; activations travel in BF16.
+
+Signature of a recipe's dot: ``fn(x[..., K], w[K, N], options, scales, key) -> y[..., N]`` where
+``options`` is a hashable tuple of (name, value) pairs, ``scales`` is the layer's scaling state
+(f32[3]: x, w, dY, for a stateful recipe) or None, and ``key`` a PRNG key for stochastic rounding.
+
+Each family module (:mod:`.bf16`, :mod:`.fp8`, :mod:`.nvfp4`, :mod:`.mx`, :mod:`.fp8_block`)
+defines one :class:`Recipe` record per recipe; :mod:`maxfp4.precision.registry` lists them.
+Adding a recipe: its JAX-free facts in :mod:`maxfp4.precision.catalog`, its module (or a record
+in an existing one), and one registry line.
+
+Dimension letters: M tokens (batch x sequence), K input features, N output features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from maxfp4.precision.catalog import RecipeSpec
+from maxfp4.precision.fused import FusedOperands
+
+COMPUTE_DTYPE = jnp.bfloat16
+TN = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands: the fast cuBLASLt FP8 layout
+# The name of each recipe's activation operand as its backward pass keeps it (FP8 for the FP8
+# recipes, BF16 for the others), so a remat policy can keep it rather than recompute the norm,
+# activation and cast that made it (train.remat=save_gemm_io, maxfp4.model.remat).
+GEMM_IN = "gemm_in"
+# The name of each recipe's weight operand as its backward pass keeps it: cast (BF16) or
+# quantized (E4M3, NVFP4 tiles), still sharded as the parameter is, before any all-gather. A remat
+# policy keeps it for unrolled blocks, whose FP32 weights are slices of the stacked parameters
+# that XLA would otherwise copy for the backward pass to cast again (maxfp4.model.remat).
+GEMM_WEIGHT = "gemm_weight"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Recipe:
+    """Everything about one recipe: what the catalog knows of it, its dot, and what it offers."""
+
+    spec: RecipeSpec  # options and defaults, block size, peak class, bytes per element (catalog)
+    dot: Callable  # fn(x, w, options, scales, key) -> y: a custom_vjp over x and w
+    fused: FusedOperands | None = None  # operand hooks for layers that fuse its casts (fused.py)
+    # Stateful recipes (spec.stateful): one state slot per quantized layer, kept in
+    # TrainState.precision (maxfp4.precision.state). ``init_state(options, lead) -> slot`` with
+    # ``slot["scale"]`` f32[*lead, 3] (what the dot takes as ``scales``); ``update_state(slot,
+    # amax, options) -> slot`` from this step's amaxes f32[*lead, 3] (the scales' cotangents).
+    init_state: Callable | None = None
+    update_state: Callable | None = None
+
+    def __post_init__(self):
+        if self.spec.stateful != (self.init_state is not None and self.update_state is not None):
+            raise TypeError(f"recipe {self.spec.name}: a stateful spec needs init_state and update_state, "
+                            f"and only a stateful one has them")
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def flat(x: jax.Array) -> jax.Array:
+    return x.reshape(-1, x.shape[-1])
+
+
+def dtype_token(dtype) -> jax.Array:
+    """A zero-size array that carries a dtype (of x, whose gradient takes it) through the
+    residuals: dtypes are not JAX types."""
+    return jnp.zeros((0,), dtype)
+
+
+def amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def check_multiple(name: str, what: str, size: int, block: int, shape) -> None:
+    """A block-scaled recipe's dimension check, raised when its dot is traced."""
+    if size % block:
+        raise ValueError(f"{name}: {what} ({size}) of shape {tuple(shape)} must be a multiple of {block}")
