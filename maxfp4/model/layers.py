@@ -23,15 +23,15 @@ ACT_DTYPE = jnp.bfloat16
 
 # Parameters are leaves of the module that owns them, named as in checkpoints and the export
 # (``blocks/w_qkv``), so a layer's weight is a Param type of its own rather than a submodule,
-# which would add a level to every name. ``out_sharding`` holds the logical axes that mesh.py's
-# one table maps to the mesh; the state is placed by the jitted init's out_shardings, so flax
-# shards nothing eagerly.
+# which would add a level to every name. ``logical_axes`` metadata names each dimension for
+# mesh.py's one table; it is not flax's ``out_sharding``, which flax would resolve against the
+# mesh itself (eagerly at creation, and in ``nnx.eval_shape`` under a mesh).
 
 def param(value: jax.Array, axes: tuple[str | None, ...], kind: type = nnx.Param, **metadata) -> nnx.Param:
     """``value`` as a ``kind`` parameter with the logical ``axes`` (one name or None a dimension)."""
     if len(axes) != value.ndim:
         raise ValueError(f"logical axes {axes} for a parameter of shape {value.shape}")
-    return kind(value, out_sharding=tuple(axes), eager_sharding=False, **metadata)
+    return kind(value, logical_axes=tuple(axes), **metadata)
 
 
 class Linear(nnx.Param):

@@ -58,7 +58,7 @@ def init_params(model_type: type[LanguageModel], cfg: ModelConfig, key: jax.Arra
 def param_axes(model_type: type[LanguageModel], cfg: ModelConfig) -> Params:
     """The logical axes of every parameter, from its metadata, in the pytree's layout."""
     abstract = nnx.eval_shape(lambda: model_type(cfg, jax.random.key(0)))
-    return nnx.to_pure_dict(nnx.state(abstract), extract_fn=lambda v: v.get_metadata()["out_sharding"])
+    return nnx.to_pure_dict(nnx.state(abstract), extract_fn=lambda v: v.logical_axes)
 
 
 @lru_cache(maxsize=32)
