@@ -134,7 +134,9 @@ class HybridLM(lm.LanguageModel):
         for start, unit, reps in scan_groups(cfg.pattern, policy.block_table):
             u = len(unit)
             xs: dict[str, Any] = {}
-            for t in set(TYPES[c] for c in unit):
+            # In the unit's order: a set's order follows the process's string hash seed, and so
+            # did the traced program's, so processes and restarts lowered different programs.
+            for t in dict.fromkeys(TYPES[c] for c in unit):
                 per_unit = sum(TYPES[c] == t for c in unit)
                 lo = offsets[t]
                 xs[t] = jax.tree.map(lambda a: a[lo:lo + reps * per_unit].reshape(reps, per_unit, *a.shape[1:]),
