@@ -2,14 +2,16 @@
 the compiled program).
 
 For each case (tiny dense and hybrid models; scanned and unrolled blocks; bf16, fp8_delayed and
-nvfp4; remat none and save_gemm; one device and a 2 x 2 fsdp x tensor mesh) each tree's
-``maxfp4.train`` builds the state shapes and the step exactly as the trainer does
-(``state_maker``, ``jit_train_step``) and lowers it, in a child process with that tree first on
-``PYTHONPATH``. The texts are compared after dropping location metadata and renaming SSA values
-and symbols in order of appearance; where they differ, the count of each op kind is compared too.
+nvfp4; remat none and save_gemm; one device and a 2 x 2 fsdp x tensor mesh; the Mamba-2 Pallas
+kernels) each tree's ``maxfp4.train`` builds the state shapes and the step exactly as the
+trainer does (``state_maker``, ``jit_train_step``) and lowers it, in a child process with that
+tree first on ``PYTHONPATH`` (on CPU with 4 virtual devices unless ``--platform`` says
+otherwise; a case needing more devices than there are is skipped). The texts are compared
+after dropping location metadata and renaming SSA values and symbols in order of appearance;
+where they differ, the count of each op kind is compared too.
 
     git -C /work/main archive 588b738 | tar -x -C /tmp/old
-    python benchmarks/hlo_compare.py /tmp/old . [--only hybrid] [--json out.json] [--keep DIR]
+    python benchmarks/hlo_compare.py /tmp/old . [--only hybrid] [--platform cuda] [--json out.json] [--keep DIR]
 
 Exit code 0 when every case is identical (or has the same op counts), 1 otherwise.
 """
@@ -50,6 +52,11 @@ def cases(only: str = "") -> dict[str, list[str]]:
         out[f"{family}-fp8_delayed-mesh_fsdp2_tensor2"] = (
             TINY + model + RECIPES["fp8_delayed"] + ["train.remat=save_gemm", "mesh.data=1", "mesh.fsdp=2",
                                                      "mesh.tensor=2"])
+    # The Mamba-2 kernels (Pallas; interpret mode off GPU), and with FP8 the mixer fused with them.
+    for recipe in ("bf16", "fp8_delayed"):
+        out[f"hybrid-{recipe}-pallas_mixer-remat_save_gemm"] = (
+            TINY + HYBRID + RECIPES[recipe] + ["model.mamba.kernels=pallas", "model.mamba.head_dim=16",
+                                              "train.remat=save_gemm"])
     return {name: overrides for name, overrides in out.items() if only in name}
 
 
@@ -66,6 +73,9 @@ def lower_all(out_dir: str, only: str) -> None:
     for name, overrides in cases(only).items():
         cfg = load_config(None, overrides)
         n = cfg.mesh.fsdp * cfg.mesh.tensor
+        if n > jax.device_count():
+            print(f"{name}: skipped, {n} devices needed")
+            continue
         mesh = make_mesh(cfg.mesh, jax.devices()[:n])
         policy = resolve_policy(cfg.precision, cfg.model.n_layers)
         optimizer = make_optimizer(cfg)
@@ -105,12 +115,13 @@ def op_counts(text: str) -> collections.Counter:
     return collections.Counter(m.group(1) for line in text.splitlines() for m in [_OP.search(line)] if m)
 
 
-def lower_tree(tree: str, out_dir: str, only: str) -> None:
+def lower_tree(tree: str, out_dir: str, only: str, platform: str) -> None:
     # One hash seed for both trees: code that iterates over a set of strings traces in an order
     # that depends on it.
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_PLATFORMS="cpu", PYTHONHASHSEED="0")
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=4"])
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_PLATFORMS=platform, PYTHONHASHSEED="0")
+    if platform == "cpu":
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=4"])
     subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out_dir, "--only", only], env=env, check=True,
                    cwd=os.path.abspath(tree))
 
@@ -122,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the per-case results here")
     parser.add_argument("--keep", help="keep the lowered texts under this folder")
     parser.add_argument("--only", default="", help="only the cases whose names contain this")
+    parser.add_argument("--platform", default="cpu", help="lower for this JAX platform (cuda: the GPU paths)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -131,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     dirs = {side: os.path.join(root, side) for side in ("old", "new")}
     for side, tree in (("old", args.old), ("new", args.new)):
         os.makedirs(dirs[side], exist_ok=True)
-        lower_tree(tree, dirs[side], args.only)
+        lower_tree(tree, dirs[side], args.only, args.platform)
     results, ok = [], True
     print(f"{'case':<44}{'identical':>10}{'same ops':>10}{'ops':>7}  differences")
     for name in cases(args.only):
+        if not all(os.path.exists(os.path.join(dirs[s], name + ".mlir")) for s in ("old", "new")):
+            continue
         old, new = (normalize(open(os.path.join(dirs[s], name + ".mlir")).read()) for s in ("old", "new"))
         same = old == new
         counts_old, counts_new = op_counts(old), op_counts(new)
