@@ -228,3 +228,21 @@ def test_apply_merges_the_pure_pytree_into_the_module(tiny_cfg):
     assert isinstance(model, HybridLM) and model.mamba.in_proj.layer_class == "mamba_in"
     assert model.attention.w_qkv[...] is params["attention"]["w_qkv"]  # no copy
     assert lm.graphdef(HybridLM, cfg) is lm.graphdef(HybridLM, cfg)  # built once per config
+
+
+def test_one_layer_modules_have_the_per_layer_shapes_and_axes(tiny_cfg):
+    """``n=None`` builds one layer (what a sampler slices out of a stack): no ``layers`` axis."""
+    from maxfp4.model.attention import Attention
+    from maxfp4.model.mamba import Mamba2Mixer
+    from maxfp4.model.mlp import MLP
+
+    cfg = tiny_cfg(*HYBRID).model
+    k = jax.random.key(0)
+    stack = nnx.eval_shape(lambda: HybridLM(cfg, k))
+    for one, stacked in ((Attention(cfg, k, k, None, std=0.02, out_std=0.01), stack.attention),
+                         (MLP(cfg, k, k, None, gates=1, std=0.02, out_std=0.01), stack.mlp),
+                         (Mamba2Mixer(cfg, k, None), stack.mamba)):
+        for path, v in nnx.to_flat_state(nnx.state(one)):
+            s = getattr(stacked, path[-1])
+            assert v.shape == s.shape[1:] and v.logical_axes == s.logical_axes[1:], path
+            assert s.logical_axes[0] == "layers"
