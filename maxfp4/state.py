@@ -12,7 +12,7 @@ import jax
 @dataclasses.dataclass(frozen=True)
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken
-    params: Any  # FP32 master weights
+    params: Any  # FP32 master weights: the model's nnx state as a pure pytree (maxfp4.model.lm)
     opt_state: Any  # optimizer moments (FP32); never sees precision state
     rng: jax.Array  # base key; each step folds in its step number
     precision: Any  # FP8 delayed-scaling state (maxfp4.precision.state); {} when unused

@@ -1,6 +1,8 @@
-"""Models: every linear layer goes through ``maxfp4.precision.dot``.
+"""Models as Flax NNX modules; every linear layer goes through ``maxfp4.precision.dot``.
 
-:func:`get_model` picks the family from ``model.kind``; both expose the same functions.
+:func:`get_model` picks the family from ``model.kind``: its module type (``DenseLM`` or
+``HybridLM``) and the functional face the trainer uses over the pure parameter pytree (each
+function merges the pytree into the module where it runs, see :mod:`maxfp4.model.lm`).
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ class ModelFns:
     forward: Callable  # (params, inputs, positions, segment_ids, *, cfg, policy, ...) -> logits
     forward_embedded: Callable
     block_layer_classes: tuple[str, ...]  # the precision classes a block of this model has
+    module: type  # the nnx.Module: module(cfg, key) builds it; lm.apply(module, params, cfg) wraps a pytree
 
 
 def get_model(cfg: ModelConfig) -> ModelFns:
     if cfg.kind == "hybrid":
         from maxfp4.model import hybrid
         return ModelFns(hybrid.init_params, hybrid.param_axes, hybrid.forward, hybrid.forward_embedded,
-                        hybrid.block_layer_classes(cfg))
+                        hybrid.block_layer_classes(cfg), hybrid.HybridLM)
     from maxfp4.model import decoder
     return ModelFns(decoder.init_params, decoder.param_axes, decoder.forward, decoder.forward_embedded,
-                    decoder.BLOCK_LAYER_CLASSES)
+                    decoder.BLOCK_LAYER_CLASSES, decoder.DenseLM)
 
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

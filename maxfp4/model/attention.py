@@ -29,13 +29,14 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from maxfp4.config import ModelConfig
 from maxfp4.mesh import batch_split_axes
 from maxfp4.kernels import qkv_grad as qkv_grad_kernel
 from maxfp4.model.fp8_epilogue import Quantize
-from maxfp4.model.layers import rope_tables, rotate
+from maxfp4.model.layers import linear, rope_tables, rotate, stacked
 from maxfp4.model.remat import tag_attention_output
 from maxfp4.kernels.launch import on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision
@@ -207,12 +208,34 @@ def assemble_qkv_grad(dq_BTNH: jax.Array, dk_BTKH: jax.Array, dv_BTKH: jax.Array
 split_heads.defvjp(_split_heads_fwd, _split_heads_bwd)
 
 
+class Attention(nnx.Module):
+    """Grouped-query attention: ``w_qkv`` [D, K, G+2, H] (per kv head its G query heads, then its
+    key and value, so that splitting K over devices keeps each head group's q, k and v together)
+    and ``w_o`` [N*H, D]; ``n`` of each stacked on a leading L axis (None: one layer)."""
+
+    def __init__(self, cfg: ModelConfig, key_qkv: jax.Array, key_o: jax.Array, n: int | None, *,
+                 std: float, out_std: float):
+        d, h, heads, kv = cfg.d_model, cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
+        self.w_qkv = linear(key_qkv, *stacked(n, (d, kv, heads // kv + 2, h), ("embed", "kv_heads", None, "head_dim")),
+                            std=std, layer_class="attn_qkv")
+        self.w_o = linear(key_o, *stacked(n, (heads * h, d), ("heads", "embed")), std=out_std,
+                          layer_class="attn_out")
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
+                 lp: LayerPrecision, *, rope_theta: float | None, implementation: str, max_segments: int = 16,
+                 runs_per_row: int | None = None) -> jax.Array:
+        b, t, _ = x_BTD.shape
+        q_BTNH, k_BTKH, v_BTKH = qkv_heads(x_BTD, self.w_qkv[...], positions_BT, rope_theta, lp)
+        out_BTNH = tag_attention_output(
+            attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation, max_segments, runs_per_row))
+        return self.w_o(out_BTNH.reshape(b, t, -1), lp)
+
+
 def attention_block(x_BTD: jax.Array, w_qkv_DKGH: jax.Array, w_o_ND: jax.Array,
                     positions_BT: jax.Array, segment_ids_BT: jax.Array, *, rope_theta: float | None,
                     implementation: str, lp: LayerPrecision, max_segments: int = 16,
                     runs_per_row: int | None = None) -> jax.Array:
-    """``w_qkv`` is [D, K, G+2, H]: per kv head its G query heads, then its key and value, so that
-    splitting K over devices keeps each head group's q, k and v together."""
+    """:class:`Attention` over plain arrays (``w_qkv`` [D, K, G+2, H], ``w_o`` [N*H, D])."""
     b, t, d = x_BTD.shape
     _, k, g2, h = w_qkv_DKGH.shape
     g = g2 - 2

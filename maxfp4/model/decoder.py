@@ -1,8 +1,8 @@
 """Llama-style decoder: embed -> scanned blocks (RMSNorm, GQA attention with RoPE, RMSNorm,
-SwiGLU) -> RMSNorm -> untied LM head.
+SwiGLU) -> RMSNorm -> untied LM head, as Flax NNX modules.
 
-Parameters are a plain pytree of FP32 master weights. Block weights are stacked on a leading L
-axis; the forward pass scans each run of consecutive blocks that share a precision recipe
+Parameters are FP32 master weights. Block weights are stacked on a leading L axis; the forward
+pass scans each run of consecutive blocks that share a precision recipe
 (:meth:`PrecisionPolicy.block_groups`), so compile time does not grow with depth and the layout
 of the parameters does not depend on the precision policy.
 
@@ -17,11 +17,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from maxfp4.config import ModelConfig
-from maxfp4.model.attention import attention_block, resolve_implementation
-from maxfp4.model.layers import ACT_DTYPE, normal_init, output_logits, rms_norm, swiglu_mlp
+from maxfp4.model import lm
+from maxfp4.model.attention import Attention, resolve_implementation
+from maxfp4.model.layers import norm_scale, output_logits, stacked
 from maxfp4.model.layer_loop import run_layers
+from maxfp4.model.mlp import MLP
 from maxfp4.model.remat import remat_body
 from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
@@ -30,108 +33,104 @@ Params = dict[str, Any]
 # The layer classes of a block of this model (precision policy classes).
 BLOCK_LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down")
 
-# Logical axis names of every parameter; mesh.py maps them to mesh axes.
-BLOCK_AXES = {
-    "attn_norm": ("layers", "norm"),
-    "w_qkv": ("layers", "embed", "kv_heads", None, "head_dim"),
-    "w_o": ("layers", "heads", "embed"),
-    "mlp_norm": ("layers", "norm"),
-    "w_up": ("layers", "embed", "mlp", None),
-    "w_down": ("layers", "mlp", "embed"),
-}
+
+class DecoderBlock(Attention, MLP):
+    """RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual. The block is both mixers
+    (it inherits their weights) rather than holding them, so its parameters keep their flat
+    names beside the norms: ``attn_norm w_qkv w_o mlp_norm w_up w_down``.
+
+    Residual-branch outputs (w_o, w_down) start smaller by 1/sqrt(2L) so the residual stream's
+    variance does not grow with depth (GPT-2 practice)."""
+
+    def __init__(self, cfg: ModelConfig, keys: jax.Array, n: int | None):
+        """``keys``: four keys (w_qkv, w_o, w_up, w_down); ``n`` blocks stacked (None: one)."""
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        Attention.__init__(self, cfg, keys[0], keys[1], n, std=std, out_std=out_std)
+        MLP.__init__(self, cfg, keys[2], keys[3], n, gates=2, std=std, out_std=out_std)
+        self.attn_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
+        self.mlp_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
+        self.cfg = cfg
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
+                 lp: LayerPrecision, attn_impl: str, runs_per_row: int | None) -> jax.Array:
+        cfg = self.cfg
+        h = self.attn_norm(x_BTD, cfg.norm_eps)
+        x_BTD = x_BTD + Attention.__call__(
+            self, h, positions_BT, segment_ids_BT, lp, rope_theta=cfg.rope_theta, implementation=attn_impl,
+            max_segments=cfg.attention_max_segments, runs_per_row=runs_per_row)
+        h = self.mlp_norm(x_BTD, cfg.norm_eps)
+        return x_BTD + MLP.__call__(self, h, lp, smooth=cfg.smooth_swiglu)
 
 
-def param_axes(cfg: ModelConfig) -> Params:
-    del cfg
-    return {
-        "embed": ("vocab", "embed"),
-        "blocks": dict(BLOCK_AXES),
-        "final_norm": ("norm",),
-        "lm_head": ("embed", "vocab"),
-    }
+class DenseLM(lm.LanguageModel):
+    """``embed``, ``blocks`` (a :class:`DecoderBlock` of L stacked blocks), ``final_norm``,
+    ``lm_head``; ``key`` initialises them exactly as the parameter pytree always was."""
+
+    def __init__(self, cfg: ModelConfig, key: jax.Array):
+        keys = jax.random.split(key, 6)
+        super().__init__(cfg, keys[0], keys[5])
+        self.blocks = DecoderBlock(cfg, keys[1:5], cfg.n_layers)
+
+    def from_embedded(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
+                      *, policy: PrecisionPolicy, scales: dict | None = None, key: jax.Array | None = None,
+                      remat: str = "none", scan_layers: bool = True, constrain=lambda x, axes: x,
+                      logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
+        """The model after the embedding lookup. ``scales``: the delayed-scaling scales
+        (:func:`maxfp4.precision.state.scales_of`); ``key`` seeds stochastic rounding;
+        ``constrain(x, logical_axes)`` pins activation shardings; ``runs_per_row``: a bound on
+        the segment runs of every row, when the data gives one
+        (:func:`maxfp4.model.attention.attend`). ``logits=False`` returns the last block's
+        output [B, T, D] instead of the logits [B, T, V]."""
+        cfg = self.cfg
+        attn_impl = resolve_implementation(cfg.attention)
+        scales = scales or {}
+        key = jax.random.key(0) if key is None else key
+        x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
+        # The scan runs over the stack's arrays; each step merges its slice into one block.
+        block_def, blocks = nnx.split(self.blocks)
+        blocks = nnx.to_pure_dict(blocks)
+        for start, end in policy.block_groups():
+            # One scan per run of blocks with identical recipes: the recipe is static inside it.
+            whole = (start, end) == (0, cfg.n_layers)
+            group = blocks if whole else jax.tree.map(lambda a: a[start:end], blocks)
+            group_scales = scales.get("blocks", {})
+            if not whole:
+                group_scales = jax.tree.map(lambda a: a[start:end], group_scales)
+            group_keys = jax.random.split(jax.random.fold_in(key, start), end - start)
+
+            def body(x, xs, start=start):
+                p, s, k = xs
+                lp = LayerPrecision(policy, start, s, k)
+                y = nnx.merge(block_def, p)(x, positions_BT, segment_ids_BT, lp, attn_impl, runs_per_row)
+                return constrain(y, ("batch", "seq", "embed")), None
+
+            body = remat_body(body, remat, scanned=scan_layers)
+            x_BTD = run_layers(body, x_BTD, (group, group_scales, group_keys), end - start, scan=scan_layers)
+        if not logits:  # the last block's output, for a loss that applies the head itself
+            return x_BTD
+        return self.logits(x_BTD, policy=policy, scales=scales, key=key, constrain=constrain)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
-    """FP32 master weights. Residual-branch outputs (w_o, w_down) start smaller by 1/sqrt(2L) so
-    the residual stream's variance does not grow with depth (GPT-2 practice)."""
-    d, L, f, v = cfg.d_model, cfg.n_layers, cfg.d_ff, cfg.vocab_size
-    h, n, k = cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
-    g = n // k
-    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * L)
-    keys = jax.random.split(key, 6)
-    return {
-        "embed": normal_init(keys[0], (v, d), std),
-        "blocks": {
-            "attn_norm": jnp.ones((L, d), jnp.float32),
-            "w_qkv": normal_init(keys[1], (L, d, k, g + 2, h), std),
-            "w_o": normal_init(keys[2], (L, n * h, d), out_std),
-            "mlp_norm": jnp.ones((L, d), jnp.float32),
-            "w_up": normal_init(keys[3], (L, d, f, 2), std),
-            "w_down": normal_init(keys[4], (L, f, d), out_std),
-        },
-        "final_norm": jnp.ones((d,), jnp.float32),
-        "lm_head": normal_init(keys[5], (d, v), std),
-    }
+    """FP32 master weights as a pure pytree: :class:`DenseLM`'s state."""
+    return lm.init_params(DenseLM, cfg, key)
 
 
-def _block(x_BTD: jax.Array, p: Params, positions_BT: jax.Array, segment_ids_BT: jax.Array,
-           cfg: ModelConfig, lp: LayerPrecision, attn_impl: str, runs_per_row: int | None) -> jax.Array:
-    h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
-    x_BTD = x_BTD + attention_block(
-        h, p["w_qkv"], p["w_o"], positions_BT, segment_ids_BT, rope_theta=cfg.rope_theta,
-        implementation=attn_impl, lp=lp, max_segments=cfg.attention_max_segments, runs_per_row=runs_per_row)
-    h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-    return x_BTD + swiglu_mlp(h, p["w_up"], p["w_down"], lp, smooth=cfg.smooth_swiglu)
+def param_axes(cfg: ModelConfig) -> Params:
+    """Logical axis names of every parameter (from the modules' metadata); mesh.py maps them."""
+    return lm.param_axes(DenseLM, cfg)
 
 
 def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
-            *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
-            key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
-            constrain=lambda x, axes: x, logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
-    """Logits [B, T, V] in BF16.
-
-    ``scales``: the delayed-scaling scales (:func:`maxfp4.precision.state.scales_of`); ``key``
-    seeds stochastic rounding; ``constrain(x, logical_axes)`` pins activation shardings;
-    ``runs_per_row``: a bound on the segment runs of every row, when the data gives one
-    (:func:`maxfp4.model.attention.attend`).
-    """
-    x_BTD = jnp.take(params["embed"], inputs_BT, axis=0).astype(ACT_DTYPE)
-    return forward_embedded(params, x_BTD, positions_BT, segment_ids_BT, cfg=cfg, policy=policy,
-                            scales=scales, key=key, remat=remat, scan_layers=scan_layers, constrain=constrain,
-                            logits=logits, runs_per_row=runs_per_row)
+            *, cfg: ModelConfig, **options) -> jax.Array:
+    """Logits [B, T, V] in BF16 from the parameter pytree (options: :meth:`DenseLM.from_embedded`)."""
+    return lm.apply(DenseLM, params, cfg)(inputs_BT, positions_BT, segment_ids_BT, **options)
 
 
-def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
-                     segment_ids_BT: jax.Array, *, cfg: ModelConfig, policy: PrecisionPolicy,
-                     scales: dict | None = None, key: jax.Array | None = None,
-                     remat: str = "none", scan_layers: bool = True, constrain=lambda x, axes: x,
-                     logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
-    """The model after the embedding lookup (separate so tests can differentiate by position).
-    ``logits=False`` returns the last block's output [B, T, D] instead of the logits."""
-    attn_impl = resolve_implementation(cfg.attention)
-    scales = scales or {}
-    key = jax.random.key(0) if key is None else key
-    x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
-    for start, end in policy.block_groups():
-        # One scan per run of blocks with identical recipes: the recipe is static inside it.
-        whole = (start, end) == (0, cfg.n_layers)
-        group = params["blocks"] if whole else jax.tree.map(lambda a: a[start:end], params["blocks"])
-        group_scales = scales.get("blocks", {})
-        if not whole:
-            group_scales = jax.tree.map(lambda a: a[start:end], group_scales)
-        group_keys = jax.random.split(jax.random.fold_in(key, start), end - start)
-
-        def body(x, xs, start=start):
-            p, s, k = xs
-            lp = LayerPrecision(policy, start, s, k)
-            y = _block(x, p, positions_BT, segment_ids_BT, cfg, lp, attn_impl, runs_per_row)
-            return constrain(y, ("batch", "seq", "embed")), None
-
-        body = remat_body(body, remat, scanned=scan_layers)
-        x_BTD = run_layers(body, x_BTD, (group, group_scales, group_keys), end - start, scan=scan_layers)
-    if not logits:  # the last block's output, for a loss that applies the head itself
-        return x_BTD
-    return output_logits(params, x_BTD, cfg=cfg, policy=policy, scales=scales, key=key, constrain=constrain)
+def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
+                     *, cfg: ModelConfig, **options) -> jax.Array:
+    """The model after the embedding lookup (separate so tests can differentiate by position)."""
+    return lm.apply(DenseLM, params, cfg).from_embedded(x_BTD, positions_BT, segment_ids_BT, **options)
 
 
 @jax.custom_vjp

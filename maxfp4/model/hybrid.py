@@ -4,7 +4,9 @@
 Parameters are stacked per block type ([n_type, ...]), so their layout depends only on the
 pattern. The forward pass covers the pattern with as few scans as it can: a scan repeats a unit
 of up to four blocks (``"M-"``, ``"M*-"`` ...) whose blocks also repeat their precision recipes,
-so a 52-block Nemotron-H pattern compiles a handful of scan bodies, not 52 blocks.
+so a 52-block Nemotron-H pattern compiles a handful of scan bodies, not 52 blocks. Blocks are
+Flax NNX modules (``MambaBlock``, ``AttentionBlock``, ``MLPBlock``): each is its mixer with a
+pre-norm, its parameters named ``pre_norm`` beside the mixer's.
 
 Dimension letters: B batch, T sequence, D d_model, V vocabulary.
 """
@@ -16,13 +18,15 @@ from functools import lru_cache
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+from flax import nnx
 
 from maxfp4.config import ModelConfig
-from maxfp4.model.attention import attention_block, resolve_implementation
-from maxfp4.model.layers import ACT_DTYPE, mlp_block, normal_init, output_logits, rms_norm
-from maxfp4.model.mamba import MAMBA_AXES, init_mamba, mamba_mixer
+from maxfp4.model import lm
+from maxfp4.model.attention import Attention, resolve_implementation
+from maxfp4.model.layers import norm_scale, stacked
 from maxfp4.model.layer_loop import run_layers
+from maxfp4.model.mamba import Mamba2Mixer
+from maxfp4.model.mlp import MLP
 from maxfp4.model.remat import remat_body
 from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
@@ -42,47 +46,133 @@ def _counts(pattern: str) -> dict[str, int]:
     return {t: sum(TYPES[c] == t for c in pattern) for t in TYPES.values()}
 
 
-def param_axes(cfg: ModelConfig) -> Params:
-    counts = _counts(cfg.pattern)
-    axes: Params = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
-    if counts["mamba"]:
-        axes["mamba"] = {k: ("layers",) + v for k, v in MAMBA_AXES.items()} | {"pre_norm": ("layers", "norm")}
-    if counts["attention"]:
-        axes["attention"] = {"pre_norm": ("layers", "norm"),
-                             "w_qkv": ("layers", "embed", "kv_heads", None, "head_dim"),
-                             "w_o": ("layers", "heads", "embed")}
-    if counts["mlp"]:
-        axes["mlp"] = {"pre_norm": ("layers", "norm"), "w_up": ("layers", "embed", "mlp", None),
-                       "w_down": ("layers", "mlp", "embed")}
-    return axes
+class MambaBlock(Mamba2Mixer):
+    """RMSNorm -> Mamba-2 mixer -> residual."""
+
+    def __init__(self, cfg: ModelConfig, key: jax.Array, n: int | None):
+        super().__init__(cfg, key, n)
+        self.pre_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, lp: LayerPrecision, attn_impl: str, constrain,
+                 runs_per_row: int | None):
+        y = super().__call__(self.pre_norm(x_BTD, self.cfg.norm_eps), segment_ids_BT, lp, constrain)
+        return x_BTD + y.astype(x_BTD.dtype)
+
+
+class AttentionBlock(Attention):
+    """RMSNorm -> attention (RoPE when ``model.rope``) -> residual."""
+
+    def __init__(self, cfg: ModelConfig, key_qkv: jax.Array, key_o: jax.Array, n: int | None):
+        super().__init__(cfg, key_qkv, key_o, n, std=cfg.init_std, out_std=_out_std(cfg))
+        self.pre_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
+        self.cfg = cfg
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, lp: LayerPrecision, attn_impl: str, constrain,
+                 runs_per_row: int | None):
+        cfg = self.cfg
+        y = super().__call__(self.pre_norm(x_BTD, cfg.norm_eps), positions_BT, segment_ids_BT, lp,
+                             rope_theta=cfg.rope_theta if cfg.rope else None, implementation=attn_impl,
+                             max_segments=cfg.attention_max_segments, runs_per_row=runs_per_row)
+        return x_BTD + y.astype(x_BTD.dtype)
+
+
+class MLPBlock(MLP):
+    """RMSNorm -> MLP (``model.mlp``: swiglu or relu2) -> residual."""
+
+    def __init__(self, cfg: ModelConfig, key_up: jax.Array, key_down: jax.Array, n: int | None):
+        super().__init__(cfg, key_up, key_down, n, gates=2 if cfg.mlp == "swiglu" else 1, std=cfg.init_std,
+                         out_std=_out_std(cfg))
+        self.pre_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
+        self.cfg = cfg
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, lp: LayerPrecision, attn_impl: str, constrain,
+                 runs_per_row: int | None):
+        cfg = self.cfg
+        y = super().__call__(self.pre_norm(x_BTD, cfg.norm_eps), lp, kind=cfg.mlp, smooth=cfg.smooth_swiglu)
+        return x_BTD + y.astype(x_BTD.dtype)
+
+
+def _out_std(cfg: ModelConfig) -> float:
+    """Residual-branch outputs start smaller by 1/sqrt(2L) (GPT-2 practice)."""
+    return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+
+class HybridLM(lm.LanguageModel):
+    """``embed``, one stack per block type present in the pattern (``mamba``, ``attention``,
+    ``mlp``: [n_type, ...] each), ``final_norm``, ``lm_head``; ``key`` initialises them exactly as
+    the parameter pytree always was."""
+
+    def __init__(self, cfg: ModelConfig, key: jax.Array):
+        counts = _counts(cfg.pattern)
+        keys = jax.random.split(key, 8)
+        super().__init__(cfg, keys[0], keys[1])
+        if counts["mamba"]:
+            self.mamba = MambaBlock(cfg, keys[2], counts["mamba"])
+        if counts["attention"]:
+            self.attention = AttentionBlock(cfg, keys[3], keys[4], counts["attention"])
+        if counts["mlp"]:
+            self.mlp = MLPBlock(cfg, keys[5], keys[6], counts["mlp"])
+
+    def from_embedded(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
+                      *, policy: PrecisionPolicy, scales: dict | None = None, key: jax.Array | None = None,
+                      remat: str = "none", scan_layers: bool = True, constrain=lambda x, axes: x,
+                      logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
+        """As :meth:`maxfp4.model.decoder.DenseLM.from_embedded`."""
+        cfg = self.cfg
+        attn_impl = resolve_implementation(cfg.attention)
+        scales = scales or {}
+        block_scales = scales.get("blocks", {})
+        key = jax.random.key(0) if key is None else key
+        x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
+        # Each scan runs over slices of the stacks' arrays; each block merges its slice into a module.
+        defs, stacks = {}, {}
+        for t in TYPES.values():
+            if hasattr(self, t):
+                defs[t], state = nnx.split(getattr(self, t))
+                stacks[t] = nnx.to_pure_dict(state)
+        offsets = {t: 0 for t in TYPES.values()}
+        for start, unit, reps in scan_groups(cfg.pattern, policy.block_table):
+            u = len(unit)
+            xs: dict[str, Any] = {}
+            # In the unit's order: a set's order follows the process's string hash seed, and so
+            # did the traced program's, so processes and restarts lowered different programs.
+            for t in dict.fromkeys(TYPES[c] for c in unit):
+                per_unit = sum(TYPES[c] == t for c in unit)
+                lo = offsets[t]
+                xs[t] = jax.tree.map(lambda a: a[lo:lo + reps * per_unit].reshape(reps, per_unit, *a.shape[1:]),
+                                     stacks[t])
+                offsets[t] += reps * per_unit
+            xs["scales"] = {c: s[start:start + reps * u].reshape(reps, u, *s.shape[1:])
+                            for c, s in block_scales.items()}
+            xs["keys"] = jax.random.split(jax.random.fold_in(key, start), reps)
+
+            def body(x, xs, start=start, unit=unit):
+                seen = {t: 0 for t in TYPES.values()}
+                for j, ch in enumerate(unit):
+                    t = TYPES[ch]
+                    block = nnx.merge(defs[t], jax.tree.map(lambda a: a[seen[t]], xs[t]))
+                    seen[t] += 1
+                    lp = LayerPrecision(policy, start + j, {c: s[j] for c, s in xs["scales"].items()},
+                                        jax.random.fold_in(xs["keys"], j))
+                    x = constrain(block(x, positions_BT, segment_ids_BT, lp, attn_impl, constrain, runs_per_row),
+                                  ("batch", "seq", "embed"))
+                return x, None
+
+            body = remat_body(body, remat, scanned=scan_layers)
+            x_BTD = run_layers(body, x_BTD, xs, reps, scan=scan_layers)
+        if not logits:  # the last block's output, for a loss that applies the head itself
+            return x_BTD
+        return self.logits(x_BTD, policy=policy, scales=scales, key=key, constrain=constrain)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
-    counts = _counts(cfg.pattern)
-    d, v, std = cfg.d_model, cfg.vocab_size, cfg.init_std
-    out_std = std / math.sqrt(2 * cfg.n_layers)
-    h, n, k = cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
-    keys = jax.random.split(key, 8)
-    params: Params = {
-        "embed": normal_init(keys[0], (v, d), std),
-        "final_norm": jnp.ones((d,), jnp.float32),
-        "lm_head": normal_init(keys[1], (d, v), std),
-    }
-    if counts["mamba"]:
-        m = counts["mamba"]
-        params["mamba"] = init_mamba(cfg, keys[2], m) | {"pre_norm": jnp.ones((m, d), jnp.float32)}
-    if counts["attention"]:
-        a = counts["attention"]
-        params["attention"] = {"pre_norm": jnp.ones((a, d), jnp.float32),
-                               "w_qkv": normal_init(keys[3], (a, d, k, n // k + 2, h), std),
-                               "w_o": normal_init(keys[4], (a, n * h, d), out_std)}
-    if counts["mlp"]:
-        f, gates = cfg.d_ff, (2 if cfg.mlp == "swiglu" else 1)
-        c = counts["mlp"]
-        params["mlp"] = {"pre_norm": jnp.ones((c, d), jnp.float32),
-                         "w_up": normal_init(keys[5], (c, d, f, gates), std),
-                         "w_down": normal_init(keys[6], (c, f, d), out_std)}
-    return params
+    """FP32 master weights as a pure pytree: :class:`HybridLM`'s state."""
+    return lm.init_params(HybridLM, cfg, key)
+
+
+def param_axes(cfg: ModelConfig) -> Params:
+    """Logical axis names of every parameter (from the modules' metadata); mesh.py maps them."""
+    return lm.param_axes(HybridLM, cfg)
 
 
 @lru_cache(maxsize=64)
@@ -110,67 +200,13 @@ def scan_groups(pattern: str, recipe_rows: tuple) -> tuple[tuple[int, str, int],
     return best[n][1]
 
 
-def _block(ch: str, x_BTD, p, positions_BT, segment_ids_BT, cfg: ModelConfig, lp: LayerPrecision, attn_impl,
-           constrain, runs_per_row: int | None):
-    h = rms_norm(x_BTD, p["pre_norm"], cfg.norm_eps)
-    if ch == "M":
-        y = mamba_mixer(h, p, segment_ids_BT, cfg, lp, constrain)
-    elif ch == "*":
-        y = attention_block(h, p["w_qkv"], p["w_o"], positions_BT, segment_ids_BT,
-                            rope_theta=cfg.rope_theta if cfg.rope else None, implementation=attn_impl, lp=lp,
-                            max_segments=cfg.attention_max_segments, runs_per_row=runs_per_row)
-    else:
-        y = mlp_block(h, p["w_up"], p["w_down"], lp, kind=cfg.mlp, smooth=cfg.smooth_swiglu)
-    return x_BTD + y.astype(x_BTD.dtype)
-
-
 def forward(params: Params, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
-            *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
-            key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
-            constrain=lambda x, axes: x, logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
-    x_BTD = jnp.take(params["embed"], inputs_BT, axis=0).astype(ACT_DTYPE)
-    return forward_embedded(params, x_BTD, positions_BT, segment_ids_BT, cfg=cfg, policy=policy,
-                            scales=scales, key=key, remat=remat, scan_layers=scan_layers, constrain=constrain,
-                            logits=logits, runs_per_row=runs_per_row)
+            *, cfg: ModelConfig, **options) -> jax.Array:
+    """Logits [B, T, V] in BF16 from the parameter pytree (options: :meth:`HybridLM.from_embedded`)."""
+    return lm.apply(HybridLM, params, cfg)(inputs_BT, positions_BT, segment_ids_BT, **options)
 
 
 def forward_embedded(params: Params, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
-                     *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict | None = None,
-                     key: jax.Array | None = None, remat: str = "none", scan_layers: bool = True,
-                     constrain=lambda x, axes: x, logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
-    attn_impl = resolve_implementation(cfg.attention)
-    scales = scales or {}
-    block_scales = scales.get("blocks", {})
-    key = jax.random.key(0) if key is None else key
-    x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
-    offsets = {t: 0 for t in TYPES.values()}
-    for start, unit, reps in scan_groups(cfg.pattern, policy.block_table):
-        u = len(unit)
-        xs: dict[str, Any] = {}
-        for t in set(TYPES[c] for c in unit):
-            per_unit = sum(TYPES[c] == t for c in unit)
-            lo = offsets[t]
-            xs[t] = jax.tree.map(lambda a: a[lo:lo + reps * per_unit].reshape(reps, per_unit, *a.shape[1:]),
-                                 params[t])
-            offsets[t] += reps * per_unit
-        xs["scales"] = {c: s[start:start + reps * u].reshape(reps, u, *s.shape[1:]) for c, s in block_scales.items()}
-        xs["keys"] = jax.random.split(jax.random.fold_in(key, start), reps)
-
-        def body(x, xs, start=start, unit=unit):
-            seen = {t: 0 for t in TYPES.values()}
-            for j, ch in enumerate(unit):
-                t = TYPES[ch]
-                p = jax.tree.map(lambda a: a[seen[t]], xs[t])
-                seen[t] += 1
-                lp = LayerPrecision(policy, start + j, {c: s[j] for c, s in xs["scales"].items()},
-                                    jax.random.fold_in(xs["keys"], j))
-                x = constrain(_block(ch, x, p, positions_BT, segment_ids_BT, cfg, lp, attn_impl, constrain,
-                                     runs_per_row),
-                              ("batch", "seq", "embed"))
-            return x, None
-
-        body = remat_body(body, remat, scanned=scan_layers)
-        x_BTD = run_layers(body, x_BTD, xs, reps, scan=scan_layers)
-    if not logits:  # the last block's output, for a loss that applies the head itself
-        return x_BTD
-    return output_logits(params, x_BTD, cfg=cfg, policy=policy, scales=scales, key=key, constrain=constrain)
+                     *, cfg: ModelConfig, **options) -> jax.Array:
+    """The model after the embedding lookup (separate so tests can differentiate by position)."""
+    return lm.apply(HybridLM, params, cfg).from_embedded(x_BTD, positions_BT, segment_ids_BT, **options)

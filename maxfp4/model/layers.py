@@ -1,4 +1,6 @@
-"""Building blocks shared by the model families.
+"""Building blocks shared by the model families: the parameter types every module holds
+(``Linear``, ``RMSNorm``, ``Embedding``, plain ``nnx.Param``), each with its logical axes as
+sharding metadata, and the functions between the GEMMs.
 
 Dimension letters: B batch, T sequence, D d_model, N query heads, K kv heads, G query heads per
 kv head (N = K*G), H head dim, F MLP hidden, V vocabulary, L blocks.
@@ -10,12 +12,67 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from maxfp4.model import fp8_mlp
 from maxfp4.model.activations import relu2, swiglu_product
 from maxfp4.precision import LayerPrecision
 
 ACT_DTYPE = jnp.bfloat16
+
+
+# Parameters are leaves of the module that owns them, named as in checkpoints and the export
+# (``blocks/w_qkv``), so a layer's weight is a Param type of its own rather than a submodule,
+# which would add a level to every name. ``logical_axes`` metadata names each dimension for
+# mesh.py's one table; it is not flax's ``out_sharding``, which flax would resolve against the
+# mesh itself (eagerly at creation, and in ``nnx.eval_shape`` under a mesh).
+
+def param(value: jax.Array, axes: tuple[str | None, ...], kind: type = nnx.Param, **metadata) -> nnx.Param:
+    """``value`` as a ``kind`` parameter with the logical ``axes`` (one name or None a dimension)."""
+    if len(axes) != value.ndim:
+        raise ValueError(f"logical axes {axes} for a parameter of shape {value.shape}")
+    return kind(value, logical_axes=tuple(axes), **metadata)
+
+
+class Linear(nnx.Param):
+    """A linear layer's FP32 master weight, [in, out...] (stacked: [L, in, out...]), that knows
+    its precision class (``layer_class``); calling it runs the recipe the policy gives that
+    class (:meth:`LayerPrecision.dot`). Layers that fuse a GEMM with its neighbours read the
+    weight (``self[...]``) and ask ``lp.fused(layer_class)`` for the recipe's operand hooks."""
+
+    def __call__(self, x: jax.Array, lp: LayerPrecision) -> jax.Array:
+        w = self[...]
+        return lp.dot(x, w.reshape(w.shape[0], -1), self.layer_class)
+
+
+def linear(key: jax.Array, shape: tuple[int, ...], axes: tuple[str | None, ...], *, std: float,
+           layer_class: str) -> Linear:
+    return param(normal_init(key, shape, std), axes, Linear, layer_class=layer_class)
+
+
+class RMSNorm(nnx.Param):
+    """An RMSNorm's FP32 scale [D] (stacked: [L, D]), ones at init."""
+
+    def __call__(self, x_BTD: jax.Array, eps: float) -> jax.Array:
+        return rms_norm(x_BTD, self[...], eps)
+
+
+def norm_scale(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> RMSNorm:
+    return param(jnp.ones(shape, jnp.float32), axes, RMSNorm)
+
+
+class Embedding(nnx.Param):
+    """The token embedding [V, D]; calling it looks tokens up, in the activation dtype."""
+
+    def __call__(self, inputs_BT: jax.Array) -> jax.Array:
+        return jnp.take(self[...], inputs_BT, axis=0).astype(ACT_DTYPE)
+
+
+def stacked(n: int | None, shape: tuple[int, ...], axes: tuple[str | None, ...]):
+    """(shape, axes) of ``n`` layers' parameters stacked on a leading ``layers`` axis (None: one)."""
+    if n is None:
+        return shape, axes
+    return (n, *shape), ("layers", *axes)
 
 
 # The element-wise pieces between GEMMs (RMSNorm, the SwiGLU and squared-ReLU products) have
@@ -124,10 +181,16 @@ def mlp_block(x_BTD: jax.Array, w_up: jax.Array, w_down_FD: jax.Array, lp: Layer
     return swiglu_mlp(x_BTD, w_up, w_down_FD, lp, smooth=smooth)
 
 
+def head_precision(cfg, policy, scales: dict, key: jax.Array) -> LayerPrecision:
+    """The LM head's precision (class ``lm_head``, not a block): its key follows the blocks'."""
+    return LayerPrecision(policy, None, {"lm_head": scales["lm_head"]} if "lm_head" in scales else None,
+                          jax.random.fold_in(key, cfg.n_layers))
+
+
 def output_logits(params: dict, x_BTD: jax.Array, *, cfg, policy, scales: dict, key: jax.Array,
                   constrain) -> jax.Array:
-    """Final RMSNorm and the LM head (class ``lm_head``, not a block): logits [B, T, V]."""
+    """Final RMSNorm and the LM head over the parameter pytree: logits [B, T, V]
+    (``LanguageModel.logits`` on the module)."""
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
-    head = LayerPrecision(policy, None, {"lm_head": scales["lm_head"]} if "lm_head" in scales else None,
-                          jax.random.fold_in(key, cfg.n_layers))
+    head = head_precision(cfg, policy, scales, key)
     return constrain(head.dot(x_BTD, params["lm_head"], "lm_head"), ("batch", "seq", "vocab"))

@@ -20,10 +20,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.config import ModelConfig
-from maxfp4.model.layers import ACT_DTYPE, normal_init
+from maxfp4.model.layers import ACT_DTYPE, Linear, normal_init, param
 from maxfp4.model.ssd import ssd_chunked
 from maxfp4.kernels import conv as conv_kernel
 from maxfp4.kernels import gated_norm as gated_norm_kernel
@@ -56,22 +57,44 @@ def dims(cfg: ModelConfig) -> dict[str, int]:
             "conv": e + 2 * mb.n_groups * mb.d_state, "in": 2 * e + 2 * mb.n_groups * mb.d_state + h}
 
 
-def init_mamba(cfg: ModelConfig, key: jax.Array, n: int) -> Params:
-    """``n`` stacked mixers. dt starts log-uniform in [1e-3, 1e-1] (through the inverse of
-    softplus in dt_bias) and A uniform in [1, 16], as in the Mamba-2 paper."""
+def init_mamba(cfg: ModelConfig, key: jax.Array, n: int | None) -> Params:
+    """``n`` stacked mixers' arrays (None: one mixer's). dt starts log-uniform in [1e-3, 1e-1]
+    (through the inverse of softplus in dt_bias) and A uniform in [1, 16], as in the Mamba-2 paper."""
     d = dims(cfg)
+    lead = () if n is None else (n,)
     k = jax.random.split(key, 5)
-    dt = jnp.exp(jax.random.uniform(k[2], (n, d["H"]), minval=math.log(1e-3), maxval=math.log(1e-1)))
+    dt = jnp.exp(jax.random.uniform(k[2], (*lead, d["H"]), minval=math.log(1e-3), maxval=math.log(1e-1)))
     return {
-        "in_proj": normal_init(k[0], (n, cfg.d_model, d["in"]), cfg.init_std),
-        "conv_w": normal_init(k[1], (n, d["W"], d["conv"]), 1.0 / math.sqrt(d["W"])),
-        "conv_b": jnp.zeros((n, d["conv"]), jnp.float32),
-        "A_log": jnp.log(jax.random.uniform(k[3], (n, d["H"]), minval=1.0, maxval=16.0)),
-        "D_skip": jnp.ones((n, d["H"]), jnp.float32),
+        "in_proj": normal_init(k[0], (*lead, cfg.d_model, d["in"]), cfg.init_std),
+        "conv_w": normal_init(k[1], (*lead, d["W"], d["conv"]), 1.0 / math.sqrt(d["W"])),
+        "conv_b": jnp.zeros((*lead, d["conv"]), jnp.float32),
+        "A_log": jnp.log(jax.random.uniform(k[3], (*lead, d["H"]), minval=1.0, maxval=16.0)),
+        "D_skip": jnp.ones((*lead, d["H"]), jnp.float32),
         "dt_bias": dt + jnp.log(-jnp.expm1(-dt)),  # softplus^-1(dt)
-        "norm": jnp.ones((n, d["E"]), jnp.float32),
-        "out_proj": normal_init(k[4], (n, d["E"], cfg.d_model), cfg.init_std / math.sqrt(2 * cfg.n_layers)),
+        "norm": jnp.ones((*lead, d["E"]), jnp.float32),
+        "out_proj": normal_init(k[4], (*lead, d["E"], cfg.d_model), cfg.init_std / math.sqrt(2 * cfg.n_layers)),
     }
+
+
+_PROJECTIONS = {"in_proj": "mamba_in", "out_proj": "mamba_out"}  # the mixer's linear layers' classes
+
+
+class Mamba2Mixer(nnx.Module):
+    """The mixer's parameters (``MAMBA_AXES``), ``n`` of each stacked on a leading L axis (None:
+    one mixer); ``in_proj`` and ``out_proj`` are the policy's ``mamba_in`` and ``mamba_out``."""
+
+    def __init__(self, cfg: ModelConfig, key: jax.Array, n: int | None):
+        lead = () if n is None else ("layers",)
+        for name, value in init_mamba(cfg, key, n).items():
+            kind = {"kind": Linear, "layer_class": _PROJECTIONS[name]} if name in _PROJECTIONS else {}
+            setattr(self, name, param(value, lead + MAMBA_AXES[name], **kind))
+        self.cfg = cfg
+
+    def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, lp: LayerPrecision,
+                 constrain=None) -> jax.Array:
+        # One function for the whole mixer: with FP8 hooks it fuses both GEMMs with the kernels.
+        p = {name: getattr(self, name)[...] for name in MAMBA_AXES}
+        return mamba_mixer(x_BTD, p, segment_ids_BT, self.cfg, lp, constrain)
 
 
 def causal_conv(x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
