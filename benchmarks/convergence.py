@@ -79,13 +79,14 @@ def data_args(data: str, out_dir: str, vocab_size: int) -> list[str]:
     if data == "builtin":
         corpus = builtin_split(out_dir, vocab_size)
         return ["data.source=jsonl", f"data.paths=[{corpus}/train.jsonl]", f"data.eval_paths=[{corpus}/heldout.jsonl]",
-                f"data.tokenizer={corpus}/tokenizer.model"]
+                "data.eval_fraction=0", f"data.tokenizer={corpus}/tokenizer.model"]
     train, heldout = os.path.join(data, "train"), os.path.join(data, "heldout")
     for d in (train, heldout):
         if not os.path.isfile(os.path.join(d, "manifest.json")):
             sys.exit(f"--data {data}: {d} is not a prepared directory (python -m maxfp4.data.prepare); "
                      f"expected {data}/train and {data}/heldout")
-    return ["data.source=array_record", f"data.paths=[{train}]", f"data.eval_paths=[{heldout}]",
+    # The held-out set is a separate directory: no fraction of the training data is held out too.
+    return ["data.source=array_record", f"data.paths=[{train}]", f"data.eval_paths=[{heldout}]", "data.eval_fraction=0",
             f"data.tokenizer={os.path.join(train, 'tokenizer.model')}"]
 
 

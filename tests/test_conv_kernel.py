@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from maxfp4.config import ConfigError, load_config
+from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.kernels.conv import (ConvTiling, causal_conv_silu, conv_backward, conv_forward, conv_kernel_supported,
                                       default_conv_tiling)
 from maxfp4.model.mamba import causal_conv, use_conv_kernel
@@ -110,6 +111,7 @@ def test_kernel_choice():
     cfg = load_config(TINY, ["model.mamba.head_dim=16", "model.mamba.d_state=16", "model.mamba.chunk_size=16",
                              "model.mamba.kernels=pallas"])
     assert use_conv_kernel(cfg.model, 32, 192) and not use_conv_kernel(cfg.model, 30, 192)
+    bad = load_config(TINY, ["model.mamba.head_dim=16", "model.mamba.d_state=16", "model.mamba.chunk_size=16",
+                             "model.mamba.kernels=pallas", "data.seq_len=36"])
     with pytest.raises(ConfigError, match=r"model.mamba.kernels='pallas': expected xla or auto unless data.seq_len \(36\)"):
-        load_config(TINY, ["model.mamba.head_dim=16", "model.mamba.d_state=16", "model.mamba.chunk_size=16",
-                           "model.mamba.kernels=pallas", "data.seq_len=36"])
+        check_mamba_kernels(bad.model, bad.data.seq_len)  # the trainer's start-up check

@@ -329,7 +329,8 @@ def test_prepared_data_errors(prepared, tmp_path):
 def _train_cli(tmp_path, *overrides):
     cmd = [sys.executable, "-m", "maxfp4.train", os.path.join(REPO, "configs", "quickstart.yaml"), "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
            "model.n_kv_heads=2", "model.d_ff=64", f"model.vocab_size={VOCAB}", "data.seq_len=32",
-           "data.global_batch=8", "train.steps=1", "optim.warmup_steps=0", f"run.output_dir={tmp_path}", *map(str, overrides)]
+           "data.global_batch=8", "train.steps=1", "optim.warmup_steps=0", "data.eval_fraction=0", "train.eval_every=0",
+           f"run.output_dir={tmp_path}", *map(str, overrides)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
 
