@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxfp4 import plan  # noqa: E402
+from maxfp4 import plan, plan_model  # noqa: E402
 from maxfp4.config import load_config  # noqa: E402
 from maxfp4.mesh import resolve_mesh_shape  # noqa: E402
 
@@ -113,7 +113,7 @@ def calibration_rows() -> list[dict]:
     rows = []
     for label, path, overrides, gpus, gpu, precision, step_ms, peak_gib, stale in MEASURED:
         cfg = load_config(path, overrides)
-        row = plan.project(cfg, resolve_mesh_shape(cfg.mesh, gpus), gpu, precision)
+        row = plan_model.project(cfg, resolve_mesh_shape(cfg.mesh, gpus), gpu, precision)
         predicted = row["step_time_s"] * 1e3
         rows.append({"run": label, "gpus": f"{gpus} x {gpu.upper()}", "precision": precision,
                      "measured_ms": step_ms, "predicted_ms": predicted, "error": predicted / step_ms - 1,
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     print(format_calibration(rows))
     published = published_rows()
     print()
-    print(f"Published runs (planner at its default goodput {plan.GOODPUT:.0%}, H100):")
+    print(f"Published runs (planner at its default goodput {plan_model.GOODPUT:.0%}, H100):")
     print(format_published(published))
     if args.json:
         with open(args.json, "w") as fh:

@@ -20,7 +20,7 @@ from typing import Iterator
 from maxfp4.config import Config, ModelConfig
 from maxfp4.errors import UserError
 from maxfp4.mesh import resolve_mesh_shape
-from maxfp4 import plan as model
+from maxfp4 import plan_model as model
 
 DEFAULT_BATCH_TOKENS = 4 * 2**20
 # A rounded batch may miss the asked tokens by this factor before a mesh that rounds closer wins.

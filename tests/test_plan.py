@@ -6,7 +6,7 @@ import math
 import jax
 import pytest
 
-from maxfp4 import plan
+from maxfp4 import plan, plan_model
 from maxfp4.config import load_config
 from maxfp4.mesh import make_mesh
 from maxfp4.metrics import attention_flops_per_token, flops_per_token, ssd_flops_per_token
@@ -32,7 +32,7 @@ def _leaf_sizes(tree):
 @pytest.mark.parametrize("path", CONFIGS)
 def test_parameter_count_matches_real_model(path):
     cfg = load_config(path)
-    assert plan.param_count(cfg.model) == sum(n for _, n in _leaf_sizes(_real_shapes(cfg)))
+    assert plan_model.param_count(cfg.model) == sum(n for _, n in _leaf_sizes(_real_shapes(cfg)))
 
 
 @pytest.mark.parametrize("path", CONFIGS)
@@ -41,7 +41,7 @@ def test_flops_match_real_weight_shapes(path):
     real_matmul = sum(n for name, n in _leaf_sizes(_real_shapes(cfg)) if name in MATMUL_LEAVES)
     seq = cfg.data.seq_len
     expected = 6 * real_matmul + attention_flops_per_token(cfg.model, seq) + ssd_flops_per_token(cfg.model)
-    by_block = plan.flops_by_block_type(cfg.model, seq)
+    by_block = plan_model.flops_by_block_type(cfg.model, seq)
     assert sum(by_block.values()) == pytest.approx(expected, rel=1e-12)
     assert sum(by_block.values()) == pytest.approx(flops_per_token(cfg.model, seq), rel=1e-12)
     assert by_block["lm_head"] == 6 * cfg.model.d_model * cfg.model.vocab_size
@@ -56,31 +56,31 @@ def test_state_memory_matches_initialised_state(path):
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     state, _ = init_state(cfg, mesh, make_optimizer(cfg))
     real = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
-    mem = plan.memory_per_device(cfg, (1, 1, 1), plan.param_count(cfg.model), "bf16", "none")
+    mem = plan_model.memory_per_device(cfg, (1, 1, 1), plan_model.param_count(cfg.model), "bf16", "none")
     assert mem["master"] + mem["adam"] == pytest.approx(real, rel=1e-3)
 
 
 def test_state_memory_is_sharded_over_fsdp_and_tensor():
     cfg = load_config("configs/quickstart.yaml")
-    params = plan.param_count(cfg.model)
-    one = plan.memory_per_device(cfg, (1, 1, 1), params, "bf16", "full")
-    eight = plan.memory_per_device(cfg, (1, 4, 2), params, "bf16", "full")
+    params = plan_model.param_count(cfg.model)
+    one = plan_model.memory_per_device(cfg, (1, 1, 1), params, "bf16", "full")
+    eight = plan_model.memory_per_device(cfg, (1, 4, 2), params, "bf16", "full")
     assert eight["master"] * 8 == pytest.approx(one["master"])
     assert eight["adam"] * 8 == pytest.approx(one["adam"])
 
 
 def test_full_remat_saves_activation_memory():
     cfg = load_config("configs/dense-1p3b.yaml")
-    params = plan.param_count(cfg.model)
-    none = plan.memory_per_device(cfg, (1, 1, 1), params, "bf16", "none")["activations"]
-    full = plan.memory_per_device(cfg, (1, 1, 1), params, "bf16", "full")["activations"]
+    params = plan_model.param_count(cfg.model)
+    none = plan_model.memory_per_device(cfg, (1, 1, 1), params, "bf16", "none")["activations"]
+    full = plan_model.memory_per_device(cfg, (1, 1, 1), params, "bf16", "full")["activations"]
     assert full < none / 5
 
 
 def test_save_gemm_keeps_the_linear_outputs_between_full_and_no_remat():
     cfg = load_config("configs/dense-1p3b.yaml")
-    params = plan.param_count(cfg.model)
-    act = {r: plan.memory_per_device(cfg, (1, 1, 1), params, "bf16", r)["activations"]
+    params = plan_model.param_count(cfg.model)
+    act = {r: plan_model.memory_per_device(cfg, (1, 1, 1), params, "bf16", r)["activations"]
            for r in ("none", "save_gemm", "full")}
     m = cfg.model
     # qkv (q + 2 kv heads), the attention op's output, its projection, gated MLP up
@@ -99,22 +99,22 @@ def test_unrolled_save_gemm_keeps_every_blocks_weight_shard_in_its_gemm_precisio
         working = {}
         for scan, remat in (("true", "save_gemm"), ("false", "save_gemm"), ("false", "none")):
             cfg = load_config("configs/llama3-8b.yaml", [f"train.scan_layers={scan}", f"train.remat={remat}"])
-            params = plan.param_count(cfg.model)
-            working[scan, remat] = plan.memory_per_device(cfg, (1, 2, 1), params, precision, remat)["working_copy"]
-        blocks = sum(sum(b.values()) for b in plan.block_linear_params(cfg.model))
+            params = plan_model.param_count(cfg.model)
+            working[scan, remat] = plan_model.memory_per_device(cfg, (1, 2, 1), params, precision, remat)["working_copy"]
+        blocks = sum(sum(b.values()) for b in plan_model.block_linear_params(cfg.model))
         assert working["false", "save_gemm"] - working["true", "save_gemm"] == pytest.approx(blocks * bytes_each / 2)
         assert working["false", "none"] == working["true", "save_gemm"]
 
 
 def test_save_gemm_io_adds_each_linear_layers_input_in_its_recipes_bytes():
     cfg = load_config("configs/dense-1p3b.yaml")
-    params = plan.param_count(cfg.model)
+    params = plan_model.param_count(cfg.model)
     m = cfg.model
     # the inputs of qkv, the output projection, gated up (one input for both) and down
     inputs = m.d_model + m.n_heads * m.resolved_head_dim + m.d_model + m.d_ff
     tokens = cfg.data.global_batch * cfg.data.seq_len
     for precision, bytes_each in (("fp8", 1), ("bf16", 2), ("nvfp4", 2)):
-        act = {r: plan.memory_per_device(cfg, (1, 1, 1), params, precision, r)["activations"]
+        act = {r: plan_model.memory_per_device(cfg, (1, 1, 1), params, precision, r)["activations"]
                for r in ("save_gemm", "save_gemm_io")}
         assert act["save_gemm_io"] - act["save_gemm"] == pytest.approx(tokens * m.n_layers * bytes_each * inputs)
 
@@ -126,14 +126,14 @@ def test_full_remat_costs_one_more_forward_of_the_blocks():
     times = {}
     for remat in ("none", "save_gemm", "full"):
         cfg = load_config("configs/dense-1p3b.yaml", [f"train.remat={remat}"])
-        flops = plan.flops_by_block_type(cfg.model, cfg.data.seq_len)
-        params = plan.param_count(cfg.model)
-        times[remat] = plan.compute_seconds(cfg, (1, 1, 1), flops, params, "bf16", "h200", None)
+        flops = plan_model.flops_by_block_type(cfg.model, cfg.data.seq_len)
+        params = plan_model.param_count(cfg.model)
+        times[remat] = plan_model.compute_seconds(cfg, (1, 1, 1), flops, params, "bf16", "h200", None)
     tokens = cfg.data.global_batch * cfg.data.seq_len
     scores = attention_flops_per_token(cfg.model, cfg.data.seq_len)
     block_gemm = sum(flops.values()) - flops["lm_head"] - scores
-    forward = tokens / 3 * (block_gemm / (plan.gemm_tflops("h200", "bf16") * 1e12)
-                            + scores / (plan.attention_tflops("h200") * 1e12))
+    forward = tokens / 3 * (block_gemm / (plan_model.gemm_tflops("h200", "bf16") * 1e12)
+                            + scores / (plan_model.attention_tflops("h200") * 1e12))
     assert times["full"] - times["save_gemm"] == pytest.approx(forward, rel=1e-9)
     assert times["none"] < times["save_gemm"] < times["full"]
 
@@ -150,7 +150,7 @@ def test_json_output(capsys):
             assert key in r
         assert 7.9e9 < r["params"] < 8.1e9  # Llama-3-8B
         assert r["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1}
-        assert r["days"] == pytest.approx(r["steps"] * r["step_time_s"] / 86400 / plan.GOODPUT)
+        assert r["days"] == pytest.approx(r["steps"] * r["step_time_s"] / 86400 / plan_model.GOODPUT)
         assert r["layout_chosen"] is False and "the config's data.global_batch=16" in r["notes"][0]
     assert rows[1]["step_time_s"] < rows[0]["step_time_s"]  # FP8 GEMMs are faster on H100
 
@@ -171,7 +171,7 @@ def test_more_gpus_train_faster():
 def test_mfu_from_results_file(tmp_path):
     results = tmp_path / "metrics.jsonl"
     results.write_text('{"step": 10, "mfu": 0.2}\n{"step": 20, "mfu": 0.4}\n')
-    assert plan.read_utilisation(str(results), "h200") == pytest.approx(0.4)
+    assert plan_model.read_utilisation(str(results), "h200") == pytest.approx(0.4)
     cfg = load_config("configs/dense-1p3b.yaml")
     bf16 = plan.plan(cfg, 1, "h200", 1e9, utilisation=0.4)[0]
     # one device: no communication, so the step is exactly the FLOPs at 40% of the BF16 peak
@@ -217,12 +217,12 @@ def test_loss_chunks_divide_the_logits_and_rerun_the_head_forward():
     rows = {}
     for chunks in (1, 4):
         cfg = load_config("configs/dense-1p3b.yaml", [f"train.loss_chunks={chunks}"])
-        flops = plan.flops_by_block_type(cfg.model, cfg.data.seq_len)
-        params = plan.param_count(cfg.model)
-        rows[chunks] = (plan.memory_per_device(cfg, (1, 1, 1), params, "bf16", "none")["logits"],
-                        plan.compute_seconds(cfg, (1, 1, 1), flops, params, "bf16", "h200", None))
+        flops = plan_model.flops_by_block_type(cfg.model, cfg.data.seq_len)
+        params = plan_model.param_count(cfg.model)
+        rows[chunks] = (plan_model.memory_per_device(cfg, (1, 1, 1), params, "bf16", "none")["logits"],
+                        plan_model.compute_seconds(cfg, (1, 1, 1), flops, params, "bf16", "h200", None))
     tokens = cfg.data.global_batch * cfg.data.seq_len
-    head_forward = tokens * 2 * cfg.model.d_model * cfg.model.vocab_size / (plan.gemm_tflops("h200", "bf16") * 1e12)
+    head_forward = tokens * 2 * cfg.model.d_model * cfg.model.vocab_size / (plan_model.gemm_tflops("h200", "bf16") * 1e12)
     assert rows[4][0] == pytest.approx(rows[1][0] / 4)
     assert rows[4][1] - rows[1][1] == pytest.approx(head_forward, rel=1e-9)
 
@@ -318,7 +318,7 @@ def test_what_if_grid_has_a_row_per_gpu_count_and_every_precision(capsys, tmp_pa
     assert [r["gpus"] for r in grid] == [64, 1024, 8192]
     for r in grid:
         assert r["mesh"]["data"] * r["mesh"]["fsdp"] * r["mesh"]["tensor"] == r["gpus"]
-        for p in plan.PRECISIONS:
+        for p in plan_model.PRECISIONS:
             assert r[f"{p}_days"] > 0 and r[f"{p}_gpu_hours"] == pytest.approx(r[f"{p}_days"] * 24 * r["gpus"])
     days = [r["bf16_days"] for r in grid]
     assert days == sorted(days, reverse=True)  # more GPUs finish sooner
