@@ -14,7 +14,7 @@ from maxfp4.config import load_config
 from maxfp4.mesh import batch_split_axes
 from maxfp4.kernels import qkv_grad as qkv_grad_kernel
 from maxfp4.model.attention import assemble_qkv_grad, qkv_heads, split_heads
-from maxfp4.model.fp8_epilogue import Quantize
+from maxfp4.kernels.epilogue import Quantize
 from maxfp4.model.layers import rope_tables
 from maxfp4.precision import LayerPrecision, resolve_policy
 from maxfp4.precision.formats import FP8_E5M2

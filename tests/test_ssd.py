@@ -270,7 +270,7 @@ def test_ordered_dot_and_its_gradients_match_numpy_einsum(x64, spec):
     """ordered_dot may swap its operands to write the output in place; the values are the einsum's
     (float64: sums of <= 8 products of O(1) numbers agree to 1e-12), and lowp_einsum_grads are
     the einsum's transposes (checked against NumPy's einsum of the cotangent)."""
-    from maxfp4.model.ssd import lowp_einsum_grads, ordered_dot
+    from maxfp4.kernels.ssd_ops import lowp_einsum_grads, ordered_dot
 
     sizes = {"b": 2, "k": 3, "s": 4, "l": 4, "g": 2, "n": 5, "r": 3, "p": 6}
     (spec_l, spec_r), spec_out = spec.split("->")[0].split(","), spec.split("->")[1]

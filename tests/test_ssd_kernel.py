@@ -182,7 +182,7 @@ def test_chunk_entry_states_equals_the_matmul_then_the_recurrence():
     kernel) against the two pieces it fuses, each differentiated on its own (the BF16 matmul
     with its own VJP, then the recurrence kernel in FP32, whose FP32 state gradient the matmul's
     VJP rounds to BF16): same products, same roundings, so equal bit for bit."""
-    from maxfp4.model.ssd import lowp_einsum
+    from maxfp4.kernels.ssd_ops import lowp_einsum
     from maxfp4.kernels.ssd import chunk_entry_states
     from maxfp4.kernels.state_passing import entry_states
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from maxfp4.model.fp8_epilogue import Quantize, Quantized
+from maxfp4.kernels.epilogue import Quantize, Quantized
 from maxfp4.kernels.launch import triton_params
 
 _TILE_ELEMENTS = 4096  # elements of one [Tr, Eg] tile: a row block of one group, held whole

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
 from maxfp4.mesh import batch_split_axes
-from maxfp4.model.fp8_epilogue import Quantize, Quantized
+from maxfp4.kernels.epilogue import Quantize, Quantized
 from maxfp4.kernels.launch import triton_params
 
 ROWS = 16  # tokens a program assembles

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from maxfp4.kernels.launch import on_gpu, triton_params
-from maxfp4.model.ssd import (_check_shapes, _compute_dtype, _masked_exp, _segment_starts, lowp_einsum,
-                              lowp_einsum_grads, ordered_dot)
+from maxfp4.kernels.ssd_ops import (check_shapes, compute_dtype, lowp_einsum, lowp_einsum_grads, masked_exp,
+                                    ordered_dot, segment_starts)
 from maxfp4.kernels.state_passing import (entry_states_backward, entry_states_forward, pad_chunks,
                                                state_passing_supported)
 
@@ -267,7 +267,7 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     ``x_within_BTC``: an array whose first H x P columns are x (the convolution output, say);
     the kernels then read x there in place instead of from a sliced copy, where they can.
     """
-    g, r = _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
+    g, r = check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if interpret is None:
@@ -348,13 +348,13 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
     for the state-passing kernel (default: True off GPU)."""
     if interpret is None:
         interpret = not on_gpu()
-    g, r = _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
+    g, r = check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     b, t, h, p = x_BTHP.shape
     n = B_BTGN.shape[-1]
     q = chunk_size
     k = -(-t // q)
     pad = k * q - t
-    cdt = _compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
+    cdt = compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
     operand_dtype = matmul_dtype or cdt
 
     def padded(arr):
@@ -362,7 +362,7 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
         return jnp.pad(arr, [(0, 0), (0, pad)] + [(0, 0)] * (arr.ndim - 2)) if pad else arr
 
     def mm(spec, lhs, rhs):
-        """A token-length matmul in operand_dtype with cdt results (see ``ssd.lowp_einsum``)."""
+        """A token-length matmul in operand_dtype with cdt results (see ``ssd_ops.lowp_einsum``)."""
         if operand_dtype == cdt:
             return ordered_dot(spec, lhs, rhs, cdt, _HIGHEST)
         return lowp_einsum(spec, lhs.astype(operand_dtype), rhs.astype(operand_dtype), cdt)
@@ -374,7 +374,7 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
     C_BKQGN = padded(C_BTGN).reshape(b, k, q, g, n)
     dt_BHT = jnp.moveaxis(padded(dt_BTH.astype(cdt)), 1, 2)
     # Padded start flags are False: the padding just extends the last segment.
-    start_BKQ = padded(_segment_starts(segment_ids_BT)).reshape(b, k, q)
+    start_BKQ = padded(segment_starts(segment_ids_BT)).reshape(b, k, q)
     starts_before_BKQ = jnp.cumsum(start_BKQ.astype(jnp.int32), axis=-1)
 
     a_BHKQ = (dt_BHT * A_H.astype(cdt)[:, None]).reshape(b, h, k, q)
@@ -383,7 +383,7 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
     # Each chunk's end state from its own tokens: token j reaches the end iff no segment
     # starts after it in the chunk.
     reaches_end_BKQ = starts_before_BKQ == starts_before_BKQ[..., -1:]
-    to_end_BHKQ = _masked_exp(cs_BHKQ[..., -1:] - cs_BHKQ, reaches_end_BKQ[:, None])
+    to_end_BHKQ = masked_exp(cs_BHKQ[..., -1:] - cs_BHKQ, reaches_end_BKQ[:, None])
     weight_BKQGR = jnp.moveaxis(to_end_BHKQ * dt_BHT.reshape(b, h, k, q), 1, -1).reshape(b, k, q, g, r)
     weighted_x_BKQGRP = x_BTHP_.reshape(b, k, q, g, r, p).astype(cdt) * weight_BKQGR[..., None]
 

@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxfp4.config import ModelConfig
 from maxfp4.mesh import batch_split_axes
 from maxfp4.kernels import qkv_grad as qkv_grad_kernel
-from maxfp4.model.fp8_epilogue import Quantize
+from maxfp4.kernels.epilogue import Quantize
 from maxfp4.model.layers import linear, rope_tables, rotate, stacked
 from maxfp4.model.remat import tag_attention_output
 from maxfp4.kernels.launch import on_gpu

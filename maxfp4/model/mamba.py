@@ -31,7 +31,7 @@ from maxfp4.kernels import gated_norm as gated_norm_kernel
 from maxfp4.kernels.conv import causal_conv_silu, conv_kernel_supported
 from maxfp4.kernels.gated_norm import gated_norm_fused, gated_norm_supported
 from maxfp4.kernels.ssd import kernel_supported, ssd_fused
-from maxfp4.model.fp8_epilogue import Quantize, quantize_rounded
+from maxfp4.kernels.epilogue import Quantize, quantize_rounded
 from maxfp4.kernels.launch import on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision
 

@@ -30,111 +30,26 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from maxfp4.kernels.ssd_ops import check_shapes, compute_dtype, lowp_einsum, masked_exp, segment_starts
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 _einsum = functools.partial(jnp.einsum, precision=_HIGHEST)
-
-
-def _compute_dtype(*arrays: jax.Array) -> jnp.dtype:
-    """FP32, widened to float64 if any input is float64 (used by the float64 tests)."""
-    return functools.reduce(jnp.promote_types, [a.dtype for a in arrays], jnp.dtype(jnp.float32))
-
-
-def _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT) -> tuple[int, int]:
-    b, t, h, _ = x_BTHP.shape
-    g, n = B_BTGN.shape[2:]
-    if dt_BTH.shape != (b, t, h) or A_H.shape != (h,) or segment_ids_BT.shape != (b, t):
-        raise ValueError(f"inconsistent shapes: x {x_BTHP.shape}, dt {dt_BTH.shape}, "
-                         f"A {A_H.shape}, segment_ids {segment_ids_BT.shape}")
-    if B_BTGN.shape != (b, t, g, n) or C_BTGN.shape != (b, t, g, n):
-        raise ValueError(f"B {B_BTGN.shape} and C {C_BTGN.shape} must both be [B, T, G, N]")
-    if h % g:
-        raise ValueError(f"heads ({h}) must be divisible by groups ({g})")
-    return g, h // g
-
-
-def ordered_dot(spec: str, lhs: jax.Array, rhs: jax.Array, out_dtype: jnp.dtype | None = None,
-                precision=None) -> jax.Array:
-    """The two-operand einsum ``spec`` as one dot_general whose result is already laid out as
-    the output asks wherever the operands allow it.
-
-    A dot_general writes [batch, first operand's free dims, second operand's free dims].
-    jnp.einsum keeps the operands in the order given and transposes that result into the
-    output's order; for the SSD's state-sized matmuls (and for their gradients, as JAX derives
-    them) that was a separate transpose pass over a [B, K, G, N, H, P]-sized array each, about
-    3 ms a step apiece for mamba2-1p3b on an H200 (2026-11-25). Here the operand whose
-    free dimensions come first in the output goes first, and the final transpose only moves
-    size-1 axes (the group axis with one group) in the common case, which is free.
-    """
-    (spec_a, spec_b), spec_out = spec.split("->")[0].split(","), spec.split("->")[1]
-    first_free = next(c for c in spec_out if not (c in spec_a and c in spec_b))
-    if first_free in spec_b:
-        spec_a, spec_b, lhs, rhs = spec_b, spec_a, rhs, lhs
-    batch = [c for c in spec_out if c in spec_a and c in spec_b]
-    contract = [c for c in spec_a if c in spec_b and c not in spec_out]
-    dims = (([spec_a.index(c) for c in contract], [spec_b.index(c) for c in contract]),
-            ([spec_a.index(c) for c in batch], [spec_b.index(c) for c in batch]))
-    out = jax.lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=out_dtype)
-    written = batch + [c for c in spec_a if c not in spec_b] + [c for c in spec_b if c not in spec_a]
-    return jnp.transpose(out, [written.index(c) for c in spec_out])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def lowp_einsum(spec: str, lhs: jax.Array, rhs: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
-    """einsum of low-precision operands (both BF16, say) accumulated into ``out_dtype``.
-
-    Its VJP rounds the incoming FP32 cotangent to the operands' dtype so that both backward
-    matmuls also run on tensor cores; differentiating ``einsum(..., preferred_element_type=f32)``
-    directly would multiply an FP32 cotangent by a BF16 operand, which XLA runs as an FP32 GEMM
-    on CUDA cores (measured: ~15% of a Mamba-2 training step). The operand gradients come out in
-    the operands' dtype, as any BF16 matmul's do. Every matmul, forward and backward, is an
-    ``ordered_dot`` (no transposes of its result).
-    """
-    return ordered_dot(spec, lhs, rhs, out_dtype)
-
-
-def _lowp_einsum_fwd(spec, lhs, rhs, out_dtype):
-    return lowp_einsum(spec, lhs, rhs, out_dtype), (lhs, rhs)
-
-
-def _lowp_einsum_bwd(spec, out_dtype, residuals, cotangent):
-    lhs, rhs = residuals
-    return lowp_einsum_grads(spec, lhs, rhs, cotangent.astype(jnp.result_type(lhs, rhs)))
-
-
-def lowp_einsum_grads(spec: str, lhs: jax.Array, rhs: jax.Array, cotangent: jax.Array, precision=None):
-    """(d lhs, d rhs) of the einsum ``spec`` for an output cotangent already in the operands'
-    dtype: two ``ordered_dot``s, each result in its operand's layout. FP32 operands need
-    ``precision=HIGHEST`` to stay FP32 on GPU (the default rounds them to TF32)."""
-    (spec_l, spec_r), spec_out = spec.split("->")[0].split(","), spec.split("->")[1]
-    dtype = jnp.result_type(lhs, rhs)
-    return (ordered_dot(f"{spec_out},{spec_r}->{spec_l}", cotangent, rhs, dtype, precision),
-            ordered_dot(f"{spec_out},{spec_l}->{spec_r}", cotangent, lhs, dtype, precision))
-
-
-lowp_einsum.defvjp(_lowp_einsum_fwd, _lowp_einsum_bwd)
-
-
-def _segment_starts(segment_ids_BT: jax.Array) -> jax.Array:
-    """[B, T] True where a segment starts. Position 0 counts as a start; the state before it
-    is zero anyway, so this only keeps the masks uniform."""
-    first_B1 = jnp.ones_like(segment_ids_BT[:, :1], dtype=bool)
-    return jnp.concatenate([first_B1, segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
 
 
 def ssd_reference(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.Array,
                   C_BTGN: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
     """The recurrence as a sequential scan over T: O(T) steps, the ground truth for tests."""
-    g, r = _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
+    g, r = check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     b, t, h, p = x_BTHP.shape
     n = B_BTGN.shape[-1]
-    cdt = _compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
+    cdt = compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
     # Heads split as [G, R] so that B and C broadcast over R instead of being copied H times.
     x_TBGRP = jnp.moveaxis(x_BTHP.astype(cdt).reshape(b, t, g, r, p), 1, 0)
     dt_TBGR = jnp.moveaxis(dt_BTH.astype(cdt).reshape(b, t, g, r), 1, 0)
     A_GR = A_H.astype(cdt).reshape(g, r)
     B_TBGN = jnp.moveaxis(B_BTGN.astype(cdt), 1, 0)
     C_TBGN = jnp.moveaxis(C_BTGN.astype(cdt), 1, 0)
-    start_TB = jnp.moveaxis(_segment_starts(segment_ids_BT), 1, 0)
+    start_TB = jnp.moveaxis(segment_starts(segment_ids_BT), 1, 0)
 
     def step(h_BGRPN, inputs):
         x_BGRP, dt_BGR, B_BGN, C_BGN, start_B = inputs
@@ -164,12 +79,6 @@ def _segsum(a_XQ: jax.Array) -> jax.Array:
     return jnp.cumsum(terms_XQQ, axis=-2)
 
 
-def _masked_exp(log_decay: jax.Array, keep: jax.Array) -> jax.Array:
-    """exp(log_decay) where keep, exactly 0 elsewhere. The -inf goes in only here, inside the
-    exp, so no inf ever meets another inf; its gradient is exactly 0 on masked entries."""
-    return jnp.exp(jnp.where(keep, log_decay, -jnp.inf))
-
-
 def ssd_chunked(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.Array,
                 C_BTGN: jax.Array, segment_ids_BT: jax.Array, chunk_size: int,
                 matmul_dtype: jnp.dtype | None = None) -> jax.Array:
@@ -181,14 +90,14 @@ def ssd_chunked(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: ja
     huge negatives in dt*A: positions i >= j of one chunk are in one segment iff no segment
     starts in (j, i], which is an equality of integer counts.
     """
-    g, r = _check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
+    g, r = check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     b, t, h, p = x_BTHP.shape
     q = chunk_size
     k = -(-t // q)
     pad = k * q - t
-    cdt = _compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
+    cdt = compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
 
     def mm(spec, lhs, rhs):
         """A token-length matmul: HIGHEST in cdt, or matmul_dtype operands accumulated in cdt."""
@@ -208,7 +117,7 @@ def ssd_chunked(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: ja
     B_BKQGN = chunked(B_BTGN.astype(cdt))
     C_BKQGN = chunked(C_BTGN.astype(cdt))
     # Padded start flags are False: the padding just extends the last segment.
-    start_BKQ = chunked(_segment_starts(segment_ids_BT))
+    start_BKQ = chunked(segment_starts(segment_ids_BT))
     A_GR = A_H.astype(cdt).reshape(g, r)
 
     dt_BKGRQ = jnp.moveaxis(dt_BKQGR, 2, -1)
@@ -229,7 +138,7 @@ def ssd_chunked(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: ja
 
     # (1) Diagonal blocks: y_i = sum_{j<=i, same segment} C_i.B_j * exp(a_{j+1..i}) * dt_j * x_j.
     segsum_BKGRQQ = _segsum(a_BKGRQ)
-    L_BKGRQQ = _masked_exp(segsum_BKGRQQ, same_segment_BKQQ[:, :, None, None])
+    L_BKGRQQ = masked_exp(segsum_BKGRQQ, same_segment_BKQQ[:, :, None, None])
     # C.B is per group; it broadcasts over the R heads of the group.
     CB_BKGQQ = mm("bklgn,bksgn->bkgls", C_BKQGN, B_BKQGN)
     M_BKGRQQ = CB_BKGQQ[:, :, :, None] * L_BKGRQQ * dt_BKGRQ[..., None, :]
@@ -237,7 +146,7 @@ def ssd_chunked(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: ja
 
     # (2) Each chunk's end state from its own tokens. The log decay from token j to the chunk
     # end is the last row of the segment sum (sum of a_{j+1..Q-1}), again without differences.
-    to_end_BKGRQ = _masked_exp(segsum_BKGRQQ[..., -1, :], reaches_end_BKQ[:, :, None, None])
+    to_end_BKGRQ = masked_exp(segsum_BKGRQQ[..., -1, :], reaches_end_BKQ[:, :, None, None])
     weight_BKQGR = jnp.moveaxis(to_end_BKGRQ * dt_BKGRQ, -1, 2)
     states_BKGRPN = mm("bksgn,bksgrp->bkgrpn", B_BKQGN, x_BKQGRP * weight_BKQGR[..., None])
 
@@ -245,14 +154,14 @@ def ssd_chunked(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: ja
     # * states[s], kept only where no segment starts in chunks s+1..z. Same stable segsum,
     # over K chunks; parallel (a K x K matmul) rather than a sequential scan.
     chunk_a_BGRK = jnp.moveaxis(jnp.sum(a_BKGRQ, axis=-1), 1, -1)
-    chunk_decay_BGRKK = _masked_exp(_segsum(chunk_a_BGRK), carries_BKK[:, None, None])
+    chunk_decay_BGRKK = masked_exp(_segsum(chunk_a_BGRK), carries_BKK[:, None, None])
     end_BKGRPN = _einsum("bgrzs,bsgrpn->bzgrpn", chunk_decay_BGRKK, states_BKGRPN)
     # The state entering chunk z is the end state of chunk z-1 (zero for the first chunk).
     entry_BKGRPN = jnp.concatenate([jnp.zeros_like(end_BKGRPN[:, :1]), end_BKGRPN[:, :-1]], axis=1)
 
     # (4) Entry state to outputs: exp(a_{0..i}) * C_i . entry. A plain inclusive cumsum from
     # the chunk start is a single running sum, no differences involved.
-    from_entry_BKGRQ = _masked_exp(jnp.cumsum(a_BKGRQ, axis=-1), sees_entry_BKQ[:, :, None, None])
+    from_entry_BKGRQ = masked_exp(jnp.cumsum(a_BKGRQ, axis=-1), sees_entry_BKQ[:, :, None, None])
     y_off_BKQGRP = (mm("bklgn,bkgrpn->bklgrp", C_BKQGN, entry_BKGRPN)
                     * jnp.moveaxis(from_entry_BKGRQ, -1, 2)[..., None])
 
