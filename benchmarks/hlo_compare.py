@@ -10,7 +10,7 @@ otherwise; a case needing more devices than there are is skipped). The texts are
 after dropping location metadata and renaming SSA values and symbols in order of appearance;
 where they differ, the count of each op kind is compared too.
 
-    git -C /work/main archive 588b738 | tar -x -C /tmp/old
+    mkdir -p /tmp/old && git archive OLD_COMMIT | tar -x -C /tmp/old
     python benchmarks/hlo_compare.py /tmp/old . [--only hybrid] [--platform cuda] [--json out.json] [--keep DIR]
 
 Exit code 0 when every case is identical (or has the same op counts), 1 otherwise.
