@@ -21,6 +21,7 @@ from maxfp4.config import Config, ModelConfig
 from maxfp4.errors import UserError
 from maxfp4.mesh import resolve_mesh_shape
 from maxfp4 import plan_model as model
+from maxfp4.plot import save_figure
 
 DEFAULT_BATCH_TOKENS = 4 * 2**20
 # A rounded batch may miss the asked tokens by this factor before a mesh that rounds closer wins.
@@ -242,9 +243,4 @@ def plot_what_if(grid: list[dict], path: str, title: str) -> None:
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as e:
-        raise UserError(f"--plot {path}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, "--plot", dpi=120)

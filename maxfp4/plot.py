@@ -131,17 +131,22 @@ def draw(run_dirs: Sequence[str]):
     return fig
 
 
-def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
+def save_figure(fig, path: str, flag: str, dpi: int = 100) -> str:
+    """Write ``fig`` to ``path`` and close it; a path that cannot be written is one line naming
+    ``flag``, the option that gave it."""
     import matplotlib.pyplot as plt
 
-    fig = draw(run_dirs)
     try:
-        fig.savefig(out_path, dpi=100)
+        fig.savefig(path, dpi=dpi)
     except OSError as e:
-        raise UserError(f"--out {out_path}: cannot be written ({e.strerror or e})") from None
+        raise UserError(f"{flag} {path}: cannot be written ({e.strerror or e})") from None
     finally:
         plt.close(fig)
-    return out_path
+    return path
+
+
+def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
+    return save_figure(draw(run_dirs), out_path, "--out")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
