@@ -20,7 +20,7 @@ back:
 
 (d_decay comes out per n and is summed over N by XLA, a [B, K, G, N, R] array.)
 
-Hand-written for the same reason as ``ssd_kernel``; it runs in interpret mode off GPU.
+Hand-written for the same reason as ``maxfp4.kernels.ssd``; it runs in interpret mode off GPU.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ SSD with per-head scalar decay -> D skip -> gated RMSNorm per group -> out_proj.
 Only ``in_proj`` (class ``mamba_in``) and ``out_proj`` (``mamba_out``) go through the precision
 policy; the convolution, the SSD (A, dt, decays, states) and the norm compute in FP32 and store
 their inputs and outputs (and those gradients) in BF16 between steps. The
-convolution, the SSD with the D skip, and the gated norm run as Pallas kernels (``conv_kernel``,
-``ssd_kernel``, ``gated_norm_kernel``) or in XLA (``causal_conv`` and ``gated_group_norm`` here,
+convolution, the SSD with the D skip, and the gated norm run as Pallas kernels
+(``maxfp4.kernels``: ``conv``, ``ssd``, ``gated_norm``) or in XLA (``causal_conv`` and ``gated_group_norm`` here,
 the chunked form of ``ssd``), by ``model.mamba.kernels``.
 
 Dimension letters: B batch, T sequence, D d_model, E inner width (expand x D), H Mamba heads,

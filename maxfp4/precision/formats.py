@@ -247,7 +247,7 @@ _THREEFRY_PARITY = 0x1BD11BDA
 def threefry2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Threefry-2x32, 20 rounds (Salmon et al., SC 2011), on uint32 arrays that broadcast: the
     hash behind ``jax.random`` (tests check the two agree bit for bit). Written out because the
-    Pallas kernels of ``rht_kernel`` draw their random bits inside the kernel, where the hash's
+    Pallas kernels of ``maxfp4.kernels.rht`` draw their random bits inside the kernel, where the hash's
     integer work runs while the kernel waits on memory, and Triton has no lowering for JAX's
     threefry primitive. The XLA path draws with ``jax.random.bits`` (:func:`_random_words`):
     the same bits."""
