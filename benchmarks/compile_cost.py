@@ -32,7 +32,7 @@ from maxfp4.train import jit_train_step, state_maker
 
 # Functions whose instructions are counted under their own name (the innermost one in an
 # instruction's op_name wins); everything else is counted under its primitive.
-_TRACKED = ("div_rn", "threefry", "_round_e2m1", "_walsh16", "hadamard16", "quantize_nvfp4",
+_TRACKED = ("div_rn", "threefry", "round_e2m1", "walsh16", "hadamard16", "quantize_nvfp4",
             "quantize_fp8", "ssd", "attention")
 
 

@@ -222,7 +222,7 @@ def test_div_rn_digit_estimates_are_never_high_and_at_most_one_low():
     (checked for all 2^23 of them in float64), and then every guess is the digit or one less
     (checked on random partial remainders with the float32 multiply the step itself uses)."""
     mb = np.arange(2 ** 23, 2 ** 24, dtype=np.uint32)
-    inv = np.asarray(jax.jit(F._reciprocal_from_below)(jnp.asarray(mb)))
+    inv = np.asarray(jax.jit(F.reciprocal_from_below)(jnp.asarray(mb)))
     shortfall = 1.0 - inv.astype(np.float64) * mb.astype(np.float64)
     assert shortfall.min() > 0.0 and shortfall.max() < 2.0 ** -8, (shortfall.min(), shortfall.max())
     rng = np.random.default_rng(3)
@@ -554,7 +554,7 @@ def test_e2m1_stochastic_threshold_resolution():
     #             192     128     255.75 -> 256
     rand = np.array([1, 2, 0, 1, 2, 191, 192, 127, 128, 255, 0, 0], np.uint32)
     want = F32([1.0, 0.5, 0.5, 6.0, 4.0, -3.0, -2.0, 6.0, 4.0, 1.5, 6.0, 0.0])
-    got = np.asarray(jax.jit(F._round_e2m1)(jnp.asarray(y), jnp.asarray(rand)))
+    got = np.asarray(jax.jit(F.round_e2m1)(jnp.asarray(y), jnp.asarray(rand)))
     np.testing.assert_array_equal(got, want)
 
 
@@ -563,9 +563,9 @@ def test_random_words_are_jax_random_bits(key):
     """The words are jax.random.bits of the key, and formats' own threefry (the kernels hash with
     it) computes the same words from the flat index."""
     want = np.asarray(jax.random.bits(key, (3, 5, 4), jnp.uint32))
-    np.testing.assert_array_equal(np.asarray(F._random_words(key, (3, 5, 16))), want)
-    np.testing.assert_array_equal(np.asarray(jax.jit(F._random_words, static_argnums=1)(key, (3, 5, 16))), want)
-    at = F._random_words_at(F._random_word_key(key), jnp.arange(60, dtype=jnp.uint32)).reshape(3, 5, 4)
+    np.testing.assert_array_equal(np.asarray(F.random_words(key, (3, 5, 16))), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(F.random_words, static_argnums=1)(key, (3, 5, 16))), want)
+    at = F.random_words_at(F.random_word_key(key), jnp.arange(60, dtype=jnp.uint32)).reshape(3, 5, 4)
     np.testing.assert_array_equal(np.asarray(at), want)
 
 
@@ -573,9 +573,9 @@ def test_random_words_from_another_key_implementation():
     """A key of another implementation gives a threefry key of two drawn words; the own hash
     and the draw still agree."""
     key = jax.random.key(0, impl="rbg")
-    a, b = F._random_words(key, (64,)), F._random_words(jax.random.fold_in(key, 1), (64,))
+    a, b = F.random_words(key, (64,)), F.random_words(jax.random.fold_in(key, 1), (64,))
     assert a.shape == (16,) and a.dtype == jnp.uint32 and np.any(np.asarray(a) != np.asarray(b))
-    at = F._random_words_at(F._random_word_key(key), jnp.arange(16, dtype=jnp.uint32))
+    at = F.random_words_at(F.random_word_key(key), jnp.arange(16, dtype=jnp.uint32))
     np.testing.assert_array_equal(np.asarray(at), np.asarray(a))
 
 
@@ -583,11 +583,11 @@ def test_random_bytes_are_the_little_endian_bytes_of_one_word_per_four_elements(
     """Element i of the last axis takes byte i % 4 (low byte first) of word i // 4 of one
     uint32 draw of a quarter the size: the layout of a little-endian byte view of the words."""
     key = jax.random.key(11)
-    got = np.asarray(F._random_bytes(key, (3, 2, 16)))
+    got = np.asarray(F.random_bytes(key, (3, 2, 16)))
     words = np.asarray(jax.random.bits(key, (3, 2, 4, 1), jnp.uint32))
     want = np.frombuffer(words.astype("<u4").tobytes(), np.uint8).reshape(3, 2, 16)
     np.testing.assert_array_equal(got, want)
-    assert got.dtype == np.uint32 and 200 < len(np.unique(F._random_bytes(key, (64, 64)))) <= 256
+    assert got.dtype == np.uint32 and 200 < len(np.unique(F.random_bytes(key, (64, 64)))) <= 256
 
 
 def test_nvfp4_stochastic_rounding_keys():

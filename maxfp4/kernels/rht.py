@@ -15,7 +15,7 @@ of 16 rows of a column tile, as 16 row vectors, and transforms them once with 32
 column; a group is also an NVFP4 block, so its amax is a maximum over the 16 vectors.
 
   pass 1 (kernel): transform, block amax              -> f32[M/16, K]
-  between (XLA):   the tensor amax, E4M3 block scales and encode factors (formats._block_scales)
+  between (XLA):   the tensor amax, E4M3 block scales and encode factors (formats.nvfp4_block_scales)
   pass 2 (kernel): transform again, scale, round to E2M1 (stochastically, with random words
                    hashed in the kernel as formats draws them), times the block scale -> [M, K]
 
@@ -30,7 +30,7 @@ operand onto every device. Only the tensor amax crosses devices (one scalar max)
 random words are those of its global position, so the bits equal one device's.
 
 Every operation is the one ``formats`` performs, in the same order (the butterflies pair the
-same elements; rounding is formats._round_e2m1 itself), so the result equals the XLA path's on
+same elements; rounding is formats.round_e2m1 itself), so the result equals the XLA path's on
 any backend; off GPU the kernels run in interpret mode.
 """
 
@@ -65,7 +65,7 @@ def rht_columns_supported(m: int, k: int, devices: int = 1) -> bool:
 def _transformed_rows(x_ref, g, c0, bk, rht_bf16) -> list[jax.Array]:
     """``hadamard16`` of rows 16 g .. 16 g + 15, columns c0 .. c0 + bk: 16 float32 vectors.
     The signs first, then the butterflies (bit 3 first: element i with the bit clear becomes
-    a + b and its partner a - b, as formats._walsh16 pairs them), then 1/4; then, with
+    a + b and its partner a - b, as formats.walsh16 pairs them), then 1/4; then, with
     ``rht_bf16``, the rounding to BF16 values."""
     rows = [x_ref[g * _GROUP + i, pl.ds(c0, bk)].astype(jnp.float32) * jnp.float32(sign)
             for i, sign in enumerate(F.HADAMARD16_SIGNS)]
@@ -93,7 +93,7 @@ def _block_words(stream_ref, g, c0, bk, groups) -> list[jax.Array]:
     key = (stream_ref[0], stream_ref[1])
     column = (c0 + jnp.arange(bk, dtype=jnp.int32)).astype(jnp.uint32)
     first = (column * jnp.uint32(groups) + (g.astype(jnp.uint32) + stream_ref[2])) * jnp.uint32(4)
-    return [F._random_words_at(key, first + jnp.uint32(w)) for w in range(4)]
+    return [F.random_words_at(key, first + jnp.uint32(w)) for w in range(4)]
 
 
 def _quantize_kernel(x_ref, enc_ref, scale_ref, *refs, bk, groups, stochastic, rht_bf16):
@@ -104,8 +104,8 @@ def _quantize_kernel(x_ref, enc_ref, scale_ref, *refs, bk, groups, stochastic, r
     words = _block_words(stream_ref, g, c0, bk, groups) if stochastic else None
     for i, row in enumerate(_transformed_rows(x_ref, g, c0, bk, rht_bf16)):
         # Row i of the group is element i of its block: byte i % 4 of the block's word i // 4.
-        rand = F._byte_of_word(words[i // 4], i % 4) if stochastic else None
-        q = F._round_e2m1(F._scale_to_e2m1_range(row, enc), rand)
+        rand = F.byte_of_word(words[i // 4], i % 4) if stochastic else None
+        q = F.round_e2m1(F.scale_to_e2m1_range(row, enc), rand)
         out_ref[g * _GROUP + i, cols] = (q * scale).astype(out_ref.dtype)
 
 
@@ -123,7 +123,7 @@ def _rows_kernels(x_MK, word_key, dtype, interpret, row_axes, all_groups, rht_bf
     block_amax = _launch(functools.partial(_amax_kernel, bk=bk, rht_bf16=rht_bf16), grid,
                          jax.ShapeDtypeStruct((m // _GROUP, k), jnp.float32), interpret, x_MK)
     amax = jax.lax.pmax(jnp.max(block_amax), row_axes) if row_axes else None
-    s_e4m3, enc, s_dec = F._block_scales(block_amax, amax)
+    s_e4m3, enc, s_dec = F.nvfp4_block_scales(block_amax, amax)
     args = [x_MK, enc, s_e4m3.astype(jnp.float32)]
     if word_key is not None:
         first_group = jax.lax.axis_index(row_axes) * (m // _GROUP) if row_axes else 0
@@ -152,8 +152,8 @@ def hadamard_block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | No
                          f"{_GROUP} x {devices} device(s) and columns divisible by {_COLUMN_TILES[-1]}")
     word_key = None
     if key is not None:
-        F._check_word_count((k, m // _GROUP, 4))  # the words of the [K, M/16, 4] draw (_block_words)
-        word_key = F._random_word_key(key)
+        F.check_word_count((k, m // _GROUP, 4))  # the words of the [K, M/16, 4] draw (_block_words)
+        word_key = F.random_word_key(key)
     run = functools.partial(_rows_kernels, dtype=dtype, interpret=interpret, row_axes=tuple(row_axes),
                             all_groups=m // _GROUP, rht_bf16=rht_bf16)
     if not row_axes:

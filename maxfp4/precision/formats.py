@@ -85,7 +85,7 @@ _DEC_SHIFT = 2.0**64
 # --------------------------------------------------------------------------------------------
 
 
-def _reciprocal_from_below(mb: jax.Array) -> jax.Array:
+def reciprocal_from_below(mb: jax.Array) -> jax.Array:
     """A float32 underestimate of ``1 / mb`` for integers ``mb`` in [2^23, 2^24), within a
     relative 2^-8 of it, from multiplies and subtracts only (no division, whose accuracy
     varies by backend): the minimax line through [0.5, 1) (relative error below 1/17), one
@@ -132,7 +132,7 @@ def div_rn(a, b) -> jax.Array:
     lt = ma < mb
     r = jnp.where(lt, ma << 1, ma) - mb
     e = ea - eb + 127 - lt.astype(jnp.int32)  # biased exponent of the quotient
-    inv_mb = _reciprocal_from_below(mb)
+    inv_mb = reciprocal_from_below(mb)
     q = jnp.ones_like(ma)
     for bits in (8, 8, 7):  # the other 23 significand bits
         t = r << bits
@@ -238,7 +238,7 @@ def qdq_fp8(x: jax.Array, scale, dtype) -> jax.Array:
 # Random bits for stochastic rounding
 # --------------------------------------------------------------------------------------------
 
-SR_BITS = 8  # random bits per element in stochastic rounding (see _round_e2m1)
+SR_BITS = 8  # random bits per element in stochastic rounding (see round_e2m1)
 
 _THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _THREEFRY_PARITY = 0x1BD11BDA
@@ -249,7 +249,7 @@ def threefry2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) -> 
     hash behind ``jax.random`` (tests check the two agree bit for bit). Written out because the
     Pallas kernels of ``maxfp4.kernels.rht`` draw their random bits inside the kernel, where the hash's
     integer work runs while the kernel waits on memory, and Triton has no lowering for JAX's
-    threefry primitive. The XLA path draws with ``jax.random.bits`` (:func:`_random_words`):
+    threefry primitive. The XLA path draws with ``jax.random.bits`` (:func:`random_words`):
     the same bits."""
     def rotl(v, r):
         return (v << jnp.uint32(r)) | (v >> jnp.uint32(32 - r))
@@ -264,7 +264,7 @@ def threefry2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) -> 
     return x1, x2
 
 
-def _random_word_key(key: jax.Array) -> jax.Array:
+def random_word_key(key: jax.Array) -> jax.Array:
     """The uint32[2] threefry key of a PRNG key: a threefry key's own data, otherwise (another
     implementation's key) two words drawn from it."""
     data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
@@ -273,7 +273,7 @@ def _random_word_key(key: jax.Array) -> jax.Array:
     return data
 
 
-def _random_words_at(word_key: jax.Array, index: jax.Array) -> jax.Array:
+def random_words_at(word_key: jax.Array, index: jax.Array) -> jax.Array:
     """The uint32 word number ``index`` (uint32) of the stream of ``word_key``: threefry of the
     64-bit counter (0, index), its two halves xor-ed, as ``jax.random.bits`` forms word
     ``index`` of a uint32 draw."""
@@ -281,39 +281,39 @@ def _random_words_at(word_key: jax.Array, index: jax.Array) -> jax.Array:
     return b1 ^ b2
 
 
-def _check_word_count(words_shape: tuple[int, ...]) -> None:
+def check_word_count(words_shape: tuple[int, ...]) -> None:
     """Word indices are uint32 counters (the kernels hash them as such): fewer than 2^32 words."""
     if int(np.prod(words_shape)) >= 2**32:
         raise ValueError(f"stochastic rounding: {words_shape} words exceed the 32-bit counter")
 
 
-def _random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """The uint32 words behind :func:`_random_bytes` of ``shape``: ``shape[:-1] + (n // 4,)``,
-    ``jax.random.bits`` of the threefry key ``_random_word_key(key)`` (for a threefry key, the
-    key itself), which is word ``i`` = ``_random_words_at(_random_word_key(key), i)`` of the
+def random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The uint32 words behind :func:`random_bytes` of ``shape``: ``shape[:-1] + (n // 4,)``,
+    ``jax.random.bits`` of the threefry key ``random_word_key(key)`` (for a threefry key, the
+    key itself), which is word ``i`` = ``random_words_at(random_word_key(key), i)`` of the
     flattened shape. ``jax.random`` draws them here because XLA fuses its draw into the
     quantizer that reads it; drawn with :func:`threefry2x32` directly, XLA wrote the words out
     in a pass of their own (70 us for a [16384, 5632] dY on an H100)."""
     *lead, n = shape
     words_shape = (*lead, n // 4)
-    _check_word_count(words_shape)
-    threefry_key = jax.random.wrap_key_data(_random_word_key(key), impl="threefry2x32")
+    check_word_count(words_shape)
+    threefry_key = jax.random.wrap_key_data(random_word_key(key), impl="threefry2x32")
     return jax.random.bits(threefry_key, words_shape, jnp.uint32)
 
 
-def _byte_of_word(words: jax.Array, byte: int | jax.Array) -> jax.Array:
+def byte_of_word(words: jax.Array, byte: int | jax.Array) -> jax.Array:
     """Byte ``byte`` (0 is the low byte) of every uint32 word, as uint32."""
     return (words >> (jnp.uint32(SR_BITS) * jnp.uint32(byte))) & jnp.uint32(0xFF)
 
 
-def _random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def random_bytes(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Uniform 8-bit random numbers (as uint32) of ``shape``, the last axis divisible by 4:
     one 32-bit word is drawn per 4 consecutive elements of the last axis and element ``i`` takes
     byte ``i % 4`` of word ``i // 4`` (low byte first). A quarter of the words of one draw per
     element: the counter-based generator's hash is what stochastic rounding's fusion spends its
     time on (H100 profile, 2026-11-25)."""
-    words = _random_words(key, shape)[..., None]
-    return _byte_of_word(words, jnp.arange(4, dtype=jnp.uint32)).reshape(shape)
+    words = random_words(key, shape)[..., None]
+    return byte_of_word(words, jnp.arange(4, dtype=jnp.uint32)).reshape(shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,7 +348,7 @@ def _copysign(v: jax.Array, y: jax.Array) -> jax.Array:
     return bits(bits(v, jnp.uint32) | sign, jnp.float32)
 
 
-def _round_e2m1(y: jax.Array, rand_bytes: jax.Array | None = None) -> jax.Array:
+def round_e2m1(y: jax.Array, rand_bytes: jax.Array | None = None) -> jax.Array:
     """Round float32 ``y`` (already clipped to [-6, 6]) onto the E2M1 grid; float32 result.
 
     The grid spacing is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so ``|y| / step`` is an exact
@@ -481,7 +481,7 @@ def quantize_nvfp4(
     """
     _check_blockable(tuple(x.shape), two_d, NVFP4_BLOCK, "quantize_nvfp4")
     x_blk = _to_blocks(x.astype(jnp.float32), two_d)
-    rand_bytes = None if key is None else _random_bytes(key, x_blk.shape)
+    rand_bytes = None if key is None else random_bytes(key, x_blk.shape)
     q_blk, s_e4m3, s_dec = _quantize_blocks(x_blk, _block_axes(two_d), rand_bytes)
     return NVFP4Array(
         elements=_from_blocks(q_blk, two_d).astype(FP4_E2M1),  # exact: values are on the grid
@@ -496,11 +496,11 @@ def _quantize_blocks(x_blk: jax.Array, axes: tuple[int, ...], rand_bytes: jax.Ar
     E2M1 values on the grid (float32, x_blk's shape), E4M3 block scales (``axes`` kept as 1s)
     and the float32 global decode scale."""
     block_amax = jnp.max(jnp.abs(x_blk), axis=axes, keepdims=True)
-    s_e4m3, enc, s_dec = _block_scales(block_amax)
-    return _round_e2m1(_scale_to_e2m1_range(x_blk, enc), rand_bytes), s_e4m3, s_dec
+    s_e4m3, enc, s_dec = nvfp4_block_scales(block_amax)
+    return round_e2m1(scale_to_e2m1_range(x_blk, enc), rand_bytes), s_e4m3, s_dec
 
 
-def _block_scales(block_amax: jax.Array, amax: jax.Array | None = None):
+def nvfp4_block_scales(block_amax: jax.Array, amax: jax.Array | None = None):
     """From the block amaxes of a tensor (any shape): its E4M3 block scales, the float32 factor
     ``enc`` that takes each block's elements to the E2M1 range (0 where the scale is 0), and the
     float32 global decode scale ``S_dec``. ``amax``: the whole tensor's amax, where
@@ -533,7 +533,7 @@ def _block_scales(block_amax: jax.Array, amax: jax.Array | None = None):
     return s_e4m3, enc, s_dec
 
 
-def _scale_to_e2m1_range(x: jax.Array, enc: jax.Array) -> jax.Array:
+def scale_to_e2m1_range(x: jax.Array, enc: jax.Array) -> jax.Array:
     """``clip(x * enc, -6, 6)``: one float32 multiply, then the clip."""
     return jnp.clip(x * enc, -E2M1_MAX, E2M1_MAX)
 
@@ -553,7 +553,7 @@ def block_dequantize_nvfp4_columns(x_MK: jax.Array, key: jax.Array | None = None
     x_blk = x_MK.astype(jnp.float32).reshape(m // NVFP4_BLOCK, NVFP4_BLOCK, k)
     rand_bytes = None
     if key is not None:
-        rand_bytes = _random_bytes(key, (k, m // NVFP4_BLOCK, NVFP4_BLOCK)).transpose(1, 2, 0)
+        rand_bytes = random_bytes(key, (k, m // NVFP4_BLOCK, NVFP4_BLOCK)).transpose(1, 2, 0)
     q_blk, s_e4m3, s_dec = _quantize_blocks(x_blk, (-2,), rand_bytes)
     return (q_blk * s_e4m3.astype(jnp.float32)).reshape(m, k).astype(dtype), s_dec.astype(jnp.float32)
 
@@ -578,7 +578,7 @@ def hadamard16_matrix() -> np.ndarray:
     return h @ np.diag(np.asarray(HADAMARD16_SIGNS, np.float64)) / 4.0
 
 
-def _walsh16(v: jax.Array, axis: int = -1) -> jax.Array:
+def walsh16(v: jax.Array, axis: int = -1) -> jax.Array:
     """``H16 @ g`` for every group g of 16 along ``axis`` of ``v`` (that axis has length 16; H16
     Sylvester, unnormalised), by butterflies.
 
@@ -634,13 +634,13 @@ def hadamard16(x: jax.Array, axis: int = -1) -> jax.Array:
     ``M`` is orthonormal; :func:`hadamard16_inverse` applies ``M.T``. Computed in float32 and
     returned as float32. ``sign = HADAMARD16_SIGNS``; :func:`hadamard16_matrix` returns ``M``.
     """
-    return _grouped(x, axis, lambda g, a: _walsh16(g * _signs_along(g.ndim, a), a) * jnp.float32(0.25))
+    return _grouped(x, axis, lambda g, a: walsh16(g * _signs_along(g.ndim, a), a) * jnp.float32(0.25))
 
 
 def hadamard16_inverse(x: jax.Array, axis: int = -1) -> jax.Array:
     """Inverse of :func:`hadamard16`: every group ``g`` becomes ``M.T @ g``, i.e.
     ``diag(sign) @ (H16 @ g) / 4`` (Hadamard first, then the signs)."""
-    return _grouped(x, axis, lambda g, a: _walsh16(g, a) * jnp.float32(0.25) * _signs_along(g.ndim, a))
+    return _grouped(x, axis, lambda g, a: walsh16(g, a) * jnp.float32(0.25) * _signs_along(g.ndim, a))
 
 
 # --------------------------------------------------------------------------------------------
@@ -716,7 +716,7 @@ def quantize_mx(x: jax.Array, elem_dtype) -> MXArray:
     y_blk = x_blk * jnp.where(is_zero, 0.0, _exp2_int(jnp.minimum(-e, 127)))[..., None]
     y_blk = jnp.clip(y_blk, -max_elem, max_elem)
     if key == np.dtype(FP4_E2M1):
-        q_blk = _round_e2m1(y_blk).astype(FP4_E2M1)
+        q_blk = round_e2m1(y_blk).astype(FP4_E2M1)
     else:
         q_blk = y_blk.astype(elem_dtype)
     q_blk = jax.lax.optimization_barrier(q_blk)  # pin the rounding against cast folding
