@@ -263,8 +263,8 @@ def test_config_is_a_leaf_and_each_section_checks_itself():
             "print(sorted(m for m in sys.modules if m.startswith('maxfp4')), 'jax' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=REPO))
-    assert proc.stdout.split() == ["['maxfp4',", "'maxfp4.config',", "'maxfp4.errors',", "'maxfp4.precision',",
-                                   "'maxfp4.precision.catalog']", "False"], proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["['maxfp4',", "'maxfp4.config',", "'maxfp4.config_schema',", "'maxfp4.errors',",
+                                   "'maxfp4.precision',", "'maxfp4.precision.catalog']", "False"], proc.stdout + proc.stderr
     from maxfp4.config import MeshConfig, OptimConfig, ResilienceConfig
     from maxfp4.errors import ConfigError as RootConfigError
     assert ConfigError is RootConfigError

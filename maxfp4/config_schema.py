@@ -1,0 +1,518 @@
+"""The config's sections: frozen dataclasses whose fields carry a type, a default and a comment,
+each with a ``check()`` that refuses its own impossible values in one line naming the key, the
+value and what was expected. ``maxfp4.config`` reads YAML into them; this module imports only
+errors.py and the JAX-free precision catalog, so anything may import it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from maxfp4.errors import ConfigError, describe
+from maxfp4.precision.catalog import BF16, validate_precision
+
+DATA_SOURCES = ("builtin", "text", "jsonl", "array_record", "tfds", "synthetic", "mixture")
+MIXTURE_SOURCES = ("builtin", "text", "jsonl", "array_record")
+MODEL_KINDS = ("dense", "hybrid")
+MLP_KINDS = ("swiglu", "relu2")
+PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp"}
+REMAT_POLICIES = ("none", "full", "save_gemm", "save_gemm_io")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_mask")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "quickstart"  # run directory is <output_dir>/<name>; same name resumes
+    output_dir: str = "runs"
+    seed: int = 0
+    # JAX's persistent compilation cache: a rerun or resume loads its compiled step from here
+    # instead of compiling it again ("" = off; JAX_COMPILATION_CACHE_DIR, when set, wins)
+    compile_cache_dir: str = "~/.cache/maxfp4/jax"
+    # Two runs of the same config and seed give bit-identical losses and parameters on the same
+    # GPU model, driver and device count: XLA's deterministic ops (scatter-adds without atomics,
+    # cuDNN attention's deterministic backward, no timing-based autotuning). Slower; see
+    # docs/RELIABILITY.md "Deterministic runs".
+    deterministic: bool = False
+
+    def check(self) -> None:
+        _require(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name", self.name,
+                 "a non-empty name without '/'")
+        _require(bool(self.output_dir), "run.output_dir", self.output_dir, "a directory path")
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    d_state: int = 128
+    head_dim: int = 64
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    expand: int = 2
+    # Operands of the SSD's token-length matmuls: bf16 (FP32 accumulation, as Mamba-2's own kernels
+    # do) or fp32 (HIGHEST precision). Decays, segment sums and states are FP32 either way.
+    ssd_matmul: str = "bf16"
+    # Where the mixer's convolution, SSD (with the D skip) and gated norm run: auto (each as a Pallas
+    # kernel on GPU when its tile sizes allow, else in XLA), xla (jax.numpy), or pallas (the
+    # kernels; interpreted off GPU, slowly).
+    kernels: str = "auto"
+    # With FP8 delayed scaling on in_proj and out_proj and the kernels on: the kernels that
+    # write in_proj's output gradient and out_proj's input store them in FP8 themselves (same
+    # values as the recipes' casts of the BF16 tensors, one pass less a layer each). false:
+    # BF16, then the recipes' casts.
+    fp8_in_kernels: bool = True
+
+    def check(self, d_model: int) -> None:
+        """Pallas tile sizes are the kernels' own check (maxfp4.kernels.support, at start-up)."""
+        _positive(self, "model.mamba", "d_state", "head_dim", "n_groups", "conv_kernel", "chunk_size", "expand")
+        _require(self.ssd_matmul in ("bf16", "fp32"), "model.mamba.ssd_matmul", self.ssd_matmul, "bf16 or fp32")
+        _require(isinstance(self.fp8_in_kernels, bool), "model.mamba.fp8_in_kernels",
+                 self.fp8_in_kernels, "true or false")
+        _require(self.kernels in ("auto", "xla", "pallas"), "model.mamba.kernels", self.kernels,
+                 "auto, xla or pallas")
+        inner = self.expand * d_model
+        _require(inner % self.head_dim == 0, "model.mamba.head_dim", self.head_dim,
+                 f"a divisor of model.mamba.expand x model.d_model = {inner}")
+        _require((inner // self.head_dim) % self.n_groups == 0, "model.mamba.n_groups", self.n_groups,
+                 f"a divisor of the Mamba head count {inner // self.head_dim}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "dense"
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    head_dim: int = 0  # 0: d_model // n_heads
+    d_ff: int = 768
+    vocab_size: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    attention: str = "auto"  # auto (cuDNN fused on GPU, XLA elsewhere), xla, cudnn, cudnn_mask
+    # cudnn: documents per row the packed kernel takes; a batch with a row of more runs of
+    # segment ids (padding counts as one) takes the masked kernel (maxfp4.model.attention)
+    attention_max_segments: int = 16
+    smooth_swiglu: bool = False  # per-channel scaling around the SwiGLU product (FP8 outliers)
+    pattern: str = ""  # hybrid: one character a block, M Mamba-2, * attention, - MLP
+    rope: bool = True  # rotary position embeddings in attention (Nemotron-H uses none)
+    mlp: str = "swiglu"  # hybrid MLP blocks: swiglu or relu2 (squared ReLU, not gated)
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    # A Hugging Face model directory (Llama for dense, Nemotron-H for hybrid) whose weights a new
+    # run starts from (maxfp4.hf); empty: random initialisation. A resumed run restores its checkpoint.
+    init_from: str = ""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def check(self) -> None:
+        _require(self.kind in MODEL_KINDS, "model.kind", self.kind, f"one of {', '.join(MODEL_KINDS)}")
+        if self.kind == "hybrid":
+            _require(bool(self.pattern) and set(self.pattern) <= set(PATTERN_CHARS), "model.pattern", self.pattern,
+                     "a non-empty string of M (Mamba-2), * (attention) and - (MLP)")
+            self.mamba.check(self.d_model)
+        else:
+            _require(not self.pattern, "model.pattern", self.pattern, "empty for model.kind=dense (set model.kind=hybrid)")
+        _require(self.mlp in MLP_KINDS, "model.mlp", self.mlp, f"one of {', '.join(MLP_KINDS)}")
+        _positive(self, "model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
+        _require(self.n_layers <= MAX_LAYERS, "model.n_layers", self.n_layers, f"at most {MAX_LAYERS} blocks")
+        _require(self.head_dim >= 0, "model.head_dim", self.head_dim, "a positive integer (0: d_model // n_heads)")
+        _require(self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads,
+                 f"a divisor of model.d_model={self.d_model}")
+        _require(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
+                 f"a divisor of model.n_heads={self.n_heads}")
+        _require(self.resolved_head_dim % 2 == 0, "model.head_dim", self.resolved_head_dim,
+                 "an even head dimension (RoPE rotates pairs)")
+        _require(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "a positive number")
+        _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "a positive number")
+        _require(self.attention in ATTENTION_IMPLS, "model.attention", self.attention,
+                 f"one of {', '.join(ATTENTION_IMPLS)}")
+        _require(self.attention_max_segments >= 1, "model.attention_max_segments", self.attention_max_segments,
+                 "a positive number of segments per row")
+        # Far above 1 the first forward pass overflows or saturates and every gradient is 0 or NaN:
+        # the run would "train" without learning anything (0.02 is the usual choice).
+        _require(0 < self.init_std <= MAX_INIT_STD, "model.init_std", self.init_std,
+                 f"a standard deviation in (0, {MAX_INIT_STD}] (0.02 is usual)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "builtin"  # one of DATA_SOURCES; docs/DATA.md describes each
+    paths: tuple[str, ...] = ()  # text/jsonl: files or globs; array_record: directories written by prepare
+    tokenizer: str = ""  # SentencePiece model or tokenizer.json; empty: train one on the data, kept in the run dir
+    seq_len: int = 256
+    global_batch: int = 16
+    jsonl_field: str = "text"  # jsonl: the key of each line's object that holds the document text
+    tfds_name: str = ""  # tfds: dataset name (and version), e.g. "my_dataset:1.0.0"
+    tfds_split: str = "train"  # tfds: split to read
+    tfds_data_dir: str = ""  # tfds: where the dataset was prepared; empty: TFDS's default directory
+    tfds_field: str = "text"  # tfds: the feature holding the document text
+    # source=mixture: [{source, paths, weight}, ...]; rows of each source drawn in proportion to weight
+    mixture: tuple[dict, ...] = ()
+    workers: int = 0  # grain worker processes reading batches; 0 = in the training process
+    read_threads: int = 2  # threads reading rows in each reader (process or worker)
+    prefetch: int = 4  # batches buffered ahead of the training step
+    eval_fraction: float = 0.0  # fraction of documents held out for evaluation (seeded choice)
+    eval_paths: tuple[str, ...] = ()  # held-out files/directories of the same source, instead of a fraction
+    eval_batches: int = 8  # at most this many global batches in an evaluation
+
+    def check(self) -> None:
+        _require(self.source in DATA_SOURCES, "data.source", self.source, f"one of {', '.join(DATA_SOURCES)}")
+        if self.source in ("text", "jsonl", "array_record"):
+            what = "prepared directory" if self.source == "array_record" else "file or glob"
+            _require(len(self.paths) > 0, "data.paths", list(self.paths),
+                     f"at least one {what} for data.source={self.source}")
+        if self.source == "tfds":
+            _require(bool(self.tfds_name), "data.tfds_name", self.tfds_name, "a dataset name for data.source=tfds")
+        _require((self.source == "mixture") == bool(self.mixture), "data.mixture", list(self.mixture),
+                 "a non-empty list of {source, paths, weight} exactly when data.source=mixture")
+        for i, part in enumerate(self.mixture):
+            _check_mixture_part(part, f"data.mixture[{i}]")
+        _positive(self, "data", "seq_len", "global_batch", "read_threads", "eval_batches")
+        _require(self.workers >= 0, "data.workers", self.workers, "an integer >= 0 (0: read in the training process)")
+        _require(self.prefetch >= 0, "data.prefetch", self.prefetch, "an integer >= 0")
+        _require(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", self.eval_fraction, "a fraction in [0, 1)")
+        _require(not (self.eval_fraction and self.eval_paths), "data.eval_paths", list(self.eval_paths),
+                 "empty when data.eval_fraction is set (choose one way to hold out data)")
+        _require(not self.eval_paths or self.source in ("text", "jsonl", "array_record"), "data.eval_paths",
+                 list(self.eval_paths), "used only with data.source text, jsonl or array_record")
+        if self.tokenizer:
+            _require(os.path.isfile(self.tokenizer), "data.tokenizer", self.tokenizer,
+                     "an existing SentencePiece model or tokenizer.json file")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    log_every: int = 10
+    microbatches: int = 1  # gradient accumulation: global_batch is split into this many
+    # a resume on another device count may change microbatches (never the global batch) so each
+    # device's share divides and stays within the checkpoint's (maxfp4.elastic)
+    elastic: bool = True
+    # the LM head and loss over this many slices of the sequence, each recomputed in the backward
+    # pass: 1/loss_chunks of the [B, T, V] logits live at once (maxfp4.model.decoder.chunked_loss_sum)
+    loss_chunks: int = 1
+    remat: str = "none"  # none | full | save_gemm | save_gemm_io (maxfp4.model.remat)
+    # one lax.scan per run of identical blocks (compile time flat in depth), or false: blocks
+    # unrolled (no stacked residual buffers; longer compiles) -- maxfp4.model.layer_loop
+    scan_layers: bool = True
+    compiler_options: dict = field(default_factory=dict)  # XLA options, e.g. {xla_gpu_enable_triton_gemm: true}
+    profile_steps: tuple[int, ...] = ()  # [first, last]: JAX profiler trace of these steps in <run>/profile
+    eval_every: int = 0  # held-out loss every this many steps and at the end; 0 = off
+
+    def check(self) -> None:
+        _require(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0 (0: no evaluation)")
+        _require(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
+        _require(self.log_every >= 1, "train.log_every", self.log_every, "an integer >= 1")
+        _require(self.microbatches >= 1, "train.microbatches", self.microbatches, "an integer >= 1")
+        _require(self.remat in REMAT_POLICIES, "train.remat", self.remat, f"one of {', '.join(REMAT_POLICIES)}")
+        _check_compiler_options(self.compiler_options)
+        _require(self.profile_steps == () or (len(self.profile_steps) == 2
+                                              and 1 <= self.profile_steps[0] <= self.profile_steps[1]),
+                 "train.profile_steps", list(self.profile_steps), "[] or [first, last] with 1 <= first <= last")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    warmup_steps: int = 100
+    schedule_steps: int = 0  # cosine horizon; 0 = train.steps
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0  # global-norm clipping; 0 = off
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+
+    def check(self) -> None:
+        _require(0 < self.lr <= MAX_LR, "optim.lr", self.lr, f"a learning rate in (0, {MAX_LR}] (AdamW)")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+        _require(self.schedule_steps >= 0, "optim.schedule_steps", self.schedule_steps,
+                 "an integer >= 0 (0: train.steps)")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
+        _require(self.clip >= 0, "optim.clip", self.clip, "a number >= 0 (0: no clipping)")
+        _require(0 <= self.b1 < 1, "optim.b1", self.b1, "a number in [0, 1)")
+        _require(0 <= self.b2 < 1, "optim.b2", self.b2, "a number in [0, 1)")
+        _require(self.eps > 0, "optim.eps", self.eps, "a positive number")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Checked by maxfp4.precision.catalog (names, rules, options; docs/PRECISION.md)."""
+
+    default: str = BF16.name  # the recipe of every layer no rule names
+    rules: tuple[dict, ...] = ()  # ordered {classes, layers, recipe}; the first match wins
+    recipes: dict = field(default_factory=dict)  # recipe -> {option: value}, over its defaults
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def check(self) -> None:
+        axes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, v in axes.items():
+            _require(v == -1 or v >= 1, f"mesh.{name}", v, "a positive integer or -1 (the remaining devices)")
+        _require(list(axes.values()).count(-1) <= 1, "mesh", axes, "at most one axis of size -1")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    # start-up: every process must have joined the coordinator within this many seconds, else each
+    # waiting process ends with one line and exit code 2 (JAX's own limit aborts the process)
+    init_timeout_s: float = 300.0
+    # a process that sends no heartbeat for this long is declared dead by JAX's coordination
+    # service, which then aborts every other process (maxfp4.distributed, docs/RELIABILITY.md)
+    heartbeat_timeout_s: int = 100
+
+    def check(self) -> None:
+        _require(self.num_processes >= 0, "distributed.num_processes", self.num_processes, "an integer >= 0")
+        _require(self.init_timeout_s > 0, "distributed.init_timeout_s", self.init_timeout_s,
+                 "a positive number of seconds")
+        _require(self.heartbeat_timeout_s >= 1, "distributed.heartbeat_timeout_s", self.heartbeat_timeout_s,
+                 "an integer number of seconds >= 1")
+        if self.coordinator:
+            host, _, port = self.coordinator.rpartition(":")
+            _require(bool(host) and port.isdigit() and 1 <= int(port) <= 65535, "distributed.coordinator",
+                     self.coordinator, "host:port with a port in [1, 65535]")
+            _require(self.num_processes >= 1, "distributed.num_processes", self.num_processes,
+                     "the number of processes when distributed.coordinator is set")
+            _require(0 <= self.process_id < self.num_processes, "distributed.process_id", self.process_id,
+                     f"an integer in [0, {self.num_processes})")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    enabled: bool = True  # false: never save (throughput benchmarks)
+    every: int = 0  # 0: only at the end
+    keep: int = 3  # newest saves kept, plus the newest from before a running streak of skipped steps
+    async_: bool = field(default=True, metadata={"key": "async"})
+    # SHA-256 of the array files, hashed by each process in the background once a save has
+    # committed and checked on restore (a mismatch falls back to the previous checkpoint).
+    verify: bool = False
+
+    def check(self) -> None:
+        _require(self.every >= 0, "checkpoint.every", self.every, "an integer >= 0 (0: only at the end)")
+        _require(self.keep >= 1, "checkpoint.keep", self.keep, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Injected failures, for testing the resilience machinery (off by default)."""
+
+    exception_at_step: int = 0  # raise an error after this step (0: never)
+    # Steps (1-based, as logged) whose gradients are replaced by NaN inside the jitted step, so
+    # the real non-finite guard sees them.
+    nonfinite_at_steps: tuple[int, ...] = ()
+    hang_at_step: int = 0  # the loop sleeps forever before this step (0: never); for the watchdog
+    slow_process: int = -1  # this process index sleeps slow_seconds every step (-1: none)
+    slow_seconds: float = 0.0  # per-step sleep of slow_process; for the straggler report
+    # From step loss_scale_at_step on (1-based; 0: never) the loss, and so the gradients, are
+    # multiplied by loss_scale inside the jitted step: a lasting level shift, as a change of the
+    # data mixture makes, for the spike guard.
+    loss_scale: float = 1.0
+    loss_scale_at_step: int = 0
+
+    def check(self) -> None:
+        p = "resilience.fault"
+        _require(self.exception_at_step >= 0, f"{p}.exception_at_step", self.exception_at_step,
+                 "an integer >= 0 (0: never)")
+        _require(all(s >= 1 for s in self.nonfinite_at_steps), f"{p}.nonfinite_at_steps",
+                 list(self.nonfinite_at_steps), "a list of steps >= 1")
+        _require(self.hang_at_step >= 0, f"{p}.hang_at_step", self.hang_at_step, "an integer >= 0 (0: never)")
+        _require(self.slow_process >= -1, f"{p}.slow_process", self.slow_process, "a process index or -1 (none)")
+        _require(self.slow_seconds >= 0, f"{p}.slow_seconds", self.slow_seconds, "a number of seconds >= 0")
+        _require(math.isfinite(self.loss_scale) and self.loss_scale > 0, f"{p}.loss_scale", self.loss_scale,
+                 "a finite factor > 0")
+        _require(self.loss_scale_at_step >= 0, f"{p}.loss_scale_at_step", self.loss_scale_at_step,
+                 "an integer >= 0 (0: never)")
+
+
+@dataclass(frozen=True)
+class ResilienceConfig:
+    # Skip the update of a step whose loss or gradients are non-finite or whose loss spikes
+    # (params, optimizer and precision state unchanged; the step counter and data still advance).
+    guard: bool = True
+    # A spike: loss > (1 + spike_margin) x the median of the last spike_window finite losses
+    # (maxfp4.reliability.guard). Healthy runs measured up to 1.58 x the median (docs/RELIABILITY.md).
+    spike_margin: float = 1.0  # 0: spikes off, only non-finite steps are skipped
+    # Finite losses in the window, skipped ones included, so a lasting level shift is accepted
+    # after at most spike_window // 2 + 1 skipped steps (kept below max_consecutive_skips).
+    spike_window: int = 12
+    spike_warmup: int = 50  # finite steps before spikes are judged (non-finite is judged always)
+    # This many skipped steps in a row: reload the last checkpoint from before the streak, keep
+    # the data moving (0: never). With no checkpoint to go back to, a streak of finite losses
+    # suspends spike judgement for spike_window steps; a non-finite streak stops the run.
+    max_consecutive_skips: int = 10
+    max_rollbacks: int = 3  # rollbacks in one process's lifetime before it stops (exit code 3)
+    hang_timeout_s: float = 0.0  # no step completes for this long -> stack dump, exit 124 (0: off)
+    straggler_every: int = 0  # gather per-process host time per step every N steps (0: off)
+    straggler_threshold: float = 1.2  # report processes slower than this x the median
+    preflight: bool = True  # run maxfp4.reliability.preflight's checks at start-up
+    preflight_gemm: bool = False  # also time a GEMM on each device off GPU (always on GPU)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def check(self) -> None:
+        p = "resilience"
+        _require(math.isfinite(self.spike_margin) and self.spike_margin >= 0, f"{p}.spike_margin", self.spike_margin,
+                 "a finite fraction of the median loss >= 0 (0: spikes off; 1: a loss above twice the median)")
+        _require(self.spike_window >= 3, f"{p}.spike_window", self.spike_window, "an integer >= 3")
+        _require(self.spike_warmup >= 1, f"{p}.spike_warmup", self.spike_warmup, "an integer >= 1")
+        _require(self.max_consecutive_skips >= 0, f"{p}.max_consecutive_skips", self.max_consecutive_skips,
+                 "an integer >= 0 (0: never roll back)")
+        if self.guard and self.spike_margin > 0 and self.max_consecutive_skips > 0:
+            # A lasting level shift skips up to window // 2 + 1 steps (maxfp4.reliability.guard): never a rollback.
+            _require(self.spike_window // 2 + 1 < self.max_consecutive_skips, f"{p}.spike_window", self.spike_window,
+                     f"at most {2 * self.max_consecutive_skips - 3} with max_consecutive_skips="
+                     f"{self.max_consecutive_skips} (a level shift skips up to spike_window // 2 + 1 steps)")
+        _require(self.max_rollbacks >= 0, f"{p}.max_rollbacks", self.max_rollbacks, "an integer >= 0")
+        _require(self.hang_timeout_s >= 0, f"{p}.hang_timeout_s", self.hang_timeout_s,
+                 "a number of seconds >= 0 (0: off)")
+        _require(self.straggler_every >= 0, f"{p}.straggler_every", self.straggler_every, "an integer >= 0 (0: off)")
+        _require(self.straggler_threshold > 1, f"{p}.straggler_threshold", self.straggler_threshold,
+                 "a ratio > 1 (1.2: 20% slower than the median)")
+        self.fault.check()
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.run.output_dir, self.run.name)
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+    def check(self) -> None:
+        """Each section checks itself, in file order; then what relates two sections."""
+        for section in (self.run, self.model, self.data, self.train, self.optim, self.mesh, self.distributed,
+                        self.checkpoint, self.resilience):
+            section.check()
+        _check_across_sections(self)
+
+
+# ----------------------------------------------------------------------------- text and plain values
+
+
+def yaml_key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {yaml_key(f): _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def control_character(text: str) -> int:
+    """Index of the first control character (NUL, newline, escape, ...) or lone surrogate, or -1:
+    no config string needs one, and in a path or a run name they truncate or corrupt it."""
+    for i, ch in enumerate(text):
+        if ord(ch) < 32 or 127 <= ord(ch) < 160 or 0xD800 <= ord(ch) <= 0xDFFF:
+            return i
+    return -1
+
+
+def check_text(text: str, key: str) -> str:
+    i = control_character(text)
+    if i >= 0:
+        raise ConfigError(f"{key}={describe(text)}: expected text without control characters "
+                          f"(found {text[i]!r} at position {i})")
+    return text
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+MAX_LR = 1.0  # AdamW's step is about lr per parameter: above 1 nothing sensible is left
+MAX_INIT_STD = 1.0
+# The deepest published stacks have a few hundred blocks; the precision table and the scan are
+# built per block, so an absurd count must be refused before anything is laid out for it.
+MAX_LAYERS = 4096
+_COMPILER_OPTION_VALUES = (bool, int, float, str)
+
+
+def _check_mixture_part(part: Any, key: str) -> None:
+    _require(isinstance(part, dict) and all(isinstance(k, str) for k in part)
+             and set(part) <= {"source", "paths", "weight"} and "source" in part,
+             key, part, "a mapping with keys source, paths (list) and weight")
+    _require(isinstance(part["source"], str) and part["source"] in MIXTURE_SOURCES, f"{key}.source",
+             part["source"], f"one of {', '.join(MIXTURE_SOURCES)}")
+    paths = part.get("paths", [])
+    _require(isinstance(paths, list), f"{key}.paths", paths, "a list of paths")
+    for j, path in enumerate(paths):
+        _require(isinstance(path, str) and bool(path), f"{key}.paths[{j}]", path, "a file, glob or directory name")
+        check_text(path, f"{key}.paths[{j}]")
+    weight = part.get("weight", 1.0)
+    _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
+             and weight > 0, f"{key}.weight", weight, "a positive finite number")
+
+
+def _check_compiler_options(options: dict) -> None:
+    """XLA options are flat name -> scalar pairs; anything else is refused here, before the
+    options are handed to the compiler (or printed in its error)."""
+    for name, value in options.items():
+        key = f"train.compiler_options.{name}" if isinstance(name, str) else "train.compiler_options"
+        _require(isinstance(name, str) and name.isidentifier(), key, name, "option names such as xla_gpu_enable_triton_gemm")
+        _require(isinstance(value, _COMPILER_OPTION_VALUES) and not (isinstance(value, float) and not math.isfinite(value)),
+                 key, value, "true/false, a finite number or a string")
+        if isinstance(value, str):
+            check_text(value, key)
+
+
+def _require(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={describe(value)}: expected {expected}")
+
+
+def _positive(section: Any, prefix: str, *names: str) -> None:
+    for n in names:
+        v = getattr(section, n)
+        _require(v > 0, f"{prefix}.{n}", v, "a positive integer")
+
+
+def _check_across_sections(cfg: Config) -> None:
+    d, t, o = cfg.data, cfg.train, cfg.optim
+    _require(not t.eval_every or d.eval_fraction > 0 or d.eval_paths or d.source == "synthetic",
+             "train.eval_every", t.eval_every, "0 unless data.eval_fraction > 0 or data.eval_paths is set")
+    _require(d.global_batch % t.microbatches == 0, "train.microbatches", t.microbatches,
+             f"a divisor of data.global_batch={d.global_batch}")
+    _require(t.loss_chunks >= 1 and d.seq_len % t.loss_chunks == 0, "train.loss_chunks", t.loss_chunks,
+             f"an integer >= 1 dividing data.seq_len={d.seq_len}")
+    horizon = o.schedule_steps or t.steps
+    _require(o.warmup_steps <= horizon, "optim.warmup_steps", o.warmup_steps,
+             f"at most the schedule length {horizon}")
+
+
+def validate(cfg: Config) -> None:
+    """Every check a config can have without devices: the sections', then the precision policy's.
+    (XLA options, kernel tile sizes and the mesh are checked against the devices at start-up.)"""
+
+    cfg.check()
+    validate_precision(cfg.precision, n_layers=cfg.model.n_layers)
