@@ -210,6 +210,7 @@ class MetricsHook(Hook):
 
     def after_step(self, loop, step: int, values: dict[str, float], final: bool) -> None:
         now = time.perf_counter()
+        previous, self._last = self._last, (step, now)
         self._losses.append((values["loss"], bool(values["skipped"])))
         if self._mark is None:
             self._mark = (step, now)
@@ -217,13 +218,9 @@ class MetricsHook(Hook):
         # the terminal line, and the records the run returns, come every train.log_every steps.
         if not (step % self.log_every == 0 or final or step == loop.start_step + 1 or step in self.eval_losses):
             # Timed since the previous step finished, so never the compile.
-            step_time = now - self._last[1] if self._last is not None and self._last[0] == step - 1 else None
-            record = {"step": step, "loss": values["loss"], "grad_norm": values["grad_norm"], "lr": values["lr"],
-                      **self._rates(step_time, step, loop.total_steps), "skipped_steps": int(values["skipped_steps"])}
-            self._last = (step, now)
-            self.logger.write(record)
+            step_time = now - previous[1] if previous is not None and previous[0] == step - 1 else None
+            self.logger.write(self._fields(step, values["loss"], values, step_time, loop.total_steps))
             return
-        self._last = (step, now)
         record = self._record(step, values, now, loop.total_steps)
         self.records.append(record)
         self.logger.write(dict(record, loss=values["loss"]))
@@ -242,14 +239,7 @@ class MetricsHook(Hook):
             self._measured_steps += step - mark_step
             self._measured_s += now - mark_time
             self._mark = (step, now)
-        record = {
-            "step": step,
-            "loss": sum(kept) / len(kept),
-            "grad_norm": values["grad_norm"],
-            "lr": values["lr"],
-            **self._rates(step_time, step, total_steps),
-            "skipped_steps": int(values["skipped_steps"]),
-        }
+        record = self._fields(step, sum(kept) / len(kept), values, step_time, total_steps)
         if self._first is not None and step == self._first_step:
             record.update(self._first)
             self._first = None
@@ -260,16 +250,23 @@ class MetricsHook(Hook):
             record["straggler_processes"] = report["slow"]
         return record
 
-    def _rates(self, step_time: float | None, step: int, total_steps: int) -> dict[str, float | None]:
-        """What a step time gives: tokens/s, TFLOP/s per device, MFU (None without a stated peak), ETA."""
+    def _fields(self, step: int, loss: float, values: dict[str, float], step_time: float | None,
+                total_steps: int) -> dict[str, Any]:
+        """A record's fields: the step's values, and what ``step_time`` gives: tokens/s, TFLOP/s per
+        device, MFU (None without a stated peak), ETA."""
         tflops = self.flops_per_step / step_time / self.n_devices / 1e12 if step_time else None
         return {
+            "step": step,
+            "loss": loss,
+            "grad_norm": values["grad_norm"],
+            "lr": values["lr"],
             "tokens_per_s": self.tokens_per_step / step_time if step_time else None,
             "tflops_per_device": tflops,
             "mfu": tflops / self.peaks["bf16"] if self.peaks and tflops else None,
             "mfu_policy_peak": tflops / self.policy_peak if self.policy_peak and tflops else None,
             "step_time_s": step_time,
             "eta_s": (total_steps - step) * step_time if step_time else None,
+            "skipped_steps": int(values["skipped_steps"]),
         }
 
     def summary(self) -> str:

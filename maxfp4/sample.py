@@ -33,7 +33,7 @@ class LoadedModel:
     cfg: Any  # ModelConfig
     params: Any
     tokenizer: Any  # maxfp4.data.tokenizer.Tokenizer
-    context: int | None  # data.seq_len the model trained on; None for an export (not recorded there)
+    context: int | None  # data.seq_len the model trained on; None for a native export (not recorded there)
     source: str  # "<dir> step N", for the header line
     trained_with: str  # the run's precision.default, or "" when unknown
 
@@ -158,6 +158,10 @@ def load_hf_export(export_dir: str, device) -> LoadedModel:
     it records in config.json, its tensors converted back (maxfp4.hf), its tokenizer.json."""
     import json
 
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
     from maxfp4.hf import read_params as read_hf_params
 
     config_path = os.path.join(export_dir, HF_CONFIG)
@@ -171,10 +175,6 @@ def load_hf_export(export_dir: str, device) -> LoadedModel:
                           f"expected an export of a maxfp4 run")
     model_cfg = _model_config(recorded["model"], config_path)
     tokenizer = _tokenizer(os.path.join(export_dir, "tokenizer.json"), model_cfg.vocab_size, "export tokenizer")
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
     abstract = _abstract_params(model_cfg, device)
     whole = NamedSharding(Mesh(np.array([device]), ("one",)), PartitionSpec())  # the reader places by mesh
     params = read_hf_params(model_cfg, export_dir, jax.tree.map(lambda _: whole, abstract), abstract)

@@ -159,7 +159,7 @@ def _llama_reference_logits(t, c, ids):
     """LlamaForCausalLM's forward in float64 NumPy, written from the architecture: RMSNorm
     (weight * x / rms), rotate-half RoPE, grouped-query causal attention, SwiGLU, untied head."""
     t = {k: v.astype(np.float64) for k, v in t.items()}
-    d, h, n, k = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    h, n, k = c.head_dim, c.num_attention_heads, c.num_key_value_heads
     eps, theta = c.rms_norm_eps, c.rope_parameters["rope_theta"]
     T = len(ids)
 
@@ -194,12 +194,22 @@ def _llama_reference_logits(t, c, ids):
     return norm(x, t["model.norm.weight"]) @ t["lm_head.weight"].T
 
 
-def test_llama_reference_forward_on_exported_tensors_matches_maxfp4(dense_run, tmp_path):
+def _maxfp4_logits(run, step: int, cfg, ids) -> np.ndarray:
+    """maxfp4's own forward of one row of ``ids`` with the run's checkpoint at ``step``: float64 [T, V]."""
     import jax.numpy as jnp
-    from transformers import LlamaConfig
 
     from maxfp4.model import get_model
     from maxfp4.precision import resolve_policy
+
+    T = len(ids)
+    logits = get_model(cfg.model).forward(
+        _params(run, step, cfg.model), jnp.asarray(ids)[None], jnp.arange(T)[None], jnp.ones((1, T), jnp.int32),
+        cfg=cfg.model, policy=resolve_policy(cfg.precision, cfg.model.n_layers))[0]
+    return np.asarray(logits, np.float64)
+
+
+def test_llama_reference_forward_on_exported_tensors_matches_maxfp4(dense_run, tmp_path):
+    from transformers import LlamaConfig
 
     cfg = _load(dense_run.parent, DENSE)
     out = tmp_path / "fp32"
@@ -209,12 +219,7 @@ def test_llama_reference_forward_on_exported_tensors_matches_maxfp4(dense_run, t
     ids = np.random.default_rng(0).integers(0, 512, size=32)
     want = _llama_reference_logits(_tensors(out), c, ids)
 
-    params = _params(dense_run, 3, cfg.model)
-    T = len(ids)
-    logits = get_model(cfg.model).forward(
-        params, jnp.asarray(ids)[None], jnp.arange(T)[None], jnp.ones((1, T), jnp.int32), cfg=cfg.model,
-        policy=resolve_policy(cfg.precision, cfg.model.n_layers))[0]
-    got = np.asarray(logits, np.float64)
+    got = _maxfp4_logits(dense_run, 3, cfg, ids)
     # maxfp4 computes in BF16 (activations and GEMM operands rounded to 8 significant bits,
     # FP32 accumulation; logits stored in BF16): 2 blocks of such roundings stay within 2% of
     # the logits' largest magnitude (measured: 0.44%). A layout error (a transposed head, RoPE
@@ -358,7 +363,7 @@ def test_nemotron_h_export_config_tensors_and_round_trip(hybrid_run, tmp_path, c
     import jax
     from transformers import NemotronHConfig
 
-    from maxfp4.export import _export_hf, export, main as export_main
+    from maxfp4.export import _export_hf, main as export_main
     from maxfp4.hf import read_params
     from maxfp4.mesh import make_mesh, tree_shardings
     from maxfp4.model import get_model
@@ -519,12 +524,9 @@ def _nemotron_h_reference_logits(t, c, ids):
 
 
 def test_nemotron_h_reference_forward_on_exported_tensors_matches_maxfp4(hybrid_run, tmp_path):
-    import jax.numpy as jnp
     from transformers import NemotronHConfig
 
     from maxfp4.export import export
-    from maxfp4.model import get_model
-    from maxfp4.precision import resolve_policy
 
     cfg = _load(hybrid_run.parent, HYBRID)
     out = tmp_path / "fp32"
@@ -532,11 +534,7 @@ def test_nemotron_h_reference_forward_on_exported_tensors_matches_maxfp4(hybrid_
     c = NemotronHConfig.from_pretrained(str(out))
     ids = np.random.default_rng(1).integers(0, 256, size=32)
     want = _nemotron_h_reference_logits(_tensors(out), c, ids)
-    T = len(ids)
-    logits = get_model(cfg.model).forward(
-        _params(hybrid_run, 5, cfg.model), jnp.asarray(ids)[None], jnp.arange(T)[None], jnp.ones((1, T), jnp.int32),
-        cfg=cfg.model, policy=resolve_policy(cfg.precision, cfg.model.n_layers))[0]
-    got = np.asarray(logits, np.float64)
+    got = _maxfp4_logits(hybrid_run, 5, cfg, ids)
     # BF16 activations, GEMM operands and stored mixer intermediates in maxfp4 (FP32 inside each
     # piece): measured 1.3% of the largest logit over five blocks of these large random weights;
     # 3% allowed. Heads reading groups h % G instead gave 13%, the conv taps reversed 130%.

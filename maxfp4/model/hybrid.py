@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from maxfp4.config import ModelConfig
+from maxfp4.config import PATTERN_CHARS, ModelConfig
 from maxfp4.model import lm
 from maxfp4.model.attention import Attention, resolve_implementation
 from maxfp4.model.layers import norm_scale, stacked
@@ -31,7 +31,7 @@ from maxfp4.model.remat import remat_body
 from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
 Params = dict[str, Any]
-TYPES = {"M": "mamba", "*": "attention", "-": "mlp"}
+TYPES = PATTERN_CHARS  # model.pattern's characters -> block types
 TYPE_CLASSES = {"mamba": ("mamba_in", "mamba_out"), "attention": ("attn_qkv", "attn_out"),
                 "mlp": ("mlp_up", "mlp_down")}
 MAX_UNIT = 4
