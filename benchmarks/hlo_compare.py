@@ -118,7 +118,9 @@ def op_counts(text: str) -> collections.Counter:
 def lower_tree(tree: str, out_dir: str, only: str, platform: str) -> None:
     # One hash seed for both trees: code that iterates over a set of strings traces in an order
     # that depends on it.
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_PLATFORMS=platform, PYTHONHASHSEED="0")
+    # The tree goes first on the path; what was there (packages installed beside the image's) stays.
+    path = os.pathsep.join([os.path.abspath(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS=platform, PYTHONHASHSEED="0")
     if platform == "cpu":
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
         env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=4"])
@@ -158,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"case": name, "identical": same, "same_op_counts": not diff, "ops": sum(counts_new.values()),
                         "op_count_differences": diff})
         print(f"{name:<44}{str(same):>10}{str(not diff):>10}{sum(counts_new.values()):>7}  {diff or ''}")
+        if not same:  # where they part, to say what changed when the op counts agree
+            at = next(i for i, (a, b) in enumerate(zip(old.splitlines() + [""], new.splitlines() + [""])) if a != b)
+            for side, text in (("old", old), ("new", new)):
+                print(f"    {side} line {at + 1}: {(text.splitlines() + [''])[at].strip()[:220]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

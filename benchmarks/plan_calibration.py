@@ -70,11 +70,17 @@ MEASURED = [
     ("hybrid-1b fsdp=2 B=16 save_gemm bf16 (before the Mamba-2 kernels)", "configs/hybrid-1b.yaml",
      ["mesh.data=1", "mesh.fsdp=2", "data.global_batch=16", "train.remat=save_gemm", "train.scan_layers=true"],
      2, "h200", "bf16", 411.1, 42.9, True),
-    # Four H200s, one process per GPU, full remat (code of 2026-11-22)
-    ("llama3-8b fsdp=4 B=16 full bf16", LLAMA, ["data.global_batch=16", "train.remat=full"], 4, "h200", "bf16", 4440.4, None, True),
-    ("llama3-8b fsdp=4 B=16 full fp8", LLAMA, ["data.global_batch=16", "train.remat=full"], 4, "h200", "fp8", 3517.9, None, True),
-    ("llama3-8b data=2 fsdp=2 B=16 full bf16", LLAMA,
-     ["data.global_batch=16", "train.remat=full", "mesh.data=2", "mesh.fsdp=2"], 4, "h200", "bf16", 4469.2, None, True),
+    # One process per GPU (benchmarks/per_gpu_processes.sh), 2026-11-27: two and four H200s
+    ("llama3-8b fsdp=2 B=4 save_gemm bf16", LLAMA, ["data.global_batch=4", "train.remat=save_gemm"], 2, "h200", "bf16", 1565.1, None, False),
+    ("llama3-8b fsdp=2 B=4 save_gemm fp8", LLAMA, ["data.global_batch=4", "train.remat=save_gemm"], 2, "h200", "fp8", 1101.5, None, False),
+    ("llama3-8b fsdp=4 B=8 save_gemm bf16", LLAMA, ["data.global_batch=8", "train.remat=save_gemm"], 4, "h200", "bf16", 1571.1, None, False),
+    ("llama3-8b fsdp=4 B=8 save_gemm fp8", LLAMA, ["data.global_batch=8", "train.remat=save_gemm"], 4, "h200", "fp8", 1087.3, None, False),
+    ("llama3-8b data=2 fsdp=2 B=8 save_gemm bf16", LLAMA,
+     ["data.global_batch=8", "train.remat=save_gemm", "mesh.data=2", "mesh.fsdp=2"], 4, "h200", "bf16", 1603.2, None, False),
+    ("nemotron-h-8b fsdp=2 B=2 full bf16", "configs/nemotron-h-8b.yaml", ["data.global_batch=2"], 2, "h200", "bf16", 967.5, None, False),
+    ("nemotron-h-8b fsdp=2 B=2 full fp8", "configs/nemotron-h-8b.yaml", ["data.global_batch=2"], 2, "h200", "fp8", 679.7, None, False),
+    ("nemotron-h-8b fsdp=4 B=4 full bf16", "configs/nemotron-h-8b.yaml", ["data.global_batch=4"], 4, "h200", "bf16", 941.6, None, False),
+    ("nemotron-h-8b fsdp=4 B=4 full fp8", "configs/nemotron-h-8b.yaml", ["data.global_batch=4"], 4, "h200", "fp8", 664.8, None, False),
     # Scale models on one H200 (one sequence of 8192, no remat)
     ("llama widths 6 blocks V=24064 bf16", LLAMA, ["model.n_layers=6", "model.vocab_size=24064", "data.global_batch=1"], 1, "h200", "bf16", 141.3, None, False),
     ("llama widths 6 blocks V=24064 nvfp4", LLAMA, ["model.n_layers=6", "model.vocab_size=24064", "data.global_batch=1"], 1, "h200", "nvfp4", 167.7, None, False),

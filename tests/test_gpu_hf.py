@@ -88,7 +88,7 @@ def test_autotokenizer_ids_equal_the_pipelines_on_thousands_of_documents(tmp_pat
     from maxfp4.data.corpus import tokenize_documents
     from maxfp4.data.sources import builtin_documents
     from maxfp4.data.tokenizer import Tokenizer
-    cfg, directory = _trained_export(tmp_path, DENSE + ["train.steps=2"])
+    cfg, directory = _trained_export(tmp_path, DENSE + ["train.steps=2", "optim.warmup_steps=1"])
     docs = builtin_documents()
     docs = docs + [p for doc in docs for p in doc.split("\n\n") if p.strip()]
     assert len(docs) > 2000

@@ -33,19 +33,28 @@ LENGTH = 32
 
 @pytest.mark.parametrize("overrides", [DENSE, HYBRID], ids=["dense", "hybrid"])
 def test_cached_greedy_decoding_equals_greedy_full_forward(overrides):
-    _compare_with_full_forward(overrides)
+    # Measured max |diff| / max |logit|: dense 0.3% (BF16 rounding in another order), hybrid 1.1%
+    # (the forward's SSD runs BF16 matmuls, model.mamba.ssd_matmul=bf16; 0.3% with fp32).
+    _compare_with_full_forward(overrides, bound=0.02, min_agree=10)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("overrides", [DENSE, HYBRID], ids=["dense", "hybrid"])
 def test_cached_greedy_decoding_equals_greedy_full_forward_on_gpu(overrides):
     """On GPU the forward takes cuDNN attention and the Mamba-2 Pallas kernels; the decode step
-    stays in XLA. Same bound as on CPU."""
+    stays in XLA. cuDNN rounds the attention probabilities to BF16 before multiplying them by V,
+    which the decode step does not: measured on an H200, dense 2.4% of the largest logit. The
+    paths then differ by about a BF16 step of the logits (0.06) at every position, which is the
+    margin of many of this model's greedy choices, so exact agreement may end at the first token;
+    the helper's near-best check covers all 20."""
     assert jax.devices()[0].platform == "gpu"
-    _compare_with_full_forward(overrides)
+    _compare_with_full_forward(overrides, bound=0.05, min_agree=0)
 
 
-def _compare_with_full_forward(overrides):
+def _compare_with_full_forward(overrides, bound, min_agree):
+    """Every position's logits of the cached decode against full forward passes, within ``bound``
+    x the largest logit; the greedy tokens of both, equal up to the first near tie, which must not
+    come before ``min_agree`` of the 20 tokens (or the token check would say little)."""
     cfg = load_config(None, overrides).model
     model = get_model(cfg)
     params = model.init_params(cfg, jax.random.key(1))
@@ -56,27 +65,41 @@ def _compare_with_full_forward(overrides):
 
     # Greedy by full forward passes over a fixed-length row: the logits at position t depend on
     # tokens 0..t only (causal attention, causal convolution and SSD), so the padding is inert.
-    tokens = list(prompt)
+    tokens, margins = list(prompt), []
     while len(tokens) < len(prompt) + 20:
         row = jnp.asarray(tokens + [0] * (LENGTH - len(tokens)))[None]
-        tokens.append(int(jnp.argmax(forward(params, row)[0, len(tokens) - 1])))
+        logits_V = np.asarray(forward(params, row)[0, len(tokens) - 1], np.float32)
+        second, first = np.sort(logits_V)[-2:]
+        margins.append(first - second)
+        tokens.append(int(np.argmax(logits_V)))
 
-    cached = generate(params, prompt, cfg=cfg, max_tokens=20, length=LENGTH)
-    assert cached == tokens[len(prompt):]
-
-    # Logits at every position of that sequence, step by step through the cache, against the
-    # forward's. Measured max |diff| / max |logit|: dense 0.3% (BF16 rounding in another order),
-    # hybrid 1.1% (the forward's SSD runs BF16 matmuls, model.mamba.ssd_matmul=bf16; 0.3% with
-    # fp32). Bound: 2% of the largest logit.
+    # Logits at every position of that sequence, step by step through the cache.
     full_TV = np.asarray(forward(params, jnp.asarray(tokens + [0] * (LENGTH - len(tokens)))[None])[0], np.float32)
     step, cache = make_step(cfg), init_cache(cfg, 1, LENGTH)
-    worst = 0.0
+    errors = []
     for position, token in enumerate(tokens):
         logits_BV, cache = step(params, cache, jnp.asarray([token], jnp.int32), jnp.int32(position))
-        worst = max(worst, float(np.max(np.abs(np.asarray(logits_BV[0]) - full_TV[position]))))
+        errors.append(float(np.max(np.abs(np.asarray(logits_BV[0]) - full_TV[position]))))
     scale = float(np.max(np.abs(full_TV[:len(tokens)])))
     assert scale > 1.0  # logits far from flat: the comparison means something
-    assert worst <= 0.02 * scale, (worst, scale)
+    assert max(errors) <= bound * scale, (max(errors), scale)
+
+    # The two paths round in different orders: where the forward's two best logits are closer than
+    # twice that position's difference between the paths, either may win and the sequences may
+    # part there. Up to the first such near tie they must agree.
+    generated_errors = errors[len(prompt) - 1:len(tokens) - 1]
+    agree = next((i for i, (m, e) in enumerate(zip(margins, generated_errors)) if m <= 2 * e), len(margins))
+    assert agree >= min_agree, (margins, generated_errors)
+    cached = generate(params, prompt, cfg=cfg, max_tokens=20, length=LENGTH)
+    assert cached[:agree] == tokens[len(prompt):len(prompt) + agree]
+
+    # Past it too, each token the cache chose is the forward's best on the cache's own sequence
+    # but for that difference: a cache that read a wrong position would pick far worse ones.
+    ours_TV = np.asarray(forward(params, jnp.asarray(prompt + cached + [0] * (LENGTH - len(prompt) - 20))[None])[0],
+                         np.float32)
+    for i, token in enumerate(cached):
+        logits_V = ours_TV[len(prompt) - 1 + i]
+        assert logits_V.max() - logits_V[token] <= 2 * max(errors), (i, logits_V.max(), logits_V[token])
 
 
 def test_nucleus_sampling_draws_only_the_top_p_tokens_in_proportion():
