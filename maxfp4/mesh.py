@@ -109,6 +109,20 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"], *([None] * (ndim - 1))))
 
 
+def batch_reader(mesh: Mesh, global_batch: int) -> tuple[int, int]:
+    """(reader, readers): which contiguous block of the batch's rows this process loads, of how
+    many. The batch is split over data x fsdp only, so processes whose devices sit at the same
+    data x fsdp position (a tensor axis spanning processes) hold the same rows and must load the
+    same ones; with one process per data x fsdp block this is (process index, process count)."""
+    shards = batch_sharding(mesh).addressable_devices_indices_map((global_batch, 1))
+    spans = sorted({(rows.indices(global_batch)[:2]) for rows, _ in shards.values()})
+    start, stop = spans[0][0], spans[-1][1]
+    if sum(b - a for a, b in spans) != stop - start:  # mesh.py lays devices out process by process
+        raise ConfigError(f"mesh {dict(mesh.shape)}: process {jax.process_index()} holds rows {spans} of the "
+                          f"batch, expected one contiguous block")
+    return start // (stop - start), global_batch // (stop - start)
+
+
 class ActivationSharding:
     """``constrain(x, logical_axes)`` pins an activation's sharding inside jit;
     ``constrain.per_batch_row(fn, batched, whole)`` runs ``fn`` on each device's rows of the batch.

@@ -33,7 +33,7 @@ from maxfp4.evaluate import EvalHook, make_eval_step
 from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.loop import Hook, Loop, close_hooks
 from maxfp4.hf import check_init_from, read_params as read_hf_params
-from maxfp4.mesh import batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
+from maxfp4.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsHook, MetricsLogger, block_linear_params, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import get_model, linear_shapes
 from maxfp4.optim import make_optimizer, make_schedule
@@ -150,7 +150,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         start = start_up(cfg, devices)  # everything that can be refused, before the run directory is touched
         cfg = start.cfg
         with run_directory(cfg.run_dir, say=_say, on_exit_hooks=watch.add_exit_hook) as lock:
-            data, eval_batches = open_data(start)
+            data, eval_batches, to_global = open_data(start)
             optimizer = make_optimizer(cfg)
             state, state_sh = init_state(cfg, start.mesh, optimizer, start.policy)
             checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint)
@@ -160,7 +160,6 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             step_fn = jit_train_step(cfg, start.policy, optimizer, make_schedule(cfg), start.mesh, state_sh,
                                      start.xla_options, data.max_runs_per_row)
             hooks, metrics = make_hooks(start, watch, lock, checkpointer, data, eval_batches, state_sh, stream)
-            to_global = _globalizer(start.mesh)
             loop = Loop(step_fn, state, (to_global(batch) for batch in data), total_steps=cfg.train.steps,
                         hooks=hooks, should_stop=watch.should_stop)
             failing = False
@@ -228,13 +227,15 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
 
 def open_data(start: StartUp):
     """Preflight, the training batches and the held-out ones (bad data is refused here, before
-    anything compiles), then the run's files and its start-up lines."""
+    anything compiles), then the run's files and its start-up lines; and the function that
+    makes a process's rows of a batch global arrays."""
     cfg, mesh, is_writer = start.cfg, start.mesh, jax.process_index() == 0
     if cfg.resilience.preflight:
         summary = preflight_summary(cfg, list(mesh.devices.flat))
         if is_writer:
             _say(summary)
-    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    reader, readers = batch_reader(mesh, cfg.data.global_batch)
+    where = dict(process_index=reader, process_count=readers)
     data = make_batches(cfg, cfg.run_dir, **where)
     eval_local = make_eval_batches(cfg, cfg.run_dir, **where, corpus=data.corpus) if cfg.train.eval_every else []
     if is_writer:
@@ -244,8 +245,8 @@ def open_data(start: StartUp):
         _say("precision policy:\n" + start.table)
         _say(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)")
         _say(f"compilation cache {start.compile_cache or 'off'}; {determinism_summary(start.xla_options)}")
-    to_global = _globalizer(mesh)
-    return data, [to_global(b) for b in eval_local]
+    to_global = _globalizer(mesh, readers)
+    return data, [to_global(b) for b in eval_local], to_global
 
 
 def restore(cfg: Config, checkpointer: Checkpointer, state: TrainState, state_sh, data) -> TrainState:
@@ -269,10 +270,13 @@ def restore(cfg: Config, checkpointer: Checkpointer, state: TrainState, state_sh
     return state
 
 
-def _globalizer(mesh: Mesh):
-    """Each process's rows of a batch -> global arrays in the batch sharding."""
+def _globalizer(mesh: Mesh, readers: int):
+    """Each process's rows of a batch -> global arrays in the batch sharding. The global shape is
+    stated: processes holding the same rows (``batch_reader``) each pass them, and JAX would
+    otherwise count them twice."""
     sharding = batch_sharding(mesh)
-    return lambda local: {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+    return lambda local: {k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0] * readers, *v.shape[1:]))
+                          for k, v in local.items()}
 
 
 def make_metrics(start: StartUp, stream, eval_losses: dict[int, float], stragglers) -> MetricsHook:
