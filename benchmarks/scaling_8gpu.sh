@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Weak scaling on one node of 8 GPUs (4 if that is what the node has), one process per GPU:
-# Llama-3-8B and the whole Nemotron-H-8B hybrid, BF16 and FP8 (delayed), as fsdp=N and as
-# data=2 x fsdp=N/2, plus the 2-GPU fsdp=2 baseline of each model at the same tokens a GPU;
+# Llama-3-8B and the whole Nemotron-H-8B hybrid, BF16 and FP8 (delayed), as fsdp=N,
+# data=2 x fsdp=N/2 and tensor=2 x fsdp=N/2, plus the 2-GPU fsdp=2 baseline of each model at the same tokens a GPU;
 # then the planner's prediction for the same runs.
 # Tokens a GPU, as docs/PERFORMANCE.md's several-GPU table ran them: llama3-8b 2 x 8192 with
 # train.remat=save_gemm (~107 GiB a GPU at fsdp=2: an H200 setting; on 80 GB cards use
@@ -29,10 +29,11 @@ for model in llama3-8b nemotron-h-8b; do
     run 2 "$model" "$prec" mesh.data=1 mesh.fsdp=2
     run "$N" "$model" "$prec" mesh.data=1 mesh.fsdp="$N"
     run "$N" "$model" "$prec" mesh.data=2 mesh.fsdp=$((N / 2))
+    run "$N" "$model" "$prec" mesh.data=1 mesh.fsdp=$((N / 2)) mesh.tensor=2
   done
 done
 for model in llama3-8b nemotron-h-8b; do
-  for mesh in "mesh.data=1 mesh.fsdp=$N" "mesh.data=2 mesh.fsdp=$((N / 2))"; do
+  for mesh in "mesh.data=1 mesh.fsdp=$N" "mesh.data=2 mesh.fsdp=$((N / 2))" "mesh.fsdp=$((N / 2)) mesh.tensor=2"; do
     echo "== planner: $model $mesh"
     python3 -m maxfp4.plan "configs/$model.yaml" $mesh data.global_batch=$((SEQS[$model] * N)) \
       train.remat="${REMAT[$model]}" --gpus "$N" --gpu "$GPU" --tokens 1e9 | tail -4

@@ -15,6 +15,8 @@ import json
 import os
 import re
 
+from maxfp4.files import atomic_file
+
 UNVERIFIED = "unverified"  # the checkpoint has no checksum files
 _CHUNK = 16 << 20  # hashlib releases the GIL on large buffers: the training loop keeps running
 _OWNED = re.compile(r"^(ocdbt\.process_(\d+)|array_metadatas/process_(\d+))(/|$)")
@@ -55,15 +57,8 @@ def write(step_dir: str, process: int) -> str:
                    "sha256": file_sha256(os.path.join(step_dir, rel))}
              for rel in files_written_by(step_dir, process)}
     path = checksum_path(step_dir, process)
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"process": process, "files": files}, fh, indent=0)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_file(path) as fh:
+        json.dump({"process": process, "files": files}, fh, indent=0)
     return path
 
 

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from maxfp4.errors import UserError, exit_code_of
+from maxfp4.files import atomic_path
 
 DTYPES = ("bf16", "fp32")
 FORMATS = ("hf", "native")
@@ -290,10 +291,8 @@ def _write_text_file(path: str, text: str) -> None:
 def _write_atomically(path: str, write) -> None:
     # A crash mid-export leaves the previous file (with --force) or none, never half of one.
     # Readable by all: the files are meant to be shared (some writers create them 0600).
-    tmp = path + ".tmp"
-    write(tmp)
-    os.chmod(tmp, FILE_MODE)
-    os.replace(tmp, path)
+    with atomic_path(path, file_mode=FILE_MODE) as tmp:
+        write(tmp)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from maxfp4.config import Config, ConfigError, add_config_arguments, config_from
 from maxfp4.data import make_batches, make_eval_batches
 from maxfp4.errors import exit_code_of
 from maxfp4.evaluate import EvalHook, make_eval_step
+from maxfp4.files import write_text_atomic
 from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.loop import Hook, Loop, close_hooks
 from maxfp4.hf import check_init_from, read_params as read_hf_params
@@ -66,19 +67,6 @@ def _check_batch_fits_mesh(cfg: Config, mesh) -> None:
         raise ConfigError(
             f"data.global_batch={cfg.data.global_batch}: expected a multiple of "
             f"train.microbatches x mesh.data x mesh.fsdp = {cfg.train.microbatches * batch_devices}")
-
-
-def _write_atomic(path: str, text: str) -> None:
-    # A stop (signal) or full disk while writing leaves the old file, never half a new one.
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _newest_checkpoint(run_dir: str) -> str | None:
@@ -239,8 +227,8 @@ def open_data(start: StartUp):
     data = make_batches(cfg, cfg.run_dir, **where)
     eval_local = make_eval_batches(cfg, cfg.run_dir, **where, corpus=data.corpus) if cfg.train.eval_every else []
     if is_writer:
-        _write_atomic(os.path.join(cfg.run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        _write_atomic(os.path.join(cfg.run_dir, "precision_table.txt"), start.table + "\n")
+        write_text_atomic(os.path.join(cfg.run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        write_text_atomic(os.path.join(cfg.run_dir, "precision_table.txt"), start.table + "\n")
         _say(f"run directory {cfg.run_dir}")
         _say("precision policy:\n" + start.table)
         _say(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)")

@@ -113,3 +113,27 @@ def test_read_only_output_with_preflight_off_is_one_line(small_fs):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: run directory {disk / 'ro'}: cannot be written"), out.stderr
     assert "Read-only file system" in lines[0] and "run.output_dir" in lines[0]
+
+
+# ----------------------------------------------------------------------------- maxfp4.files
+
+
+def test_an_atomic_file_replaces_the_old_one_only_when_its_block_ends_cleanly(tmp_path):
+    from maxfp4.files import atomic_file, atomic_path, write_text_atomic
+
+    path = str(tmp_path / "config.yaml")
+    write_text_atomic(path, "old\n")
+    with pytest.raises(OSError):
+        with atomic_file(path) as fh:
+            fh.write("half of a new one")
+            raise OSError(28, "No space left on device")
+    assert open(path).read() == "old\n" and os.listdir(tmp_path) == ["config.yaml"]  # no temporary left
+    with atomic_file(path, "wb", fsync=True, unique=True) as fh:
+        fh.write(b"new\n")
+    assert open(path).read() == "new\n" and os.listdir(tmp_path) == ["config.yaml"]
+    # Two writers at once get temporaries of their own; file_mode is set before the rename.
+    with atomic_path(path, unique=True, file_mode=0o644) as a, atomic_path(path, unique=True) as b:
+        assert a != b
+        open(a, "w").write("a")
+        open(b, "w").write("b")
+    assert open(path).read() == "a" and os.stat(path).st_mode & 0o777 == 0o644

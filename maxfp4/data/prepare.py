@@ -29,6 +29,7 @@ from maxfp4.data.corpus import tokenize_documents
 from maxfp4.data.sources import source_documents
 from maxfp4.data.tokenizer import Tokenizer, load_checked, train_tokenizer_bytes
 from maxfp4.errors import DataError, exit_code_of
+from maxfp4.files import atomic_path
 
 DEFAULT_VOCAB_SIZE = 4096  # of a tokenizer trained here when --vocab-size is not given
 _REQUEST = "prepare_request.json"  # the arguments of an unfinished run, to recognise a resume
@@ -122,13 +123,13 @@ def prepare(args: argparse.Namespace, stream=sys.stderr) -> dict:
     # A given tokenizer is checked against --vocab-size only on request; a trained one always.
     want = args.vocab_size or (0 if args.tokenizer else DEFAULT_VOCAB_SIZE)
     if not (resuming and os.path.exists(tok_path)):
-        if args.tokenizer:
-            shutil.copyfile(args.tokenizer, tok_path + ".tmp")
-        else:
-            stream.write(f"training a {want}-piece tokenizer on {len(documents)} documents\n")
-            with open(tok_path + ".tmp", "wb") as fh:
-                fh.write(train_tokenizer_bytes(documents, want))
-        os.replace(tok_path + ".tmp", tok_path)
+        with atomic_path(tok_path) as tmp:
+            if args.tokenizer:
+                shutil.copyfile(args.tokenizer, tmp)
+            else:
+                stream.write(f"training a {want}-piece tokenizer on {len(documents)} documents\n")
+                with open(tmp, "wb") as fh:
+                    fh.write(train_tokenizer_bytes(documents, want))
     tokenizer = load_checked(tok_path, want, "--tokenizer" if args.tokenizer else "tokenizer") if want \
         else Tokenizer(tok_path)
 

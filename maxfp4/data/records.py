@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from maxfp4.errors import DataError
+from maxfp4.files import atomic_file, atomic_path
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.model"
@@ -55,26 +56,22 @@ def write_shard(directory: str, name: str, token_docs: Sequence[np.ndarray]) -> 
     shard that looks complete (``prepare`` resumes by keeping the complete ones)."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    path = os.path.join(directory, name)
-    tmp = path + ".tmp"
-    writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
-    try:
-        for ids in token_docs:
-            writer.write(np.asarray(ids, TOKEN_DTYPE).tobytes())
-    finally:
-        writer.close()
     lengths = np.asarray([len(d) for d in token_docs], TOKEN_DTYPE)
-    lengths.tofile(lengths_path_tmp := os.path.join(directory, lengths_name(name)) + ".tmp")
-    os.replace(lengths_path_tmp, os.path.join(directory, lengths_name(name)))
-    os.replace(tmp, path)  # the shard last: its presence marks the pair complete
+    with atomic_path(os.path.join(directory, name)) as tmp:  # the shard last: its presence marks the pair complete
+        writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
+        try:
+            for ids in token_docs:
+                writer.write(np.asarray(ids, TOKEN_DTYPE).tobytes())
+        finally:
+            writer.close()
+        with atomic_path(os.path.join(directory, lengths_name(name))) as lengths_tmp:
+            lengths.tofile(lengths_tmp)
     return {"name": name, "num_documents": len(token_docs), "num_tokens": int(lengths.sum())}
 
 
 def write_manifest(directory: str, manifest: dict) -> None:
-    tmp = os.path.join(directory, MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_file(os.path.join(directory, MANIFEST)) as fh:
         json.dump(manifest, fh, indent=1)
-    os.replace(tmp, os.path.join(directory, MANIFEST))
 
 
 def read_manifest(directory: str) -> dict:

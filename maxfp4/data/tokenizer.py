@@ -17,13 +17,13 @@ from __future__ import annotations
 import io
 import os
 import re
-import tempfile
 from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
 from maxfp4.config import Config
 from maxfp4.errors import DataError
+from maxfp4.files import atomic_file
 
 TOKENIZER_FILENAME = "tokenizer.model"
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -199,17 +199,10 @@ def load_or_train_tokenizer(cfg: Config, documents: Sequence[str], run_dir: str)
         return load_checked(path, vocab_size, "run tokenizer")
     model = train_tokenizer_bytes(documents, vocab_size)
     os.makedirs(run_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=TOKENIZER_FILENAME + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(model)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    # Every process of a run may train it at once: each writes its own temporary (the bytes are
+    # the same), and the last rename wins.
+    with atomic_file(path, "wb", fsync=True, unique=True) as fh:
+        fh.write(model)
     return load_checked(path, vocab_size, "run tokenizer")
 
 

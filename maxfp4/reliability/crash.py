@@ -15,6 +15,8 @@ import time
 import traceback
 from typing import Any
 
+from maxfp4.files import atomic_file
+
 # errno values that mean "the storage is full", not "this path is wrong".
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 DISK_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "File too large")
@@ -101,18 +103,9 @@ def write_crash_report(run_dir: str, error: BaseException, *, step: int | None, 
         "last_metrics": last_metrics,
         "config": config,
     }
-    tmp = path + ".tmp"
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=1, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
+    os.makedirs(run_dir, exist_ok=True)
+    with atomic_file(path) as fh:
+        json.dump(report, fh, indent=1, default=str)
     return path
 
 
