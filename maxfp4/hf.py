@@ -420,11 +420,13 @@ def read_slice(model_dir: ModelDir, leaf: Leaf, layer: int | None, slice_shape: 
     return np.ascontiguousarray(from_hf(leaf.kind, tensors, slice_shape), np.float32)
 
 
-def read_params(model_cfg, path: str, shardings: Any, param_shapes: Any) -> Any:
+def read_params(model_cfg, path: str, shardings: Any, param_shapes: Any, *, replacing: bool = False) -> Any:
     """The parameters of the Hugging Face model at ``path``, converted and placed onto
     ``shardings`` one tensor (one layer of a stacked parameter) at a time: no process holds more
     than one layer of one parameter on the host. Stacked parameters are assembled on the devices
-    by an in-place (donated) update per layer."""
+    by an in-place (donated) update per layer. ``replacing``: ``param_shapes`` are the arrays
+    these replace and nothing else holds; each is freed once its successor is placed, so the
+    devices never hold two copies of the model."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -453,9 +455,9 @@ def read_params(model_cfg, path: str, shardings: Any, param_shapes: Any) -> Any:
         for key in leaf.path[:-1]:
             node = node.setdefault(key, {})
         node[leaf.path[-1]] = array
+        if replacing:
+            shape.delete()
     return out
-
-
 
 
 def check_init_from(cfg) -> None:

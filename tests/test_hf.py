@@ -267,6 +267,14 @@ def test_sharded_export_and_round_trip_are_bit_identical(dense_run, tmp_path):
     for f in files + ["model.safetensors.index.json"]:
         assert (first / f).read_bytes() == (second / f).read_bytes(), f
 
+    # Replacing arrays (as the trainer's start-up does): each old one is freed once its successor
+    # is placed, and the new ones are the same values.
+    again = read_params(cfg.model, str(first), shardings, params, replacing=True)
+    assert all(x.is_deleted() for x in jax.tree.leaves(params))
+    assert all(not x.is_deleted() for x in jax.tree.leaves(again))
+    assert np.array_equal(np.asarray(again["blocks"]["w_up"]), np.asarray(read_params(
+        cfg.model, str(first), shardings, shapes)["blocks"]["w_up"]))
+
 
 def test_init_from_reproduces_the_first_step_loss_and_resume_keeps_the_checkpoint(dense_run, tmp_path):
     import jax
