@@ -46,7 +46,7 @@ def test_cached_greedy_decoding_equals_greedy_full_forward_on_gpu(overrides):
     which the decode step does not: measured on an H200, dense 2.4% of the largest logit. The
     paths then differ by about a BF16 step of the logits (0.06) at every position, which is the
     margin of many of this model's greedy choices, so exact agreement may end at the first token;
-    the helper's near-best check covers all 20."""
+    the near-best check of _compare_with_full_forward covers all 20."""
     assert jax.devices()[0].platform == "gpu"
     _compare_with_full_forward(overrides, bound=0.05, min_agree=0)
 
