@@ -59,6 +59,7 @@ def builtin_split(out_dir: str, vocab_size: int) -> str:
     sys.path.insert(0, REPO)
     from maxfp4.data.sources import builtin_documents
     from maxfp4.data.tokenizer import train_tokenizer_bytes
+    from maxfp4.files import atomic_file
 
     corpus = os.path.join(out_dir, "corpus")
     if not os.path.isfile(os.path.join(corpus, "tokenizer.model")):
@@ -68,9 +69,8 @@ def builtin_split(out_dir: str, vocab_size: int) -> str:
         for split, split_docs in splits.items():
             with open(os.path.join(corpus, f"{split}.jsonl"), "w", encoding="utf-8") as fh:
                 fh.writelines(json.dumps({"text": d}) + "\n" for d in split_docs)
-        with open(os.path.join(corpus, "tokenizer.model.tmp"), "wb") as fh:
+        with atomic_file(os.path.join(corpus, "tokenizer.model"), "wb") as fh:  # its presence marks the split done
             fh.write(train_tokenizer_bytes(splits["train"], vocab_size))
-        os.replace(os.path.join(corpus, "tokenizer.model.tmp"), os.path.join(corpus, "tokenizer.model"))
     return corpus
 
 

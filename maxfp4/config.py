@@ -307,3 +307,12 @@ def config_from_dict(raw: dict) -> Config:
     return cfg
 
 
+def saved_model_config(section: dict, where: str) -> ModelConfig:
+    """The ModelConfig of a model section saved with a checkpoint or export (``where`` names it in
+    the one-line error when it no longer validates)."""
+    try:
+        return config_from_dict({"model": section}).model
+    except ConfigError as e:
+        raise ConfigError(f"{where}: the saved model config is not usable ({e})") from None
+
+

@@ -33,8 +33,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from maxfp4.config import saved_model_config
 from maxfp4.errors import UserError, exit_code_of
-from maxfp4.files import atomic_path
+from maxfp4.files import atomic_file, atomic_path
 
 DTYPES = ("bf16", "fp32")
 FORMATS = ("hf", "native")
@@ -76,16 +77,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _model_config(saved: dict[str, Any], where: str):
-    """The run's ModelConfig; only the model section matters for the parameter shapes."""
-    from maxfp4.config import ConfigError, config_from_dict
-
-    try:
-        return config_from_dict({"model": saved.get("model", {})}).model
-    except ConfigError as e:
-        raise ExportError(f"{where}: the saved model config is not usable ({e})") from None
-
-
 def flat_params(params: Any) -> dict[str, np.ndarray]:
     """``{"blocks.w_qkv": array, ...}`` in the order of the pytree."""
     import jax
@@ -101,7 +92,7 @@ def export(run_dir: str, out: str, *, fmt: str = "hf", dtype: str = "bf16", step
     import jax
 
     from maxfp4.checkpoint import checkpoint_dir, finalized_steps, one_line_reason, read_params, saved_config
-    from maxfp4.model import get_model
+    from maxfp4.model import abstract_params
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
@@ -125,16 +116,15 @@ def export(run_dir: str, out: str, *, fmt: str = "hf", dtype: str = "bf16", step
     saved = saved_config(run_dir, step=step)
     if saved is None:
         raise ExportError(f"run directory {run_dir}: no saved config (checkpoint config item or config.yaml)")
-    model_cfg = _model_config(*saved)
+    model_cfg = saved_model_config(saved[0].get("model", {}), saved[1])
     if fmt == "hf":
         from maxfp4.hf import check_maps
         check_maps(model_cfg)  # before reading anything
         tokenizer = _run_tokenizer(saved[0], run_dir)
 
     # Host memory, whatever accelerator the run used: the export needs no device.
-    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    shapes = jax.eval_shape(lambda k: get_model(model_cfg).init_params(model_cfg, k), jax.random.key(0))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), shapes)
+    shapes = abstract_params(model_cfg)
+    abstract = abstract_params(model_cfg, jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0]))
     try:
         params = read_params(run_dir, step, abstract)
     except Exception as error:  # noqa: BLE001 - damaged or foreign checkpoint: say which
@@ -282,10 +272,8 @@ def _plain_model(model_cfg) -> dict:
 
 
 def _write_text_file(path: str, text: str) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    _write_atomically(path, write)
+    with atomic_file(path, file_mode=FILE_MODE) as fh:  # shared files, as _write_atomically says
+        fh.write(text)
 
 
 def _write_atomically(path: str, write) -> None:

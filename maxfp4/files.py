@@ -35,10 +35,11 @@ def atomic_path(path: str, *, file_mode: int | None = None, unique: bool = False
 
 
 @contextlib.contextmanager
-def atomic_file(path: str, mode: str = "w", *, fsync: bool = False, unique: bool = False) -> Iterator[IO]:
+def atomic_file(path: str, mode: str = "w", *, fsync: bool = False, unique: bool = False,
+                file_mode: int | None = None) -> Iterator[IO]:
     """``open(path, mode)`` that replaces ``path`` only once the ``with`` block ends cleanly
-    (``fsync``: the bytes reach the disk before the rename)."""
-    with atomic_path(path, unique=unique) as tmp:
+    (``fsync``: the bytes reach the disk before the rename; ``file_mode`` as for atomic_path)."""
+    with atomic_path(path, unique=unique, file_mode=file_mode) as tmp:
         with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as fh:
             yield fh
             if fsync:

@@ -466,15 +466,12 @@ def check_init_from(cfg) -> None:
     from its own checkpoint does not read the directory, so it is not checked then."""
     if not cfg.model.init_from:
         return
-    import jax
-
     from maxfp4.checkpoint import finalized_steps
-    from maxfp4.model import get_model
+    from maxfp4.model import abstract_params
 
     if finalized_steps(cfg.run_dir):
         return
     if not os.path.isdir(cfg.model.init_from):
         raise HFError(f"model.init_from={cfg.model.init_from}: not a directory; expected a Hugging Face model "
                       "directory (config.json and safetensors)")
-    shapes = jax.eval_shape(lambda k: get_model(cfg.model).init_params(cfg.model, k), jax.random.key(0))
-    check_model_dir(cfg.model, ModelDir(cfg.model.init_from), shapes)
+    check_model_dir(cfg.model, ModelDir(cfg.model.init_from), abstract_params(cfg.model))

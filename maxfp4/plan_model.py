@@ -17,7 +17,7 @@ from maxfp4.config import Config, ModelConfig, PrecisionConfig
 from maxfp4.errors import UserError
 from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, block_linear_params, block_matmul_params, attention_flops_per_token,
                             matmul_params, ssd_flops_per_token)
-from maxfp4.model import get_model, linear_shapes
+from maxfp4.model import abstract_params, linear_shapes
 from maxfp4.precision.catalog import SPECS
 
 # The recipe each column of the plan stands for; bytes and peak classes come from its catalog
@@ -97,9 +97,7 @@ NVFP4_PRESET_RULES = ({"layers": ":3%", "recipe": "bf16"}, {"layers": "-12%:", "
 @functools.lru_cache(maxsize=64)
 def param_count(cfg: ModelConfig) -> int:
     """Every parameter of the real model, from its abstract init (nothing is allocated)."""
-    model = get_model(cfg)
-    shapes = jax.eval_shape(lambda k: model.init_params(cfg, k), jax.random.key(0))
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
 
 
 _KIND_OF_CLASS = {"attn_qkv": "attention", "attn_out": "attention", "mlp_up": "mlp",

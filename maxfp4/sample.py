@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from maxfp4.config import saved_model_config
 from maxfp4.errors import UserError, exit_code_of
 
 EXPORT_WEIGHTS = "model.safetensors"  # --format native
@@ -65,23 +66,12 @@ def check_options(args: argparse.Namespace) -> None:
         raise SampleError(f"--top-p {args.top_p}: expected a number in (0, 1]")
 
 
-def _model_config(model_section: dict, where: str):
-    from maxfp4.config import ConfigError, config_from_dict
-
-    try:
-        return config_from_dict({"model": model_section}).model
-    except ConfigError as e:
-        raise SampleError(f"{where}: the saved model config is not usable ({e})") from None
-
-
 def _abstract_params(model_cfg, device):
     import jax
 
-    from maxfp4.model import get_model
+    from maxfp4.model import abstract_params
 
-    shapes = jax.eval_shape(lambda k: get_model(model_cfg).init_params(model_cfg, k), jax.random.key(0))
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
+    return abstract_params(model_cfg, jax.sharding.SingleDeviceSharding(device))
 
 
 def _tokenizer(path: str, vocab_size: int, what: str):
@@ -107,7 +97,7 @@ def load_run(run_dir: str, device) -> LoadedModel:
     if saved is None:
         raise SampleError(f"run directory {run_dir}: no saved config (checkpoint config item or config.yaml)")
     raw, where = saved
-    model_cfg = _model_config(raw.get("model", {}), where)
+    model_cfg = saved_model_config(raw.get("model", {}), where)
     data = raw.get("data", {})
     tokenizer_path = data.get("tokenizer") or os.path.join(run_dir, TOKENIZER_FILENAME)
     tokenizer = _tokenizer(tokenizer_path, model_cfg.vocab_size, "tokenizer")
@@ -133,7 +123,7 @@ def load_export(export_dir: str, device) -> LoadedModel:
     if not os.path.isfile(config_path):
         raise SampleError(f"export directory {export_dir}: no config.yaml; expected the output of maxfp4.export")
     with open(config_path, encoding="utf-8") as fh:
-        model_cfg = _model_config((yaml.safe_load(fh) or {}).get("model", {}), config_path)
+        model_cfg = saved_model_config((yaml.safe_load(fh) or {}).get("model", {}), config_path)
     tokenizer = _tokenizer(os.path.join(export_dir, TOKENIZER_FILENAME), model_cfg.vocab_size, "export tokenizer")
     weights = os.path.join(export_dir, EXPORT_WEIGHTS)
     try:
@@ -173,7 +163,7 @@ def load_hf_export(export_dir: str, device) -> LoadedModel:
     if "model" not in recorded:
         raise SampleError(f"{config_path}: not written by maxfp4.export (no maxfp4.model section); "
                           f"expected an export of a maxfp4 run")
-    model_cfg = _model_config(recorded["model"], config_path)
+    model_cfg = saved_model_config(recorded["model"], config_path)
     tokenizer = _tokenizer(os.path.join(export_dir, "tokenizer.json"), model_cfg.vocab_size, "export tokenizer")
     abstract = _abstract_params(model_cfg, device)
     whole = NamedSharding(Mesh(np.array([device]), ("one",)), PartitionSpec())  # the reader places by mesh

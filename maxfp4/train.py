@@ -36,7 +36,7 @@ from maxfp4.loop import Hook, Loop, close_hooks
 from maxfp4.hf import check_init_from, read_params as read_hf_params
 from maxfp4.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsHook, MetricsLogger, block_linear_params, device_peaks, flops_per_token, policy_peak_tflops
-from maxfp4.model import get_model, linear_shapes
+from maxfp4.model import abstract_params, get_model, linear_shapes
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import PrecisionPolicy, resolve_policy
 from maxfp4.precision.policy import check_block_divisibility, unmatched_rules
@@ -81,8 +81,7 @@ def state_maker(cfg: Config, mesh, optimizer: optax.GradientTransformation, poli
     policy = policy or resolve_policy(cfg.precision, cfg.model.n_layers)
     model = get_model(cfg.model)
     axes = model.param_axes(cfg.model)
-    key = jax.random.key(cfg.run.seed)
-    param_shapes = jax.eval_shape(lambda k: model.init_params(cfg.model, k), key)
+    param_shapes = abstract_params(cfg.model)
     param_sh = tree_shardings(axes, param_shapes, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shapes = jax.eval_shape(optimizer.init, param_shapes)

@@ -38,12 +38,10 @@ def _maxfp4_logits(cfg, ids):
     import jax.numpy as jnp
 
     from maxfp4.checkpoint import finalized_steps, read_params
-    from maxfp4.model import get_model
+    from maxfp4.model import abstract_params, get_model
     from maxfp4.precision import resolve_policy
     model = get_model(cfg.model)
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = jax.eval_shape(lambda k: model.init_params(cfg.model, k), jax.random.key(0))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), shapes)
+    abstract = abstract_params(cfg.model, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     params = read_params(cfg.run_dir, finalized_steps(cfg.run_dir)[-1], abstract)
     t = ids.shape[1]
     logits = model.forward(params, jnp.asarray(ids), jnp.broadcast_to(jnp.arange(t), ids.shape),

@@ -63,11 +63,8 @@ def _params(run_dir, step, model_cfg):
     import jax
 
     from maxfp4.checkpoint import read_params
-    from maxfp4.model import get_model
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = jax.eval_shape(lambda k: get_model(model_cfg).init_params(model_cfg, k), jax.random.key(0))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), shapes)
-    return read_params(str(run_dir), step, abstract)
+    from maxfp4.model import abstract_params
+    return read_params(str(run_dir), step, abstract_params(model_cfg, jax.sharding.SingleDeviceSharding(jax.devices()[0])))
 
 
 def _header(path):
@@ -208,18 +205,22 @@ def _maxfp4_logits(run, step: int, cfg, ids) -> np.ndarray:
     return np.asarray(logits, np.float64)
 
 
+def _reference_and_maxfp4_logits(run, step, cfg, config_class, reference, seed, tmp_path):
+    """``reference(tensors, hf_config, ids)`` on the run's FP32 export and maxfp4's forward on its
+    checkpoint, for the same 32 random token ids."""
+    from maxfp4.export import export
+
+    out = tmp_path / "fp32"
+    export(str(run), str(out), dtype="fp32")
+    ids = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, size=32)
+    return reference(_tensors(out), config_class.from_pretrained(str(out)), ids), _maxfp4_logits(run, step, cfg, ids)
+
+
 def test_llama_reference_forward_on_exported_tensors_matches_maxfp4(dense_run, tmp_path):
     from transformers import LlamaConfig
 
     cfg = _load(dense_run.parent, DENSE)
-    out = tmp_path / "fp32"
-    from maxfp4.export import export
-    export(str(dense_run), str(out), dtype="fp32")
-    c = LlamaConfig.from_pretrained(str(out))
-    ids = np.random.default_rng(0).integers(0, 512, size=32)
-    want = _llama_reference_logits(_tensors(out), c, ids)
-
-    got = _maxfp4_logits(dense_run, 3, cfg, ids)
+    want, got = _reference_and_maxfp4_logits(dense_run, 3, cfg, LlamaConfig, _llama_reference_logits, 0, tmp_path)
     # maxfp4 computes in BF16 (activations and GEMM operands rounded to 8 significant bits,
     # FP32 accumulation; logits stored in BF16): 2 blocks of such roundings stay within 2% of
     # the logits' largest magnitude (measured: 0.44%). A layout error (a transposed head, RoPE
@@ -534,15 +535,9 @@ def _nemotron_h_reference_logits(t, c, ids):
 def test_nemotron_h_reference_forward_on_exported_tensors_matches_maxfp4(hybrid_run, tmp_path):
     from transformers import NemotronHConfig
 
-    from maxfp4.export import export
-
     cfg = _load(hybrid_run.parent, HYBRID)
-    out = tmp_path / "fp32"
-    export(str(hybrid_run), str(out), dtype="fp32")
-    c = NemotronHConfig.from_pretrained(str(out))
-    ids = np.random.default_rng(1).integers(0, 256, size=32)
-    want = _nemotron_h_reference_logits(_tensors(out), c, ids)
-    got = _maxfp4_logits(hybrid_run, 5, cfg, ids)
+    want, got = _reference_and_maxfp4_logits(hybrid_run, 5, cfg, NemotronHConfig, _nemotron_h_reference_logits, 1,
+                                             tmp_path)
     # BF16 activations, GEMM operands and stored mixer intermediates in maxfp4 (FP32 inside each
     # piece): measured 1.3% of the largest logit over five blocks of these large random weights;
     # 3% allowed. Heads reading groups h % G instead gave 13%, the conv taps reversed 130%.

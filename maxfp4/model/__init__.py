@@ -23,6 +23,17 @@ class ModelFns:
     module: type  # the nnx.Module: module(cfg, key) builds it; lm.apply(module, params, cfg) wraps a pytree
 
 
+def abstract_params(cfg: ModelConfig, sharding=None):
+    """The parameter pytree's shapes and dtypes, nothing allocated; with ``sharding``, each leaf a
+    ``ShapeDtypeStruct`` placed whole on it (what a checkpoint read or a placement needs)."""
+    import jax
+
+    shapes = jax.eval_shape(lambda k: get_model(cfg).init_params(cfg, k), jax.random.key(0))
+    if sharding is None:
+        return shapes
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
+
+
 def get_model(cfg: ModelConfig) -> ModelFns:
     if cfg.kind == "hybrid":
         from maxfp4.model import hybrid

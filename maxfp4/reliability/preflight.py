@@ -171,11 +171,11 @@ def check_data(cfg: Config) -> Check:
 
 def state_sizes(cfg: Config) -> tuple[int, int]:
     """(parameter count, precision-state bytes), from shapes only (nothing is allocated)."""
-    from maxfp4.model import get_model
+    from maxfp4.model import abstract_params, get_model
     from maxfp4.precision import resolve_policy
     from maxfp4.precision.state import init_precision_state
     model = get_model(cfg.model)
-    params = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
+    params = abstract_params(cfg.model)
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     prec = jax.eval_shape(lambda: init_precision_state(policy, model.block_layer_classes))
     return (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
