@@ -10,11 +10,14 @@ its standard error, tokens/s) and one PNG (loss curves and gap against tokens):
     python -m maxfp4.data.prepare --source jsonl --paths corpus/heldout.jsonl --out corpus/heldout \\
         --tokenizer corpus/train/tokenizer.model
     python benchmarks/convergence.py --config configs/dense-125m.yaml --data corpus \\
-        --variants bf16 fp8_delayed fp8_current nvfp4 --seeds 0 1 2 --tokens 200e6 --out conv/dense
+        --variants bf16 fp8_delayed fp8_current nvfp4 --seeds 0 1 2 --tokens 200e6 --out conv/dense \\
+        --ablations mxfp4 nvfp4_no_rht nvfp4_no_sr nvfp4_1d_weights nvfp4_all_blocks mxfp8
 
 Each run is ``python -m maxfp4.train`` in its own process with its own run directory under
 ``<out>/runs``, so an interrupted benchmark resumes every unfinished run from the trainer's own
 checkpoints when it is started again with the same arguments (finished runs are not repeated).
+Runs start seed by seed (every main variant's first seed, then the second, ...), the ablations
+(first seed only) last.
 ``--deadline-s`` ends a call in time: at the deadline the running trainers get SIGTERM (they
 checkpoint and exit) and no new run starts. With several GPUs, runs go one per GPU in parallel.
 ``--data builtin`` uses the embedded corpus with every tenth document held out (the CPU smoke).
@@ -116,7 +119,13 @@ def run_result(run_dir: str, variant: str, seed: int, tokens_per_step: int) -> d
 def summarize(results: list[dict], baseline: str = BASELINE) -> dict:
     """Per variant and token count held by every seed: mean, standard deviation (ddof=1) and
     the relative gap to the baseline's mean, ``(mean - base) / base``, with its standard error
-    from both means' standard errors (first-order propagation, seeds independent)."""
+    from both means' standard errors (first-order propagation, seeds independent).
+
+    The paired gap compares runs of the same seed: a seed fixes the initial weights and the data
+    order for every variant, and those move all variants' losses together (the seed spread is
+    mostly shared), so the mean of the per-seed relative differences ``(l_v,s - l_base,s) /
+    l_base,s`` has a smaller standard error (ddof=1 over seeds) than the difference of means. It
+    is given where every seed of the variant has a baseline run; with one seed, no error."""
     by_variant: dict[str, list[dict]] = {}
     for r in results:
         by_variant.setdefault(r["variant"], []).append(r)
@@ -128,7 +137,8 @@ def summarize(results: list[dict], baseline: str = BASELINE) -> dict:
             losses = [dict((t, l) for t, l in r["eval"])[tokens] for r in runs]
             std = statistics.stdev(losses) if len(losses) > 1 else 0.0
             points.append({"tokens": tokens, "n": len(losses), "mean": statistics.fmean(losses), "std": std,
-                           "sem": std / math.sqrt(len(losses))})
+                           "sem": std / math.sqrt(len(losses)),
+                           "losses": [[r["seed"], loss] for r, loss in zip(runs, losses)]})
         rates = [r["tokens_per_s"] for r in runs if r["tokens_per_s"]]
         table[variant] = {"seeds": sorted(r["seed"] for r in runs), "points": points,
                           "tokens_per_s": statistics.fmean(rates) if rates else None}
@@ -140,21 +150,30 @@ def summarize(results: list[dict], baseline: str = BASELINE) -> dict:
                 continue
             p["gap"] = (p["mean"] - b["mean"]) / b["mean"]
             p["gap_sem"] = math.hypot(p["sem"], p["mean"] / b["mean"] * b["sem"]) / b["mean"]
+            base_by_seed = dict((seed, loss) for seed, loss in b["losses"])
+            if all(seed in base_by_seed for seed, _ in p["losses"]):
+                diffs = [(loss - base_by_seed[seed]) / base_by_seed[seed] for seed, loss in p["losses"]]
+                p["paired_gap"] = statistics.fmean(diffs)
+                p["paired_gap_sem"] = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
     return {"baseline": baseline, "variants": table}
 
 
 def format_summary(summary: dict) -> str:
     lines = [f"{'variant':<18} {'seeds':>5} {'tokens':>10} {'held-out loss':>18} {'gap to ' + summary['baseline']:>18} "
-             f"{'tokens/s':>10}"]
+             f"{'paired gap':>18} {'tokens/s':>10}"]
     for variant, entry in summary["variants"].items():
         if not entry["points"]:
             lines.append(f"{variant:<18} {len(entry['seeds']):>5} {'(no held-out loss yet)':>30}")
             continue
         p = entry["points"][-1]
         gap = f"{100 * p['gap']:+.2f}% +- {100 * p['gap_sem']:.2f}" if "gap" in p else ""
+        paired = ""
+        if "paired_gap" in p:
+            paired = f"{100 * p['paired_gap']:+.2f}%" + (f" +- {100 * p['paired_gap_sem']:.2f}"
+                                                          if p["paired_gap_sem"] is not None else "")
         rate = f"{entry['tokens_per_s']:,.0f}" if entry["tokens_per_s"] else ""
         lines.append(f"{variant:<18} {p['n']:>5} {p['tokens']:>10.3g} {p['mean']:>10.4f} +- {p['std']:.4f} "
-                     f"{gap:>18} {rate:>10}")
+                     f"{gap:>18} {paired:>18} {rate:>10}")
     return "\n".join(lines)
 
 
@@ -164,22 +183,26 @@ def plot_summary(summary: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for variant, entry in summary["variants"].items():
+    colors = plt.get_cmap("tab10")
+    for i, (variant, entry) in enumerate(summary["variants"].items()):
         pts = entry["points"]
         if not pts:
             continue
+        color = colors(i % 10)  # the same variant in the same colour in both panels
         x = [p["tokens"] for p in pts]
         mean = [p["mean"] for p in pts]
-        ax_loss.plot(x, mean, marker=".", label=f"{variant} (n={pts[-1]['n']})")
+        ax_loss.plot(x, mean, marker=".", color=color, label=f"{variant} (n={pts[-1]['n']})")
         ax_loss.fill_between(x, [m - p["std"] for m, p in zip(mean, pts)], [m + p["std"] for m, p in zip(mean, pts)],
-                             alpha=0.2)
+                             color=color, alpha=0.2)
+        # The paired gap where there is one (same-seed differences: the shared seed spread cancels).
         gapped = [p for p in pts if "gap" in p]
         if gapped:
-            ax_gap.errorbar([p["tokens"] for p in gapped], [100 * p["gap"] for p in gapped],
-                            yerr=[100 * p["gap_sem"] for p in gapped], marker=".", capsize=3, label=variant)
+            ax_gap.errorbar([p["tokens"] for p in gapped], [100 * p.get("paired_gap", p["gap"]) for p in gapped],
+                            yerr=[100 * (p.get("paired_gap_sem", p["gap_sem"]) or 0.0) for p in gapped],
+                            marker=".", capsize=3, color=color, label=f"{variant} (n={gapped[-1]['n']})")
     ax_loss.set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="Held-out loss (mean, +-1 std over seeds)")
     ax_gap.axhline(0.0, color="black", linewidth=0.8)
-    ax_gap.set(xlabel="tokens", ylabel=f"gap to {summary['baseline']} (%)", title="Relative gap (+-1 standard error)")
+    ax_gap.set(xlabel="tokens", ylabel=f"gap to {summary['baseline']} (%)", title="Relative gap, paired by seed (+-1 standard error)")
     for ax in (ax_loss, ax_gap):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -251,20 +274,58 @@ def load_run_config(config_args: list[str]):
     return load_config([a for a in config_args if "=" not in a], [a for a in config_args if "=" in a])
 
 
+def write_report(out_dir: str, results: list[dict], **about) -> dict:
+    """summary.json (over the complete runs) and convergence.png in ``out_dir``; prints the table."""
+    summary = summarize([r for r in results if r["complete"]])
+    summary.update(about, incomplete=[run_name(r["variant"], r["seed"]) for r in results if not r["complete"]])
+    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=1)
+    print(format_summary(summary))
+    if any(r["eval"] for r in results if r["complete"]):
+        print("plot:", plot_summary(summary, os.path.join(out_dir, "convergence.png")))
+    return summary
+
+
+def report(out_dir: str) -> int:
+    """``--report``: the summary and the picture again from ``<out>/results/*.json`` alone (results
+    copied off the machine that ran them)."""
+    paths = sorted(f for f in os.listdir(os.path.join(out_dir, "results")) if f.endswith(".json"))
+    if not paths:
+        sys.exit(f"--report {out_dir}: no results/*.json there")
+    results = []
+    for f in paths:
+        with open(os.path.join(out_dir, "results", f), encoding="utf-8") as fh:
+            results.append(json.load(fh))
+    order = list(VARIANTS)
+    results.sort(key=lambda r: (order.index(r["variant"]) if r["variant"] in order else len(order), r["seed"]))
+    write_report(out_dir, results, steps=max(r["steps"] for r in results if r["complete"]),
+                 tokens_per_step=results[0]["tokens_per_step"])
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="the model config (e.g. configs/dense-125m.yaml)")
-    p.add_argument("--data", required=True, help="a directory holding prepared train/ and heldout/, or 'builtin'")
+    p.add_argument("--report", metavar="OUT", help="only rewrite OUT's summary and picture from OUT/results")
+    p.add_argument("--config", help="the model config (e.g. configs/dense-125m.yaml)")
+    p.add_argument("--data", help="a directory holding prepared train/ and heldout/, or 'builtin'")
     p.add_argument("--variants", nargs="+", default=["bf16", "fp8_delayed", "fp8_current", "nvfp4"],
                    choices=sorted(VARIANTS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--tokens", type=float, required=True, help="training tokens per run")
+    p.add_argument("--ablations", nargs="*", default=[], choices=sorted(VARIANTS),
+                   help="variants run with the first seed only, after every seed of --variants (the paper's "
+                        "ablations: compared against the seed spread of the main variants)")
+    p.add_argument("--tokens", type=float, help="training tokens per run")
     p.add_argument("--evals", type=int, default=10, help="held-out evaluations per run (evenly spaced)")
-    p.add_argument("--out", required=True, help="output directory (runs/, results/, summary.json, convergence.png)")
+    p.add_argument("--out", help="output directory (runs/, results/, summary.json, convergence.png)")
     p.add_argument("--parallel", type=int, default=0, help="runs at once (0: one per GPU, 1 without GPUs)")
     p.add_argument("--deadline-s", type=float, default=0, help="stop the runs after this many seconds (0: none)")
     p.add_argument("overrides", nargs="*", help="more trainer overrides for every run (dotted.key=value)")
     args = p.parse_args(argv)
+    if args.report:
+        return report(os.path.abspath(args.report))
+    missing = [f"--{k}" for k in ("config", "data", "tokens", "out") if getattr(args, k) is None]
+    if missing:
+        p.error(f"{', '.join(missing)} required (unless --report)")
     # The trainers run in the repository (for the presets' paths): every path the user gave is
     # made absolute first.
     args.config, args.out = os.path.abspath(args.config), os.path.abspath(args.out)
@@ -280,18 +341,21 @@ def main(argv=None) -> int:
     runs_dir, results_dir = os.path.join(args.out, "runs"), os.path.join(args.out, "results")
     for d in (runs_dir, results_dir):
         os.makedirs(d, exist_ok=True)
+    # Seed-major order: a budget that runs out leaves whole seeds of every main variant, then
+    # the single-seed ablations.
+    plan = [(variant, seed) for seed in args.seeds for variant in args.variants]
+    plan += [(variant, args.seeds[0]) for variant in args.ablations if variant not in args.variants]
     jobs, done = [], []
-    for variant in args.variants:
-        for seed in args.seeds:
-            name = run_name(variant, seed)
-            result = run_result(os.path.join(runs_dir, name), variant, seed, per_step)
-            if result["steps"] >= steps and result["final_eval_loss"] is not None:
-                done.append(name)
-                continue
-            preset = [os.path.join(REPO, a) if a.endswith(".yaml") else a for a in VARIANTS[variant]]
-            jobs.append((name, [*base[:1], *preset, *base[1:], f"run.name={name}",
-                                f"run.output_dir={runs_dir}", f"run.seed={seed}", f"train.steps={steps}",
-                                f"optim.schedule_steps={steps}", f"train.eval_every={eval_every}"]))
+    for variant, seed in plan:
+        name = run_name(variant, seed)
+        result = run_result(os.path.join(runs_dir, name), variant, seed, per_step)
+        if result["steps"] >= steps and result["final_eval_loss"] is not None:
+            done.append(name)
+            continue
+        preset = [os.path.join(REPO, a) if a.endswith(".yaml") else a for a in VARIANTS[variant]]
+        jobs.append((name, [*base[:1], *preset, *base[1:], f"run.name={name}",
+                            f"run.output_dir={runs_dir}", f"run.seed={seed}", f"train.steps={steps}",
+                            f"optim.schedule_steps={steps}", f"train.eval_every={eval_every}"]))
     print(f"{len(done)} run(s) finished earlier, {len(jobs)} to run: {steps} steps of {per_step} tokens, "
           f"held-out loss every {eval_every} steps", flush=True)
     gpus = gpu_count()
@@ -301,23 +365,15 @@ def main(argv=None) -> int:
     codes = Runner(slots, gpus, deadline, runs_dir).run_all(jobs)
 
     results = []
-    for variant in args.variants:
-        for seed in args.seeds:
-            name = run_name(variant, seed)
-            result = run_result(os.path.join(runs_dir, name), variant, seed, per_step)
-            result["complete"] = result["steps"] >= steps
-            with open(os.path.join(results_dir, f"{name}.json"), "w", encoding="utf-8") as fh:
-                json.dump(result, fh, indent=1)
-            results.append(result)
-    summary = summarize([r for r in results if r["complete"]])
-    summary.update(config=args.config, data=args.data, steps=steps, tokens_per_step=per_step,
-                   incomplete=[run_name(r["variant"], r["seed"]) for r in results if not r["complete"]],
-                   wall_s=time.time() - started)
-    with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=1)
-    print(format_summary(summary))
-    if any(r["eval"] for r in results if r["complete"]):
-        print("plot:", plot_summary(summary, os.path.join(args.out, "convergence.png")))
+    for variant, seed in plan:
+        name = run_name(variant, seed)
+        result = run_result(os.path.join(runs_dir, name), variant, seed, per_step)
+        result["complete"] = result["steps"] >= steps
+        with open(os.path.join(results_dir, f"{name}.json"), "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
+        results.append(result)
+    summary = write_report(args.out, results, config=args.config, data=args.data, steps=steps,
+                           tokens_per_step=per_step, wall_s=time.time() - started)
     failed = {n: c for n, c in codes.items() if c not in (0, 143, 130)}
     if failed:
         print(f"failed runs (exit codes): {failed}; their logs are in {runs_dir}", file=sys.stderr)

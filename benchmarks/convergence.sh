@@ -4,6 +4,8 @@
 # arguments; an unfinished set of runs resumes when the same command runs again on the same machine.
 #   bash benchmarks/convergence.sh --config configs/dense-125m.yaml --variants bf16 nvfp4 \
 #       --seeds 0 --tokens 200e6 --out /tmp/conv/dense --deadline-s 540
+# END_AT (epoch seconds), when set, is when the runs must be stopped: the deadline is counted from
+# the end of the corpus preparation, whose length varies (a device call has a fixed length).
 set -uo pipefail
 CORPUS=${CORPUS:-/tmp/corpus}
 . benchmarks/device_env.sh
@@ -13,5 +15,8 @@ if [ ! -f "$CORPUS/heldout/manifest.json" ]; then
     --vocab-size 8192 || exit 1
   python3 -m maxfp4.data.prepare --source jsonl --paths "$CORPUS/heldout.jsonl" --out "$CORPUS/heldout" \
     --tokenizer "$CORPUS/train/tokenizer.model" || exit 1
+fi
+if [ -n "${END_AT:-}" ]; then
+  set -- "$@" --deadline-s $(( END_AT - $(date +%s) ))
 fi
 python3 benchmarks/convergence.py --data "$CORPUS" "$@"

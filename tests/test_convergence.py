@@ -1,5 +1,5 @@
 """benchmarks/convergence.py end to end on the embedded corpus: a tiny model, two variants, two
-seeds, one run cut off by SIGTERM and resumed by running the same command again, and the
+seeds and one single-seed ablation, one run cut off by SIGTERM and resumed by running the same command again, and the
 summary's arithmetic checked against the per-run results it was made from."""
 
 import json
@@ -22,7 +22,7 @@ TINY_MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.
 def _command(out, *extra):
     return [sys.executable, os.path.join(REPO, "benchmarks", "convergence.py"), "--config",
             os.path.join(REPO, "configs", "quickstart.yaml"), "--data", "builtin", "--variants", "bf16", "fp8_current",
-            "--seeds", "0", "1", "--tokens", str(16 * 512), "--evals", "2", "--parallel", "1", "--out", str(out),
+            "--seeds", "0", "1", "--ablations", "mxfp8", "--tokens", str(16 * 512), "--evals", "2", "--parallel", "1", "--out", str(out),
             *TINY_MODEL, *extra]
 
 
@@ -47,12 +47,15 @@ def test_convergence_benchmark_resumes_a_cut_off_run_and_summarizes_over_seeds(t
 
     second = subprocess.run(_command(tmp_path), env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "4 to run" in second.stdout  # the cut-off run is among them, resumed below
+    assert "5 to run" in second.stdout  # the cut-off run is among them, resumed below
+    # Seed-major order, the ablation last (with the first seed only).
+    started = [line.split(":")[0] for line in second.stdout.splitlines() if line.endswith(": started")]
+    assert started == ["bf16-s0", "fp8_current-s0", "bf16-s1", "fp8_current-s1", "mxfp8-s0"], second.stdout
     log = (tmp_path / "runs" / "bf16-s0.log").read_text()
     assert "resumed from" in log, log
 
     results = {}
-    for name in ("bf16-s0", "bf16-s1", "fp8_current-s0", "fp8_current-s1"):
+    for name in ("bf16-s0", "bf16-s1", "fp8_current-s0", "fp8_current-s1", "mxfp8-s0"):
         r = json.loads((tmp_path / "results" / f"{name}.json").read_text())
         assert r["complete"] and r["steps"] == 16 and r["tokens_per_step"] == 512, r
         assert [t for t, _ in r["eval"]] == [8 * 512, 16 * 512], r  # every 8 steps and at the end
@@ -74,6 +77,26 @@ def test_convergence_benchmark_resumes_a_cut_off_run_and_summarizes_over_seeds(t
     assert math.isclose(fp8["gap"], fp8["mean"] / base["mean"] - 1, rel_tol=1e-9)
     expected_sem = math.hypot(fp8["sem"], fp8["mean"] / base["mean"] * base["sem"]) / base["mean"]
     assert math.isclose(fp8["gap_sem"], expected_sem, rel_tol=1e-9)
+    # The paired gap: the mean of the per-seed relative differences and their standard error.
+    diffs = [(results[f"fp8_current-s{s}"]["eval"][-1][1] - results[f"bf16-s{s}"]["eval"][-1][1])
+             / results[f"bf16-s{s}"]["eval"][-1][1] for s in (0, 1)]
+    assert math.isclose(fp8["paired_gap"], statistics.fmean(diffs), rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(fp8["paired_gap_sem"], statistics.stdev(diffs) / math.sqrt(2), rel_tol=1e-9, abs_tol=1e-15)
+    assert "paired gap" in second.stdout
+    # The ablation: one seed, no spread of its own; its gap's error is the baseline's alone.
+    ablation = summary["variants"]["mxfp8"]["points"][-1]
+    assert summary["variants"]["mxfp8"]["seeds"] == [0] and ablation["n"] == 1 and ablation["std"] == 0.0
+    assert math.isclose(ablation["mean"], results["mxfp8-s0"]["eval"][-1][1], rel_tol=1e-12)
+    assert math.isclose(ablation["gap_sem"], ablation["mean"] / base["mean"] * base["sem"] / base["mean"], rel_tol=1e-9)
+    base_s0 = results["bf16-s0"]["eval"][-1][1]
+    assert math.isclose(ablation["paired_gap"], (ablation["mean"] - base_s0) / base_s0, rel_tol=1e-9, abs_tol=1e-15)
+    assert ablation["paired_gap_sem"] is None
+    # --report rebuilds the same summary from the results alone.
+    (tmp_path / "summary.json").unlink()
+    again = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "convergence.py"), "--report", str(tmp_path)],
+                           env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["variants"] == summary["variants"]
     # Every run scored the same held-out tokens: the split does not follow the seed.
     assert (tmp_path / "corpus" / "heldout.jsonl").stat().st_size > 0
     assert (tmp_path / "convergence.png").stat().st_size > 10_000

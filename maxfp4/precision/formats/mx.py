@@ -43,25 +43,16 @@ class MXArray:
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """``q * 2**e`` in float32, returned as ``dtype``."""
         q_blk = to_blocks(self.elements.astype(jnp.float32), False, MX_BLOCK)
-        # (q * 2**(e+1)) * 0.5: 2**(e+1) is a normal float32 for every e in [-127, 126], while
-        # 2**-127 itself is subnormal (flushed to zero by XLA on CPU). Both products are exact.
-        up = exp2_int(self.scale_exponents() + 1)[..., None]
-        return from_blocks((q_blk * up) * jnp.float32(0.5), False).astype(dtype)
+        return _dequantize_blocks(q_blk, self.scale_exponents()).astype(dtype)
 
 
 jax.tree_util.register_dataclass(MXArray, data_fields=["elements", "block_scales"], meta_fields=[])
 
 
-
-
-def quantize_mx(x: jax.Array, elem_dtype) -> MXArray:
-    """OCP MX quantization: blocks of 32 along the last axis with an E8M0 power-of-two scale.
-
-    ``e = clamp(floor(log2(block_amax)) - emax_elem, -127, 127)``, elements
-    ``cast(clip(x / 2**e, -max_elem, max_elem))`` rounded to nearest even. A block with
-    ``block_amax == 0`` (or below float32's smallest normal) gets ``e = -127`` and zero elements.
-    ``elem_dtype``: float8_e4m3fn (MXFP8), float8_e5m2, or float4_e2m1fn (MXFP4).
-    """
+def _mx_blocks(x: jax.Array, elem_dtype) -> tuple[jax.Array, jax.Array]:
+    """The shared first half of :func:`quantize_mx` and :func:`qdq_mx`: ``(q_blk, e)``, the
+    rounded elements in blocks of 32 (E2M1: float32 values on the grid; FP8: the FP8 array) and
+    the int32 scale exponents, one a block."""
     key = np.dtype(elem_dtype)
     if key not in _MX_ELEMENTS:
         raise ValueError(f"quantize_mx: unsupported element dtype {elem_dtype}")
@@ -80,15 +71,38 @@ def quantize_mx(x: jax.Array, elem_dtype) -> MXArray:
     y_blk = x_blk * jnp.where(is_zero, 0.0, exp2_int(jnp.minimum(-e, 127)))[..., None]
     y_blk = jnp.clip(y_blk, -max_elem, max_elem)
     if key == np.dtype(FP4_E2M1):
-        q_blk = round_e2m1(y_blk).astype(FP4_E2M1)
-    else:
-        q_blk = y_blk.astype(elem_dtype)
-    q_blk = jax.lax.optimization_barrier(q_blk)  # pin the rounding against cast folding
+        return round_e2m1(y_blk), e  # exact arithmetic: nothing for XLA to fold
+    return jax.lax.optimization_barrier(y_blk.astype(elem_dtype)), e  # pin the rounding against cast folding
 
+
+def _dequantize_blocks(q_blk: jax.Array, e: jax.Array) -> jax.Array:
+    """``q * 2**e`` in float32 from blocks of elements and their exponents."""
+    # (q * 2**(e+1)) * 0.5: 2**(e+1) is a normal float32 for every e in [-127, 126], while
+    # 2**-127 itself is subnormal (flushed to zero by XLA on CPU). Both products are exact.
+    up = exp2_int(e + 1)[..., None]
+    return from_blocks((q_blk.astype(jnp.float32) * up) * jnp.float32(0.5), False)
+
+
+def quantize_mx(x: jax.Array, elem_dtype) -> MXArray:
+    """OCP MX quantization: blocks of 32 along the last axis with an E8M0 power-of-two scale.
+
+    ``e = clamp(floor(log2(block_amax)) - emax_elem, -127, 127)``, elements
+    ``cast(clip(x / 2**e, -max_elem, max_elem))`` rounded to nearest even. A block with
+    ``block_amax == 0`` (or below float32's smallest normal) gets ``e = -127`` and zero elements.
+    ``elem_dtype``: float8_e4m3fn (MXFP8), float8_e5m2, or float4_e2m1fn (MXFP4).
+    """
+    q_blk, e = _mx_blocks(x, elem_dtype)
+    if np.dtype(elem_dtype) == np.dtype(FP4_E2M1):
+        q_blk = jax.lax.optimization_barrier(q_blk.astype(FP4_E2M1))  # exact: values are on the grid
     scales = jax.lax.bitcast_convert_type((e + 127).astype(jnp.uint8), E8M0)
     return MXArray(elements=from_blocks(q_blk, False), block_scales=scales)
 
 
 def qdq_mx(x: jax.Array, elem_dtype) -> jax.Array:
-    """``quantize_mx(x, elem_dtype).dequantize()``: float32, shape of ``x``."""
-    return quantize_mx(x, elem_dtype).dequantize(jnp.float32)
+    """``quantize_mx(x, elem_dtype).dequantize()``: float32, shape of ``x``, bit for bit.
+
+    Computed without storing E2M1 elements: the training recipes call this, and XLA on GPU
+    handles arrays of the 4-bit ``float4_e2m1fn`` type (two to a byte) far more slowly than the
+    float32 grid values they hold exactly."""
+    q_blk, e = _mx_blocks(x, elem_dtype)
+    return _dequantize_blocks(q_blk, e)

@@ -35,8 +35,9 @@ from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, TN, Recipe, check_m
 _MX_ELEMENT = {"mxfp8": F.FP8_E4M3, "mxfp4": F.FP4_E2M1}
 
 
-def mx_gemm_tn(a: F.MXArray, b: F.MXArray) -> jax.Array:
-    """``a[M,K] @ b[N,K]^T`` of two MX tensors blocked along K; FP32 result.
+def mx_gemm_tn(a_MK: jax.Array, b_NK: jax.Array, elem) -> jax.Array:
+    """``a[M,K] @ b[N,K]^T`` with both operands MX-quantized (``elem`` elements) in blocks along
+    K; FP32 result.
 
     The dequantized operands ``q * 2**e`` are exact in BF16, so a BF16 GEMM with FP32
     accumulation is the MX GEMM up to summation order:
@@ -56,8 +57,9 @@ def mx_gemm_tn(a: F.MXArray, b: F.MXArray) -> jax.Array:
       to zero (or rounded as BF16 subnormals), an absolute error under ``2**-126`` -- the same
       thing XLA on CPU does to FP32 subnormals anyway.
     """
-    return jax.lax.dot_general(a.dequantize(COMPUTE_DTYPE), b.dequantize(COMPUTE_DTYPE), TN,
-                               preferred_element_type=jnp.float32)
+    a = F.qdq_mx(a_MK.astype(jnp.float32), elem).astype(COMPUTE_DTYPE)
+    b = F.qdq_mx(b_NK.astype(jnp.float32), elem).astype(COMPUTE_DTYPE)
+    return jax.lax.dot_general(a, b, TN, preferred_element_type=jnp.float32)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -67,10 +69,7 @@ def _mx(x, w, name):
 
 def _mx_forward(x, w, name):
     elem = _MX_ELEMENT[name]
-    x_MK = flat(x)
-    qx = F.quantize_mx(x_MK.astype(jnp.float32), elem)  # X blocked along K
-    qw_NK = F.quantize_mx(w.astype(jnp.float32).T, elem)  # W blocked along K
-    y = mx_gemm_tn(qx, qw_NK).astype(COMPUTE_DTYPE)
+    y = mx_gemm_tn(flat(x), w.T, elem).astype(COMPUTE_DTYPE)  # X and W blocked along K
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
@@ -87,13 +86,9 @@ def _mx_bwd(name, res, dy):
     elem = _MX_ELEMENT[name]
     dy_MN = flat(dy).astype(jnp.float32)
     # dgrad: dY[M,N] blocked along N times W[K,N] blocked along N.
-    qdy = F.quantize_mx(dy_MN, elem)
-    qw_KN = F.quantize_mx(w.astype(jnp.float32), elem)
-    dx = mx_gemm_tn(qdy, qw_KN).astype(COMPUTE_DTYPE)
+    dx = mx_gemm_tn(dy_MN, w, elem).astype(COMPUTE_DTYPE)
     # wgrad: X^T[K,M] and dY^T[N,M], both blocked along M (tokens).
-    qxt = F.quantize_mx(x_MK.astype(jnp.float32).T, elem)
-    qdyt = F.quantize_mx(dy_MN.T, elem)
-    dw = mx_gemm_tn(qxt, qdyt)  # FP32
+    dw = mx_gemm_tn(x_MK.T, dy_MN.T, elem)  # FP32
     return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_token.dtype), dw
 
 
