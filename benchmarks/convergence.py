@@ -15,7 +15,8 @@ its standard error, tokens/s) and one PNG (loss curves and gap against tokens):
 
 Each run is ``python -m maxfp4.train`` in its own process with its own run directory under
 ``<out>/runs``, so an interrupted benchmark resumes every unfinished run from the trainer's own
-checkpoints when it is started again with the same arguments (finished runs are not repeated).
+checkpoints when it is started again with the same arguments (finished runs are not repeated,
+nor are runs whose complete results were copied into ``<out>/results`` from another machine).
 Runs start seed by seed (every main variant's first seed, then the second, ...), the ablations
 (first seed only) last.
 ``--deadline-s`` ends a call in time: at the deadline the running trainers get SIGTERM (they
@@ -114,6 +115,22 @@ def run_result(run_dir: str, variant: str, seed: int, tokens_per_step: int) -> d
     return {"variant": variant, "seed": seed, "steps": max(by_step, default=0), "tokens_per_step": tokens_per_step,
             "eval": evals, "final_eval_loss": evals[-1][1] if evals else None,
             "tokens_per_s": statistics.median(rates) if rates else None}
+
+
+def current_result(runs_dir: str, results_dir: str, variant: str, seed: int, tokens_per_step: int) -> dict:
+    """The run's figures from its run directory or, where there is none (the run finished on
+    another machine and only its results were kept: copy them into ``<out>/results``), from a
+    complete ``results/<name>.json`` of the same tokens a step. A kept result of a run cut off
+    does not count: without its checkpoints the run starts again."""
+    name = run_name(variant, seed)
+    run_dir = os.path.join(runs_dir, name)
+    kept = os.path.join(results_dir, f"{name}.json")
+    if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) and os.path.isfile(kept):
+        with open(kept, encoding="utf-8") as fh:
+            result = json.load(fh)
+        if result.get("complete") and result.get("tokens_per_step") == tokens_per_step:
+            return result
+    return run_result(run_dir, variant, seed, tokens_per_step)
 
 
 def summarize(results: list[dict], baseline: str = BASELINE) -> dict:
@@ -220,11 +237,12 @@ def gpu_count() -> int:
 
 
 class Runner:
-    """Runs the trainer processes, at most ``slots`` at once (one per GPU when there are GPUs),
+    """Runs the trainer processes, at most ``slots`` at once (one per GPU of ``gpu_ids``, slot i
+    on GPU ``gpu_ids[i]``, when there are GPUs),
     and stops them all with SIGTERM at the deadline or when this process gets SIGTERM/SIGINT."""
 
-    def __init__(self, slots: int, gpus: int, deadline: float, log_dir: str):
-        self.slots, self.gpus, self.deadline, self.log_dir = slots, gpus, deadline, log_dir
+    def __init__(self, slots: int, gpu_ids: list[int], deadline: float, log_dir: str):
+        self.slots, self.gpu_ids, self.deadline, self.log_dir = slots, gpu_ids, deadline, log_dir
         self.running: dict[int, tuple[subprocess.Popen, str, object]] = {}  # slot -> (process, name, log)
         self.stopping = False
         signal.signal(signal.SIGTERM, self._stop)
@@ -254,13 +272,13 @@ class Runner:
                 slot = min(set(range(self.slots)) - set(self.running))
                 name, args = queue.pop(0)
                 env = dict(os.environ, PYTHONUNBUFFERED="1")
-                if self.gpus:
-                    env["CUDA_VISIBLE_DEVICES"] = str(slot)
+                if self.gpu_ids:
+                    env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_ids[slot % len(self.gpu_ids)])
                 log = open(os.path.join(self.log_dir, f"{name}.log"), "a", encoding="utf-8")
                 proc = subprocess.Popen([sys.executable, "-m", "maxfp4.train", *args], cwd=REPO, env=env,
                                         stdout=log, stderr=subprocess.STDOUT)
                 self.running[slot] = (proc, name, log)
-                print(f"{name}: started" + (f" on GPU {slot}" if self.gpus else ""), flush=True)
+                print(f"{name}: started" + (f" on GPU {env['CUDA_VISIBLE_DEVICES']}" if self.gpu_ids else ""), flush=True)
             if self.stopping:
                 queue.clear()
             time.sleep(0.2)
@@ -318,6 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--evals", type=int, default=10, help="held-out evaluations per run (evenly spaced)")
     p.add_argument("--out", help="output directory (runs/, results/, summary.json, convergence.png)")
     p.add_argument("--parallel", type=int, default=0, help="runs at once (0: one per GPU, 1 without GPUs)")
+    p.add_argument("--gpus", type=int, nargs="+", help="the GPUs to use (default: all), e.g. 2 3 while another "
+                   "set of runs holds 0 and 1")
     p.add_argument("--deadline-s", type=float, default=0, help="stop the runs after this many seconds (0: none)")
     p.add_argument("overrides", nargs="*", help="more trainer overrides for every run (dotted.key=value)")
     args = p.parse_args(argv)
@@ -348,7 +368,7 @@ def main(argv=None) -> int:
     jobs, done = [], []
     for variant, seed in plan:
         name = run_name(variant, seed)
-        result = run_result(os.path.join(runs_dir, name), variant, seed, per_step)
+        result = current_result(runs_dir, results_dir, variant, seed, per_step)
         if result["steps"] >= steps and result["final_eval_loss"] is not None:
             done.append(name)
             continue
@@ -358,16 +378,16 @@ def main(argv=None) -> int:
                             f"optim.schedule_steps={steps}", f"train.eval_every={eval_every}"]))
     print(f"{len(done)} run(s) finished earlier, {len(jobs)} to run: {steps} steps of {per_step} tokens, "
           f"held-out loss every {eval_every} steps", flush=True)
-    gpus = gpu_count()
-    slots = args.parallel or max(gpus, 1)
+    gpu_ids = args.gpus if args.gpus is not None else list(range(gpu_count()))
+    slots = args.parallel or max(len(gpu_ids), 1)
     deadline = time.time() + args.deadline_s if args.deadline_s else math.inf
     started = time.time()
-    codes = Runner(slots, gpus, deadline, runs_dir).run_all(jobs)
+    codes = Runner(slots, gpu_ids, deadline, runs_dir).run_all(jobs)
 
     results = []
     for variant, seed in plan:
         name = run_name(variant, seed)
-        result = run_result(os.path.join(runs_dir, name), variant, seed, per_step)
+        result = current_result(runs_dir, results_dir, variant, seed, per_step)
         result["complete"] = result["steps"] >= steps
         with open(os.path.join(results_dir, f"{name}.json"), "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)

@@ -23,7 +23,7 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxfp4 import distributed, elastic
-from maxfp4.checkpoint import Checkpointer, CheckpointHook, finalized_steps, refuse_changed_run
+from maxfp4.checkpoint import Checkpointer, CheckpointHook, checkpoint_dir, finalized_steps, refuse_changed_run
 from maxfp4.compiler import (check_compiler_options, check_deterministic_attention, compiler_options,
                              determinism_summary, use_compile_cache)
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
@@ -71,7 +71,7 @@ def _check_batch_fits_mesh(cfg: Config, mesh) -> None:
 
 def _newest_checkpoint(run_dir: str) -> str | None:
     steps = finalized_steps(run_dir)
-    return os.path.join(run_dir, "checkpoints", str(steps[-1])) if steps else None
+    return os.path.join(checkpoint_dir(run_dir), str(steps[-1])) if steps else None
 
 
 def state_maker(cfg: Config, mesh, optimizer: optax.GradientTransformation, policy=None):

@@ -5,6 +5,7 @@ summary's arithmetic checked against the per-run results it was made from."""
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -45,11 +46,12 @@ def test_convergence_benchmark_resumes_a_cut_off_run_and_summarizes_over_seeds(t
     cut_at = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
     assert cut_at < 16, out1
 
-    second = subprocess.run(_command(tmp_path), env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # --gpus names the devices the runs go to (here only as CUDA_VISIBLE_DEVICES: the CPU ignores it).
+    second = subprocess.run(_command(tmp_path, "--gpus", "7"), env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "5 to run" in second.stdout  # the cut-off run is among them, resumed below
     # Seed-major order, the ablation last (with the first seed only).
-    started = [line.split(":")[0] for line in second.stdout.splitlines() if line.endswith(": started")]
+    started = [line.split(":")[0] for line in second.stdout.splitlines() if line.endswith(": started on GPU 7")]
     assert started == ["bf16-s0", "fp8_current-s0", "bf16-s1", "fp8_current-s1", "mxfp8-s0"], second.stdout
     log = (tmp_path / "runs" / "bf16-s0.log").read_text()
     assert "resumed from" in log, log
@@ -91,12 +93,25 @@ def test_convergence_benchmark_resumes_a_cut_off_run_and_summarizes_over_seeds(t
     base_s0 = results["bf16-s0"]["eval"][-1][1]
     assert math.isclose(ablation["paired_gap"], (ablation["mean"] - base_s0) / base_s0, rel_tol=1e-9, abs_tol=1e-15)
     assert ablation["paired_gap_sem"] is None
+    # On another machine (no run directories), kept complete results count as finished runs;
+    # one kept result of a cut-off run does not, and that run starts again.
+    shutil.rmtree(tmp_path / "runs")
+    cut = json.loads((tmp_path / "results" / "mxfp8-s0.json").read_text())
+    (tmp_path / "results" / "mxfp8-s0.json").write_text(json.dumps(dict(cut, complete=False)))
+    third = subprocess.run(_command(tmp_path), env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "4 run(s) finished earlier, 1 to run" in third.stdout, third.stdout
+    assert "mxfp8-s0: started" in third.stdout and "bf16-s0: started" not in third.stdout
+    rebuilt = json.loads((tmp_path / "summary.json").read_text())
+    assert rebuilt["incomplete"] == []
+    assert {v: rebuilt["variants"][v] for v in ("bf16", "fp8_current")} == \
+        {v: summary["variants"][v] for v in ("bf16", "fp8_current")}
     # --report rebuilds the same summary from the results alone.
     (tmp_path / "summary.json").unlink()
     again = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "convergence.py"), "--report", str(tmp_path)],
                            env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert json.loads((tmp_path / "summary.json").read_text())["variants"] == summary["variants"]
+    assert json.loads((tmp_path / "summary.json").read_text())["variants"] == rebuilt["variants"]
     # Every run scored the same held-out tokens: the split does not follow the seed.
     assert (tmp_path / "corpus" / "heldout.jsonl").stat().st_size > 0
     assert (tmp_path / "convergence.png").stat().st_size > 10_000
