@@ -53,6 +53,10 @@ VARIANTS: dict[str, list[str]] = {
     "mxfp8": ["precision.default=mxfp8", LM_HEAD_BF16],
 }
 BASELINE = "bf16"
+# The variants that take the full recipe apart (or swap its format): each run is also compared
+# with the full recipe's run of the same seed (--reference).
+ABLATIONS = ("nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights", "nvfp4_all_blocks", "mxfp4", "mxfp8")
+REFERENCE = "nvfp4"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -175,6 +179,40 @@ def summarize(results: list[dict], baseline: str = BASELINE) -> dict:
     return {"baseline": baseline, "variants": table}
 
 
+def against_reference(results: list[dict], reference: str = REFERENCE, baseline: str = BASELINE) -> list[dict]:
+    """Each run of an ablation, finished or cut off, at the last token count it shares with the
+    reference's run of the same seed: both losses and the relative difference (and the same
+    against the baseline's run of that seed). All runs of a benchmark share one schedule, so a
+    cut-off run compares at equal learning rates. A seed moves every variant's loss alike, so
+    what the difference holds is the recipe's change plus one seed's noise."""
+    by_run = {(r["variant"], r["seed"]): dict((t, loss) for t, loss in r["eval"]) for r in results}
+    rows = []
+    for r in results:
+        ref = by_run.get((reference, r["seed"]), {})
+        own = by_run[(r["variant"], r["seed"])]
+        common = sorted(set(own) & set(ref))
+        if r["variant"] not in ABLATIONS or r["variant"] == reference or not common:
+            continue
+        tokens = common[-1]
+        row = {"run": run_name(r["variant"], r["seed"]), "tokens": tokens, "complete": bool(r.get("complete")),
+               "loss": own[tokens], "reference_loss": ref[tokens], "vs_reference": own[tokens] / ref[tokens] - 1}
+        base = by_run.get((baseline, r["seed"]), {})
+        if tokens in base:
+            row["vs_baseline"] = own[tokens] / base[tokens] - 1
+        rows.append(row)
+    return rows
+
+
+def format_against_reference(rows: list[dict], reference: str, baseline: str = BASELINE) -> str:
+    lines = [f"{'ablation':<22} {'tokens':>10} {'held-out loss':>14} {reference + ' (same seed)':>20} "
+             f"{'vs ' + reference:>10} {'vs ' + baseline:>10}"]
+    for r in rows:
+        vs_base = f"{100 * r['vs_baseline']:+.2f}%" if "vs_baseline" in r else ""
+        lines.append(f"{r['run'] + ('' if r['complete'] else ' (cut)'):<22} {r['tokens']:>10.3g} {r['loss']:>14.4f} "
+                     f"{r['reference_loss']:>20.4f} {100 * r['vs_reference']:>+9.2f}% {vs_base:>10}")
+    return "\n".join(lines)
+
+
 def format_summary(summary: dict) -> str:
     lines = [f"{'variant':<18} {'seeds':>5} {'tokens':>10} {'held-out loss':>18} {'gap to ' + summary['baseline']:>18} "
              f"{'paired gap':>18} {'tokens/s':>10}"]
@@ -292,19 +330,23 @@ def load_run_config(config_args: list[str]):
     return load_config([a for a in config_args if "=" not in a], [a for a in config_args if "=" in a])
 
 
-def write_report(out_dir: str, results: list[dict], **about) -> dict:
-    """summary.json (over the complete runs) and convergence.png in ``out_dir``; prints the table."""
+def write_report(out_dir: str, results: list[dict], reference: str = REFERENCE, **about) -> dict:
+    """summary.json (over the complete runs; the ablations against ``reference`` over every run)
+    and convergence.png in ``out_dir``; prints the tables."""
     summary = summarize([r for r in results if r["complete"]])
     summary.update(about, incomplete=[run_name(r["variant"], r["seed"]) for r in results if not r["complete"]])
+    summary.update(reference=reference, against_reference=against_reference(results, reference))
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)
     print(format_summary(summary))
+    if summary["against_reference"]:
+        print(format_against_reference(summary["against_reference"], reference))
     if any(r["eval"] for r in results if r["complete"]):
         print("plot:", plot_summary(summary, os.path.join(out_dir, "convergence.png")))
     return summary
 
 
-def report(out_dir: str) -> int:
+def report(out_dir: str, reference: str = REFERENCE) -> int:
     """``--report``: the summary and the picture again from ``<out>/results/*.json`` alone (results
     copied off the machine that ran them)."""
     paths = sorted(f for f in os.listdir(os.path.join(out_dir, "results")) if f.endswith(".json"))
@@ -316,7 +358,7 @@ def report(out_dir: str) -> int:
             results.append(json.load(fh))
     order = list(VARIANTS)
     results.sort(key=lambda r: (order.index(r["variant"]) if r["variant"] in order else len(order), r["seed"]))
-    write_report(out_dir, results, steps=max(r["steps"] for r in results if r["complete"]),
+    write_report(out_dir, results, reference, steps=max(r["steps"] for r in results if r["complete"]),
                  tokens_per_step=results[0]["tokens_per_step"])
     return 0
 
@@ -332,6 +374,8 @@ def main(argv=None) -> int:
     p.add_argument("--ablations", nargs="*", default=[], choices=sorted(VARIANTS),
                    help="variants run with the first seed only, after every seed of --variants (the paper's "
                         "ablations: compared against the seed spread of the main variants)")
+    p.add_argument("--reference", default=REFERENCE, choices=sorted(VARIANTS),
+                   help="the full recipe each ablation run is compared with at the same seed")
     p.add_argument("--tokens", type=float, help="training tokens per run")
     p.add_argument("--evals", type=int, default=10, help="held-out evaluations per run (evenly spaced)")
     p.add_argument("--out", help="output directory (runs/, results/, summary.json, convergence.png)")
@@ -342,7 +386,7 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="more trainer overrides for every run (dotted.key=value)")
     args = p.parse_args(argv)
     if args.report:
-        return report(os.path.abspath(args.report))
+        return report(os.path.abspath(args.report), args.reference)
     missing = [f"--{k}" for k in ("config", "data", "tokens", "out") if getattr(args, k) is None]
     if missing:
         p.error(f"{', '.join(missing)} required (unless --report)")
@@ -392,7 +436,7 @@ def main(argv=None) -> int:
         with open(os.path.join(results_dir, f"{name}.json"), "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)
         results.append(result)
-    summary = write_report(args.out, results, config=args.config, data=args.data, steps=steps,
+    summary = write_report(args.out, results, args.reference, config=args.config, data=args.data, steps=steps,
                            tokens_per_step=per_step, wall_s=time.time() - started)
     failed = {n: c for n, c in codes.items() if c not in (0, 143, 130)}
     if failed:

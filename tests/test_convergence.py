@@ -23,7 +23,7 @@ TINY_MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.
 def _command(out, *extra):
     return [sys.executable, os.path.join(REPO, "benchmarks", "convergence.py"), "--config",
             os.path.join(REPO, "configs", "quickstart.yaml"), "--data", "builtin", "--variants", "bf16", "fp8_current",
-            "--seeds", "0", "1", "--ablations", "mxfp8", "--tokens", str(16 * 512), "--evals", "2", "--parallel", "1", "--out", str(out),
+            "--seeds", "0", "1", "--ablations", "mxfp8", "--reference", "fp8_current", "--tokens", str(16 * 512), "--evals", "2", "--parallel", "1", "--out", str(out),
             *TINY_MODEL, *extra]
 
 
@@ -93,6 +93,12 @@ def test_convergence_benchmark_resumes_a_cut_off_run_and_summarizes_over_seeds(t
     base_s0 = results["bf16-s0"]["eval"][-1][1]
     assert math.isclose(ablation["paired_gap"], (ablation["mean"] - base_s0) / base_s0, rel_tol=1e-9, abs_tol=1e-15)
     assert ablation["paired_gap_sem"] is None
+    # The ablation against the reference run of the same seed, at their last shared token count.
+    (row,) = summary["against_reference"]
+    ref_s0, abl_s0 = results["fp8_current-s0"]["eval"][-1], results["mxfp8-s0"]["eval"][-1]
+    assert row["run"] == "mxfp8-s0" and row["tokens"] == ref_s0[0] == abl_s0[0] and row["complete"]
+    assert math.isclose(row["vs_reference"], abl_s0[1] / ref_s0[1] - 1, rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(row["vs_baseline"], abl_s0[1] / base_s0 - 1, rel_tol=1e-9, abs_tol=1e-15)
     # On another machine (no run directories), kept complete results count as finished runs;
     # one kept result of a cut-off run does not, and that run starts again.
     shutil.rmtree(tmp_path / "runs")
@@ -115,3 +121,24 @@ def test_convergence_benchmark_resumes_a_cut_off_run_and_summarizes_over_seeds(t
     # Every run scored the same held-out tokens: the split does not follow the seed.
     assert (tmp_path / "corpus" / "heldout.jsonl").stat().st_size > 0
     assert (tmp_path / "convergence.png").stat().st_size > 10_000
+
+
+def test_a_cut_off_ablation_is_compared_with_the_reference_at_their_last_shared_token_count():
+    """against_reference on hand-made results: a cut-off run meets the reference's run of the same
+    seed where both were evaluated last; a main variant and a run without its reference seed are
+    left out."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("convergence", os.path.join(REPO, "benchmarks", "convergence.py"))
+    conv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conv)
+
+    def run(variant, seed, losses, complete=True):
+        return {"variant": variant, "seed": seed, "complete": complete,
+                "eval": [[100 * (i + 1), loss] for i, loss in enumerate(losses)]}
+
+    results = [run("bf16", 0, [3.0, 2.0, 1.5]), run("nvfp4", 0, [3.1, 2.2, 1.6]), run("fp8_delayed", 0, [3.0, 2.1, 1.5]),
+               run("mxfp4", 0, [3.3, 2.4], complete=False), run("nvfp4_no_sr", 1, [3.0, 2.0, 1.5])]
+    (row,) = conv.against_reference(results, reference="nvfp4", baseline="bf16")
+    assert row["run"] == "mxfp4-s0" and row["tokens"] == 200 and not row["complete"]
+    assert (row["loss"], row["reference_loss"]) == (2.4, 2.2)
+    assert math.isclose(row["vs_reference"], 2.4 / 2.2 - 1) and math.isclose(row["vs_baseline"], 2.4 / 2.0 - 1)
