@@ -27,6 +27,7 @@ checkpoint and exit) and no new run starts. With several GPUs, runs go one per G
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -98,6 +99,21 @@ def data_args(data: str, out_dir: str, vocab_size: int) -> list[str]:
             f"data.tokenizer={os.path.join(train, 'tokenizer.model')}"]
 
 
+def data_fingerprint(data: str, out_dir: str) -> dict:
+    """What makes two runs' held-out losses comparable, kept in every result: a prepared corpus's
+    document and token counts, train and held-out (a changed file set or tokenizer changes them),
+    or the builtin split's tokenizer."""
+    if data == "builtin":
+        with open(os.path.join(out_dir, "corpus", "tokenizer.model"), "rb") as fh:
+            return {"builtin_tokenizer_sha256": hashlib.sha256(fh.read()).hexdigest()}
+    fingerprint = {}
+    for split in ("train", "heldout"):
+        with open(os.path.join(data, split, "manifest.json"), encoding="utf-8") as fh:
+            manifest = json.load(fh)
+        fingerprint.update({f"{split}_documents": manifest["num_documents"], f"{split}_tokens": manifest["num_tokens"]})
+    return fingerprint
+
+
 def run_name(variant: str, seed: int) -> str:
     return f"{variant}-s{seed}"
 
@@ -121,20 +137,25 @@ def run_result(run_dir: str, variant: str, seed: int, tokens_per_step: int) -> d
             "tokens_per_s": statistics.median(rates) if rates else None}
 
 
-def current_result(runs_dir: str, results_dir: str, variant: str, seed: int, tokens_per_step: int) -> dict:
+def current_result(runs_dir: str, results_dir: str, variant: str, seed: int, tokens_per_step: int, steps: int,
+                   data: dict) -> dict:
     """The run's figures from its run directory or, where there is none (the run finished on
     another machine and only its results were kept: copy them into ``<out>/results``), from a
-    complete ``results/<name>.json`` of the same tokens a step. A kept result of a run cut off
-    does not count: without its checkpoints the run starts again."""
+    complete ``results/<name>.json`` of the same steps, tokens a step and data. A kept result of
+    a run cut off does not count: without its checkpoints the run starts again."""
     name = run_name(variant, seed)
     run_dir = os.path.join(runs_dir, name)
     kept = os.path.join(results_dir, f"{name}.json")
     if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) and os.path.isfile(kept):
         with open(kept, encoding="utf-8") as fh:
             result = json.load(fh)
-        if result.get("complete") and result.get("tokens_per_step") == tokens_per_step:
+        same = (result.get("tokens_per_step"), result.get("steps"), result.get("data")) == (tokens_per_step, steps, data)
+        if result.get("complete") and same:
             return result
-    return run_result(run_dir, variant, seed, tokens_per_step)
+        if result.get("complete"):
+            print(f"{name}: the kept result is of other data or another length "
+                  f"({result.get('data')}, {result.get('steps')} steps); running it again", flush=True)
+    return dict(run_result(run_dir, variant, seed, tokens_per_step), data=data)
 
 
 def summarize(results: list[dict], baseline: str = BASELINE) -> dict:
@@ -409,10 +430,11 @@ def main(argv=None) -> int:
     # the single-seed ablations.
     plan = [(variant, seed) for seed in args.seeds for variant in args.variants]
     plan += [(variant, args.seeds[0]) for variant in args.ablations if variant not in args.variants]
+    fingerprint = data_fingerprint(args.data, args.out)
     jobs, done = [], []
     for variant, seed in plan:
         name = run_name(variant, seed)
-        result = current_result(runs_dir, results_dir, variant, seed, per_step)
+        result = current_result(runs_dir, results_dir, variant, seed, per_step, steps, fingerprint)
         if result["steps"] >= steps and result["final_eval_loss"] is not None:
             done.append(name)
             continue
@@ -431,7 +453,7 @@ def main(argv=None) -> int:
     results = []
     for variant, seed in plan:
         name = run_name(variant, seed)
-        result = current_result(runs_dir, results_dir, variant, seed, per_step)
+        result = current_result(runs_dir, results_dir, variant, seed, per_step, steps, fingerprint)
         result["complete"] = result["steps"] >= steps
         with open(os.path.join(results_dir, f"{name}.json"), "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)

@@ -102,16 +102,23 @@ def test_convergence_benchmark_resumes_a_cut_off_run_and_summarizes_over_seeds(t
     # On another machine (no run directories), kept complete results count as finished runs;
     # one kept result of a cut-off run does not, and that run starts again.
     shutil.rmtree(tmp_path / "runs")
+    # So does one of other data (its corpus fingerprint differs).
     cut = json.loads((tmp_path / "results" / "mxfp8-s0.json").read_text())
     (tmp_path / "results" / "mxfp8-s0.json").write_text(json.dumps(dict(cut, complete=False)))
+    assert set(cut["data"]) == {"builtin_tokenizer_sha256"}
+    other = json.loads((tmp_path / "results" / "fp8_current-s1.json").read_text())
+    (tmp_path / "results" / "fp8_current-s1.json").write_text(json.dumps(dict(other, data={"train_tokens": 1})))
     third = subprocess.run(_command(tmp_path), env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert third.returncode == 0, third.stdout + third.stderr
-    assert "4 run(s) finished earlier, 1 to run" in third.stdout, third.stdout
-    assert "mxfp8-s0: started" in third.stdout and "bf16-s0: started" not in third.stdout
+    assert "3 run(s) finished earlier, 2 to run" in third.stdout, third.stdout
+    assert "fp8_current-s1: the kept result is of other data" in third.stdout, third.stdout
+    started = [line.split(":")[0] for line in third.stdout.splitlines() if line.endswith(": started")]
+    assert started == ["fp8_current-s1", "mxfp8-s0"], third.stdout
     rebuilt = json.loads((tmp_path / "summary.json").read_text())
     assert rebuilt["incomplete"] == []
-    assert {v: rebuilt["variants"][v] for v in ("bf16", "fp8_current")} == \
-        {v: summary["variants"][v] for v in ("bf16", "fp8_current")}
+    assert rebuilt["variants"]["bf16"] == summary["variants"]["bf16"]  # kept as they were
+    # The run made again on CPU gives the same losses (only its speed differs).
+    assert rebuilt["variants"]["fp8_current"]["points"] == summary["variants"]["fp8_current"]["points"]
     # --report rebuilds the same summary from the results alone.
     (tmp_path / "summary.json").unlink()
     again = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "convergence.py"), "--report", str(tmp_path)],
