@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One device call of the convergence benchmark: the corpus (installed packages' sources, gathered
+# One job of the convergence benchmark on a GPU machine: the corpus (installed packages' sources, gathered
 # and prepared once per machine, kept in $CORPUS), then benchmarks/convergence.py with the given
 # arguments; an unfinished set of runs resumes when the same command runs again on the same machine.
 #   bash benchmarks/convergence.sh --config configs/dense-125m.yaml --variants bf16 nvfp4 \
 #       --seeds 0 --tokens 200e6 --out /tmp/conv/dense --deadline-s 540
 # END_AT (epoch seconds), when set, is when the runs must be stopped: the deadline is counted from
-# the end of the corpus preparation, whose length varies (a device call has a fixed length).
+# the end of the corpus preparation, whose length varies (for a job of fixed length).
 set -uo pipefail
 CORPUS=${CORPUS:-/tmp/corpus}
 . benchmarks/device_env.sh
