@@ -59,16 +59,23 @@ BASELINE = "bf16"
 ABLATIONS = ("nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights", "nvfp4_all_blocks", "mxfp4", "mxfp8")
 REFERENCE = "nvfp4"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # run as a script from benchmarks/: maxfp4 is the repository's
+
+from maxfp4.files import atomic_file  # noqa: E402 - after the path; imports no JAX
+
+
+def write_json(path: str, obj) -> None:
+    """Results and the summary replaced whole: a kept result counts as a finished run."""
+    with atomic_file(path) as fh:
+        json.dump(obj, fh, indent=1)
 
 
 def builtin_split(out_dir: str, vocab_size: int) -> str:
     """The embedded corpus as the prepared path has it: JSONL train and held-out files split by
     document (every tenth held out, whatever the seed) and one tokenizer trained on the training
     part, so every run of the smoke scores the same held-out tokens."""
-    sys.path.insert(0, REPO)
     from maxfp4.data.sources import builtin_documents
     from maxfp4.data.tokenizer import train_tokenizer_bytes
-    from maxfp4.files import atomic_file
 
     corpus = os.path.join(out_dir, "corpus")
     if not os.path.isfile(os.path.join(corpus, "tokenizer.model")):
@@ -296,9 +303,9 @@ def gpu_count() -> int:
 
 
 class Runner:
-    """Runs the trainer processes, at most ``slots`` at once (one per GPU of ``gpu_ids``, slot i
-    on GPU ``gpu_ids[i]``, when there are GPUs),
-    and stops them all with SIGTERM at the deadline or when this process gets SIGTERM/SIGINT."""
+    """Runs the trainer processes, at most ``slots`` at once (when there are GPUs, slot i on GPU
+    ``gpu_ids[i]``), and stops them all with SIGTERM at the deadline or when this process gets
+    SIGTERM/SIGINT."""
 
     def __init__(self, slots: int, gpu_ids: list[int], deadline: float, log_dir: str):
         self.slots, self.gpu_ids, self.deadline, self.log_dir = slots, gpu_ids, deadline, log_dir
@@ -345,7 +352,6 @@ class Runner:
 
 
 def load_run_config(config_args: list[str]):
-    sys.path.insert(0, REPO)
     from maxfp4.config import load_config
 
     return load_config([a for a in config_args if "=" not in a], [a for a in config_args if "=" in a])
@@ -357,8 +363,7 @@ def write_report(out_dir: str, results: list[dict], reference: str = REFERENCE, 
     summary = summarize([r for r in results if r["complete"]])
     summary.update(about, incomplete=[run_name(r["variant"], r["seed"]) for r in results if not r["complete"]])
     summary.update(reference=reference, against_reference=against_reference(results, reference))
-    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=1)
+    write_json(os.path.join(out_dir, "summary.json"), summary)
     print(format_summary(summary))
     if summary["against_reference"]:
         print(format_against_reference(summary["against_reference"], reference))
@@ -455,8 +460,7 @@ def main(argv=None) -> int:
         name = run_name(variant, seed)
         result = current_result(runs_dir, results_dir, variant, seed, per_step, steps, fingerprint)
         result["complete"] = result["steps"] >= steps
-        with open(os.path.join(results_dir, f"{name}.json"), "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=1)
+        write_json(os.path.join(results_dir, f"{name}.json"), result)
         results.append(result)
     summary = write_report(args.out, results, args.reference, config=args.config, data=args.data, steps=steps,
                            tokens_per_step=per_step, wall_s=time.time() - started)

@@ -35,7 +35,7 @@ import numpy as np
 
 from maxfp4.config import saved_model_config
 from maxfp4.errors import UserError, exit_code_of
-from maxfp4.files import atomic_file, atomic_path
+from maxfp4.files import atomic_path, write_text_atomic
 
 DTYPES = ("bf16", "fp32")
 FORMATS = ("hf", "native")
@@ -123,7 +123,6 @@ def export(run_dir: str, out: str, *, fmt: str = "hf", dtype: str = "bf16", step
         tokenizer = _run_tokenizer(saved[0], run_dir)
 
     # Host memory, whatever accelerator the run used: the export needs no device.
-    shapes = abstract_params(model_cfg)
     abstract = abstract_params(model_cfg, jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0]))
     try:
         params = read_params(run_dir, step, abstract)
@@ -137,7 +136,7 @@ def export(run_dir: str, out: str, *, fmt: str = "hf", dtype: str = "bf16", step
     # The model section and seq_len too, so maxfp4's own tools (python -m maxfp4.sample) read the export.
     provenance = {"run_dir": os.path.abspath(run_dir), "checkpoint": os.path.join(checkpoints, str(step)),
                   "step": step, "dtype": dtype, "model": _plain_model(model_cfg), "seq_len": seq_len}
-    return _export_hf(out, model_cfg, params, shapes, tokenizer, dtype=dtype, shard_size=shard_size,
+    return _export_hf(out, model_cfg, params, abstract, tokenizer, dtype=dtype, shard_size=shard_size,
                       max_positions=seq_len, provenance=provenance)
 
 
@@ -272,8 +271,7 @@ def _plain_model(model_cfg) -> dict:
 
 
 def _write_text_file(path: str, text: str) -> None:
-    with atomic_file(path, file_mode=FILE_MODE) as fh:  # shared files, as _write_atomically says
-        fh.write(text)
+    write_text_atomic(path, text, file_mode=FILE_MODE)  # shared files, as _write_atomically says
 
 
 def _write_atomically(path: str, write) -> None:

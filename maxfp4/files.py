@@ -47,6 +47,6 @@ def atomic_file(path: str, mode: str = "w", *, fsync: bool = False, unique: bool
                 os.fsync(fh.fileno())
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    with atomic_file(path) as fh:
+def write_text_atomic(path: str, text: str, *, file_mode: int | None = None) -> None:
+    with atomic_file(path, file_mode=file_mode) as fh:
         fh.write(text)

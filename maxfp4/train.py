@@ -247,7 +247,7 @@ def restore(cfg: Config, checkpointer: Checkpointer, state: TrainState, state_sh
             _say(f"resumed from {checkpointer.directory}/{resume_step}")
     elif cfg.model.init_from:
         state = state.replace(params=read_hf_params(cfg.model, cfg.model.init_from, state_sh.params, state.params,
-                                                              replacing=True))
+                                                    replacing=True))
         if jax.process_index() == 0:
             _say(f"initialized from {cfg.model.init_from}")
     if jax.process_index() == 0:
