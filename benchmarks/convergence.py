@@ -231,6 +231,19 @@ def against_reference(results: list[dict], reference: str = REFERENCE, baseline:
     return rows
 
 
+def reference_means(rows: list[dict]) -> dict[str, dict]:
+    """Per ablation run on several seeds: the mean of its complete runs' same-seed differences
+    from the reference at the final token count, with the standard error (ddof=1 over seeds).
+    Only complete runs count, so every difference is taken at the same point of the schedule."""
+    by_variant: dict[str, list[float]] = {}
+    for r in rows:
+        if r["complete"]:
+            by_variant.setdefault(r["run"].rsplit("-s", 1)[0], []).append(r["vs_reference"])
+    return {variant: {"n": len(diffs), "mean": statistics.fmean(diffs),
+                      "sem": statistics.stdev(diffs) / math.sqrt(len(diffs))}
+            for variant, diffs in by_variant.items() if len(diffs) > 1}
+
+
 def format_against_reference(rows: list[dict], reference: str, baseline: str = BASELINE) -> str:
     lines = [f"{'ablation':<22} {'tokens':>10} {'held-out loss':>14} {reference + ' (same seed)':>20} "
              f"{'vs ' + reference:>10} {'vs ' + baseline:>10}"]
@@ -238,6 +251,9 @@ def format_against_reference(rows: list[dict], reference: str, baseline: str = B
         vs_base = f"{100 * r['vs_baseline']:+.2f}%" if "vs_baseline" in r else ""
         lines.append(f"{r['run'] + ('' if r['complete'] else ' (cut)'):<22} {r['tokens']:>10.3g} {r['loss']:>14.4f} "
                      f"{r['reference_loss']:>20.4f} {100 * r['vs_reference']:>+9.2f}% {vs_base:>10}")
+    for variant, m in reference_means(rows).items():
+        label = f"{variant} ({m['n']} seeds)"
+        lines.append(f"{label:<22} {'mean':>10} {'':>14} {'':>20} {100 * m['mean']:>+9.2f}% +- {100 * m['sem']:.2f}")
     return "\n".join(lines)
 
 
@@ -362,7 +378,8 @@ def write_report(out_dir: str, results: list[dict], reference: str = REFERENCE, 
     and convergence.png in ``out_dir``; prints the tables."""
     summary = summarize([r for r in results if r["complete"]])
     summary.update(about, incomplete=[run_name(r["variant"], r["seed"]) for r in results if not r["complete"]])
-    summary.update(reference=reference, against_reference=against_reference(results, reference))
+    rows = against_reference(results, reference)
+    summary.update(reference=reference, against_reference=rows, against_reference_means=reference_means(rows))
     write_json(os.path.join(out_dir, "summary.json"), summary)
     print(format_summary(summary))
     if summary["against_reference"]:

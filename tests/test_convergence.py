@@ -149,3 +149,15 @@ def test_a_cut_off_ablation_is_compared_with_the_reference_at_their_last_shared_
     assert row["run"] == "mxfp4-s0" and row["tokens"] == 200 and not row["complete"]
     assert (row["loss"], row["reference_loss"]) == (2.4, 2.2)
     assert math.isclose(row["vs_reference"], 2.4 / 2.2 - 1) and math.isclose(row["vs_baseline"], 2.4 / 2.0 - 1)
+    # An ablation on several seeds: the mean of its complete same-seed differences (cut-off runs
+    # left out), exact arithmetic on made-up losses.
+    results += [run("nvfp4", 1, [3.0, 2.0, 1.5]), run("mxfp4", 1, [3.2, 2.3, 1.8])]
+    assert conv.reference_means(conv.against_reference(results, "nvfp4")) == {}  # one complete run: no mean
+    results += [run("nvfp4", 2, [3.2, 2.4, 1.7]), run("mxfp4", 2, [3.3, 2.5, 1.9])]
+    rows = conv.against_reference(results, reference="nvfp4", baseline="bf16")
+    means = conv.reference_means(rows)
+    diffs = [1.8 / 1.5 - 1, 1.9 / 1.7 - 1]
+    assert means["mxfp4"]["n"] == 2 and math.isclose(means["mxfp4"]["mean"], statistics.fmean(diffs))
+    assert math.isclose(means["mxfp4"]["sem"], statistics.stdev(diffs) / math.sqrt(2))
+    last = conv.format_against_reference(rows, "nvfp4").splitlines()[-1]
+    assert last.startswith("mxfp4 (2 seeds)") and f"{100 * statistics.fmean(diffs):+.2f}%" in last
