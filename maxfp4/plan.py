@@ -59,8 +59,8 @@ def format_table(rows: list[dict]) -> str:
         f"params {r0['params'] / 1e9:.3f} B (matmul {r0['matmul_params'] / 1e9:.3f} B); "
         f"FLOPs/token {r0['flops_per_token'] / 1e9:.2f} G = "
         + ", ".join(f"{k} {v / 1e9:.2f} G" for k, v in f.items()),
-        f"usable memory {USABLE_MEMORY:.0%} of {GPUS[r0['gpu']]['memory_gb']:.0f} GB; comm overlap "
-        f"{OVERLAP:.0%}; days and GPU-hours at goodput {r0['goodput']:.0%} (failures, restarts, "
+        f"usable memory {USABLE_MEMORY:.0%} of {GPUS[r0['gpu']]['memory_gb']:.0f} GB; FSDP and data comm "
+        f"{OVERLAP:.0%} hidden, tensor comm exposed; days and GPU-hours at goodput {r0['goodput']:.0%} (failures, restarts, "
         f"checkpoints: --goodput)",
         "",
         f"{'precision':<10}{'mem GB':>9}{'other remat':>12}{'fits':>6}{'compute s':>11}{'comm s':>9}"

@@ -59,7 +59,7 @@ GPUS: dict[str, dict[str, float]] = {
 GPUS_PER_NODE = 8  # default of --gpus-per-node
 IB_GBS = 50.0  # one 400 Gb/s InfiniBand NIC per GPU
 USABLE_MEMORY = 0.90  # the rest goes to the CUDA context, XLA workspace and fragmentation
-OVERLAP = 0.70  # fraction of communication hidden behind compute (capped at the compute time)
+OVERLAP = 0.70  # fraction of FSDP and data-parallel communication hidden behind compute (capped at the compute time)
 # Share of wall-clock time that trains (default of --goodput): failures, restarts from the last
 # checkpoint, checkpoint stalls and evaluation take the rest. Llama 3 405B: "higher than 90%
 # effective training time" over 54 days with 419 unexpected interruptions (Meta, 2024).
@@ -242,24 +242,30 @@ def _link_gbs(gpu: str, span: int, gpus_per_node: int = GPUS_PER_NODE) -> float:
 
 
 def comm_seconds(cfg: Config, mesh: tuple[int, int, int], params: int, precision: str, gpu: str,
-                 gpus_per_node: int = GPUS_PER_NODE) -> float:
-    """Ring collectives per step, bytes per device / link bandwidth. Axes are laid out tensor
-    innermost, then fsdp, then data (maxfp4.mesh), so an axis crosses nodes once the product of
-    it and the axes inside it exceeds a node. FSDP gathers and reduce-scatters once a microbatch."""
+                 gpus_per_node: int = GPUS_PER_NODE) -> tuple[float, float]:
+    """Ring collectives per step, bytes per device / link bandwidth, as (exposed, overlappable)
+    seconds. Axes are laid out tensor innermost, then fsdp, then data (maxfp4.mesh), so an axis
+    crosses nodes once the product of it and the axes inside it exceeds a node.
+
+    Tensor parallelism's activation all-reduces are exposed: each sums a GEMM's output that the
+    next operation (a norm, the residual) needs at once, so there is no independent work to hide
+    them behind. FSDP's weight gathers (fetched ahead of the layer that needs them) and the
+    gradient reduce-scatters and all-reduces (of finished layers) overlap with compute; FSDP
+    gathers and reduce-scatters once a microbatch."""
     data, fsdp, tensor = mesh
     m = cfg.model
-    seconds = 0.0
+    exposed = overlappable = 0.0
     if tensor > 1:  # two activation all-reduces per block forward, two backward
         ar = 2 * (tensor - 1) / tensor * _tokens_per_device(cfg, mesh) * m.d_model * 2
-        seconds += 4 * len(block_linear_params(m)) * ar / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9)
+        exposed += 4 * len(block_linear_params(m)) * ar / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9)
     if fsdp > 1:  # weights gathered forward and again backward, FP32 gradients reduce-scattered
         per_device = params / tensor * (fsdp - 1) / fsdp * cfg.train.microbatches
-        seconds += per_device * (2 * WORKING_BYTES[precision] + GRAD_BYTES) / (
+        overlappable += per_device * (2 * WORKING_BYTES[precision] + GRAD_BYTES) / (
             _link_gbs(gpu, tensor * fsdp, gpus_per_node) * 1e9)
     if data > 1:  # all-reduce of each device's FP32 gradient shard
         shard = params / (fsdp * tensor) * GRAD_BYTES
-        seconds += 2 * (data - 1) / data * shard / (_link_gbs(gpu, data * fsdp * tensor, gpus_per_node) * 1e9)
-    return seconds
+        overlappable += 2 * (data - 1) / data * shard / (_link_gbs(gpu, data * fsdp * tensor, gpus_per_node) * 1e9)
+    return exposed, overlappable
 
 
 def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, float], params: int,
@@ -297,9 +303,9 @@ def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, fl
     return blocks + optimizer
 
 
-def step_seconds(compute: float, comm: float) -> float:
-    hidden = min(OVERLAP * comm, compute)
-    return compute + comm - hidden
+def step_seconds(compute: float, exposed_comm: float, overlappable_comm: float) -> float:
+    hidden = min(OVERLAP * overlappable_comm, compute)
+    return compute + exposed_comm + overlappable_comm - hidden
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -352,8 +358,9 @@ def project(cfg: Config, mesh: tuple[int, int, int], gpu: str, precision: str,
     flops = flops_by_block_type(m, cfg.data.seq_len)
     mem = memory_per_device(cfg, mesh, params, precision, cfg.train.remat)
     compute = compute_seconds(cfg, mesh, flops, params, precision, gpu, utilisation)
-    comm = comm_seconds(cfg, mesh, params, precision, gpu, gpus_per_node)
-    step = step_seconds(compute, comm)
+    exposed, overlappable = comm_seconds(cfg, mesh, params, precision, gpu, gpus_per_node)
+    comm = exposed + overlappable
+    step = step_seconds(compute, exposed, overlappable)
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     other_remat = "full" if cfg.train.remat == "none" else "none"
     return {

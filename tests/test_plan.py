@@ -348,3 +348,16 @@ def test_calibration_against_every_measured_step_is_within_15_percent():
     assert len(rows) >= 30
     misses = [(r["run"], r["gpus"], round(r["error"], 3)) for r in rows if abs(r["error"]) > calibration.GOAL]
     assert not misses, misses
+
+
+def test_tensor_all_reduces_are_exposed_and_fsdp_traffic_hides_behind_compute():
+    """step = compute + exposed + overlappable - min(OVERLAP x overlappable, compute): the tensor
+    axis's activation all-reduces land in the exposed part, FSDP's gathers in the other."""
+    assert math.isclose(plan_model.step_seconds(1.0, 0.1, 0.2), 1.0 + 0.1 + 0.2 - plan_model.OVERLAP * 0.2)
+    assert math.isclose(plan_model.step_seconds(0.1, 0.0, 1.0), 1.0)  # hidden at most the compute
+    cfg = load_config("configs/llama3-8b.yaml", ["data.global_batch=8", "resilience.preflight=false"])
+    params = plan_model.param_count(cfg.model)
+    exposed, overlappable = plan_model.comm_seconds(cfg, (1, 4, 1), params, "bf16", "h200")
+    assert exposed == 0.0 and overlappable > 0.0
+    exposed, _ = plan_model.comm_seconds(cfg, (1, 2, 2), params, "bf16", "h200")
+    assert exposed > 0.0
