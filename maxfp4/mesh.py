@@ -98,6 +98,34 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
     return PartitionSpec(*spec)
 
 
+# The logical axes of each layer class's weight as its GEMM takes it, [K, N]: the parameter's
+# first dim, then the first of the dims flattened into N (the one its sharding follows). The
+# models' parameters carry the full axes; tests/test_mesh.py holds this table to them.
+WEIGHT_AXES: dict[str, tuple[str | None, str | None]] = {
+    "attn_qkv": ("embed", "kv_heads"),
+    "attn_out": ("heads", "embed"),
+    "mlp_up": ("embed", "mlp"),
+    "mlp_down": ("mlp", "embed"),
+    "mamba_in": ("embed", None),  # Mamba-2 is not split over tensor
+    "mamba_out": ("inner", "embed"),
+    "lm_head": ("embed", "vocab"),
+}
+
+
+def gathered_weight_spec(layer_class: str, shape_KN: Sequence[int], mesh) -> PartitionSpec:
+    """How a [K, N] weight of ``layer_class`` is laid out once FSDP has gathered it for its GEMM:
+    its tensor-parallel split kept (column-parallel layers split N, row-parallel ones K), every
+    other mesh axis whole. A recipe that quantizes the weight before the GEMM pins this on the
+    quantized weight, so that the gather moves its narrow elements (maxfp4.precision.recipes.fp8)."""
+    spec = logical_to_spec(WEIGHT_AXES[layer_class], shape_KN, mesh)
+
+    def tensor_only(entry):
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        return "tensor" if "tensor" in axes else None
+
+    return PartitionSpec(*(tensor_only(entry) for entry in spec))
+
+
 def tree_shardings(axes_tree: Any, shapes_tree: Any, mesh: Mesh) -> Any:
     """NamedShardings for a pytree of arrays (or ShapeDtypeStructs) given a matching axes tree."""
     return jax.tree.map(

@@ -2,6 +2,7 @@
 rules table; impossible meshes fail with a clear error."""
 
 import io
+import math
 
 import jax
 import pytest
@@ -67,3 +68,33 @@ def test_impossible_meshes_fail_clearly(tiny_cfg):
         train(tiny_cfg("mesh.data=2", "mesh.tensor=4"), stream=io.StringIO())
     with pytest.raises(ConfigError, match="data.global_batch=8: expected a multiple"):
         train(tiny_cfg("mesh.data=8", "train.microbatches=2"), stream=io.StringIO())
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_weight_axes_table_matches_the_models_linear_parameters(tiny_cfg, kind):
+    """mesh.WEIGHT_AXES (a layer class's weight as its [K, N] GEMM takes it) against every Linear
+    parameter of the models: the tensor axis lands on K, on N or on neither, as the parameter's
+    own sharding puts it on its first dim, on a later one, or nowhere."""
+    from flax import nnx
+
+    from maxfp4.mesh import WEIGHT_AXES, gathered_weight_spec
+    from maxfp4.model import get_model
+    from maxfp4.model.layers import Linear
+
+    extra = ["model.kind=hybrid", "model.pattern=M*-M", "model.mlp=relu2", "model.mamba.d_state=16",
+             "model.mamba.head_dim=8", "model.mamba.chunk_size=16"] if kind == "hybrid" else []
+    cfg = tiny_cfg("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *extra)
+    mesh = make_mesh(cfg.mesh)
+    model = nnx.eval_shape(lambda: get_model(cfg.model).module(cfg.model, jax.random.key(0)))
+    linears = list(nnx.to_flat_state(nnx.state(model, Linear)))
+    assert {v.layer_class for _, v in linears} == set(WEIGHT_AXES) - ({"mamba_in", "mamba_out"} if kind == "dense"
+                                                                      else set())
+    for path, v in linears:
+        axes, shape = v.logical_axes, v.get_value().shape
+        if axes[0] == "layers":
+            axes, shape = axes[1:], shape[1:]
+        spec = logical_to_spec(axes, shape, mesh)
+        on = [i for i, entry in enumerate(spec) if "tensor" in (entry if isinstance(entry, tuple) else (entry,))]
+        expected = P("tensor", None) if on == [0] else P(None, "tensor") if on else P(None, None)
+        shape_KN = (shape[0], math.prod(shape[1:]))
+        assert gathered_weight_spec(v.layer_class, shape_KN, mesh) == expected, (path, axes, spec)

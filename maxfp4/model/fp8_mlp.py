@@ -64,7 +64,7 @@ def mlp(x_BTD: jax.Array, w_up_DK: jax.Array, w_down_FD: jax.Array, lp: LayerPre
     if kernel is None:
         kernel = _kernel_applies(x_BTD.shape[0] * x_BTD.shape[1], w_down_FD.shape[0], x_BTD.shape[0], kind)
     return _mlp(x_BTD, w_up_DK, lp.scales["mlp_up"], w_down_FD, lp.scales["mlp_down"], kind,
-                lp.options("mlp_up"), bool(kernel), lp.fused("mlp_up"))
+                lp.options("mlp_up"), lp.options("mlp_down"), bool(kernel), lp.fused("mlp_up"))
 
 
 def _kernel_applies(m: int, f: int, batch: int, kind: str) -> bool:
@@ -116,35 +116,36 @@ def _up_activation_bwd(kind, options, ops, residuals, dh_BTF):
 _up_activation.defvjp(_up_activation_fwd, _up_activation_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _mlp(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel, ops):
-    return _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel, ops)[0]
+# options_up and options_down: the same recipe's options, each with its own layer class.
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _mlp(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options_up, options_down, kernel, ops):
+    return _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options_up, options_down, kernel, ops)[0]
 
 
-def _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options, kernel, ops):
+def _mlp_fwd(x_BTD, w_up_DK, scales_up, w_down_FD, scales_down, kind, options_up, options_down, kernel, ops):
     del kernel
-    y_BTK, up_res = _up_forward(x_BTD, w_up_DK, scales_up, options, ops)
-    sx_down = ops.scales_of(options, scales_down)[0]
+    y_BTK, up_res = _up_forward(x_BTD, w_up_DK, scales_up, options_up, ops)
+    sx_down = ops.scales_of(options_down, scales_down)[0]
     qh_BTF, amax_h = activation_e4m3(y_BTK, kind, sx_down)
-    out_BTD, down_res = ops.forward_quantized(qh_BTF, amax_h, jnp.bfloat16, w_down_FD, options, scales_down)
+    out_BTD, down_res = ops.forward_quantized(qh_BTF, amax_h, jnp.bfloat16, w_down_FD, options_down, scales_down)
     return checkpoint_name(out_BTD, GEMM_OUT), (up_res, y_BTK, down_res)
 
 
-def _mlp_bwd(kind, options, kernel, ops, residuals, dout_BTD):
+def _mlp_bwd(kind, options_up, options_down, kernel, ops, residuals, dout_BTD):
     up_res, y_BTK, down_res = residuals
     if not kernel:
-        dh_BTF, dw_down, amaxes_down = ops.backward(options, down_res, dout_BTD)
-        dx_BTD, dw_up, amaxes_up = _up_backward(kind, options, ops, up_res, y_BTK, dh_BTF)
+        dh_BTF, dw_down, amaxes_down = ops.backward(options_down, down_res, dout_BTD)
+        dx_BTD, dw_up, amaxes_up = _up_backward(kind, options_up, ops, up_res, y_BTK, dh_BTF)
         return dx_BTD, dw_up, amaxes_up, dw_down, amaxes_down
     # mlp_down's dgrad first: the kernel needs dh, and stores mlp_down's input transposed for its
     # wgrad along with mlp_up's dY in both layouts.
     qdout_BTD, amax_dout = ops.quantize_dy(down_res, dout_BTD)
-    dh_BTF = ops.dgrad(options, down_res, qdout_BTD)
+    dh_BTF = ops.dgrad(options_down, down_res, qdout_BTD)
     qdy_BTK, qdy_t_KM, qh_t_FM, amax_dy = mlp_grad_kernel.activation_grad_fp8(
         y_BTK, dh_BTF, ops.dy_scale(up_res), ops.x_scale(down_res), kind,
         not on_gpu())
-    dw_down, amaxes_down = ops.wgrad(options, down_res, qdout_BTD, amax_dout, qx_t_KM=qh_t_FM)
-    dx_BTD, dw_up, amaxes_up = ops.backward_quantized(options, up_res, qdy_BTK, amax_dy, qdy_t_KM)
+    dw_down, amaxes_down = ops.wgrad(options_down, down_res, qdout_BTD, amax_dout, qx_t_KM=qh_t_FM)
+    dx_BTD, dw_up, amaxes_up = ops.backward_quantized(options_up, up_res, qdy_BTK, amax_dy, qdy_t_KM)
     return dx_BTD, dw_up, amaxes_up, dw_down, amaxes_down
 
 

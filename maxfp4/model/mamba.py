@@ -153,7 +153,8 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
     if _fp8_in_kernels(x_BTD, cfg, lp, constrain):
         return _fused_mixer(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params, p["out_proj"],
-                            lp.scales["mamba_out"], segment_ids_BT, cfg, lp.options("mamba_in"), lp.fused("mamba_in"))
+                            lp.scales["mamba_out"], segment_ids_BT, cfg, lp.options("mamba_in"), lp.options("mamba_out"),
+                            lp.fused("mamba_in"))
     zxbcdt_BTI = lp.dot(x_BTD, p["in_proj"], "mamba_in")
     core = functools.partial(_mixer_core, cfg=cfg)
     per_batch_row = getattr(constrain, "per_batch_row", None)
@@ -312,29 +313,30 @@ _kernel_core.defvjp(_kernel_core_fwd, _kernel_core_bwd)
 # bounds tests/test_gpu_mamba_kernels.py states (GEMM accumulation order, and XLA may skip the
 # recipe path's BF16 rounding of dt's columns).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+# options_in and options_out: the same recipe's options, each with its own layer class.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _fused_mixer(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg: ModelConfig,
-                 options, ops):
+                 options_in, options_out, ops):
     return _fused_mixer_fwd(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg,
-                            options, ops)[0]
+                            options_in, options_out, ops)[0]
 
 
-def _fused_mixer_fwd(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg, options,
-                     ops):
-    zxbcdt_BTI, in_res = ops.forward(x_BTD, w_in_DI, options, scales_in)
-    sx_out = ops.scales_of(options, scales_out)[0]
+def _fused_mixer_fwd(x_BTD, w_in_DI, scales_in, core_params, w_out_ED, scales_out, segment_ids_BT, cfg, options_in,
+                     options_out, ops):
+    zxbcdt_BTI, in_res = ops.forward(x_BTD, w_in_DI, options_in, scales_in)
+    sx_out = ops.scales_of(options_out, scales_out)[0]
     (qy_BTE, amax_y), core_res = _kernel_core_fwd(checkpoint_name(zxbcdt_BTI, GEMM_OUT), segment_ids_BT,
                                                   core_params, cfg, Quantize(sx_out, ops.x_format))
-    out_BTD, out_res = ops.forward_quantized(qy_BTE, amax_y, ACT_DTYPE, w_out_ED, options, scales_out)
+    out_BTD, out_res = ops.forward_quantized(qy_BTE, amax_y, ACT_DTYPE, w_out_ED, options_out, scales_out)
     return checkpoint_name(out_BTD, GEMM_OUT), (in_res, core_res, out_res)
 
 
-def _fused_mixer_bwd(cfg, options, ops, residuals, dout_BTD):
+def _fused_mixer_bwd(cfg, options_in, options_out, ops, residuals, dout_BTD):
     in_res, core_res, out_res = residuals
-    dy_BTE, dw_out, amaxes_out = ops.backward(options, out_res, dout_BTD)
+    dy_BTE, dw_out, amaxes_out = ops.backward(options_out, out_res, dout_BTD)
     quantize = Quantize(ops.dy_scale(in_res), ops.dy_format)
     qdzxbcdt_BTI, grads, amax_dz = _core_backward(cfg, core_res, dy_BTE, quantize)
-    dx_BTD, dw_in, amaxes_in = ops.backward_quantized(options, in_res, qdzxbcdt_BTI, amax_dz)
+    dx_BTD, dw_in, amaxes_in = ops.backward_quantized(options_in, in_res, qdzxbcdt_BTI, amax_dz)
     return dx_BTD, dw_in, amaxes_in, grads, dw_out, amaxes_out, None
 
 

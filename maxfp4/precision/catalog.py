@@ -24,6 +24,9 @@ from maxfp4.errors import ConfigError, describe
 
 LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down", "mamba_in", "mamba_out", "lm_head")
 BLOCK_CLASSES = tuple(c for c in LAYER_CLASSES if c != "lm_head")
+# The option naming the layer class a recipe's call serves: not a config option, added to the
+# policy's options when a layer calls its recipe (maxfp4.precision.layer.call_options).
+LAYER_CLASS_OPTION = "layer_class"
 # The datasheet peak a recipe's GEMMs are charged at for MFU (maxfp4.metrics.DEVICE_PEAKS_TFLOPS);
 # a device without that peak charges BF16, the rate it emulates at (FP4 and block-scaled MXFP8
 # GEMMs need Blackwell; Hopper's FP8 tensor cores take per-tensor scales only).

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from maxfp4.precision.catalog import LAYER_CLASSES
+from maxfp4.precision.catalog import LAYER_CLASS_OPTION, LAYER_CLASSES
 from maxfp4.precision.fused import FusedOperands
 from maxfp4.precision.policy import PrecisionPolicy
 from maxfp4.precision.registry import RECIPES
@@ -25,7 +25,14 @@ def dot(x: jax.Array, w: jax.Array, layer_class: str, layer_index: int | None,
     ``scales`` (f32[3]) is the layer's delayed-scaling state, ``key`` seeds stochastic rounding.
     """
     recipe = policy.recipe_for(layer_class, layer_index)
-    return RECIPES[recipe].dot(x, w, policy.options_tuple(recipe), scales, key)
+    return RECIPES[recipe].dot(x, w, call_options(policy, recipe, layer_class), scales, key)
+
+
+def call_options(policy: PrecisionPolicy, recipe: str, layer_class: str) -> tuple:
+    """What a recipe's functions get as ``options``: the policy's options for the recipe, and the
+    layer's class (``LAYER_CLASS_OPTION``), from which a recipe that gathers its quantized weight
+    knows the weight's tensor-parallel split (maxfp4.mesh.gathered_weight_spec)."""
+    return policy.options_tuple(recipe) + ((LAYER_CLASS_OPTION, layer_class),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +56,7 @@ class LayerPrecision:
 
     def options(self, layer_class: str) -> tuple:
         """The hashable options of ``layer_class``'s recipe (a static argument of its VJPs)."""
-        return self.policy.options_tuple(self.policy.recipe_for(layer_class, self.layer_index))
+        return call_options(self.policy, self.policy.recipe_for(layer_class, self.layer_index), layer_class)
 
     def dot(self, x: jax.Array, w: jax.Array, layer_class: str) -> jax.Array:
         scales = None if self.scales is None else self.scales.get(layer_class)

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.kernels.launch import on_gpu
+from maxfp4.mesh import gathered_weight_spec
 from maxfp4.precision import catalog
 from maxfp4.precision import formats as F
-from maxfp4.precision.catalog import FAST_ACCUMULATION_DEFAULT
+from maxfp4.precision.catalog import FAST_ACCUMULATION_DEFAULT, LAYER_CLASS_OPTION
 from maxfp4.precision.fused import FusedOperands
 from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, amax, dtype_token, flat
 
@@ -70,46 +71,60 @@ def fp8_gemm_tn(a_q: jax.Array, a_scale: jax.Array, b_q: jax.Array, b_scale: jax
     return (acc * (inv_a * inv_b)).astype(out_dtype)
 
 
-def _gathered(w_q: jax.Array) -> jax.Array:
-    """The quantized weight whole on every device, where FSDP shards it (a mesh without tensor
-    parallelism): the all-gather then moves the FP8 bytes. Left to itself, XLA placed it after
-    the FP8 -> BF16 convert that feeds the GEMM when the blocks were unrolled, which moved twice
-    the bytes and, worse, hid the FP8 operand from the GEMM rewriter: the forward GEMMs ran in
-    BF16 (Llama-3-8B at fsdp=2). The residual stays the sharded weight, so the backward gathers
-    it again rather than keeping a whole copy per layer."""
+def _gathered(w_q: jax.Array, layer_class: str | None) -> jax.Array:
+    """The quantized weight as its GEMM takes it where FSDP shards it: whole along every mesh
+    axis but tensor, whose split stays (column-parallel layers split N, row-parallel ones K:
+    ``maxfp4.mesh.gathered_weight_spec`` of ``layer_class``). The all-gather then
+    moves the FP8 bytes. Left to itself, XLA placed it after the FP8 -> BF16 convert that feeds
+    the GEMM, which moved twice the bytes and, worse, hid the FP8 operand from the GEMM rewriter:
+    the forward GEMMs ran in BF16 (Llama-3-8B at fsdp=2, unrolled blocks). The residual stays
+    the sharded weight, so the backward gathers it again rather than keeping a whole copy per
+    layer. A call without a layer class under tensor parallelism (a recipe called directly)
+    leaves the placement to XLA."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.shape.get("tensor", 1) > 1 or mesh.size == 1:
+    if mesh.empty or mesh.size == 1:
         return w_q
-    return jax.lax.with_sharding_constraint(w_q, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    if layer_class is not None:
+        spec = gathered_weight_spec(layer_class, w_q.shape, mesh)
+    elif mesh.shape.get("tensor", 1) == 1:
+        spec = jax.sharding.PartitionSpec()
+    else:
+        return w_q
+    return jax.lax.with_sharding_constraint(w_q, jax.sharding.NamedSharding(mesh, spec))
 
 
-def _fp8_forward(x, w, sx, sw, power_2, fast):
-    return _fp8_forward_quantized(F.quantize_fp8(x, sx, F.FP8_E4M3), sx, w, sw, power_2, fast)
+def _layer_class(options) -> str | None:
+    """The layer class a call serves (``LayerPrecision`` adds it to the policy's options)."""
+    return dict(options).get(LAYER_CLASS_OPTION)
 
 
-def _fp8_forward_quantized(qx, sx, w, sw, power_2, fast):
+def _fp8_forward(x, w, sx, sw, power_2, fast, layer_class):
+    return _fp8_forward_quantized(F.quantize_fp8(x, sx, F.FP8_E4M3), sx, w, sw, power_2, fast, layer_class)
+
+
+def _fp8_forward_quantized(qx, sx, w, sw, power_2, fast, layer_class):
     """fprop from x already in E4M3 (``qx = fp8(clip(x * sx))``, [..., K]); ``fast``: its
     accumulation (``fast_accumulation(options).forward``)."""
     qx_MK = flat(qx)
     qw_KN = F.quantize_fp8(w, sw, F.FP8_E4M3)
-    y_MN = fp8_gemm_tn(qx_MK, sx, _gathered(qw_KN).T, sw, power_2=power_2, fast_accumulation=fast)
+    y_MN = fp8_gemm_tn(qx_MK, sx, _gathered(qw_KN, layer_class).T, sw, power_2=power_2, fast_accumulation=fast)
     residuals = (checkpoint_name(qx_MK, GEMM_IN), checkpoint_name(qw_KN, GEMM_WEIGHT))
     return y_MN.reshape(*qx.shape[:-1], w.shape[1]), residuals
 
 
-def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2, fast):
+def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2, fast, layer_class):
     qdy = F.quantize_fp8(dy, sdy, F.FP8_E5M2)
-    return _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2, fast)
+    return _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2, fast, layer_class)
 
 
-def _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2, fast):
+def _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2, fast, layer_class):
     """dgrad and wgrad from dY already in E5M2 (``qdy = fp8(clip(dY * sdy))``, [..., N]);
     ``fast``: their accumulation (``fast_accumulation(options).backward``)."""
-    return _fp8_dgrad(qdy, sdy, qw_KN, sw, power_2, fast), _fp8_wgrad(qdy, sdy, qx_MK, sx, power_2, fast)
+    return _fp8_dgrad(qdy, sdy, qw_KN, sw, power_2, fast, layer_class), _fp8_wgrad(qdy, sdy, qx_MK, sx, power_2, fast)
 
 
-def _fp8_dgrad(qdy, sdy, qw_KN, sw, power_2, fast):
-    dx_MK = fp8_gemm_tn(flat(qdy), sdy, _gathered(qw_KN), sw, power_2=power_2,
+def _fp8_dgrad(qdy, sdy, qw_KN, sw, power_2, fast, layer_class):
+    dx_MK = fp8_gemm_tn(flat(qdy), sdy, _gathered(qw_KN, layer_class), sw, power_2=power_2,
                         fast_accumulation=fast)  # dY[M,N] . W[K,N]^T
     return dx_MK.reshape(*qdy.shape[:-1], qw_KN.shape[0])
 
@@ -180,7 +195,8 @@ def fp8_delayed_forward_quantized(qx, amax_x, x_dtype, w, options, scales):
     its producer, which also reports ``amax_x``, the max of |x| in ``x_dtype`` (the dtype the
     BF16 path would have handed the recipe, and the dtype of dx)."""
     s = _delayed_scales(scales, options)  # kept for the backward pass as used here
-    y, (qx_MK, qw) = _fp8_forward_quantized(qx, s[0], w, s[1], _power_2(options), fast_accumulation(options).forward)
+    y, (qx_MK, qw) = _fp8_forward_quantized(qx, s[0], w, s[1], _power_2(options), fast_accumulation(options).forward,
+                                            _layer_class(options))
     amax_xw = jnp.stack([jnp.asarray(amax_x, jnp.float32), amax(w)])
     return y, (qx_MK, qw, s, amax_xw, dtype_token(x_dtype))
 
@@ -217,8 +233,8 @@ def fp8_delayed_dgrad(options, residuals, qdy):
     """dx alone, from dY quantized as for ``fp8_delayed_backward_quantized``: for a producer of
     the wgrad's operands that needs dx first (the MLP's activation needs mlp_down's dx)."""
     _, qw, s, _, x_token = residuals
-    return _fp8_dgrad(qdy, s[2], qw, s[1], _power_2(options), fast_accumulation(options).backward
-                      ).astype(x_token.dtype)
+    return _fp8_dgrad(qdy, s[2], qw, s[1], _power_2(options), fast_accumulation(options).backward,
+                      _layer_class(options)).astype(x_token.dtype)
 
 
 def fp8_delayed_wgrad(options, residuals, qdy, amax_dy, qdy_t_NM=None, qx_t_KM=None):
@@ -241,22 +257,22 @@ def fp8_delayed_dot(x, w, options=(), scales=None, key=None):
     return _fp8_delayed(x, w, options, scales, key)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fp8_current(x, w, power_2, accumulation):
-    return _fp8_current_fwd(x, w, power_2, accumulation)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fp8_current(x, w, power_2, accumulation, layer_class):
+    return _fp8_current_fwd(x, w, power_2, accumulation, layer_class)[0]
 
 
-def _fp8_current_fwd(x, w, power_2, accumulation):
+def _fp8_current_fwd(x, w, power_2, accumulation, layer_class):
     sx = F.scale_from_amax(amax(x), F.FP8_E4M3, power_2=power_2)
     sw = F.scale_from_amax(amax(w), F.FP8_E4M3, power_2=power_2)
-    y, (qx, qw) = _fp8_forward(x, w, sx, sw, power_2, accumulation.forward)
+    y, (qx, qw) = _fp8_forward(x, w, sx, sw, power_2, accumulation.forward, layer_class)
     return y, (qx, qw, sx, sw, dtype_token(x.dtype))
 
 
-def _fp8_current_bwd(power_2, accumulation, res, dy):
+def _fp8_current_bwd(power_2, accumulation, layer_class, res, dy):
     qx, qw, sx, sw, x_token = res
     sdy = F.scale_from_amax(amax(dy), F.FP8_E5M2, power_2=power_2)
-    dx, dw = _fp8_backward(dy, sdy, qx, sx, qw, sw, power_2, accumulation.backward)
+    dx, dw = _fp8_backward(dy, sdy, qx, sx, qw, sw, power_2, accumulation.backward, layer_class)
     return dx.astype(x_token.dtype), dw
 
 
@@ -266,7 +282,7 @@ _fp8_current.defvjp(_fp8_current_fwd, _fp8_current_bwd)
 def fp8_current_dot(x, w, options=(), scales=None, key=None):
     """Per-tensor FP8 with each scale from the tensor's own current amax (no state)."""
     del scales, key
-    return _fp8_current(x, w, _power_2(options), fast_accumulation(options))
+    return _fp8_current(x, w, _power_2(options), fast_accumulation(options), _layer_class(options))
 
 
 # ----------------------------------------------------------------------------- delayed-scaling state
