@@ -206,6 +206,49 @@ def test_fsdp_gathers_the_fp8_weight_and_keeps_fp8_gemms(recipe):
 
 
 @pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current"])
+@pytest.mark.parametrize("layer_class", ["mlp_up", "mlp_down"])
+def test_tensor_parallel_fp8_layer_keeps_fp8_gemms_and_gathers_fp8(recipe, layer_class):
+    """A column-parallel (mlp_up) and a row-parallel (mlp_down) FP8 layer on a tensor=2 mesh
+    (x fsdp = the other GPUs), with its layer class in the options as LayerPrecision passes it:
+    the three GEMMs stay cuBLASLt FP8 GEMMs, and any all-gather moves FP8 bytes (the quantized
+    weight with its tensor split kept). Needs 2 GPUs (fsdp > 1, where the gather is, 4)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from maxfp4.mesh import WEIGHT_AXES, logical_to_spec
+    from maxfp4.precision.catalog import LAYER_CLASS_OPTION
+
+    gpus = jax.devices("gpu")
+    if len(gpus) < 2:
+        pytest.skip("tensor parallelism needs 2 GPUs")
+    gpus = gpus[: len(gpus) // 2 * 2]
+    fn = fp8_delayed_dot if recipe == "fp8_delayed" else fp8_current_dot
+    mesh = jax.make_mesh((1, len(gpus) // 2, 2), ("data", "fsdp", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=gpus)
+    column = layer_class == "mlp_up"
+    k, n = (1024, 2048) if column else (2048, 1024)
+    rows = ("data", "fsdp")
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 512, k), jnp.bfloat16),
+                       NamedSharding(mesh, P(rows, None, None if column else "tensor")))
+    w = jax.device_put(0.02 * jax.random.normal(jax.random.key(1), (k, n), jnp.float32),
+                       NamedSharding(mesh, logical_to_spec(WEIGHT_AXES[layer_class], (k, n), mesh)))
+    dy = jax.device_put(jax.random.normal(jax.random.key(2), (4, 512, n), jnp.bfloat16),
+                        NamedSharding(mesh, P(rows, None, "tensor" if column else None)))
+    scales = jnp.asarray([50.0, 5000.0, 1000.0], jnp.float32)
+    options = ((LAYER_CLASS_OPTION, layer_class),)
+
+    def layer(x, w, dy):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the trainer traces its step
+            y, vjp = jax.vjp(lambda x, w: fn(x, w, options, scales, None), x, w)
+            return (y,) + vjp(dy)[:2]
+
+    hlo = jax.jit(layer, compiler_options=compiler_options("gpu")).lower(x, w, dy).compile().as_text()
+    assert len(_f8_gemms(hlo)) == 3, hlo
+    gathers = [re.search(r"= \(*(\w+)\[", line).group(1) for line in hlo.splitlines()
+               if re.search(r" all-gather(-start)?\(", line)]
+    assert set(gathers) <= {"f8e4m3fn"}, gathers
+
+
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "fp8_current"])
 @pytest.mark.parametrize("forward, backward", [(True, False), (True, True), (False, False)])
 def test_fp8_gemms_accumulate_as_the_fast_accumulation_option_says(recipe, forward, backward):
     """The compiled cuBLASLt FP8 GEMMs of one layer: fprop (BF16 [M, N]) with Hopper's fast
