@@ -4,7 +4,9 @@ Layers name their axes logically (``batch``, ``embed``, ``heads`` ...); :data:`L
 is the only place that decides which mesh axes shard them. A mesh axis is used at most once per
 array: activations shard ``batch`` over data and fsdp, so their ``embed`` stays whole, while
 parameters (which have no batch) shard their leading feature dim over fsdp - ``embed``, or
-``heads`` / ``mlp`` / ``inner`` for the output projections - that is FSDP.
+``heads`` / ``mlp`` / ``inner`` for the output projections - that is FSDP. :data:`WEIGHT_AXES`
+names each layer class's weight as its GEMM takes it, so a recipe can gather a quantized weight
+with its tensor split kept (:func:`gathered_weight_spec`).
 """
 
 from __future__ import annotations
