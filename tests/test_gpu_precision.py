@@ -11,6 +11,7 @@ import pytest
 
 from maxfp4.compiler import compiler_options
 from maxfp4.precision.recipes.fp8 import fp8_current_dot, fp8_delayed_dot
+from tests.sharded_layer import all_gathers, forward_and_grads, layer_operands
 
 pytestmark = pytest.mark.gpu
 
@@ -171,36 +172,20 @@ def test_fsdp_gathers_the_fp8_weight_and_keeps_fp8_gemms(recipe):
     """With the weight split over the GPUs (FSDP: mesh fsdp = all GPUs), the layer still makes
     its three GEMMs in FP8, and every all-gather moves FP8 bytes: the quantized weight is what
     the devices exchange, not a BF16 or FP32 copy of it."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     fn = fp8_delayed_dot if recipe == "fp8_delayed" else fp8_current_dot
     gpus = jax.devices("gpu")
     mesh = jax.make_mesh((1, len(gpus), 1), ("data", "fsdp", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=gpus)
-    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, None))
-    x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 512, 1024), jnp.bfloat16), rows)
-    w = jax.device_put(0.02 * jax.random.normal(jax.random.key(1), (1024, 2048), jnp.float32),
-                       NamedSharding(mesh, PartitionSpec("fsdp", None)))
-    dy = jax.device_put(jax.random.normal(jax.random.key(2), (4, 512, 2048), jnp.bfloat16), rows)
-    scales = jnp.asarray([50.0, 5000.0, 1000.0], jnp.float32)
-
-    def plain(x, w, dy):
-        y, vjp = jax.vjp(lambda x, w: fn(x, w, (), scales, None), x, w)
-        return (y,) + vjp(dy)[:2]
-
-    def layer(x, w, dy):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the trainer traces its step
-            return plain(x, w, dy)
-
-    jitted = jax.jit(layer, compiler_options=compiler_options("gpu"))
+    x, w, dy = layer_operands(mesh, "mlp_up", 1024, 2048, tokens=512)  # weight split over fsdp along K
+    jitted = jax.jit(forward_and_grads(fn, (), mesh), compiler_options=compiler_options("gpu"))
     hlo = jitted.lower(x, w, dy).compile().as_text()
     assert len(_f8_gemms(hlo)) == 3, hlo
-    gathers = [re.search(r"= \(*(\w+)\[", line).group(1) for line in hlo.splitlines()
-               if re.search(r" all-gather(-start)?\(", line)]
+    gathers = [t for t, _ in all_gathers(hlo)]
     if len(gpus) > 1:
         assert gathers and set(gathers) <= {"f8e4m3fn"}, gathers
     # The numbers equal the same layer on one device, up to summation order.
-    one = [np.asarray(a, np.float32) for a in jax.jit(plain)(*(jax.device_put(a, gpus[0]) for a in (x, w, dy)))]
+    one = [np.asarray(a, np.float32)
+           for a in jax.jit(forward_and_grads(fn, ()))(*(jax.device_put(a, gpus[0]) for a in (x, w, dy)))]
     for g, c in zip((np.asarray(a, np.float32) for a in jitted(x, w, dy)), one):
         assert np.linalg.norm(g - c) <= 1e-2 * np.linalg.norm(c)
 
@@ -212,9 +197,6 @@ def test_tensor_parallel_fp8_layer_keeps_fp8_gemms_and_gathers_fp8(recipe, layer
     (x fsdp = the other GPUs), with its layer class in the options as LayerPrecision passes it:
     the three GEMMs stay cuBLASLt FP8 GEMMs, and any all-gather moves FP8 bytes (the quantized
     weight with its tensor split kept). Needs 2 GPUs (fsdp > 1, where the gather is, 4)."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from maxfp4.mesh import WEIGHT_AXES, logical_to_spec
     from maxfp4.precision.catalog import LAYER_CLASS_OPTION
 
     gpus = jax.devices("gpu")
@@ -224,27 +206,12 @@ def test_tensor_parallel_fp8_layer_keeps_fp8_gemms_and_gathers_fp8(recipe, layer
     fn = fp8_delayed_dot if recipe == "fp8_delayed" else fp8_current_dot
     mesh = jax.make_mesh((1, len(gpus) // 2, 2), ("data", "fsdp", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=gpus)
-    column = layer_class == "mlp_up"
-    k, n = (1024, 2048) if column else (2048, 1024)
-    rows = ("data", "fsdp")
-    x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 512, k), jnp.bfloat16),
-                       NamedSharding(mesh, P(rows, None, None if column else "tensor")))
-    w = jax.device_put(0.02 * jax.random.normal(jax.random.key(1), (k, n), jnp.float32),
-                       NamedSharding(mesh, logical_to_spec(WEIGHT_AXES[layer_class], (k, n), mesh)))
-    dy = jax.device_put(jax.random.normal(jax.random.key(2), (4, 512, n), jnp.bfloat16),
-                        NamedSharding(mesh, P(rows, None, "tensor" if column else None)))
-    scales = jnp.asarray([50.0, 5000.0, 1000.0], jnp.float32)
-    options = ((LAYER_CLASS_OPTION, layer_class),)
-
-    def layer(x, w, dy):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the trainer traces its step
-            y, vjp = jax.vjp(lambda x, w: fn(x, w, options, scales, None), x, w)
-            return (y,) + vjp(dy)[:2]
-
+    k, n = (1024, 2048) if layer_class == "mlp_up" else (2048, 1024)
+    x, w, dy = layer_operands(mesh, layer_class, k, n, tokens=512)
+    layer = forward_and_grads(fn, ((LAYER_CLASS_OPTION, layer_class),), mesh)
     hlo = jax.jit(layer, compiler_options=compiler_options("gpu")).lower(x, w, dy).compile().as_text()
     assert len(_f8_gemms(hlo)) == 3, hlo
-    gathers = [re.search(r"= \(*(\w+)\[", line).group(1) for line in hlo.splitlines()
-               if re.search(r" all-gather(-start)?\(", line)]
+    gathers = [t for t, _ in all_gathers(hlo)]
     assert set(gathers) <= {"f8e4m3fn"}, gathers
 
 

@@ -458,44 +458,26 @@ def test_tensor_parallel_fp8_layer_gathers_its_quantized_weight_once(recipe, lay
     to XLA (no layer class in the options) the devices exchanged two FP32 copies, dequantized:
     on GPU that also hides the FP8 operand from the GEMM rewriter. The results equal the same
     layer on one device (same FP8 values; FP32 sums in another order: 1e-5 relative)."""
-    import re
-
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from maxfp4.mesh import WEIGHT_AXES, logical_to_spec
     from maxfp4.precision.catalog import LAYER_CLASS_OPTION
+    from tests.sharded_layer import all_gathers, forward_and_grads, layer_operands
 
     fn = fp8_delayed_dot if recipe == "fp8_delayed" else fp8_current_dot
     mesh = jax.make_mesh((1, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3,
                          devices=jax.devices()[:4])
     column = layer_class == "mlp_up"
     k, n = (256, 512) if column else (512, 256)
-    rows = ("data", "fsdp")
-    x = jax.device_put(jax.random.normal(jax.random.key(0), (4, 64, k), jnp.bfloat16),
-                       NamedSharding(mesh, P(rows, None, None if column else "tensor")))
-    w = jax.device_put(0.02 * jax.random.normal(jax.random.key(1), (k, n), jnp.float32),
-                       NamedSharding(mesh, logical_to_spec(WEIGHT_AXES[layer_class], (k, n), mesh)))
-    dy = jax.device_put(jax.random.normal(jax.random.key(2), (4, 64, n), jnp.bfloat16),
-                        NamedSharding(mesh, P(rows, None, "tensor" if column else None)))
-    scales = jnp.asarray([50.0, 5000.0, 1000.0], jnp.float32)
+    x, w, dy = layer_operands(mesh, layer_class, k, n, tokens=64)
 
     def gathers(options):
-        def layer(x, w, dy):
-            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the trainer traces its step
-                y, vjp = jax.vjp(lambda x, w: fn(x, w, options, scales, None), x, w)
-                return (y,) + vjp(dy)[:2]
-        jitted = jax.jit(layer)
-        found = [re.search(r"= \(*(\w+)\[([\d,]*)\]", line).groups() for line in
-                 jitted.lower(x, w, dy).compile().as_text().splitlines() if re.search(r" all-gather(-start)?\(", line)]
-        return found, jitted(x, w, dy)
+        jitted = jax.jit(forward_and_grads(fn, options, mesh))
+        return all_gathers(jitted.lower(x, w, dy).compile().as_text()), jitted(x, w, dy)
 
     left_to_xla, _ = gathers(())
     assert len(left_to_xla) == 2 and {t for t, _ in left_to_xla} == {"f32"}, left_to_xla
     pinned, results = gathers(((LAYER_CLASS_OPTION, layer_class),))
     kept_split = f"{k},{n // 2}" if column else f"{k // 2},{n}"
     assert pinned in ([("f8e4m3fn", kept_split)], [("f16", kept_split)]), pinned
-    one = jax.jit(lambda x, w, dy: (lambda y, vjp: (y,) + vjp(dy)[:2])(
-        *jax.vjp(lambda x, w: fn(x, w, (), scales, None), x, w)))(*(jax.device_put(a, jax.devices()[0]) for a in (x, w, dy)))
+    one = jax.jit(forward_and_grads(fn, ()))(*(jax.device_put(a, jax.devices()[0]) for a in (x, w, dy)))
     for got, ref in zip(results, one):
         got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
         assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref)
