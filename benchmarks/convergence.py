@@ -222,7 +222,7 @@ def against_reference(results: list[dict], reference: str = REFERENCE, baseline:
         if r["variant"] not in ABLATIONS or r["variant"] == reference or not common:
             continue
         tokens = common[-1]
-        row = {"run": run_name(r["variant"], r["seed"]), "tokens": tokens, "complete": bool(r.get("complete")),
+        row = {"run": run_name(r["variant"], r["seed"]), "variant": r["variant"], "tokens": tokens, "complete": bool(r.get("complete")),
                "loss": own[tokens], "reference_loss": ref[tokens], "vs_reference": own[tokens] / ref[tokens] - 1}
         base = by_run.get((baseline, r["seed"]), {})
         if tokens in base:
@@ -238,7 +238,7 @@ def reference_means(rows: list[dict]) -> dict[str, dict]:
     by_variant: dict[str, list[float]] = {}
     for r in rows:
         if r["complete"]:
-            by_variant.setdefault(r["run"].rsplit("-s", 1)[0], []).append(r["vs_reference"])
+            by_variant.setdefault(r["variant"], []).append(r["vs_reference"])
     return {variant: {"n": len(diffs), "mean": statistics.fmean(diffs),
                       "sem": statistics.stdev(diffs) / math.sqrt(len(diffs))}
             for variant, diffs in by_variant.items() if len(diffs) > 1}
