@@ -128,6 +128,24 @@ def gathered_weight_spec(layer_class: str, shape_KN: Sequence[int], mesh) -> Par
     return PartitionSpec(*(tensor_only(entry) for entry in spec))
 
 
+def tensor_splits(layer_class: str) -> bool:
+    """Whether the tensor axis splits ``layer_class``'s GEMM: one of its weight's axes
+    (:data:`WEIGHT_AXES`) is sharded over ``tensor``. Mamba-2's projections are not: their
+    outputs interleave z, x, B, C and dt, so each tensor device runs the whole mixer on its rows."""
+    return any("tensor" in LOGICAL_RULES.get(axis, ()) for axis in WEIGHT_AXES[layer_class] if axis)
+
+
+def tensor_note(layer_classes: Sequence[str], mesh) -> str | None:
+    """What a tensor axis leaves unsplit among a model's layer classes, in one line; None when
+    it splits them all or there is no tensor axis."""
+    t = mesh.shape["tensor"]
+    whole = [c for c in layer_classes if not tensor_splits(c)]
+    if t == 1 or not whole:
+        return None
+    return (f"note: mesh.tensor={t} does not split {', '.join(whole)}: each of the {t} tensor devices runs "
+            f"those layers whole on its rows (their work and weights are not divided by {t})")
+
+
 def tree_shardings(axes_tree: Any, shapes_tree: Any, mesh: Mesh) -> Any:
     """NamedShardings for a pytree of arrays (or ShapeDtypeStructs) given a matching axes tree."""
     return jax.tree.map(

@@ -15,6 +15,7 @@ import jax
 
 from maxfp4.config import Config, ModelConfig, PrecisionConfig
 from maxfp4.errors import UserError
+from maxfp4.mesh import LOGICAL_RULES, WEIGHT_AXES, tensor_splits
 from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, block_linear_params, block_matmul_params, attention_flops_per_token,
                             matmul_params, ssd_flops_per_token)
 from maxfp4.model import abstract_params, linear_shapes
@@ -115,6 +116,31 @@ def flops_by_block_type(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     return out
 
 
+def _tensor_share(block: dict[str, int], tensor: int) -> float:
+    """The share of a block's work, activations and weights that one of ``tensor`` devices holds:
+    1 / tensor where the tensor axis splits its layers, all of it where it does not."""
+    return 1.0 / tensor if all(tensor_splits(c) for c in block) else 1.0
+
+
+def _row_parallel_layers(m: ModelConfig) -> int:
+    """Linear layers whose input (K) is split over tensor (attention's output projection, the
+    MLP's down projection): each sums its output over the tensor axis."""
+    return sum(tensor_splits(c) and "tensor" in LOGICAL_RULES.get(WEIGHT_AXES[c][0] or "", ())
+               for b in block_linear_params(m) for c in b)
+
+
+def _unsplit_params(m: ModelConfig) -> int:
+    """Matmul parameters the tensor axis leaves whole on each of its devices (Mamba-2's)."""
+    return sum(n for b in block_linear_params(m) for c, n in b.items() if not tensor_splits(c))
+
+
+def state_params_per_device(m: ModelConfig, params: int, fsdp: int, tensor: int) -> float:
+    """Parameters one device keeps master weights, moments and gradients for: sharded over
+    fsdp x tensor, except those tensor parallelism leaves whole (over fsdp only)."""
+    unsplit = _unsplit_params(m) if tensor > 1 else 0
+    return (params - unsplit) / (fsdp * tensor) + unsplit / fsdp
+
+
 # ----------------------------------------------------------------------------- device rates
 
 
@@ -165,11 +191,12 @@ def nvfp4_quant_bytes(cfg: Config, tokens: float) -> float:
 
 
 def _split_gemm_flops(cfg: ModelConfig, flops: dict[str, float], seq_len: int,
-                      precision: str) -> tuple[float, float]:
+                      precision: str, ssd: float | None = None) -> tuple[float, float]:
     """(block GEMM FLOPs at the precision's rate, GEMM FLOPs at BF16): the LM head stays BF16
     in the shipped FP8/NVFP4 policies, as do the NVFP4 preset's end blocks. Attention scores and
-    SSD products are not GEMMs here (see :func:`compute_seconds`)."""
-    scores, ssd = attention_flops_per_token(cfg, seq_len), ssd_flops_per_token(cfg)
+    SSD products (``ssd``, by default the model's) are not GEMMs here (see :func:`compute_seconds`)."""
+    scores = attention_flops_per_token(cfg, seq_len)
+    ssd = ssd_flops_per_token(cfg) if ssd is None else ssd
     block_gemm = flops["attention"] - scores + flops["mlp"] + flops["mamba"] - ssd
     if precision == "bf16":
         return 0.0, block_gemm + flops["lm_head"]
@@ -192,30 +219,32 @@ def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, prec
     unrolled blocks under save_gemm every block's cast weight shard too."""
     m = cfg.model
     _, fsdp, tensor = mesh
-    shards = fsdp * tensor
     blocks = block_linear_params(m)
-    largest_block = max(sum(b.values()) for b in blocks)
-    working = max(largest_block * WORKING_BYTES[precision], m.d_model * m.vocab_size * 2) / tensor
+    share = [_tensor_share(b, tensor) for b in blocks]  # of each block, on one device
+    largest_block = max(sum(b.values()) * s for b, s in zip(blocks, share))
+    working = max(largest_block * WORKING_BYTES[precision], m.d_model * m.vocab_size * 2 / tensor)
     if remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers:
         # Unrolled blocks keep every block's cast weight shard for the backward pass (maxfp4.model.remat).
-        working += block_matmul_params(m) * WORKING_BYTES[precision] / shards
+        working += sum(sum(b.values()) * s for b, s in zip(blocks, share)) * WORKING_BYTES[precision] / fsdp
     tokens = _tokens_per_device(cfg, mesh) / cfg.train.microbatches
     if remat == "none":
-        per_token = ACT_BYTES_NO_REMAT * m.d_model * len(blocks)
+        per_token = ACT_BYTES_NO_REMAT * m.d_model * sum(share)
     else:
-        per_token = ACT_BYTES_FULL_REMAT * m.d_model * len(blocks)
+        per_token = ACT_BYTES_FULL_REMAT * m.d_model * sum(share)
         if remat in ("save_gemm", "save_gemm_io"):  # plus each linear layer's output (attention's too)
             out = {c: n for c, (_, n) in linear_shapes(m).items()}
-            per_token += GEMM_OUT_BYTES * sum(out[c] + m.d_model * (c == "attn_qkv") for b in blocks for c in b)
+            per_token += GEMM_OUT_BYTES * sum(s * (out[c] + m.d_model * (c == "attn_qkv"))
+                                              for b, s in zip(blocks, share) for c in b)
         if remat == "save_gemm_io":  # plus each linear layer's activation operand
             inp = {c: k for c, (k, _) in linear_shapes(m).items()}
-            per_token += GEMM_IN_BYTES[precision] * sum(inp[c] for b in blocks for c in b)
-        per_token += ACT_BYTES_NO_REMAT * m.d_model  # the block being recomputed holds its activations
-    acts = tokens * per_token / tensor
+            per_token += GEMM_IN_BYTES[precision] * sum(s * inp[c] for b, s in zip(blocks, share) for c in b)
+        per_token += ACT_BYTES_NO_REMAT * m.d_model * max(share)  # the block being recomputed holds its activations
+    acts = tokens * per_token
     logits = tokens * m.vocab_size * LOGIT_MEMORY_BYTES / tensor / cfg.train.loss_chunks
-    return {"master": params * MASTER_BYTES / shards, "adam": params * ADAM_BYTES / shards,
+    state = state_params_per_device(m, params, fsdp, tensor)
+    return {"master": state * MASTER_BYTES, "adam": state * ADAM_BYTES,
             # with microbatches, the FP32 accumulator and one microbatch's gradients (maxfp4.step)
-            "grads": params * GRAD_BYTES * (2 if cfg.train.microbatches > 1 else 1) / shards,
+            "grads": state * GRAD_BYTES * (2 if cfg.train.microbatches > 1 else 1),
             "working_copy": working,
             "activations": acts, "logits": logits}
 
@@ -223,17 +252,18 @@ def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, prec
 # ----------------------------------------------------------------------------- time
 
 
-def _non_gemm_bytes_per_token(m: ModelConfig, recompute: bool = False) -> float:
-    """Elementwise traffic (norms, residuals, RoPE, gates, conv, softmax of the loss): a block
-    reads and writes about 10 x d_model + 3 x its widest intermediate BF16 values forward, and
-    the backward pass moves twice that (with remat, the forward's share once more); the loss
-    moves the FP32 logits about 4 times."""
+def _non_gemm_bytes_per_token(m: ModelConfig, recompute: bool = False, tensor: int = 1) -> float:
+    """Elementwise traffic (norms, residuals, RoPE, gates, conv, softmax of the loss) on one of
+    ``tensor`` devices, per token of its rows: a block reads and writes about 10 x d_model + 3 x
+    its widest intermediate BF16 values forward, and the backward pass moves twice that (with
+    remat, the forward's share once more), a block the tensor axis splits 1 / tensor of it; the
+    loss moves the FP32 logits about 4 times, split over tensor by vocabulary."""
     passes = 4 if recompute else 3
     total = 0.0
     for block in block_linear_params(m):
         wide = max(v for v in block.values()) / m.d_model
-        total += passes * 2 * (10 * m.d_model + 3 * wide)
-    return total + 4 * LOGIT_BYTES * m.vocab_size
+        total += passes * 2 * (10 * m.d_model + 3 * wide) * _tensor_share(block, tensor)
+    return total + 4 * LOGIT_BYTES * m.vocab_size / tensor
 
 
 def _link_gbs(gpu: str, span: int, gpus_per_node: int = GPUS_PER_NODE) -> float:
@@ -255,15 +285,16 @@ def comm_seconds(cfg: Config, mesh: tuple[int, int, int], params: int, precision
     data, fsdp, tensor = mesh
     m = cfg.model
     exposed = overlappable = 0.0
-    if tensor > 1:  # two activation all-reduces per block forward, two backward
+    state = state_params_per_device(m, params, fsdp, tensor)  # the shard each device keeps
+    if tensor > 1:  # a row-parallel layer's output all-reduced forward, its input's gradient's backward
         ar = 2 * (tensor - 1) / tensor * _tokens_per_device(cfg, mesh) * m.d_model * 2
-        exposed += 4 * len(block_linear_params(m)) * ar / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9)
+        exposed += 2 * _row_parallel_layers(m) * ar / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9)
     if fsdp > 1:  # weights gathered forward and again backward, FP32 gradients reduce-scattered
-        per_device = params / tensor * (fsdp - 1) / fsdp * cfg.train.microbatches
+        per_device = state * (fsdp - 1) * cfg.train.microbatches
         overlappable += per_device * (2 * WORKING_BYTES[precision] + GRAD_BYTES) / (
             _link_gbs(gpu, tensor * fsdp, gpus_per_node) * 1e9)
     if data > 1:  # all-reduce of each device's FP32 gradient shard
-        shard = params / (fsdp * tensor) * GRAD_BYTES
+        shard = state * GRAD_BYTES
         overlappable += 2 * (data - 1) / data * shard / (_link_gbs(gpu, data * fsdp * tensor, gpus_per_node) * 1e9)
     return exposed, overlappable
 
@@ -274,9 +305,15 @@ def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, fl
     Mamba-2's SSD at its kernels' rate, elementwise work at HBM bandwidth; or, given a measured
     utilisation, all FLOPs at that fraction of the peak."""
     m = cfg.model
-    tokens = _tokens_per_device(cfg, mesh) / mesh[2]  # tensor parallelism splits each token's work
-    fast, slow = _split_gemm_flops(m, flops, cfg.data.seq_len, precision)
-    scores, ssd = attention_flops_per_token(m, cfg.data.seq_len), ssd_flops_per_token(m)
+    tensor = mesh[2]
+    rows = _tokens_per_device(cfg, mesh)  # tokens of the rows a device holds
+    tokens = rows / tensor  # tensor parallelism splits each token's work over its devices,
+    ssd = ssd_flops_per_token(m)
+    if tensor > 1 and not tensor_splits("mamba_in"):  # except Mamba-2's: each runs the whole mixer
+        flops = dict(flops, mamba=flops["mamba"] * tensor)
+        ssd *= tensor
+    fast, slow = _split_gemm_flops(m, flops, cfg.data.seq_len, precision, ssd)
+    scores = attention_flops_per_token(m, cfg.data.seq_len)
     if utilisation is not None:
         peak = datasheet_tflops(gpu, precision) * 1e12
         slow += scores + ssd
@@ -295,8 +332,8 @@ def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, fl
         gemm += nvfp4_quant_bytes(cfg, tokens) / (GPUS[gpu]["hbm_tbs"] * 1e12)
     kernels = tokens * (scores / (attention_tflops(gpu) * 1e12) + ssd / (ssd_tflops(gpu) * 1e12))
     hbm = GPUS[gpu]["hbm_tbs"] * 1e12
-    elementwise = tokens * _non_gemm_bytes_per_token(m, recompute=cfg.train.remat != "none") / hbm
-    optimizer = params / (mesh[1] * mesh[2]) * OPTIMIZER_TRAFFIC_BYTES / hbm
+    elementwise = rows * _non_gemm_bytes_per_token(m, cfg.train.remat != "none", tensor) / hbm
+    optimizer = state_params_per_device(m, params, mesh[1], tensor) * OPTIMIZER_TRAFFIC_BYTES / hbm
     blocks = gemm + kernels + elementwise
     if cfg.train.scan_layers and cfg.train.remat != "full":
         blocks *= SCANNED_BLOCKS_FACTOR

@@ -34,7 +34,8 @@ from maxfp4.files import write_text_atomic
 from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.loop import Hook, Loop, close_hooks
 from maxfp4.hf import check_init_from, read_params as read_hf_params
-from maxfp4.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
+from maxfp4.mesh import (batch_reader, batch_sharding, check_model_fits_mesh, make_constrain, make_mesh,
+                         tensor_note, tree_shardings)
 from maxfp4.metrics import MetricsHook, MetricsLogger, block_linear_params, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import abstract_params, get_model, linear_shapes
 from maxfp4.optim import make_optimizer, make_schedule
@@ -201,6 +202,9 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
         if jax.process_index() == 0:
             print(f"warning: {line}", file=sys.stderr, flush=True)
     check_model_fits_mesh(cfg.model, mesh)
+    note = tensor_note(block_classes, mesh)
+    if note and jax.process_index() == 0:
+        _say(note)
     _check_batch_fits_mesh(cfg, mesh)
     platform = mesh.devices.flat[0].platform
     xla_options = compiler_options(platform, cfg.train.compiler_options, cfg.run.deterministic)

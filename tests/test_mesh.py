@@ -98,3 +98,20 @@ def test_weight_axes_table_matches_the_models_linear_parameters(tiny_cfg, kind):
         expected = P("tensor", None) if on == [0] else P(None, "tensor") if on else P(None, None)
         shape_KN = (shape[0], math.prod(shape[1:]))
         assert gathered_weight_spec(v.layer_class, shape_KN, mesh) == expected, (path, axes, spec)
+
+
+def test_a_tensor_axis_says_which_layers_it_leaves_whole():
+    """Tensor parallelism splits attention and the MLP; Mamba-2's projections run whole on
+    each tensor device, and start-up says so (maxfp4.mesh.tensor_note)."""
+    from maxfp4.config import load_config
+    from maxfp4.mesh import tensor_note
+    from maxfp4.model.hybrid import block_layer_classes
+
+    hybrid = block_layer_classes(load_config("configs/hybrid-tiny.yaml").model)
+    dense = ("attn_qkv", "attn_out", "mlp_up", "mlp_down")
+    tensor2 = make_mesh(load_config("configs/quickstart.yaml", ["mesh.fsdp=2", "mesh.tensor=2"]).mesh, jax.devices()[:4])
+    tensor1 = make_mesh(load_config("configs/quickstart.yaml", ["mesh.fsdp=4", "mesh.tensor=1"]).mesh, jax.devices()[:4])
+    note = tensor_note(hybrid, tensor2)
+    assert note is not None and "mamba_in, mamba_out" in note and "attn" not in note and "mlp" not in note
+    assert tensor_note(dense, tensor2) is None
+    assert tensor_note(hybrid, tensor1) is None

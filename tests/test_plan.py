@@ -361,3 +361,52 @@ def test_tensor_all_reduces_are_exposed_and_fsdp_traffic_hides_behind_compute():
     assert exposed == 0.0 and overlappable > 0.0
     exposed, _ = plan_model.comm_seconds(cfg, (1, 2, 2), params, "bf16", "h200")
     assert exposed > 0.0
+
+
+def test_planned_state_of_a_hybrid_under_tensor_matches_the_sharded_train_state():
+    """Master weights + Adam moments one device holds on a data=1 x fsdp=2 x tensor=2 mesh of
+    CPU devices, real against planned: tensor parallelism splits attention's and the MLP's
+    weights, and leaves Mamba-2's whole on each tensor device (fsdp-sharded only). Margin 1%:
+    norms, convolution and SSM scalars that no mesh axis divides are kept whole, and the
+    planner spreads them like the rest (at d_model 256 they are under 1% of the state)."""
+    cfg = load_config("configs/hybrid-tiny.yaml", ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2",
+                                                   "model.d_model=256", "model.d_ff=512"])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:4])
+    state, _ = init_state(cfg, mesh, make_optimizer(cfg))
+    device = mesh.devices.flat[0]
+    held = sum(s.data.nbytes for x in jax.tree.leaves((state.params, state.opt_state))
+               for s in x.addressable_shards if s.device == device)
+    params = plan_model.param_count(cfg.model)
+    mem = plan_model.memory_per_device(cfg, (1, 2, 2), params, "bf16", "none")
+    assert mem["master"] + mem["adam"] == pytest.approx(held, rel=0.01)
+    split_evenly = plan_model.memory_per_device(cfg, (1, 4, 1), params, "bf16", "none")
+    assert mem["master"] > 1.2 * split_evenly["master"]  # the Mamba-2 weights are not split over tensor
+
+
+def test_tensor_axis_splits_attention_and_mlp_work_but_not_mamba():
+    """On a Mamba-2-only model the tensor axis divides only the LM head's work and adds no
+    activation all-reduce (no row-parallel layer); on Llama it halves the block work and adds
+    one all-reduce per row-parallel layer forward and one backward."""
+    from maxfp4.mesh import tensor_splits
+
+    assert [tensor_splits(c) for c in ("attn_qkv", "attn_out", "mlp_up", "mlp_down")] == [True] * 4
+    assert not tensor_splits("mamba_in") and not tensor_splits("mamba_out")
+
+    def compute_and_exposed(path, mesh):
+        cfg = load_config(path, ["data.global_batch=4", "resilience.preflight=false"])
+        params = plan_model.param_count(cfg.model)
+        flops = plan_model.flops_by_block_type(cfg.model, cfg.data.seq_len)
+        compute = plan_model.compute_seconds(cfg, mesh, flops, params, "bf16", "h200", None)
+        return compute, plan_model.comm_seconds(cfg, mesh, params, "bf16", "h200")[0]
+
+    mamba_one, _ = compute_and_exposed("configs/mamba2-1p3b.yaml", (1, 2, 1))
+    mamba_two, mamba_exposed = compute_and_exposed("configs/mamba2-1p3b.yaml", (1, 2, 2))
+    assert mamba_exposed == 0.0
+    assert mamba_two > 0.75 * mamba_one
+    llama_one, _ = compute_and_exposed("configs/llama3-8b.yaml", (1, 2, 1))
+    llama_two, llama_exposed = compute_and_exposed("configs/llama3-8b.yaml", (1, 2, 2))
+    assert llama_two < 0.6 * llama_one
+    cfg = load_config("configs/llama3-8b.yaml", ["data.global_batch=4"])
+    tokens = 4 * cfg.data.seq_len / 2
+    all_reduce = 2 * (2 - 1) / 2 * tokens * cfg.model.d_model * 2 / (plan_model.GPUS["h200"]["nvlink_gbs"] * 1e9)
+    assert llama_exposed == pytest.approx(2 * 2 * cfg.model.n_layers * all_reduce)
