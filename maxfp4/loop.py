@@ -42,6 +42,10 @@ class Hook:
     def on_rewind(self, loop: "Loop", step: int) -> None:
         """A hook replaced the state with an earlier step's: the loop continues after ``step``."""
 
+    def on_host_pause(self, loop: "Loop", step: int) -> None:
+        """A hook held the host after step ``step`` was dispatched (the profiler writing its
+        trace): the wall clock of steps up to ``step`` does not time the device."""
+
     def on_loop_end(self, loop: "Loop") -> None:
         """No more steps will be dispatched; the last one's metrics are not fetched yet."""
 
@@ -84,6 +88,11 @@ class Loop:
         self.state, self.step, self._pending, self._rewound = state, int(state.step), None, True
         for hook in self.hooks:
             hook.on_rewind(self, self.step)
+
+    def host_paused(self, step: int) -> None:
+        """Tell every hook that the host was held after step ``step`` was dispatched."""
+        for hook in self.hooks:
+            hook.on_host_pause(self, step)
 
     def run(self) -> None:
         while self.step < self.total_steps:

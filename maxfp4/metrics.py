@@ -193,6 +193,7 @@ class MetricsHook(Hook):
         self._mark: tuple[int, float] | None = None  # (step, time) the current rate window starts at
         self._measured_steps, self._measured_s = 0, 0.0
         self._last: tuple[int, float] | None = None  # (step, time) the previous step finished
+        self._untimed_through = 0  # steps up to this one finished before a host pause ended
 
     def after_dispatch(self, loop, step: int, metrics) -> None:
         if self._first_step is None:
@@ -208,8 +209,13 @@ class MetricsHook(Hook):
         self._last = None
         self._mark = None  # restarts at the next finished step
 
+    def on_host_pause(self, loop, step: int) -> None:
+        self._untimed_through = max(self._untimed_through, step)
+
     def after_step(self, loop, step: int, values: dict[str, float], final: bool) -> None:
         now = time.perf_counter()
+        if step <= self._untimed_through:  # fetched after a host pause: no step time, a new window
+            self._last = self._mark = None
         previous, self._last = self._last, (step, now)
         self._losses.append((values["loss"], bool(values["skipped"])))
         if self._mark is None:

@@ -30,6 +30,9 @@ class StepProfiler(Hook):
         if self.active and step == self.last:
             jax.block_until_ready(metrics)
             self.close()
+            # Writing the trace holds the host for seconds while the device idles: the steps
+            # fetched next finished before it ended, and timed across it they read as nonsense.
+            loop.host_paused(step)
 
     def close(self) -> None:
         if self.active:

@@ -52,12 +52,18 @@ def test_loss_falls_on_builtin_text_and_run_dir_is_complete(tmp_path):
 
 
 def test_profile_steps_write_a_trace_and_disabled_checkpoints_write_none(tiny_cfg, tmp_path):
-    cfg = tiny_cfg("train.steps=3", "train.profile_steps=[2,3]", "checkpoint.enabled=false", "run.name=prof")
+    """The trace holds the profiled steps; writing it holds the host, so the steps fetched
+    after it (up to the last profiled one) carry no step time, and the next ones do."""
+    cfg = tiny_cfg("train.steps=6", "train.profile_steps=[2,3]", "checkpoint.enabled=false", "run.name=prof",
+                   "train.log_every=1")
     train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
     run_dir = tmp_path / "prof"
     traces = glob.glob(str(run_dir / "profile" / "**" / "*.xplane.pb"), recursive=True)
     assert traces and all(os.path.getsize(t) > 0 for t in traces)
     assert not glob.glob(str(run_dir / "checkpoints" / "*"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = {r["step"]: r.get("step_time_s") is not None for r in records if "loss" in r}
+    assert timed == {1: False, 2: False, 3: False, 4: True, 5: True, 6: True}, records
 
 
 def test_unknown_compiler_option_is_a_config_error_before_the_run_dir_exists(tiny_cfg, tmp_path):
