@@ -36,7 +36,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "head_dim": (),
     "mlp": ("tensor", "fsdp"),
-    "inner": ("fsdp",),
+    "inner": ("tensor", "fsdp"),  # Mamba-2's heads x head_dim: out_proj is row-parallel
     "vocab": ("tensor",),
     "layers": (),
     "norm": (),
@@ -75,7 +75,8 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
 
 def check_model_fits_mesh(model, mesh: Mesh) -> None:
     """Tensor parallelism splits kv heads (each with its query heads) and the MLP hidden size:
-    both must divide evenly, or the layers would silently run unsplit."""
+    both must divide evenly, or the layers would silently run unsplit. (Mamba-2 mixers whose
+    groups it cannot split run whole on each tensor device: maxfp4.model.mamba.tensor_note.)"""
     t = mesh.shape["tensor"]
     for key, value in (("model.n_kv_heads", model.n_kv_heads), ("model.d_ff", model.d_ff)):
         if value % t:
@@ -108,7 +109,9 @@ WEIGHT_AXES: dict[str, tuple[str | None, str | None]] = {
     "attn_out": ("heads", "embed"),
     "mlp_up": ("embed", "mlp"),
     "mlp_down": ("mlp", "embed"),
-    "mamba_in": ("embed", None),  # Mamba-2 is not split over tensor
+    # in_proj's columns are split over tensor only after a reordering (maxfp4.model.mamba): the
+    # weight stays whole along them on every tensor device.
+    "mamba_in": ("embed", None),
     "mamba_out": ("inner", "embed"),
     "lm_head": ("embed", "vocab"),
 }
@@ -126,24 +129,6 @@ def gathered_weight_spec(layer_class: str, shape_KN: Sequence[int], mesh) -> Par
         return "tensor" if "tensor" in axes else None
 
     return PartitionSpec(*(tensor_only(entry) for entry in spec))
-
-
-def tensor_splits(layer_class: str) -> bool:
-    """Whether the tensor axis splits ``layer_class``'s GEMM: one of its weight's axes
-    (:data:`WEIGHT_AXES`) is sharded over ``tensor``. Mamba-2's projections are not: their
-    outputs interleave z, x, B, C and dt, so each tensor device runs the whole mixer on its rows."""
-    return any("tensor" in LOGICAL_RULES.get(axis, ()) for axis in WEIGHT_AXES[layer_class] if axis)
-
-
-def tensor_note(layer_classes: Sequence[str], mesh) -> str | None:
-    """What a tensor axis leaves unsplit among a model's layer classes, in one line; None when
-    it splits them all or there is no tensor axis."""
-    t = mesh.shape["tensor"]
-    whole = [c for c in layer_classes if not tensor_splits(c)]
-    if t == 1 or not whole:
-        return None
-    return (f"note: mesh.tensor={t} does not split {', '.join(whole)}: each of the {t} tensor devices runs "
-            f"those layers whole on its rows (their work and weights are not divided by {t})")
 
 
 def tree_shardings(axes_tree: Any, shapes_tree: Any, mesh: Mesh) -> Any:
@@ -213,6 +198,19 @@ class ActivationSharding:
         # check_vma=False: the kernels' outputs carry no varying-axis type; the cotangents of
         # the whole inputs are summed over the devices by shard_map's transpose all the same.
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=rows,
+                             check_vma=False)(*batched, *whole)
+
+
+    def per_row_and_tensor_rank(self, fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) -> Any:
+        """As :meth:`per_batch_row`, and the last dim of the first array in ``batched`` and of
+        the output is split over ``tensor`` too: ``fn`` runs on each device's rows and its tensor
+        rank's block of channels (``jax.lax.axis_index("tensor")`` says which). Without a batch
+        split it still runs under ``shard_map``, over the tensor axis alone."""
+        (batch_axes,) = logical_to_spec(("batch",), batched[0].shape[:1], self.mesh)
+        split = PartitionSpec(batch_axes, *([None] * (batched[0].ndim - 2)), "tensor")
+        in_specs = ((split,) + tuple(PartitionSpec(batch_axes) for _ in batched[1:])
+                    + tuple(jax.tree.map(lambda _: PartitionSpec(), w) for w in whole))
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=split,
                              check_vma=False)(*batched, *whole)
 
 

@@ -15,10 +15,11 @@ import jax
 
 from maxfp4.config import Config, ModelConfig, PrecisionConfig
 from maxfp4.errors import UserError
-from maxfp4.mesh import LOGICAL_RULES, WEIGHT_AXES, tensor_splits
+from maxfp4.mesh import LOGICAL_RULES, WEIGHT_AXES
 from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, block_linear_params, block_matmul_params, attention_flops_per_token,
                             matmul_params, ssd_flops_per_token)
 from maxfp4.model import abstract_params, linear_shapes
+from maxfp4.model.mamba import splits_over_tensor
 from maxfp4.precision.catalog import SPECS
 
 # The recipe each column of the plan stands for; bytes and peak classes come from its catalog
@@ -116,29 +117,37 @@ def flops_by_block_type(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     return out
 
 
-def _tensor_share(block: dict[str, int], tensor: int) -> float:
-    """The share of a block's work, activations and weights that one of ``tensor`` devices holds:
-    1 / tensor where the tensor axis splits its layers, all of it where it does not."""
-    return 1.0 / tensor if all(tensor_splits(c) for c in block) else 1.0
+def _tensor_share(block: dict[str, int], m: ModelConfig, tensor: int) -> float:
+    """The share of a block's work and activations one of ``tensor`` devices has: 1 / tensor,
+    except a Mamba-2 block whose groups the tensor axis cannot split (``splits_over_tensor``):
+    each tensor device runs that mixer whole."""
+    if tensor > 1 and "mamba_in" in block and not splits_over_tensor(m, tensor):
+        return 1.0
+    return 1.0 / tensor
+
+
+def _sharded_over_tensor(layer_class: str) -> bool:
+    """Whether a layer class's weight is stored split over tensor (mesh.WEIGHT_AXES): all but
+    Mamba-2's in_proj, whose columns are split only after a reordering (maxfp4.model.mamba)."""
+    return any("tensor" in LOGICAL_RULES.get(axis, ()) for axis in WEIGHT_AXES[layer_class] if axis)
 
 
 def _row_parallel_layers(m: ModelConfig) -> int:
-    """Linear layers whose input (K) is split over tensor (attention's output projection, the
-    MLP's down projection): each sums its output over the tensor axis."""
-    return sum(tensor_splits(c) and "tensor" in LOGICAL_RULES.get(WEIGHT_AXES[c][0] or "", ())
-               for b in block_linear_params(m) for c in b)
+    """Linear layers whose input (K) is split over tensor (attention's and Mamba-2's output
+    projections, the MLP's down projection): each sums its output over the tensor axis."""
+    return sum("tensor" in LOGICAL_RULES.get(WEIGHT_AXES[c][0] or "", ()) for b in block_linear_params(m) for c in b)
 
 
-def _unsplit_params(m: ModelConfig) -> int:
-    """Matmul parameters the tensor axis leaves whole on each of its devices (Mamba-2's)."""
-    return sum(n for b in block_linear_params(m) for c, n in b.items() if not tensor_splits(c))
+def _tensor_replicated_params(m: ModelConfig) -> int:
+    """Matmul parameters kept whole on every tensor device (Mamba-2's in_proj)."""
+    return sum(n for b in block_linear_params(m) for c, n in b.items() if not _sharded_over_tensor(c))
 
 
 def state_params_per_device(m: ModelConfig, params: int, fsdp: int, tensor: int) -> float:
     """Parameters one device keeps master weights, moments and gradients for: sharded over
-    fsdp x tensor, except those tensor parallelism leaves whole (over fsdp only)."""
-    unsplit = _unsplit_params(m) if tensor > 1 else 0
-    return (params - unsplit) / (fsdp * tensor) + unsplit / fsdp
+    fsdp x tensor, except those kept whole on every tensor device (over fsdp only)."""
+    whole = _tensor_replicated_params(m) if tensor > 1 else 0
+    return (params - whole) / (fsdp * tensor) + whole / fsdp
 
 
 # ----------------------------------------------------------------------------- device rates
@@ -220,12 +229,12 @@ def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, prec
     m = cfg.model
     _, fsdp, tensor = mesh
     blocks = block_linear_params(m)
-    share = [_tensor_share(b, tensor) for b in blocks]  # of each block, on one device
-    largest_block = max(sum(b.values()) * s for b, s in zip(blocks, share))
-    working = max(largest_block * WORKING_BYTES[precision], m.d_model * m.vocab_size * 2 / tensor)
+    share = [_tensor_share(b, m, tensor) for b in blocks]  # of each block's activations, on one device
+    weights = [sum(n / (tensor if _sharded_over_tensor(c) else 1) for c, n in b.items()) for b in blocks]
+    working = max(max(weights) * WORKING_BYTES[precision], m.d_model * m.vocab_size * 2 / tensor)
     if remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers:
         # Unrolled blocks keep every block's cast weight shard for the backward pass (maxfp4.model.remat).
-        working += sum(sum(b.values()) * s for b, s in zip(blocks, share)) * WORKING_BYTES[precision] / fsdp
+        working += sum(weights) * WORKING_BYTES[precision] / fsdp
     tokens = _tokens_per_device(cfg, mesh) / cfg.train.microbatches
     if remat == "none":
         per_token = ACT_BYTES_NO_REMAT * m.d_model * sum(share)
@@ -262,7 +271,7 @@ def _non_gemm_bytes_per_token(m: ModelConfig, recompute: bool = False, tensor: i
     total = 0.0
     for block in block_linear_params(m):
         wide = max(v for v in block.values()) / m.d_model
-        total += passes * 2 * (10 * m.d_model + 3 * wide) * _tensor_share(block, tensor)
+        total += passes * 2 * (10 * m.d_model + 3 * wide) * _tensor_share(block, m, tensor)
     return total + 4 * LOGIT_BYTES * m.vocab_size / tensor
 
 
@@ -286,7 +295,7 @@ def comm_seconds(cfg: Config, mesh: tuple[int, int, int], params: int, precision
     m = cfg.model
     exposed = overlappable = 0.0
     state = state_params_per_device(m, params, fsdp, tensor)  # the shard each device keeps
-    if tensor > 1:  # a row-parallel layer's output all-reduced forward, its input's gradient's backward
+    if tensor > 1:  # per row-parallel layer: its output forward, its sublayer input's gradient backward
         ar = 2 * (tensor - 1) / tensor * _tokens_per_device(cfg, mesh) * m.d_model * 2
         exposed += 2 * _row_parallel_layers(m) * ar / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9)
     if fsdp > 1:  # weights gathered forward and again backward, FP32 gradients reduce-scattered
@@ -309,7 +318,7 @@ def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, fl
     rows = _tokens_per_device(cfg, mesh)  # tokens of the rows a device holds
     tokens = rows / tensor  # tensor parallelism splits each token's work over its devices,
     ssd = ssd_flops_per_token(m)
-    if tensor > 1 and not tensor_splits("mamba_in"):  # except Mamba-2's: each runs the whole mixer
+    if tensor > 1 and not splits_over_tensor(m, tensor):  # except a Mamba-2 mixer it cannot split
         flops = dict(flops, mamba=flops["mamba"] * tensor)
         ssd *= tensor
     fast, slow = _split_gemm_flops(m, flops, cfg.data.seq_len, precision, ssd)

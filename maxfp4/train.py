@@ -34,10 +34,10 @@ from maxfp4.files import write_text_atomic
 from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.loop import Hook, Loop, close_hooks
 from maxfp4.hf import check_init_from, read_params as read_hf_params
-from maxfp4.mesh import (batch_reader, batch_sharding, check_model_fits_mesh, make_constrain, make_mesh,
-                         tensor_note, tree_shardings)
+from maxfp4.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsHook, MetricsLogger, block_linear_params, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import abstract_params, get_model, linear_shapes
+from maxfp4.model.mamba import tensor_note as mamba_tensor_note
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import PrecisionPolicy, resolve_policy
 from maxfp4.precision.policy import check_block_divisibility, unmatched_rules
@@ -202,7 +202,7 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
         if jax.process_index() == 0:
             print(f"warning: {line}", file=sys.stderr, flush=True)
     check_model_fits_mesh(cfg.model, mesh)
-    note = tensor_note(block_classes, mesh)
+    note = mamba_tensor_note(cfg.model, mesh.shape["tensor"])
     if note and jax.process_index() == 0:
         _say(note)
     _check_batch_fits_mesh(cfg, mesh)

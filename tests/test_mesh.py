@@ -55,7 +55,7 @@ def test_a_dim_keeps_the_leading_mesh_axes_that_divide_it(tiny_cfg):
     assert logical_to_spec(("layers", "mlp", "embed"), (3, 5, 8), mesh) == P(None, None, "fsdp")
     assert logical_to_spec(("batch", "seq"), (2, 16), mesh) == P("data", None)
     assert logical_to_spec(("batch", "seq"), (8, 16), mesh) == P(("data", "fsdp"), None)
-    assert logical_to_spec(("inner", "embed"), (8, 8), mesh) == P("fsdp", None)
+    assert logical_to_spec(("inner", "embed"), (8, 8), mesh) == P(("tensor", "fsdp"), None)
 
 
 def test_impossible_meshes_fail_clearly(tiny_cfg):
@@ -100,18 +100,17 @@ def test_weight_axes_table_matches_the_models_linear_parameters(tiny_cfg, kind):
         assert gathered_weight_spec(v.layer_class, shape_KN, mesh) == expected, (path, axes, spec)
 
 
-def test_a_tensor_axis_says_which_layers_it_leaves_whole():
-    """Tensor parallelism splits attention and the MLP; Mamba-2's projections run whole on
-    each tensor device, and start-up says so (maxfp4.mesh.tensor_note)."""
+def test_a_tensor_axis_says_when_it_leaves_the_mamba_mixers_whole():
+    """Tensor parallelism splits a Mamba-2 mixer only into whole groups; start-up says when it
+    cannot (maxfp4.model.mamba.tensor_note) and says nothing otherwise."""
     from maxfp4.config import load_config
-    from maxfp4.mesh import tensor_note
-    from maxfp4.model.hybrid import block_layer_classes
+    from maxfp4.model.mamba import tensor_note
 
-    hybrid = block_layer_classes(load_config("configs/hybrid-tiny.yaml").model)
-    dense = ("attn_qkv", "attn_out", "mlp_up", "mlp_down")
-    tensor2 = make_mesh(load_config("configs/quickstart.yaml", ["mesh.fsdp=2", "mesh.tensor=2"]).mesh, jax.devices()[:4])
-    tensor1 = make_mesh(load_config("configs/quickstart.yaml", ["mesh.fsdp=4", "mesh.tensor=1"]).mesh, jax.devices()[:4])
-    note = tensor_note(hybrid, tensor2)
-    assert note is not None and "mamba_in, mamba_out" in note and "attn" not in note and "mlp" not in note
-    assert tensor_note(dense, tensor2) is None
-    assert tensor_note(hybrid, tensor1) is None
+    two_groups = load_config("configs/hybrid-tiny.yaml").model
+    one_group = load_config("configs/hybrid-tiny.yaml", ["model.mamba.n_groups=1"]).model
+    dense = load_config("configs/quickstart.yaml").model
+    note = tensor_note(one_group, 2)
+    assert note is not None and "model.mamba.n_groups=1" in note and "mesh.tensor=2" in note
+    assert tensor_note(two_groups, 2) is None
+    assert tensor_note(one_group, 1) is None
+    assert tensor_note(dense, 2) is None

@@ -14,6 +14,7 @@ P head dim (E = H x P), G groups, N state size, W conv kernel width.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -38,7 +39,7 @@ from maxfp4.precision import GEMM_OUT, LayerPrecision
 Params = dict[str, Any]
 
 MAMBA_AXES = {
-    "in_proj": ("embed", None),  # its outputs interleave z, x, B, C, dt: not split over tensor
+    "in_proj": ("embed", None),  # its outputs interleave z, x, B, C, dt: see _rank_major_columns
     "conv_w": (None, None),
     "conv_b": (None,),
     "A_log": (None,),
@@ -151,6 +152,9 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     # kernel's traffic and added converts: mamba2-1p3b 523 -> 451 ms a step on an H200 with
     # BF16 storage here and in the SSD (2026-11-25).
     core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
+    t = _tensor_ranks(constrain)
+    if t > 1 and splits_over_tensor(cfg, t):
+        return _tensor_parallel_mixer(x_BTD, p, core_params, segment_ids_BT, cfg, lp, constrain, t)
     if _fp8_in_kernels(x_BTD, cfg, lp, constrain):
         return _fused_mixer(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params, p["out_proj"],
                             lp.scales["mamba_out"], segment_ids_BT, cfg, lp.options("mamba_in"), lp.options("mamba_out"),
@@ -162,6 +166,86 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
         y_BTE = core(zxbcdt_BTI, segment_ids_BT, core_params)
     else:
         y_BTE = per_batch_row(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
+    return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
+
+
+def _tensor_ranks(constrain) -> int:
+    """The tensor axis's size under the model's activation sharding (1 without one)."""
+    mesh = getattr(constrain, "mesh", None)
+    return 1 if mesh is None else mesh.shape.get("tensor", 1)
+
+
+# Tensor parallelism (Megatron's split of Mamba-2): tensor rank r holds heads [r H/t, (r+1) H/t)
+# and, with them, groups [r G/t, (r+1) G/t) and the same blocks of z, x, B, C, dt, the
+# convolution's channels and the norm. in_proj's output interleaves those five parts, so its
+# columns are taken in rank-major order ([z_0 x_0 B_0 C_0 dt_0 | z_1 ...]) and the output split
+# over tensor: each rank gets the in_proj output of a mixer t times narrower, runs the core on
+# it, and out_proj is row-parallel (its input split over tensor, its output summed). The
+# parameters keep their one layout (checkpoints and exports do not depend on the mesh);
+# in_proj's weight stays whole along its columns on every tensor rank, so the reordering is a
+# local copy. Without whole groups per rank (``splits_over_tensor``) the mixer runs whole on each
+# tensor rank instead, as the mixer of a mesh without a tensor axis does.
+
+def splits_over_tensor(cfg: ModelConfig, t: int) -> bool:
+    """Whether ``t`` tensor ranks split the mixer: each takes whole groups (their heads with
+    them) and 1 / t of d_model's expansion. Otherwise each runs the whole mixer on its rows."""
+    return cfg.mamba.n_groups % t == 0 and cfg.d_model % t == 0
+
+
+def tensor_note(cfg: ModelConfig, t: int) -> str | None:
+    """One line for start-up when a tensor axis of ``t`` leaves a model's Mamba-2 mixers whole."""
+    if t == 1 or "M" not in (cfg.pattern or "") or splits_over_tensor(cfg, t):
+        return None
+    return (f"note: mesh.tensor={t} does not split the Mamba-2 mixers (model.mamba.n_groups="
+            f"{cfg.mamba.n_groups} and model.d_model={cfg.d_model} must be multiples of {t}): each tensor "
+            f"device runs their in_proj, convolution and SSD whole on its rows")
+
+
+def _rank_major_columns(w_DI: jax.Array, cfg: ModelConfig, t: int) -> jax.Array:
+    """in_proj's weight with its columns in tensor-rank-major order (see above). Static slices,
+    reshapes and one concatenation, so XLA copies the weight once and the gradient comes back the
+    same way (a gather's would be a scatter-add)."""
+    d = dims(cfg)
+    e, gn, h = d["E"], d["G"] * d["N"], d["H"]
+    parts, start = [], 0
+    for n in (e, e, gn, gn, h):  # z, x, B, C, dt
+        parts.append(w_DI[..., start:start + n].reshape(*w_DI.shape[:-1], t, n // t))
+        start += n
+    return jnp.concatenate(parts, axis=-1).reshape(w_DI.shape)
+
+
+def rank_config(cfg: ModelConfig, t: int) -> ModelConfig:
+    """The mixer one of ``t`` tensor ranks runs: d_model (so E and H) and the groups divided by t."""
+    return dataclasses.replace(cfg, d_model=cfg.d_model // t,
+                               mamba=dataclasses.replace(cfg.mamba, n_groups=cfg.mamba.n_groups // t))
+
+
+def _rank_core_params(p: Params, cfg: ModelConfig, t: int, r) -> Params:
+    """Tensor rank ``r``'s block of the core's parameters (whole on every rank)."""
+    d = dims(cfg)
+    e, gn, h = d["E"], d["G"] * d["N"], d["H"]
+
+    def block(x, start, n):  # rank r's n / t of the n entries from ``start`` on the last axis
+        return jax.lax.dynamic_slice_in_dim(x, start + r * (n // t), n // t, axis=-1)
+
+    def conv_channels(x):  # x, B and C's channels
+        return jnp.concatenate([block(x, 0, e), block(x, e, gn), block(x, e + gn, gn)], axis=-1)
+
+    return {"conv_w": conv_channels(p["conv_w"]), "conv_b": conv_channels(p["conv_b"]),
+            "A_log": block(p["A_log"], 0, h), "D_skip": block(p["D_skip"], 0, h),
+            "dt_bias": block(p["dt_bias"], 0, h), "norm": block(p["norm"], 0, e)}
+
+
+def _tensor_parallel_mixer(x_BTD, p: Params, core_params: Params, segment_ids_BT, cfg: ModelConfig,
+                           lp: LayerPrecision, constrain, t: int) -> jax.Array:
+    zxbcdt_BTI = lp.dot(x_BTD, _rank_major_columns(p["in_proj"], cfg, t), "mamba_in")
+
+    def core(zxbcdt_local, segment_ids, params):
+        rank = jax.lax.axis_index("tensor")
+        return _mixer_core(zxbcdt_local, segment_ids, _rank_core_params(params, cfg, t, rank),
+                           cfg=rank_config(cfg, t))
+
+    y_BTE = constrain.per_row_and_tensor_rank(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
 
 
