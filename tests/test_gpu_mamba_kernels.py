@@ -178,3 +178,19 @@ def test_compiled_fp8_operands_stored_by_the_kernels_equal_the_recipes_casts():
     for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(rest), jax.tree_util.tree_leaves(rest_ref)):
         a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
         assert np.max(np.abs(a - r)) <= 2.0 ** -20 * np.max(np.abs(r)), jax.tree_util.keystr(path)
+
+
+def test_tensor_parallel_mixer_on_two_gpus_equals_one_gpu(tiny_cfg):
+    """The mixer split over tensor=2 (2 groups, one a GPU; the Triton kernels under shard_map on
+    each GPU's heads and channels) against one GPU running it whole: loss and gradients agree to
+    BF16 rounding (``tests/test_step._assert_same_gradients``). Needs 2 GPUs."""
+    from tests.test_step import _PALLAS_MIXER, _assert_same_gradients, _gradients
+
+    gpus = jax.devices("gpu")
+    if len(gpus) < 2:
+        pytest.skip("tensor parallelism needs 2 GPUs")
+    hybrid = ["model.kind=hybrid", "model.pattern=M*-", "model.mamba.head_dim=16", "model.mamba.n_groups=2",
+              "model.mamba.expand=3", *_PALLAS_MIXER]
+    one, _ = _gradients(tiny_cfg("mesh.data=1", *hybrid), gpus[:1])
+    two, _ = _gradients(tiny_cfg("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=2", *hybrid), gpus[:2])
+    _assert_same_gradients(one, two)
