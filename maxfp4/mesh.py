@@ -200,7 +200,6 @@ class ActivationSharding:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=rows,
                              check_vma=False)(*batched, *whole)
 
-
     def per_row_and_tensor_rank(self, fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) -> Any:
         """As :meth:`per_batch_row`, and the last dim of the first array in ``batched`` and of
         the output is split over ``tensor`` too: ``fn`` runs on each device's rows and its tensor

@@ -80,3 +80,27 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_with_one_line(tmp_path):
     assert f"host {socket.gethostname()} pid {dead.pid} started " in line
     assert "is stale (that process is gone); taking it over" in line
     assert _steps(tmp_path) == [1, 2] and not (run / "run.lock").exists()
+
+
+def test_a_run_refused_while_the_holder_writes_its_record_names_the_holder(tmp_path):
+    """The holder takes the lock, then writes who it is: a run refused in between waits for the
+    record instead of naming nobody (seen once with two runs started together)."""
+    import fcntl
+    import threading
+
+    import pytest
+
+    from maxfp4.reliability.run_lock import LOCK_NAME, RunLock, RunLocked
+
+    path = tmp_path / LOCK_NAME
+    holder = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked, nothing written yet
+    record = json.dumps({"host": socket.gethostname(), "pid": 4242, "started": time.time()}).encode()
+    writer = threading.Timer(0.3, lambda: os.pwrite(holder, record, 0))
+    writer.start()
+    try:
+        with pytest.raises(RunLocked, match=f"host {socket.gethostname()} pid 4242 started "):
+            RunLock(str(tmp_path)).acquire()
+    finally:
+        writer.join()
+        os.close(holder)

@@ -86,7 +86,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunLocked(self._refusal(self._read(fd), live=True)) from None
+            raise RunLocked(self._refusal(self._holder(fd), live=True)) from None
         except OSError as e:  # no flock on this file system: the pid check below decides alone
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
@@ -117,6 +117,17 @@ class RunLock:
                     f"expected one run per run directory: wait for it, stop it, or choose another run.name")
         return (f"run directory {self.run_dir} is locked by {_describe(holder)} ({self.path}), which cannot be "
                 f"checked from this host; if that run is gone, delete {self.path} and rerun")
+
+    @classmethod
+    def _holder(cls, fd: int, wait_s: float = 2.0) -> dict:
+        """The live holder's record. It writes it just after taking the lock, so a run refused in
+        that instant waits for it (up to ``wait_s``) rather than naming nobody."""
+        deadline = time.monotonic() + wait_s
+        holder = cls._read(fd)
+        while not holder.get("started") and time.monotonic() < deadline:
+            time.sleep(0.02)
+            holder = cls._read(fd)
+        return holder
 
     @staticmethod
     def _read(fd: int) -> dict:
