@@ -154,8 +154,9 @@ def test_tensor_parallel_mamba_mixer_equals_the_unsplit_mixer_and_splits_its_cha
     Against the same batch split without a tensor axis (fsdp=2), where each device runs the
     whole mixer on its rows, the loss is equal to 1e-6 and every gradient leaf to 5e-3 relative
     L2: only out_proj's and in_proj's sums over the tensor axis change order (seen: 2e-4 with FP8
-    current scaling, whose scales see the same amaxes; 8e-4 in BF16). The compiled gradient holds the mixer's
-    [B, T, E] arrays as half the batch and half the channels, never with all the channels."""
+    current scaling, whose scales see the same amaxes; 8e-4 in BF16). The compiled gradient
+    holds the mixer's [B, T, E] arrays as half the batch and half the channels, never with all
+    the channels."""
     hybrid = ["model.kind=hybrid", "model.pattern=M*-", "model.mamba.head_dim=16", "model.mamba.n_groups=2",
               "model.mamba.expand=3", "precision.default=fp8_current", *_PALLAS_MIXER]
     (params, _, m1, g1), _ = _gradients(tiny_cfg("mesh.data=1", "mesh.fsdp=2", *hybrid), jax.devices()[:2])
