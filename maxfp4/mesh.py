@@ -189,27 +189,33 @@ class ActivationSharding:
         """``fn(*batched, *whole)``, where every array in ``batched`` and every output has the
         batch first and is split over the batch axes, and ``whole`` (a pytree, parameters say)
         is given whole to every device. ``fn`` must treat batch rows independently."""
-        (batch_axes,) = logical_to_spec(("batch",), batched[0].shape[:1], self.mesh)
+        batch_axes = self._batch_axes(batched)
         if batch_axes is None:  # one device on the batch axes, or a batch they do not divide
             return fn(*batched, *whole)
-        rows, replicated = PartitionSpec(batch_axes), PartitionSpec()
-        in_specs = (tuple(rows for _ in batched)
-                    + tuple(jax.tree.map(lambda _: replicated, w) for w in whole))
-        # check_vma=False: the kernels' outputs carry no varying-axis type; the cotangents of
-        # the whole inputs are summed over the devices by shard_map's transpose all the same.
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=rows,
-                             check_vma=False)(*batched, *whole)
+        rows = PartitionSpec(batch_axes)
+        return self._per_device(fn, batched, whole, rows, rows)
 
     def per_row_and_tensor_rank(self, fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) -> Any:
         """As :meth:`per_batch_row`, and the last dim of the first array in ``batched`` and of
         the output is split over ``tensor`` too: ``fn`` runs on each device's rows and its tensor
         rank's block of channels (``jax.lax.axis_index("tensor")`` says which). Without a batch
         split it still runs under ``shard_map``, over the tensor axis alone."""
-        (batch_axes,) = logical_to_spec(("batch",), batched[0].shape[:1], self.mesh)
+        batch_axes = self._batch_axes(batched)
         split = PartitionSpec(batch_axes, *([None] * (batched[0].ndim - 2)), "tensor")
-        in_specs = ((split,) + tuple(PartitionSpec(batch_axes) for _ in batched[1:])
+        return self._per_device(fn, batched, whole, split, PartitionSpec(batch_axes))
+
+    def _batch_axes(self, batched: Sequence[Any]):
+        return logical_to_spec(("batch",), batched[0].shape[:1], self.mesh)[0]
+
+    def _per_device(self, fn: Callable, batched: Sequence[Any], whole: Sequence[Any], first: PartitionSpec,
+                    rest: PartitionSpec) -> Any:
+        """``fn`` under ``shard_map``: the first batched array and the output laid out as
+        ``first``, the other batched arrays as ``rest``, ``whole`` replicated."""
+        in_specs = ((first,) + tuple(rest for _ in batched[1:])
                     + tuple(jax.tree.map(lambda _: PartitionSpec(), w) for w in whole))
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=split,
+        # check_vma=False: the kernels' outputs carry no varying-axis type; the cotangents of
+        # the whole inputs are summed over the devices by shard_map's transpose all the same.
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=first,
                              check_vma=False)(*batched, *whole)
 
 

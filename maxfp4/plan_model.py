@@ -126,16 +126,22 @@ def _tensor_share(block: dict[str, int], m: ModelConfig, tensor: int) -> float:
     return 1.0 / tensor
 
 
+def _tensor_split(layer_class: str) -> tuple[bool, bool]:
+    """Whether the stored [K, N] weight of a layer class (mesh.WEIGHT_AXES) is split over tensor
+    along K (row-parallel layers) and along N (column-parallel ones). Mamba-2's in_proj is split
+    along neither: its columns are split only after a reordering (maxfp4.model.mamba)."""
+    return tuple(axis is not None and "tensor" in LOGICAL_RULES.get(axis, ())  # type: ignore[return-value]
+                 for axis in WEIGHT_AXES[layer_class])
+
+
 def _sharded_over_tensor(layer_class: str) -> bool:
-    """Whether a layer class's weight is stored split over tensor (mesh.WEIGHT_AXES): all but
-    Mamba-2's in_proj, whose columns are split only after a reordering (maxfp4.model.mamba)."""
-    return any("tensor" in LOGICAL_RULES.get(axis, ()) for axis in WEIGHT_AXES[layer_class] if axis)
+    return any(_tensor_split(layer_class))
 
 
 def _row_parallel_layers(m: ModelConfig) -> int:
     """Linear layers whose input (K) is split over tensor (attention's and Mamba-2's output
     projections, the MLP's down projection): each sums its output over the tensor axis."""
-    return sum("tensor" in LOGICAL_RULES.get(WEIGHT_AXES[c][0] or "", ()) for b in block_linear_params(m) for c in b)
+    return sum(_tensor_split(c)[0] for b in block_linear_params(m) for c in b)
 
 
 def _tensor_replicated_params(m: ModelConfig) -> int:
@@ -200,12 +206,12 @@ def nvfp4_quant_bytes(cfg: Config, tokens: float) -> float:
 
 
 def _split_gemm_flops(cfg: ModelConfig, flops: dict[str, float], seq_len: int,
-                      precision: str, ssd: float | None = None) -> tuple[float, float]:
+                      precision: str, ssd: float) -> tuple[float, float]:
     """(block GEMM FLOPs at the precision's rate, GEMM FLOPs at BF16): the LM head stays BF16
     in the shipped FP8/NVFP4 policies, as do the NVFP4 preset's end blocks. Attention scores and
-    SSD products (``ssd``, by default the model's) are not GEMMs here (see :func:`compute_seconds`)."""
+    SSD products (``ssd`` a token, as the device runs them) are not GEMMs here (see
+    :func:`compute_seconds`)."""
     scores = attention_flops_per_token(cfg, seq_len)
-    ssd = ssd_flops_per_token(cfg) if ssd is None else ssd
     block_gemm = flops["attention"] - scores + flops["mlp"] + flops["mamba"] - ssd
     if precision == "bf16":
         return 0.0, block_gemm + flops["lm_head"]

@@ -214,7 +214,7 @@ def _rank_major_columns(w_DI: jax.Array, cfg: ModelConfig, t: int) -> jax.Array:
     return jnp.concatenate(parts, axis=-1).reshape(w_DI.shape)
 
 
-def rank_config(cfg: ModelConfig, t: int) -> ModelConfig:
+def _rank_config(cfg: ModelConfig, t: int) -> ModelConfig:
     """The mixer one of ``t`` tensor ranks runs: d_model (so E and H) and the groups divided by t."""
     return dataclasses.replace(cfg, d_model=cfg.d_model // t,
                                mamba=dataclasses.replace(cfg.mamba, n_groups=cfg.mamba.n_groups // t))
@@ -243,7 +243,7 @@ def _tensor_parallel_mixer(x_BTD, p: Params, core_params: Params, segment_ids_BT
     def core(zxbcdt_local, segment_ids, params):
         rank = jax.lax.axis_index("tensor")
         return _mixer_core(zxbcdt_local, segment_ids, _rank_core_params(params, cfg, t, rank),
-                           cfg=rank_config(cfg, t))
+                           cfg=_rank_config(cfg, t))
 
     y_BTE = constrain.per_row_and_tensor_rank(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
