@@ -72,11 +72,11 @@ def time_gemm(gemm: str, m: int, k: int, n: int, fast: bool, iters: int) -> dict
 
 def gemm_rows(iters: int) -> list[dict]:
     from maxfp4.config import load_config
-    from maxfp4.model import linear_shapes
+    from maxfp4.model_spec import model_spec
 
     rows = []
     for model, (config, tokens) in MODELS.items():
-        shapes = linear_shapes(load_config(os.path.join(REPO, config)).model)
+        shapes = model_spec(load_config(os.path.join(REPO, config)).model).linear_shapes()
         for cls in CLASSES:
             k, n = shapes[cls]
             for gemm in ("fprop", "dgrad", "wgrad"):

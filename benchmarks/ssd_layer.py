@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxfp4.config import load_config
-from maxfp4.metrics import ssd_flops_per_token
-from maxfp4.model.mamba import dims
+from maxfp4.model_spec import model_spec
+from maxfp4.model_spec import mamba_dims as dims
 from maxfp4.model.ssd import ssd_chunked
 from maxfp4.kernels.ssd import Tiling, chunk_outputs, kernel_inputs, ssd_fused
 from timing import median_ms
@@ -86,7 +86,7 @@ def main() -> None:
     C = jnp.asarray(rng.standard_normal((b, t, g, n)), jnp.bfloat16)
     ids = jnp.ones((b, t), jnp.int32)
     weight = jnp.asarray(rng.standard_normal((b, t, h, p)), jnp.float32)
-    flops = ssd_flops_per_token(m) / m.pattern.count("M") * b * t  # one layer, forward + backward
+    flops = model_spec(m).ssd_flops_per_token() / m.pattern.count("M") * b * t  # one layer, forward + backward
     if a.split:
         print(f"SSD split, {a.config}: B={b} T={t} H={h} P={p} G={g} N={n} Q={m.mamba.chunk_size} "
               f"tiling={a.tiling}, {jax.devices()[0].device_kind}")

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 from maxfp4.config import describe
 from maxfp4.errors import ConfigError
+from maxfp4.model_spec import model_spec
 
 GPU_OPTIONS: dict[str, Any] = {
     "xla_gpu_enable_triton_gemm": False,
@@ -157,7 +158,7 @@ def check_deterministic_attention(cfg, platform: str) -> None:
     step inside XLA (jax 0.11.2 on H200: ``IndexError: raw_hash_map<>::at``); scanned blocks and
     XLA's attention run deterministically. Refused before anything compiles, naming both ways out."""
     m = cfg.model
-    has_attention = m.kind == "dense" or "*" in m.pattern
+    has_attention = bool(model_spec(m).blocks_with("attention"))
     attention = m.attention if m.attention != "auto" else ("cudnn" if platform in ("gpu", "cuda") else "xla")
     if cfg.run.deterministic and has_attention and attention.startswith("cudnn") and not cfg.train.scan_layers:
         raise ConfigError(f"run.deterministic=true with train.scan_layers=false and model.attention={m.attention!r} "

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maxfp4.errors import ConfigError, describe
+from maxfp4.model_spec import PATTERN_CHARS
 from maxfp4.precision.catalog import BF16, validate_precision
 
 DATA_SOURCES = ("builtin", "text", "jsonl", "array_record", "tfds", "synthetic", "mixture")
 MIXTURE_SOURCES = ("builtin", "text", "jsonl", "array_record")
 MODEL_KINDS = ("dense", "hybrid")
 MLP_KINDS = ("swiglu", "relu2")
-PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp"}
 REMAT_POLICIES = ("none", "full", "save_gemm", "save_gemm_io")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_mask")
 

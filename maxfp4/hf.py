@@ -27,8 +27,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from maxfp4.config import PATTERN_CHARS as TYPES  # model.pattern's characters -> block types
 from maxfp4.errors import UserError
+from maxfp4.model_spec import BlockSpec, ModelSpec, mamba_dims, model_spec
 
 LLAMA, NEMOTRON_H = "LlamaForCausalLM", "NemotronHForCausalLM"
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
@@ -130,23 +130,47 @@ def check_maps(model_cfg) -> None:
                       "not gated; export with --format native")
 
 
+# Each block's parameters in the order a Hugging Face layer lists them: a linear layer by its
+# precision class (its name and group come from maxfp4.model_spec), any other by its name; then
+# how a slice converts and its tensors under the layer's prefix. The dense model's decoder block
+# maps onto a Llama layer, each hybrid mixer onto a Nemotron-H layer.
+LLAMA_LAYER = (
+    ("attn_norm", "same", ("input_layernorm.weight",)),
+    ("attn_qkv", "qkv", tuple(f"self_attn.{x}_proj.weight" for x in "qkv")),
+    ("attn_out", "linear", ("self_attn.o_proj.weight",)),
+    ("mlp_norm", "same", ("post_attention_layernorm.weight",)),
+    ("mlp_up", "gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    ("mlp_down", "linear", ("mlp.down_proj.weight",)),
+)
+NEMOTRON_H_LAYERS = {
+    "mamba": (("pre_norm", "same", ("norm.weight",)), ("mamba_in", "linear", ("mixer.in_proj.weight",)),
+              ("conv_w", "conv", ("mixer.conv1d.weight",)), ("conv_b", "same", ("mixer.conv1d.bias",)),
+              ("A_log", "same", ("mixer.A_log",)), ("D_skip", "same", ("mixer.D",)),
+              ("dt_bias", "same", ("mixer.dt_bias",)), ("norm", "same", ("mixer.norm.weight",)),
+              ("mamba_out", "linear", ("mixer.out_proj.weight",))),
+    "attention": (("pre_norm", "same", ("norm.weight",)),
+                  ("attn_qkv", "qkv", tuple(f"mixer.{x}_proj.weight" for x in "qkv")),
+                  ("attn_out", "linear", ("mixer.o_proj.weight",))),
+    "mlp": (("pre_norm", "same", ("norm.weight",)), ("mlp_up", "up", ("mixer.up_proj.weight",)),
+            ("mlp_down", "linear", ("mixer.down_proj.weight",))),
+}
+
+
+def _block_leaves(block: BlockSpec, rows, prefix: str, layers: tuple[int, ...]) -> list[Leaf]:
+    names = {lin.layer_class: lin.name for lin in block.linears}
+    return [Leaf((block.group, names.get(name, name)), kind, tuple(prefix + t for t in tensors), layers)
+            for name, kind, tensors in rows]
+
+
 def leaves(model_cfg) -> list[Leaf]:
     """Every parameter of ``model_cfg``'s pytree with its Hugging Face tensors."""
+    spec = model_spec(model_cfg)
     if model_cfg.kind == "hybrid":
-        return _nemotron_h_leaves(model_cfg)
-    layers = tuple(range(model_cfg.n_layers))
-    p = "model.layers.{i}."
-    return [
-        Leaf(("embed",), "same", ("model.embed_tokens.weight",)),
-        Leaf(("blocks", "attn_norm"), "same", (p + "input_layernorm.weight",), layers),
-        Leaf(("blocks", "w_qkv"), "qkv", tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"), layers),
-        Leaf(("blocks", "w_o"), "linear", (p + "self_attn.o_proj.weight",), layers),
-        Leaf(("blocks", "mlp_norm"), "same", (p + "post_attention_layernorm.weight",), layers),
-        Leaf(("blocks", "w_up"), "gate_up", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), layers),
-        Leaf(("blocks", "w_down"), "linear", (p + "mlp.down_proj.weight",), layers),
-        Leaf(("final_norm",), "same", ("model.norm.weight",)),
-        Leaf(("lm_head",), "linear", ("lm_head.weight",)),
-    ]
+        return _nemotron_h_leaves(spec)
+    return [Leaf(("embed",), "same", ("model.embed_tokens.weight",)),
+            *_block_leaves(spec.blocks[0], LLAMA_LAYER, "model.layers.{i}.", tuple(range(len(spec.blocks)))),
+            Leaf(("final_norm",), "same", ("model.norm.weight",)),
+            Leaf(("lm_head",), "linear", ("lm_head.weight",))]
 
 
 # Nemotron-H's published checkpoints name the trunk "backbone"; transformers 5 renames it to
@@ -154,30 +178,14 @@ def leaves(model_cfg) -> list[Leaf]:
 NEMOTRON_PREFIX = "backbone."
 
 
-def _nemotron_h_leaves(model_cfg) -> list[Leaf]:
-    pattern = model_cfg.pattern
-    at = {t: tuple(i for i, c in enumerate(pattern) if TYPES[c] == t) for t in TYPES.values()}
-    m = NEMOTRON_PREFIX + "layers.{i}."
+def _nemotron_h_leaves(spec: ModelSpec) -> list[Leaf]:
     out = [Leaf(("embed",), "same", (NEMOTRON_PREFIX + "embeddings.weight",))]
-    if at["mamba"]:
-        for name, kind, hf in (("pre_norm", "same", "norm.weight"), ("in_proj", "linear", "mixer.in_proj.weight"),
-                               ("conv_w", "conv", "mixer.conv1d.weight"), ("conv_b", "same", "mixer.conv1d.bias"),
-                               ("A_log", "same", "mixer.A_log"), ("D_skip", "same", "mixer.D"),
-                               ("dt_bias", "same", "mixer.dt_bias"), ("norm", "same", "mixer.norm.weight"),
-                               ("out_proj", "linear", "mixer.out_proj.weight")):
-            out.append(Leaf(("mamba", name), kind, (m + hf,), at["mamba"]))
-    if at["attention"]:
-        out += [Leaf(("attention", "pre_norm"), "same", (m + "norm.weight",), at["attention"]),
-                Leaf(("attention", "w_qkv"), "qkv", tuple(m + f"mixer.{x}_proj.weight" for x in "qkv"),
-                     at["attention"]),
-                Leaf(("attention", "w_o"), "linear", (m + "mixer.o_proj.weight",), at["attention"])]
-    if at["mlp"]:
-        out += [Leaf(("mlp", "pre_norm"), "same", (m + "norm.weight",), at["mlp"]),
-                Leaf(("mlp", "w_up"), "up", (m + "mixer.up_proj.weight",), at["mlp"]),
-                Leaf(("mlp", "w_down"), "linear", (m + "mixer.down_proj.weight",), at["mlp"])]
-    out += [Leaf(("final_norm",), "same", (NEMOTRON_PREFIX + "norm_f.weight",)),
-            Leaf(("lm_head",), "linear", ("lm_head.weight",))]
-    return out
+    for mixer in ("mamba", "attention", "mlp"):
+        at = spec.blocks_with(mixer)
+        if at:
+            out += _block_leaves(spec.blocks[at[0]], NEMOTRON_H_LAYERS[mixer], NEMOTRON_PREFIX + "layers.{i}.", at)
+    return out + [Leaf(("final_norm",), "same", (NEMOTRON_PREFIX + "norm_f.weight",)),
+                  Leaf(("lm_head",), "linear", ("lm_head.weight",))]
 
 
 def leaf_of(tree: Any, path: tuple[str, ...]) -> Any:
@@ -257,8 +265,7 @@ def hf_config(model_cfg, *, max_positions: int, dtype: str, bos_id: int, eos_id:
                 # transformers 5 reads rope_parameters, older versions rope_theta and rope_scaling.
                 "rope_theta": theta, "rope_scaling": None,
                 "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
-    from maxfp4.model.mamba import dims
-    mb, md = model_cfg.mamba, dims(model_cfg)
+    mb, md = model_cfg.mamba, mamba_dims(model_cfg)
     return {
         "model_type": "nemotron_h", **common, "num_hidden_layers": len(model_cfg.pattern),
         "hybrid_override_pattern": model_cfg.pattern, "mlp_hidden_act": "relu2", "use_bias": False,

@@ -4,9 +4,9 @@ Layers name their axes logically (``batch``, ``embed``, ``heads`` ...); :data:`L
 is the only place that decides which mesh axes shard them. A mesh axis is used at most once per
 array: activations shard ``batch`` over data and fsdp, so their ``embed`` stays whole, while
 parameters (which have no batch) shard their leading feature dim over fsdp - ``embed``, or
-``heads`` / ``mlp`` / ``inner`` for the output projections - that is FSDP. :data:`WEIGHT_AXES`
-names each layer class's weight as its GEMM takes it, so a recipe can gather a quantized weight
-with its tensor split kept (:func:`gathered_weight_spec`).
+``heads`` / ``mlp`` / ``inner`` for the output projections - that is FSDP. ``WEIGHT_AXES``
+(from :mod:`maxfp4.model_spec`) names each layer class's weight as its GEMM takes it, so a recipe
+can gather a quantized weight with its tensor split kept (:func:`gathered_weight_spec`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxfp4.config import ConfigError, MeshConfig
+from maxfp4.model_spec import WEIGHT_AXES  # each layer class's weight as its [K, N] GEMM takes it
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -99,22 +100,6 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
         else:
             spec.append(None)
     return PartitionSpec(*spec)
-
-
-# The logical axes of each layer class's weight as its GEMM takes it, [K, N]: the parameter's
-# first dim, then the first of the dims flattened into N (the one its sharding follows). The
-# models' parameters carry the full axes; tests/test_mesh.py holds this table to them.
-WEIGHT_AXES: dict[str, tuple[str | None, str | None]] = {
-    "attn_qkv": ("embed", "kv_heads"),
-    "attn_out": ("heads", "embed"),
-    "mlp_up": ("embed", "mlp"),
-    "mlp_down": ("mlp", "embed"),
-    # in_proj's columns are split over tensor only after a reordering (maxfp4.model.mamba): the
-    # weight stays whole along them on every tensor device.
-    "mamba_in": ("embed", None),
-    "mamba_out": ("inner", "embed"),
-    "lm_head": ("embed", "vocab"),
-}
 
 
 def gathered_weight_spec(layer_class: str, shape_KN: Sequence[int], mesh) -> PartitionSpec:

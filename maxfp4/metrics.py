@@ -1,9 +1,9 @@
 """Model FLOPs, device peaks, and the metrics sinks (JSONL, TensorBoard, progress line).
 
-FLOPs per token (docs/METRICS.md): 6 x matmul parameters (every linear layer, LM head included,
-the embedding lookup excluded) + causal attention 6 x L_attn x T x d_attn (12 x ... for the
-score and value products forward and backward, halved because causal attention skips half)
-+ the SSD matmul FLOPs of Mamba-2 blocks.
+FLOPs per token (docs/METRICS.md) are :mod:`maxfp4.model_spec`'s: 6 x matmul parameters (every
+linear layer, LM head included, the embedding lookup excluded) + causal attention 6 x L_attn x T
+x d_attn (12 x ... for the score and value products forward and backward, halved because causal
+attention skips half) + the SSD matmul FLOPs of Mamba-2 blocks.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax
 
 from maxfp4.config import ModelConfig
 from maxfp4.loop import Hook
+from maxfp4.model_spec import model_spec
 from maxfp4.precision.catalog import SPECS
 from maxfp4.precision.policy import PrecisionPolicy
 
@@ -30,46 +31,9 @@ DEVICE_PEAKS_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
-def block_linear_params(cfg: ModelConfig) -> list[dict[str, int]]:
-    """Matmul parameters of each block's linear layers, by layer class (from the same layer
-    shapes the model is built with)."""
-    from maxfp4.model import get_model, linear_shapes
-    params = {c: k * n for c, (k, n) in linear_shapes(cfg).items()}
-    if cfg.kind != "hybrid":
-        return [{c: params[c] for c in get_model(cfg).block_layer_classes}] * cfg.n_layers
-    from maxfp4.model.hybrid import TYPE_CLASSES, TYPES
-    return [{c: params[c] for c in TYPE_CLASSES[TYPES[ch]]} for ch in cfg.pattern]
-
-
-def block_matmul_params(cfg: ModelConfig) -> int:
-    """Matmul parameters of all blocks' linear layers (the LM head not included)."""
-    return sum(sum(b.values()) for b in block_linear_params(cfg))
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    return block_matmul_params(cfg) + cfg.d_model * cfg.vocab_size
-
-
-def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    blocks = cfg.pattern.count("*") if cfg.kind == "hybrid" else cfg.n_layers
-    return 6.0 * blocks * seq_len * cfg.n_heads * cfg.resolved_head_dim
-
-
-def ssd_flops_per_token(cfg: ModelConfig) -> float:
-    """Matmul FLOPs of the chunked SSD, forward and backward (3x forward), per Mamba-2 block:
-    causal C.B^T within a chunk (G*Q*N), its product with x (H*Q*P), chunk states and
-    state-to-output (2 x 2*N*P per head); the inter-chunk recurrence is negligible."""
-    if cfg.kind != "hybrid":
-        return 0.0
-    from maxfp4.model.mamba import dims
-    md = dims(cfg)
-    q = cfg.mamba.chunk_size
-    forward = md["G"] * q * md["N"] + md["H"] * (q * md["P"] + 4 * md["N"] * md["P"])
-    return 3.0 * forward * cfg.pattern.count("M")
-
-
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    return 6.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len) + ssd_flops_per_token(cfg)
+    """Model FLOPs a token of training, as :mod:`maxfp4.model_spec` counts them."""
+    return model_spec(cfg).flops_per_token(seq_len)
 
 
 def device_peaks(device: jax.Device) -> dict[str, float] | None:
@@ -89,13 +53,14 @@ def policy_peak_tflops(cfg: ModelConfig, seq_len: int, policy: PrecisionPolicy,
     def peak_for(recipe: str) -> float:
         return peaks.get(SPECS[recipe].peak, peaks["bf16"])
 
-    unquantized = attention_flops_per_token(cfg, seq_len) + ssd_flops_per_token(cfg)
+    spec = model_spec(cfg)
+    unquantized = spec.attention_flops_per_token(seq_len) + spec.ssd_flops_per_token()
     total, seconds = unquantized, unquantized / peaks["bf16"]
-    for layer, classes in enumerate(block_linear_params(cfg)):
-        for cls, params in classes.items():
-            total += 6.0 * params
-            seconds += 6.0 * params / peak_for(policy.recipe_for(cls, layer))
-    head = 6.0 * cfg.d_model * cfg.vocab_size
+    for layer, block in enumerate(spec.blocks):
+        for lin in block.linears:
+            total += 6.0 * lin.params
+            seconds += 6.0 * lin.params / peak_for(policy.recipe_for(lin.layer_class, layer))
+    head = 6.0 * spec.lm_head.params
     return (total + head) / (seconds + head / peak_for(policy.lm_head))
 
 

@@ -15,11 +15,11 @@ import jax
 
 from maxfp4.config import Config, ModelConfig, PrecisionConfig
 from maxfp4.errors import UserError
-from maxfp4.mesh import LOGICAL_RULES, WEIGHT_AXES
-from maxfp4.metrics import (DEVICE_PEAKS_TFLOPS, block_linear_params, block_matmul_params, attention_flops_per_token,
-                            matmul_params, ssd_flops_per_token)
-from maxfp4.model import abstract_params, linear_shapes
-from maxfp4.model.mamba import splits_over_tensor
+from maxfp4.mesh import LOGICAL_RULES
+from maxfp4.metrics import DEVICE_PEAKS_TFLOPS
+from maxfp4.model import abstract_params
+from maxfp4.model_spec import (BlockSpec, LinearSpec, model_spec,
+                               mamba_splits_over_tensor as splits_over_tensor)
 from maxfp4.precision.catalog import SPECS
 
 # The recipe each column of the plan stands for; bytes and peak classes come from its catalog
@@ -74,10 +74,7 @@ WORKING_BYTES = {name: spec.weight_bytes for name, spec in SPECS.items()} | {
     column: SPECS[recipe].weight_bytes for column, recipe in PLAN_RECIPES.items()}
 # Adam update traffic per parameter: read master, grad, two moments; write master, two moments.
 OPTIMIZER_TRAFFIC_BYTES = 4 * 4 + 3 * 4
-# Activations kept for the backward pass, bytes per token per block (BF16, flash attention).
-ACT_BYTES_NO_REMAT = 34  # x d_model
-ACT_BYTES_FULL_REMAT = 2  # x d_model: only the block input
-GEMM_OUT_BYTES = 2  # per output feature: train.remat=save_gemm keeps each linear layer's BF16 output
+# Activations kept for the backward pass: maxfp4.model_spec (ACT_BYTES_*, GEMM_OUT_BYTES).
 # Per input feature: train.remat=save_gemm_io also keeps each linear layer's activation operand as
 # its recipe's backward reads it (FP8 bytes; BF16 for BF16 and for NVFP4, whose wgrad quantizes it
 # again along the tokens).
@@ -102,51 +99,42 @@ def param_count(cfg: ModelConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
 
 
-_KIND_OF_CLASS = {"attn_qkv": "attention", "attn_out": "attention", "mlp_up": "mlp",
-                  "mlp_down": "mlp", "mamba_in": "mamba", "mamba_out": "mamba"}
-
-
 def flops_by_block_type(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Training FLOPs per token (forward + backward) split by where they are spent; the sum is
     metrics.flops_per_token, so MFU and the plan count the same work."""
-    out = {"attention": attention_flops_per_token(cfg, seq_len), "mlp": 0.0,
-           "mamba": ssd_flops_per_token(cfg), "lm_head": 6.0 * cfg.d_model * cfg.vocab_size}
-    for block in block_linear_params(cfg):
-        for cls, params in block.items():
-            out[_KIND_OF_CLASS[cls]] += 6.0 * params
-    return out
+    return model_spec(cfg).flops_by_mixer(seq_len)
 
 
-def _tensor_share(block: dict[str, int], m: ModelConfig, tensor: int) -> float:
+def _tensor_share(block: BlockSpec, m: ModelConfig, tensor: int) -> float:
     """The share of a block's work and activations one of ``tensor`` devices has: 1 / tensor,
     except a Mamba-2 block whose groups the tensor axis cannot split (``splits_over_tensor``):
     each tensor device runs that mixer whole."""
-    if tensor > 1 and "mamba_in" in block and not splits_over_tensor(m, tensor):
+    if tensor > 1 and "mamba" in block.mixers and not splits_over_tensor(m, tensor):
         return 1.0
     return 1.0 / tensor
 
 
-def _tensor_split(layer_class: str) -> tuple[bool, bool]:
-    """Whether the stored [K, N] weight of a layer class (mesh.WEIGHT_AXES) is split over tensor
-    along K (row-parallel layers) and along N (column-parallel ones). Mamba-2's in_proj is split
-    along neither: its columns are split only after a reordering (maxfp4.model.mamba)."""
+def _tensor_split(lin: LinearSpec) -> tuple[bool, bool]:
+    """Whether a stored [K, N] weight (its ``weight_axes``) is split over tensor along K
+    (row-parallel layers) and along N (column-parallel ones). Mamba-2's in_proj is split along
+    neither: its columns are split only after a reordering (maxfp4.model.mamba)."""
     return tuple(axis is not None and "tensor" in LOGICAL_RULES.get(axis, ())  # type: ignore[return-value]
-                 for axis in WEIGHT_AXES[layer_class])
+                 for axis in lin.weight_axes)
 
 
-def _sharded_over_tensor(layer_class: str) -> bool:
-    return any(_tensor_split(layer_class))
+def _sharded_over_tensor(lin: LinearSpec) -> bool:
+    return any(_tensor_split(lin))
 
 
 def _row_parallel_layers(m: ModelConfig) -> int:
     """Linear layers whose input (K) is split over tensor (attention's and Mamba-2's output
     projections, the MLP's down projection): each sums its output over the tensor axis."""
-    return sum(_tensor_split(c)[0] for b in block_linear_params(m) for c in b)
+    return sum(_tensor_split(lin)[0] for b in model_spec(m).blocks for lin in b.linears)
 
 
 def _tensor_replicated_params(m: ModelConfig) -> int:
     """Matmul parameters kept whole on every tensor device (Mamba-2's in_proj)."""
-    return sum(n for b in block_linear_params(m) for c, n in b.items() if not _sharded_over_tensor(c))
+    return sum(lin.params for b in model_spec(m).blocks for lin in b.linears if not _sharded_over_tensor(lin))
 
 
 def state_params_per_device(m: ModelConfig, params: int, fsdp: int, tensor: int) -> float:
@@ -191,18 +179,18 @@ def nvfp4_bf16_share(cfg: ModelConfig) -> float:
     """Share of the blocks' GEMM parameters that the NVFP4 preset keeps in BF16."""
     from maxfp4.precision import resolve_policy
     policy = resolve_policy(PrecisionConfig(default="nvfp4", rules=NVFP4_PRESET_RULES), cfg.n_layers)
-    blocks = block_linear_params(cfg)
-    kept = sum(n for i, block in enumerate(blocks) for c, n in block.items() if policy.recipe_for(c, i) == "bf16")
-    return kept / max(sum(sum(b.values()) for b in blocks), 1)
+    spec = model_spec(cfg)
+    kept = sum(lin.params for i, block in enumerate(spec.blocks) for lin in block.linears
+               if policy.recipe_for(lin.layer_class, i) == "bf16")
+    return kept / max(spec.block_matmul_params, 1)
 
 
 def nvfp4_quant_bytes(cfg: Config, tokens: float) -> float:
     """Bytes the emulated NVFP4 recipe's quantize passes move a step for ``tokens`` a device."""
-    m = cfg.model
-    shapes = linear_shapes(m)
-    per_token = sum(shapes[c][0] + shapes[c][1] for b in block_linear_params(m) for c in b)
-    weights = block_matmul_params(m) * cfg.train.microbatches
-    return NVFP4_QUANT_BYTES * (1 - nvfp4_bf16_share(m)) * (tokens * per_token + weights)
+    spec = model_spec(cfg.model)
+    per_token = sum(lin.k + lin.n for b in spec.blocks for lin in b.linears)
+    weights = spec.block_matmul_params * cfg.train.microbatches
+    return NVFP4_QUANT_BYTES * (1 - nvfp4_bf16_share(cfg.model)) * (tokens * per_token + weights)
 
 
 def _split_gemm_flops(cfg: ModelConfig, flops: dict[str, float], seq_len: int,
@@ -211,7 +199,7 @@ def _split_gemm_flops(cfg: ModelConfig, flops: dict[str, float], seq_len: int,
     in the shipped FP8/NVFP4 policies, as do the NVFP4 preset's end blocks. Attention scores and
     SSD products (``ssd`` a token, as the device runs them) are not GEMMs here (see
     :func:`compute_seconds`)."""
-    scores = attention_flops_per_token(cfg, seq_len)
+    scores = model_spec(cfg).attention_flops_per_token(seq_len)
     block_gemm = flops["attention"] - scores + flops["mlp"] + flops["mamba"] - ssd
     if precision == "bf16":
         return 0.0, block_gemm + flops["lm_head"]
@@ -234,26 +222,19 @@ def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, prec
     unrolled blocks under save_gemm every block's cast weight shard too."""
     m = cfg.model
     _, fsdp, tensor = mesh
-    blocks = block_linear_params(m)
+    spec = model_spec(m)
+    blocks = spec.blocks
     share = [_tensor_share(b, m, tensor) for b in blocks]  # of each block's activations, on one device
-    weights = [sum(n / (tensor if _sharded_over_tensor(c) else 1) for c, n in b.items()) for b in blocks]
-    working = max(max(weights) * WORKING_BYTES[precision], m.d_model * m.vocab_size * 2 / tensor)
+    weights = [sum(lin.params / (tensor if _sharded_over_tensor(lin) else 1) for lin in b.linears) for b in blocks]
+    working = max(max(weights) * WORKING_BYTES[precision], spec.lm_head.params * 2 / tensor)
     if remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers:
         # Unrolled blocks keep every block's cast weight shard for the backward pass (maxfp4.model.remat).
         working += sum(weights) * WORKING_BYTES[precision] / fsdp
     tokens = _tokens_per_device(cfg, mesh) / cfg.train.microbatches
-    if remat == "none":
-        per_token = ACT_BYTES_NO_REMAT * m.d_model * sum(share)
-    else:
-        per_token = ACT_BYTES_FULL_REMAT * m.d_model * sum(share)
-        if remat in ("save_gemm", "save_gemm_io"):  # plus each linear layer's output (attention's too)
-            out = {c: n for c, (_, n) in linear_shapes(m).items()}
-            per_token += GEMM_OUT_BYTES * sum(s * (out[c] + m.d_model * (c == "attn_qkv"))
-                                              for b, s in zip(blocks, share) for c in b)
-        if remat == "save_gemm_io":  # plus each linear layer's activation operand
-            inp = {c: k for c, (k, _) in linear_shapes(m).items()}
-            per_token += GEMM_IN_BYTES[precision] * sum(s * inp[c] for b, s in zip(blocks, share) for c in b)
-        per_token += ACT_BYTES_NO_REMAT * m.d_model * max(share)  # the block being recomputed holds its activations
+    per_token = sum(s * spec.activation_bytes_per_token(b, remat, GEMM_IN_BYTES[precision])
+                    for b, s in zip(blocks, share))
+    if remat != "none":  # the block being recomputed holds its activations
+        per_token += spec.activation_bytes_per_token(blocks[0], "none") * max(share)
     acts = tokens * per_token
     logits = tokens * m.vocab_size * LOGIT_MEMORY_BYTES / tensor / cfg.train.loss_chunks
     state = state_params_per_device(m, params, fsdp, tensor)
@@ -275,8 +256,8 @@ def _non_gemm_bytes_per_token(m: ModelConfig, recompute: bool = False, tensor: i
     loss moves the FP32 logits about 4 times, split over tensor by vocabulary."""
     passes = 4 if recompute else 3
     total = 0.0
-    for block in block_linear_params(m):
-        wide = max(v for v in block.values()) / m.d_model
+    for block in model_spec(m).blocks:
+        wide = max(lin.params for lin in block.linears) / m.d_model
         total += passes * 2 * (10 * m.d_model + 3 * wide) * _tensor_share(block, m, tensor)
     return total + 4 * LOGIT_BYTES * m.vocab_size / tensor
 
@@ -323,12 +304,12 @@ def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, fl
     tensor = mesh[2]
     rows = _tokens_per_device(cfg, mesh)  # tokens of the rows a device holds
     tokens = rows / tensor  # tensor parallelism splits each token's work over its devices,
-    ssd = ssd_flops_per_token(m)
+    ssd = model_spec(m).ssd_flops_per_token()
     if tensor > 1 and not splits_over_tensor(m, tensor):  # except a Mamba-2 mixer it cannot split
         flops = dict(flops, mamba=flops["mamba"] * tensor)
         ssd *= tensor
     fast, slow = _split_gemm_flops(m, flops, cfg.data.seq_len, precision, ssd)
-    scores = attention_flops_per_token(m, cfg.data.seq_len)
+    scores = model_spec(m).attention_flops_per_token(cfg.data.seq_len)
     if utilisation is not None:
         peak = datasheet_tflops(gpu, precision) * 1e12
         slow += scores + ssd
@@ -418,7 +399,7 @@ def project(cfg: Config, mesh: tuple[int, int, int], gpu: str, precision: str,
     return {
         "precision": precision, "gpu": gpu, "gpus": math.prod(mesh),
         "mesh": dict(zip(("data", "fsdp", "tensor"), mesh)),
-        "params": params, "matmul_params": matmul_params(m),
+        "params": params, "matmul_params": model_spec(m).matmul_params,
         "flops_per_token": sum(flops.values()), "flops_per_token_by_block": flops,
         "memory_per_device_gb": sum(mem.values()) / 1e9,
         "memory_breakdown_gb": {k: v / 1e9 for k, v in mem.items()},

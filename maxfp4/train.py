@@ -35,9 +35,10 @@ from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.loop import Hook, Loop, close_hooks
 from maxfp4.hf import check_init_from, read_params as read_hf_params
 from maxfp4.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
-from maxfp4.metrics import MetricsHook, MetricsLogger, block_linear_params, device_peaks, flops_per_token, policy_peak_tflops
-from maxfp4.model import abstract_params, get_model, linear_shapes
+from maxfp4.metrics import MetricsHook, MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
+from maxfp4.model import abstract_params, get_model
 from maxfp4.model.mamba import tensor_note as mamba_tensor_note
+from maxfp4.model_spec import model_spec
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import PrecisionPolicy, resolve_policy
 from maxfp4.precision.policy import check_block_divisibility, unmatched_rules
@@ -190,14 +191,13 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     # against the mesh, so config.yaml and the checks see the config as it will run.
     cfg = elastic.start_up(cfg, mesh, say=_say if jax.process_index() == 0 else lambda _: None)
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
-    block_classes = get_model(cfg.model).block_layer_classes
-    model_classes = set(block_classes) | {"lm_head"}
-    check_block_divisibility(policy, {c: s for c, s in linear_shapes(cfg.model).items() if c in model_classes})
+    spec = model_spec(cfg.model)
+    check_block_divisibility(policy, spec.linear_shapes())
     check_loss_chunks(cfg, policy)
     check_mamba_kernels(cfg.model, cfg.data.seq_len)
-    table = policy.format_table(block_classes)
+    table = policy.format_table(spec.block_classes)
     # A rule that decides nothing here (a preset shared by dense and hybrid models, or a typo) is shown, not refused.
-    for line in unmatched_rules(cfg.precision, cfg.model.n_layers, [set(b) for b in block_linear_params(cfg.model)]):
+    for line in unmatched_rules(cfg.precision, cfg.model.n_layers, [set(b.classes) for b in spec.blocks]):
         table += f"\nwarning: {line}"
         if jax.process_index() == 0:
             print(f"warning: {line}", file=sys.stderr, flush=True)

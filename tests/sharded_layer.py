@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxfp4.mesh import WEIGHT_AXES, logical_to_spec
+from maxfp4.mesh import logical_to_spec
+from maxfp4.model_spec import WEIGHT_AXES
 
 ROWS = ("data", "fsdp")  # the batch's mesh axes (mesh.LOGICAL_RULES["batch"])
 SCALES = jnp.asarray([50.0, 5000.0, 1000.0], jnp.float32)  # fixed delayed-scaling state (x, w, dY)

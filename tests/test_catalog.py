@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from maxfp4.config import ConfigError, PrecisionConfig, load_config
-from maxfp4.metrics import DEVICE_PEAKS_TFLOPS, block_linear_params, policy_peak_tflops
+from maxfp4.metrics import DEVICE_PEAKS_TFLOPS, policy_peak_tflops
+from maxfp4.model_spec import model_spec
 from maxfp4.precision import catalog, formats as F
 from maxfp4.precision.policy import resolve_policy, unmatched_rules
 from maxfp4.precision.recipes.fp8_block import FP8_BLOCK_TILE
@@ -78,17 +79,15 @@ def test_mxfp8_preset_resolves_and_is_charged_its_own_peak():
     assert policy_peak_tflops(cfg.model, cfg.data.seq_len, policy, h100) == pytest.approx(h100["bf16"], rel=1e-12)
     # Blackwell: the blocks' GEMMs at the MXFP8 peak, the rest at BF16 (harmonic mix by FLOPs).
     b200 = DEVICE_PEAKS_TFLOPS["B200"]
-    blocks = 6.0 * sum(sum(b.values()) for b in block_linear_params(cfg.model))
-    total = 6.0 * (sum(sum(b.values()) for b in block_linear_params(cfg.model))
+    blocks = 6.0 * sum(sum(b.values()) for b in model_spec(cfg.model).block_linear_params())
+    total = 6.0 * (sum(sum(b.values()) for b in model_spec(cfg.model).block_linear_params())
                    + cfg.model.d_model * cfg.model.vocab_size)
-    from maxfp4.metrics import attention_flops_per_token
-    other = total - blocks + attention_flops_per_token(cfg.model, cfg.data.seq_len)
+    other = total - blocks + model_spec(cfg.model).attention_flops_per_token(cfg.data.seq_len)
     want = (blocks + other) / (blocks / b200["mxfp8"] + other / b200["bf16"])
     assert policy_peak_tflops(cfg.model, cfg.data.seq_len, policy, b200) == pytest.approx(want, rel=1e-12)
 
 
 def test_planner_reads_mxfp8_bytes_from_the_catalog():
-    from maxfp4.metrics import block_matmul_params
     from maxfp4.plan_model import GEMM_IN_BYTES, WORKING_BYTES, memory_per_device
     assert WORKING_BYTES["mxfp8"] == 1 + 1 / 32 and GEMM_IN_BYTES["mxfp8"] == 2.0
     assert WORKING_BYTES["fp8"] == catalog.FP8_DELAYED.weight_bytes and WORKING_BYTES["bf16"] == 2.0
@@ -97,8 +96,8 @@ def test_planner_reads_mxfp8_bytes_from_the_catalog():
     m = cfg.model
     working = {p: memory_per_device(cfg, (1, 8, 1), 1_300_000_000, p, "save_gemm")["working_copy"]
                for p in ("bf16", "mxfp8", "fp8")}
-    largest = max(sum(b.values()) for b in block_linear_params(m))
-    want = max(largest * (1 + 1 / 32), m.d_model * m.vocab_size * 2) + block_matmul_params(m) * (1 + 1 / 32) / 8
+    largest = max(sum(b.values()) for b in model_spec(m).block_linear_params())
+    want = max(largest * (1 + 1 / 32), m.d_model * m.vocab_size * 2) + model_spec(m).block_matmul_params * (1 + 1 / 32) / 8
     assert working["mxfp8"] == pytest.approx(want, rel=1e-12)
     assert working["fp8"] < working["mxfp8"] < working["bf16"], working
 

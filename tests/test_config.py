@@ -257,15 +257,15 @@ def test_eta_is_formatted_past_a_day_and_for_any_run_length():
 
 
 def test_config_is_a_leaf_and_each_section_checks_itself():
-    """Importing the config loads no other maxfp4 module but errors.py and the JAX-free precision
-    catalog (no cycle through the recipes, kernels or the compiler; no JAX), and a section's
+    """Importing the config loads no other maxfp4 module but errors.py, the JAX-free model anatomy
+    and precision catalog (no cycle through the recipes, kernels or the compiler; no JAX), and a section's
     dataclass refuses its own bad values with the loader's message, without the rest of the config."""
     code = ("import sys, maxfp4.config; "
             "print(sorted(m for m in sys.modules if m.startswith('maxfp4')), 'jax' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.stdout.split() == ["['maxfp4',", "'maxfp4.config',", "'maxfp4.config_schema',", "'maxfp4.errors',",
-                                   "'maxfp4.precision',", "'maxfp4.precision.catalog']", "False"], proc.stdout + proc.stderr
+                                   "'maxfp4.model_spec',", "'maxfp4.precision',", "'maxfp4.precision.catalog']", "False"], proc.stdout + proc.stderr
     from maxfp4.config import MeshConfig, OptimConfig, ResilienceConfig
     from maxfp4.errors import ConfigError as RootConfigError
     assert ConfigError is RootConfigError
@@ -293,15 +293,14 @@ REFUSED = {("hybrid-tiny.yaml", "mxfp8.yaml"): "mxfp8 on mamba_in needs its feat
 def test_every_shipped_model_config_tiles_under_every_precision_preset(model_path):
     """The start-up check of block-scaled recipes (the trainer's own call) against every preset:
     a shipped model must not be refused by a shipped preset, except the pairing named above."""
-    from maxfp4.model import get_model, linear_shapes
+    from maxfp4.model_spec import model_spec
     from maxfp4.precision import resolve_policy
     from maxfp4.precision.policy import check_block_divisibility
 
     for preset_path in PRESETS:
         cfg = load_config([model_path, preset_path])
         policy = resolve_policy(cfg.precision, cfg.model.n_layers)
-        classes = set(get_model(cfg.model).block_layer_classes) | {"lm_head"}
-        shapes = {c: s for c, s in linear_shapes(cfg.model).items() if c in classes}
+        shapes = model_spec(cfg.model).linear_shapes()
         refused = REFUSED.get((os.path.basename(model_path), os.path.basename(preset_path)))
         if refused:
             with pytest.raises(ConfigError, match=re.escape(refused)):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from maxfp4.config import ConfigError, load_config
-from maxfp4.metrics import matmul_params
+from maxfp4.model_spec import model_spec
 from maxfp4.model import get_model
 from maxfp4.model.hybrid import scan_groups
 from maxfp4.model.layers import ACT_DTYPE
@@ -89,9 +89,9 @@ def test_matmul_param_count_matches_the_real_model():
         linear = sum(int(np.prod(x.shape)) for path, x in flat
                      if jax.tree_util.keystr(path).split("'")[-2] in ("in_proj", "out_proj", "w_qkv", "w_o",
                                                                      "w_up", "w_down", "lm_head"))
-        assert matmul_params(cfg.model) == linear, cfg_file
+        assert model_spec(cfg.model).matmul_params == linear, cfg_file
     nem = load_config(os.path.join(REPO, "configs", "nemotron-h-8b.yaml"))
-    assert nem.model.n_layers == 52 and 7.5e9 < matmul_params(nem.model) < 9.5e9
+    assert nem.model.n_layers == 52 and 7.5e9 < model_spec(nem.model).matmul_params < 9.5e9
 
 
 @pytest.mark.parametrize("override, fragment", [

@@ -77,7 +77,8 @@ def test_weight_axes_table_matches_the_models_linear_parameters(tiny_cfg, kind):
     own sharding puts it on its first dim, on a later one, or nowhere."""
     from flax import nnx
 
-    from maxfp4.mesh import WEIGHT_AXES, gathered_weight_spec
+    from maxfp4.mesh import gathered_weight_spec
+    from maxfp4.model_spec import WEIGHT_AXES
     from maxfp4.model import get_model
     from maxfp4.model.layers import Linear
 

@@ -240,7 +240,7 @@ def test_one_layer_modules_have_the_per_layer_shapes_and_axes(tiny_cfg):
     k = jax.random.key(0)
     stack = nnx.eval_shape(lambda: HybridLM(cfg, k))
     for one, stacked in ((Attention(cfg, k, k, None, std=0.02, out_std=0.01), stack.attention),
-                         (MLP(cfg, k, k, None, gates=1, std=0.02, out_std=0.01), stack.mlp),
+                         (MLP(cfg, k, k, None, std=0.02, out_std=0.01), stack.mlp),
                          (Mamba2Mixer(cfg, k, None), stack.mamba)):
         for path, v in nnx.to_flat_state(nnx.state(one)):
             s = getattr(stacked, path[-1])

@@ -9,7 +9,8 @@ import pytest
 from maxfp4 import plan, plan_model
 from maxfp4.config import load_config
 from maxfp4.mesh import make_mesh
-from maxfp4.metrics import attention_flops_per_token, flops_per_token, ssd_flops_per_token
+from maxfp4.metrics import flops_per_token
+from maxfp4.model_spec import model_spec
 from maxfp4.model import get_model
 from maxfp4.optim import make_optimizer
 from maxfp4.train import init_state
@@ -40,7 +41,7 @@ def test_flops_match_real_weight_shapes(path):
     cfg = load_config(path)
     real_matmul = sum(n for name, n in _leaf_sizes(_real_shapes(cfg)) if name in MATMUL_LEAVES)
     seq = cfg.data.seq_len
-    expected = 6 * real_matmul + attention_flops_per_token(cfg.model, seq) + ssd_flops_per_token(cfg.model)
+    expected = 6 * real_matmul + model_spec(cfg.model).attention_flops_per_token(seq) + model_spec(cfg.model).ssd_flops_per_token()
     by_block = plan_model.flops_by_block_type(cfg.model, seq)
     assert sum(by_block.values()) == pytest.approx(expected, rel=1e-12)
     assert sum(by_block.values()) == pytest.approx(flops_per_token(cfg.model, seq), rel=1e-12)
@@ -101,7 +102,7 @@ def test_unrolled_save_gemm_keeps_every_blocks_weight_shard_in_its_gemm_precisio
             cfg = load_config("configs/llama3-8b.yaml", [f"train.scan_layers={scan}", f"train.remat={remat}"])
             params = plan_model.param_count(cfg.model)
             working[scan, remat] = plan_model.memory_per_device(cfg, (1, 2, 1), params, precision, remat)["working_copy"]
-        blocks = sum(sum(b.values()) for b in plan_model.block_linear_params(cfg.model))
+        blocks = model_spec(cfg.model).block_matmul_params
         assert working["false", "save_gemm"] - working["true", "save_gemm"] == pytest.approx(blocks * bytes_each / 2)
         assert working["false", "none"] == working["true", "save_gemm"]
 
@@ -130,7 +131,7 @@ def test_full_remat_costs_one_more_forward_of_the_blocks():
         params = plan_model.param_count(cfg.model)
         times[remat] = plan_model.compute_seconds(cfg, (1, 1, 1), flops, params, "bf16", "h200", None)
     tokens = cfg.data.global_batch * cfg.data.seq_len
-    scores = attention_flops_per_token(cfg.model, cfg.data.seq_len)
+    scores = model_spec(cfg.model).attention_flops_per_token(cfg.data.seq_len)
     block_gemm = sum(flops.values()) - flops["lm_head"] - scores
     forward = tokens / 3 * (block_gemm / (plan_model.gemm_tflops("h200", "bf16") * 1e12)
                             + scores / (plan_model.attention_tflops("h200") * 1e12))

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Callable
 
 from maxfp4.config import ModelConfig
+from maxfp4.model_spec import model_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +20,7 @@ class ModelFns:
     param_axes: Callable  # (cfg) -> logical axes tree
     forward: Callable  # (params, inputs, positions, segment_ids, *, cfg, policy, ...) -> logits
     forward_embedded: Callable
-    block_layer_classes: tuple[str, ...]  # the precision classes a block of this model has
+    block_layer_classes: tuple[str, ...]  # the precision classes its blocks have (maxfp4.model_spec)
     module: type  # the nnx.Module: module(cfg, key) builds it; lm.apply(module, params, cfg) wraps a pytree
 
 
@@ -35,23 +36,11 @@ def abstract_params(cfg: ModelConfig, sharding=None):
 
 
 def get_model(cfg: ModelConfig) -> ModelFns:
+    classes = model_spec(cfg).block_classes
     if cfg.kind == "hybrid":
         from maxfp4.model import hybrid
         return ModelFns(hybrid.init_params, hybrid.param_axes, hybrid.forward, hybrid.forward_embedded,
-                        hybrid.block_layer_classes(cfg), hybrid.HybridLM)
+                        classes, hybrid.HybridLM)
     from maxfp4.model import decoder
     return ModelFns(decoder.init_params, decoder.param_axes, decoder.forward, decoder.forward_embedded,
-                    decoder.BLOCK_LAYER_CLASSES, decoder.DenseLM)
-
-
-def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each linear layer class of this model (for block-size checks)."""
-    d, h, n, k, f, v = cfg.d_model, cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size
-    gates = 2 if (cfg.kind == "dense" or cfg.mlp == "swiglu") else 1
-    shapes = {"attn_qkv": (d, (n + 2 * k) * h), "attn_out": (n * h, d), "mlp_up": (d, gates * f),
-              "mlp_down": (f, d), "lm_head": (d, v)}
-    if cfg.kind == "hybrid":
-        from maxfp4.model.mamba import dims
-        md = dims(cfg)
-        shapes |= {"mamba_in": (d, md["in"]), "mamba_out": (md["E"], d)}
-    return shapes
+                    classes, decoder.DenseLM)

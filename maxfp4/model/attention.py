@@ -36,7 +36,8 @@ from maxfp4.config import ModelConfig
 from maxfp4.mesh import batch_split_axes
 from maxfp4.kernels import qkv_grad as qkv_grad_kernel
 from maxfp4.kernels.epilogue import Quantize
-from maxfp4.model.layers import linear, rope_tables, rotate, stacked
+from maxfp4.model.layers import linear, rope_tables, rotate
+from maxfp4.model_spec import mixer_linears
 from maxfp4.model.remat import tag_attention_output
 from maxfp4.kernels.launch import on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision
@@ -215,11 +216,9 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, key_qkv: jax.Array, key_o: jax.Array, n: int | None, *,
                  std: float, out_std: float):
-        d, h, heads, kv = cfg.d_model, cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
-        self.w_qkv = linear(key_qkv, *stacked(n, (d, kv, heads // kv + 2, h), ("embed", "kv_heads", None, "head_dim")),
-                            std=std, layer_class="attn_qkv")
-        self.w_o = linear(key_o, *stacked(n, (heads * h, d), ("heads", "embed")), std=out_std,
-                          layer_class="attn_out")
+        qkv, o = mixer_linears(cfg, "attention")
+        self.w_qkv = linear(key_qkv, qkv, n, std=std)
+        self.w_o = linear(key_o, o, n, std=out_std)
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
                  lp: LayerPrecision, *, rope_theta: float | None, implementation: str, max_segments: int = 16,

@@ -24,9 +24,8 @@ import jax.numpy as jnp
 
 from maxfp4.config import ModelConfig, PrecisionConfig
 from maxfp4.model.attention import split_heads
-from maxfp4.model.hybrid import TYPES
 from maxfp4.model.layers import ACT_DTYPE, mlp_block, output_logits, rms_norm
-from maxfp4.model.mamba import dims as mamba_dims
+from maxfp4.model_spec import mamba_dims, model_spec
 from maxfp4.model.mamba import gated_group_norm
 from maxfp4.precision import LayerPrecision, PrecisionPolicy, resolve_policy
 
@@ -45,13 +44,12 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> Cache:
     def kv(n: int) -> dict[str, jax.Array]:
         return {name: jnp.zeros((n, batch, length, k, h), ACT_DTYPE) for name in ("k", "v")}
 
-    if cfg.kind != "hybrid":
-        return {"attention": kv(cfg.n_layers)}
+    spec = model_spec(cfg)
     cache: Cache = {}
-    attention_blocks = cfg.pattern.count("*")
+    attention_blocks = len(spec.blocks_with("attention"))
     if attention_blocks:
         cache["attention"] = kv(attention_blocks)
-    mamba_blocks = cfg.pattern.count("M")
+    mamba_blocks = len(spec.blocks_with("mamba"))
     if mamba_blocks:
         d = mamba_dims(cfg)
         # The window keeps the last W-1 in_proj outputs the convolution reads (BF16, as the
@@ -135,10 +133,10 @@ def _hybrid_blocks(params: dict, cache: Cache, x_B1D: jax.Array, position: jax.A
                    policy: PrecisionPolicy) -> tuple[jax.Array, Cache]:
     # Unrolled over the pattern: each block reads its own kind's stacked weights and cache rows.
     lp = LayerPrecision(policy, 0)
-    seen = {t: 0 for t in TYPES.values()}
+    seen = {t: 0 for t in model_spec(cfg).types}
     new = {"k": [], "v": [], "conv": [], "ssm": []}
-    for ch in cfg.pattern:
-        kind = TYPES[ch]
+    for block in model_spec(cfg).blocks:
+        kind = block.type
         i = seen[kind]
         seen[kind] += 1
         p = jax.tree.map(lambda a, i=i: a[i], params[kind])

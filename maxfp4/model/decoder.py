@@ -30,10 +30,6 @@ from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
 Params = dict[str, Any]
 
-# The layer classes of a block of this model (precision policy classes).
-BLOCK_LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down")
-
-
 class DecoderBlock(Attention, MLP):
     """RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual. The block is both mixers
     (it inherits their weights) rather than holding them, so its parameters keep their flat
@@ -46,7 +42,7 @@ class DecoderBlock(Attention, MLP):
         """``keys``: four keys (w_qkv, w_o, w_up, w_down); ``n`` blocks stacked (None: one)."""
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         Attention.__init__(self, cfg, keys[0], keys[1], n, std=std, out_std=out_std)
-        MLP.__init__(self, cfg, keys[2], keys[3], n, gates=2, std=std, out_std=out_std)
+        MLP.__init__(self, cfg, keys[2], keys[3], n, std=std, out_std=out_std)
         self.attn_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
         self.mlp_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
         self.cfg = cfg

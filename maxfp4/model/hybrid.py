@@ -20,7 +20,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from maxfp4.config import PATTERN_CHARS, ModelConfig
+from maxfp4.config import ModelConfig
+from maxfp4.model_spec import PATTERN_CHARS
 from maxfp4.model import lm
 from maxfp4.model.attention import Attention, resolve_implementation
 from maxfp4.model.layers import norm_scale, stacked
@@ -32,14 +33,7 @@ from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
 Params = dict[str, Any]
 TYPES = PATTERN_CHARS  # model.pattern's characters -> block types
-TYPE_CLASSES = {"mamba": ("mamba_in", "mamba_out"), "attention": ("attn_qkv", "attn_out"),
-                "mlp": ("mlp_up", "mlp_down")}
 MAX_UNIT = 4
-
-
-def block_layer_classes(cfg: ModelConfig) -> tuple[str, ...]:
-    present = {TYPES[c] for c in cfg.pattern}
-    return tuple(c for t in ("attention", "mlp", "mamba") if t in present for c in TYPE_CLASSES[t])
 
 
 def _counts(pattern: str) -> dict[str, int]:
@@ -80,8 +74,7 @@ class MLPBlock(MLP):
     """RMSNorm -> MLP (``model.mlp``: swiglu or relu2) -> residual."""
 
     def __init__(self, cfg: ModelConfig, key_up: jax.Array, key_down: jax.Array, n: int | None):
-        super().__init__(cfg, key_up, key_down, n, gates=2 if cfg.mlp == "swiglu" else 1, std=cfg.init_std,
-                         out_std=_out_std(cfg))
+        super().__init__(cfg, key_up, key_down, n, std=cfg.init_std, out_std=_out_std(cfg))
         self.pre_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
         self.cfg = cfg
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxfp4.model import fp8_mlp
+from maxfp4.model_spec import LinearSpec
 from maxfp4.model.activations import relu2, swiglu_product
 from maxfp4.precision import LayerPrecision
 
@@ -45,9 +46,10 @@ class Linear(nnx.Param):
         return lp.dot(x, w.reshape(w.shape[0], -1), self.layer_class)
 
 
-def linear(key: jax.Array, shape: tuple[int, ...], axes: tuple[str | None, ...], *, std: float,
-           layer_class: str) -> Linear:
-    return param(normal_init(key, shape, std), axes, Linear, layer_class=layer_class)
+def linear(key: jax.Array, spec: LinearSpec, n: int | None, *, std: float) -> Linear:
+    """The weight of the linear layer ``spec`` (maxfp4.model_spec), ``n`` of them stacked (None: one)."""
+    shape, axes = stacked(n, spec.shape, spec.axes)
+    return param(normal_init(key, shape, std), axes, Linear, layer_class=spec.layer_class)
 
 
 class RMSNorm(nnx.Param):

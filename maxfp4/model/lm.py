@@ -19,6 +19,7 @@ from flax import nnx
 
 from maxfp4.config import ModelConfig
 from maxfp4.model.layers import Embedding, head_precision, linear, norm_scale, normal_init, param
+from maxfp4.model_spec import lm_head_linear
 from maxfp4.precision import PrecisionPolicy
 
 Params = dict[str, Any]
@@ -32,7 +33,7 @@ class LanguageModel(nnx.Module):
         self.cfg = cfg
         self.embed = param(normal_init(key_embed, (v, d), std), ("vocab", "embed"), Embedding)
         self.final_norm = norm_scale((d,), ("norm",))
-        self.lm_head = linear(key_head, (d, v), ("embed", "vocab"), std=std, layer_class="lm_head")
+        self.lm_head = linear(key_head, lm_head_linear(cfg), None, std=std)
 
     def __call__(self, inputs_BT: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
                  **options) -> jax.Array:

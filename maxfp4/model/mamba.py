@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxfp4.config import ModelConfig
 from maxfp4.model.layers import ACT_DTYPE, Linear, normal_init, param
 from maxfp4.model.ssd import ssd_chunked
+from maxfp4.model_spec import mamba_dims as dims, mamba_splits_over_tensor as splits_over_tensor, mixer_linears
 from maxfp4.kernels import conv as conv_kernel
 from maxfp4.kernels import gated_norm as gated_norm_kernel
 from maxfp4.kernels.conv import causal_conv_silu, conv_kernel_supported
@@ -38,46 +39,38 @@ from maxfp4.precision import GEMM_OUT, LayerPrecision
 
 Params = dict[str, Any]
 
+# The mixer's parameters in pytree order; in_proj and out_proj are its linear layers
+# (maxfp4.model_spec: their classes, shapes and axes), the rest its own.
 MAMBA_AXES = {
-    "in_proj": ("embed", None),  # its outputs interleave z, x, B, C, dt: see _rank_major_columns
+    "in_proj": None,
     "conv_w": (None, None),
     "conv_b": (None,),
     "A_log": (None,),
     "D_skip": (None,),
     "dt_bias": (None,),
     "norm": ("norm",),
-    "out_proj": ("inner", "embed"),
+    "out_proj": None,
 }
-
-
-def dims(cfg: ModelConfig) -> dict[str, int]:
-    mb = cfg.mamba
-    e = mb.expand * cfg.d_model
-    h = e // mb.head_dim
-    return {"E": e, "H": h, "P": mb.head_dim, "G": mb.n_groups, "N": mb.d_state, "W": mb.conv_kernel,
-            "conv": e + 2 * mb.n_groups * mb.d_state, "in": 2 * e + 2 * mb.n_groups * mb.d_state + h}
 
 
 def init_mamba(cfg: ModelConfig, key: jax.Array, n: int | None) -> Params:
     """``n`` stacked mixers' arrays (None: one mixer's). dt starts log-uniform in [1e-3, 1e-1]
     (through the inverse of softplus in dt_bias) and A uniform in [1, 16], as in the Mamba-2 paper."""
     d = dims(cfg)
+    in_proj, out_proj = mixer_linears(cfg, "mamba")
     lead = () if n is None else (n,)
     k = jax.random.split(key, 5)
     dt = jnp.exp(jax.random.uniform(k[2], (*lead, d["H"]), minval=math.log(1e-3), maxval=math.log(1e-1)))
     return {
-        "in_proj": normal_init(k[0], (*lead, cfg.d_model, d["in"]), cfg.init_std),
+        "in_proj": normal_init(k[0], (*lead, *in_proj.shape), cfg.init_std),
         "conv_w": normal_init(k[1], (*lead, d["W"], d["conv"]), 1.0 / math.sqrt(d["W"])),
         "conv_b": jnp.zeros((*lead, d["conv"]), jnp.float32),
         "A_log": jnp.log(jax.random.uniform(k[3], (*lead, d["H"]), minval=1.0, maxval=16.0)),
         "D_skip": jnp.ones((*lead, d["H"]), jnp.float32),
         "dt_bias": dt + jnp.log(-jnp.expm1(-dt)),  # softplus^-1(dt)
         "norm": jnp.ones((*lead, d["E"]), jnp.float32),
-        "out_proj": normal_init(k[4], (*lead, d["E"], cfg.d_model), cfg.init_std / math.sqrt(2 * cfg.n_layers)),
+        "out_proj": normal_init(k[4], (*lead, *out_proj.shape), cfg.init_std / math.sqrt(2 * cfg.n_layers)),
     }
-
-
-_PROJECTIONS = {"in_proj": "mamba_in", "out_proj": "mamba_out"}  # the mixer's linear layers' classes
 
 
 class Mamba2Mixer(nnx.Module):
@@ -86,9 +79,12 @@ class Mamba2Mixer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, key: jax.Array, n: int | None):
         lead = () if n is None else ("layers",)
+        linears = {lin.name: lin for lin in mixer_linears(cfg, "mamba")}
         for name, value in init_mamba(cfg, key, n).items():
-            kind = {"kind": Linear, "layer_class": _PROJECTIONS[name]} if name in _PROJECTIONS else {}
-            setattr(self, name, param(value, lead + MAMBA_AXES[name], **kind))
+            if name in linears:
+                setattr(self, name, param(value, lead + linears[name].axes, Linear, layer_class=linears[name].layer_class))
+            else:
+                setattr(self, name, param(value, lead + MAMBA_AXES[name]))
         self.cfg = cfg
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, lp: LayerPrecision,
@@ -185,12 +181,6 @@ def _tensor_ranks(constrain) -> int:
 # in_proj's weight stays whole along its columns on every tensor rank, so the reordering is a
 # local copy. Without whole groups per rank (``splits_over_tensor``) the mixer runs whole on each
 # tensor rank instead, as the mixer of a mesh without a tensor axis does.
-
-def splits_over_tensor(cfg: ModelConfig, t: int) -> bool:
-    """Whether ``t`` tensor ranks split the mixer: each takes whole groups (their heads with
-    them) and 1 / t of d_model's expansion. Otherwise each runs the whole mixer on its rows."""
-    return cfg.mamba.n_groups % t == 0 and cfg.d_model % t == 0
-
 
 def tensor_note(cfg: ModelConfig, t: int) -> str | None:
     """One line for start-up when a tensor axis of ``t`` leaves a model's Mamba-2 mixers whole."""

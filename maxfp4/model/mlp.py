@@ -9,22 +9,21 @@ import jax
 from flax import nnx
 
 from maxfp4.config import ModelConfig
-from maxfp4.model.layers import linear, mlp_block, stacked
+from maxfp4.model.layers import linear, mlp_block
+from maxfp4.model_spec import mixer_linears
 from maxfp4.precision import LayerPrecision
 
 
 class MLP(nnx.Module):
     """``w_up`` [D, F, gates] (SwiGLU: gate and up side by side per feature, so sharding F keeps
-    each device's pairs together; relu2: gates = 1) and ``w_down`` [F, D], ``n`` of each
-    stacked on a leading L axis (None: one layer)."""
+    each device's pairs together; relu2: gates = 1) and ``w_down`` [F, D] (maxfp4.model_spec),
+    ``n`` of each stacked on a leading L axis (None: one layer)."""
 
     def __init__(self, cfg: ModelConfig, key_up: jax.Array, key_down: jax.Array, n: int | None, *,
-                 gates: int, std: float, out_std: float):
-        d, f = cfg.d_model, cfg.d_ff
-        self.w_up = linear(key_up, *stacked(n, (d, f, gates), ("embed", "mlp", None)), std=std,
-                           layer_class="mlp_up")
-        self.w_down = linear(key_down, *stacked(n, (f, d), ("mlp", "embed")), std=out_std,
-                             layer_class="mlp_down")
+                 std: float, out_std: float):
+        up, down = mixer_linears(cfg, "mlp")
+        self.w_up = linear(key_up, up, n, std=std)
+        self.w_down = linear(key_down, down, n, std=out_std)
 
     def __call__(self, x_BTD: jax.Array, lp: LayerPrecision, kind: str = "swiglu",
                  smooth: bool = False) -> jax.Array:

@@ -21,9 +21,8 @@ from fractions import Fraction
 from typing import Any, Mapping
 
 from maxfp4.errors import ConfigError, describe
+from maxfp4.model_spec import BLOCK_CLASSES, LAYER_CLASSES  # the model's anatomy names the classes
 
-LAYER_CLASSES = ("attn_qkv", "attn_out", "mlp_up", "mlp_down", "mamba_in", "mamba_out", "lm_head")
-BLOCK_CLASSES = tuple(c for c in LAYER_CLASSES if c != "lm_head")
 # The option naming the layer class a recipe's call serves: not a config option, added to the
 # policy's options when a layer calls its recipe (maxfp4.precision.layer.call_options).
 LAYER_CLASS_OPTION = "layer_class"
