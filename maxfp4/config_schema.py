@@ -103,7 +103,7 @@ class ModelConfig:
     mlp: str = "swiglu"  # hybrid MLP blocks: swiglu or relu2 (squared ReLU, not gated)
     mamba: MambaConfig = field(default_factory=MambaConfig)
     # A Hugging Face model directory (Llama for dense, Nemotron-H for hybrid) whose weights a new
-    # run starts from (maxfp4.hf); empty: random initialisation. A resumed run restores its checkpoint.
+    # run starts from (maxfp4.interop.hf); empty: random initialisation. A resumed run restores its checkpoint.
     init_from: str = ""
 
     @property
@@ -195,7 +195,7 @@ class TrainConfig:
     # device's share divides and stays within the checkpoint's (maxfp4.elastic)
     elastic: bool = True
     # the LM head and loss over this many slices of the sequence, each recomputed in the backward
-    # pass: 1/loss_chunks of the [B, T, V] logits live at once (maxfp4.model.decoder.chunked_loss_sum)
+    # pass: 1/loss_chunks of the [B, T, V] logits live at once (maxfp4.model.loss.chunked_loss_sum)
     loss_chunks: int = 1
     remat: str = "none"  # none | full | save_gemm | save_gemm_io (maxfp4.model.remat)
     # one lax.scan per run of identical blocks (compile time flat in depth), or false: blocks

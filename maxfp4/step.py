@@ -19,7 +19,7 @@ from maxfp4.config import Config, ConfigError
 from maxfp4.reliability.faults import loss_scale, poison_gradients
 from maxfp4.reliability.guard import guard_metrics, judge
 from maxfp4.model import get_model
-from maxfp4.model.decoder import chunked_loss_sum, token_losses
+from maxfp4.model.loss import chunked_loss_sum, token_losses
 from maxfp4.optim import global_norm
 from maxfp4.precision import PrecisionPolicy
 from maxfp4.precision.catalog import SPECS

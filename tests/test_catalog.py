@@ -88,7 +88,7 @@ def test_mxfp8_preset_resolves_and_is_charged_its_own_peak():
 
 
 def test_planner_reads_mxfp8_bytes_from_the_catalog():
-    from maxfp4.plan_model import GEMM_IN_BYTES, WORKING_BYTES, memory_per_device
+    from maxfp4.plan.cost import GEMM_IN_BYTES, WORKING_BYTES, memory_per_device
     assert WORKING_BYTES["mxfp8"] == 1 + 1 / 32 and GEMM_IN_BYTES["mxfp8"] == 2.0
     assert WORKING_BYTES["fp8"] == catalog.FP8_DELAYED.weight_bytes and WORKING_BYTES["bf16"] == 2.0
     # Unrolled blocks under save_gemm keep every block's working shard: the bytes show in the total.

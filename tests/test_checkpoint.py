@@ -243,7 +243,7 @@ def test_export_writes_safetensors_config_and_tokenizer(saved_run, tmp_path, cap
     import yaml
     from safetensors.numpy import load_file
 
-    from maxfp4.export import flat_params, main as export_main
+    from maxfp4.interop.export import flat_params, main as export_main
 
     run = _copy(saved_run, tmp_path / "runs") / "base"
     cfg = _cfg(tmp_path / "runs")

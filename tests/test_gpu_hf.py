@@ -25,7 +25,7 @@ HYBRID = COMMON + ["run.name=hybrid", "model.kind=hybrid", "model.pattern=M*-M-M
 
 
 def _trained_export(tmp_path, overrides):
-    from maxfp4.export import export
+    from maxfp4.interop.export import export
     cfg = load_config(None, overrides + [f"run.output_dir={tmp_path}"])
     train(cfg, stream=io.StringIO())
     out = tmp_path / (cfg.run.name + "_hf")

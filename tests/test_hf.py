@@ -1,4 +1,4 @@
-"""Hugging Face models in and out (maxfp4.hf, maxfp4.export --format hf, model.init_from) and
+"""Hugging Face models in and out (maxfp4.interop.hf, maxfp4.export --format hf, model.init_from) and
 tokenizer.json tokenizers. transformers runs here without torch: its config classes and
 tokenizers check what it would load; tests/test_gpu_hf.py loads the models themselves."""
 
@@ -102,7 +102,7 @@ def test_llama_export_config_tensors_and_tokenizer(dense_run, tmp_path):
     from transformers import AutoTokenizer, LlamaConfig
 
     from maxfp4.data.tokenizer import Tokenizer
-    from maxfp4.export import main as export_main
+    from maxfp4.interop.export import main as export_main
 
     cfg = _load(dense_run.parent, DENSE)
     out = tmp_path / "hf"
@@ -208,7 +208,7 @@ def _maxfp4_logits(run, step: int, cfg, ids) -> np.ndarray:
 def _reference_and_maxfp4_logits(run, step, cfg, config_class, reference, seed, tmp_path):
     """``reference(tensors, hf_config, ids)`` on the run's FP32 export and maxfp4's forward on its
     checkpoint, for the same 32 random token ids."""
-    from maxfp4.export import export
+    from maxfp4.interop.export import export
 
     out = tmp_path / "fp32"
     export(str(run), str(out), dtype="fp32")
@@ -235,8 +235,8 @@ def test_sharded_export_and_round_trip_are_bit_identical(dense_run, tmp_path):
     """export (sharded) -> model.init_from's reader onto an 8-device mesh -> export: same bytes."""
     import jax
 
-    from maxfp4.export import _export_hf, export
-    from maxfp4.hf import read_params
+    from maxfp4.interop.export import _export_hf, export
+    from maxfp4.interop.hf import read_params
     from maxfp4.mesh import make_mesh, tree_shardings
     from maxfp4.model import get_model
 
@@ -282,7 +282,7 @@ def test_init_from_reproduces_the_first_step_loss_and_resume_keeps_the_checkpoin
     import jax.numpy as jnp
 
     from maxfp4.data import make_batches
-    from maxfp4.export import export
+    from maxfp4.interop.export import export
     from maxfp4.precision import resolve_policy
     from maxfp4.step import make_loss_fn
 
@@ -315,8 +315,8 @@ def test_init_from_reproduces_the_first_step_loss_and_resume_keeps_the_checkpoin
 
 
 def test_init_from_refuses_a_directory_that_does_not_match(dense_run, tmp_path, capsys):
-    from maxfp4.export import export
-    from maxfp4.hf import check_init_from
+    from maxfp4.interop.export import export
+    from maxfp4.interop.hf import check_init_from
     from maxfp4.train import main as train_main
 
     hf_dir = tmp_path / "hf"
@@ -372,8 +372,8 @@ def test_nemotron_h_export_config_tensors_and_round_trip(hybrid_run, tmp_path, c
     import jax
     from transformers import NemotronHConfig
 
-    from maxfp4.export import _export_hf, main as export_main
-    from maxfp4.hf import read_params
+    from maxfp4.interop.export import _export_hf, main as export_main
+    from maxfp4.interop.hf import read_params
     from maxfp4.mesh import make_mesh, tree_shardings
     from maxfp4.model import get_model
 
@@ -439,7 +439,7 @@ def test_a_tokenizer_json_run_trains_on_the_same_ids_as_its_sentencepiece_model(
     from maxfp4.data.corpus import tokenize_documents
     from maxfp4.data.sources import builtin_documents
     from maxfp4.data.tokenizer import Tokenizer, load_checked
-    from maxfp4.export import export
+    from maxfp4.interop.export import export
 
     hf_dir = tmp_path / "hf"
     export(str(dense_run), str(hf_dir))

@@ -147,7 +147,7 @@ def test_segment_runs_describe_every_run_including_the_padding_tail():
 
 
 def test_token_losses_forward_and_gradient_match_the_formula():
-    from maxfp4.model.decoder import token_losses
+    from maxfp4.model.loss import token_losses
 
     logits = (3.0 * jax.random.normal(jax.random.key(7), (2, 8, 50), jnp.float32)).astype(jnp.bfloat16)
     targets = jax.random.randint(jax.random.key(8), (2, 8), 0, 50)

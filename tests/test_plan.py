@@ -6,7 +6,7 @@ import math
 import jax
 import pytest
 
-from maxfp4 import plan, plan_model
+from maxfp4.plan import command as plan, cost as plan_model
 from maxfp4.config import load_config
 from maxfp4.mesh import make_mesh
 from maxfp4.metrics import flops_per_token

@@ -14,8 +14,8 @@ import pytest
 
 from maxfp4.config import load_config
 from maxfp4.model import get_model
-from maxfp4.model.decode import bf16_policy, generate, init_cache, make_step, pick_tokens
-from maxfp4.sample import main as sample_main
+from maxfp4.interop.decode import bf16_policy, generate, init_cache, make_step, pick_tokens
+from maxfp4.interop.sample import main as sample_main
 
 from tests.conftest import cpu_env
 
@@ -147,7 +147,7 @@ def _sample(capsys, *argv):
 
 
 def test_sample_continues_a_prompt_from_a_run_and_from_its_export(trained_run, tmp_path, capsys):
-    from maxfp4.export import main as export_main
+    from maxfp4.interop.export import main as export_main
 
     code, out, err = _sample(capsys, trained_run, "--prompt", "The value", "--max-tokens", "8", "--seed", "4")
     assert code == 0, err

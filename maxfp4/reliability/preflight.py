@@ -220,12 +220,12 @@ def check_output(cfg: Config, n_params: int, precision_bytes: int) -> Check:
 
 
 def memory_per_device(cfg: Config, n_params: int, mesh_shape: dict[str, int]) -> float:
-    """Bytes per device by the planner's memory model (``maxfp4.plan_model.memory_per_device``: state
+    """Bytes per device by the planner's memory model (``maxfp4.plan.cost.memory_per_device``: state
     over fsdp x tensor, one block's working weights, activations by ``train.remat``, FP32 logits;
     docs/PLANNING.md gives it with its calibration against measured peaks). The working copy is
     taken in the widest recipe (BF16): it is one block's weights, so the recipe barely moves the
     total."""
-    from maxfp4.plan_model import memory_per_device as planned
+    from maxfp4.plan.cost import memory_per_device as planned
     from maxfp4.precision.catalog import SPECS
     mesh = (mesh_shape["data"], mesh_shape["fsdp"], mesh_shape["tensor"])
     widest = max(SPECS.values(), key=lambda spec: (spec.weight_bytes, spec.operand_bytes)).name

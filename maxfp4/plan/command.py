@@ -2,7 +2,7 @@
 --tokens T [--batch-tokens B] [--gpus-per-node G] [--goodput F] [--mfu-from RESULTS.json] [--json]``
 and ``--what-if [N,N,...] [--plot FILE]``: project a run's memory, step time and days before it
 starts, for BF16, FP8 and NVFP4 side by side. Where the config's batch does not split over the
-GPUs (or fit them), the batch and mesh are chosen (maxfp4.plan_layout) and the choice is printed.
+GPUs (or fit them), the batch and mesh are chosen (maxfp4.plan.layout) and the choice is printed.
 
 Every formula and constant is stated in docs/PLANNING.md; the constants below carry the same names.
 """
@@ -17,8 +17,8 @@ from typing import Sequence
 
 from maxfp4.config import Config, add_config_arguments, config_from_arguments
 from maxfp4.errors import UserError, exit_code_of
-from maxfp4.plan_layout import DEFAULT_WHAT_IF_GPUS, format_what_if, layout_for, plot_what_if, what_if
-from maxfp4.plan_model import (GOODPUT, GPUS, GPUS_PER_NODE, OVERLAP, USABLE_MEMORY, read_utilisation, rows_for)
+from maxfp4.plan.layout import DEFAULT_WHAT_IF_GPUS, format_what_if, layout_for, plot_what_if, what_if
+from maxfp4.plan.cost import (GOODPUT, GPUS, GPUS_PER_NODE, OVERLAP, USABLE_MEMORY, read_utilisation, rows_for)
 
 
 def _check_inputs(gpus: int, gpu: str, tokens: float, batch_tokens: float | None = None,

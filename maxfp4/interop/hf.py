@@ -204,7 +204,7 @@ def check_covers(model_cfg, params: Any) -> None:
     table = {leaf.path for leaf in leaves(model_cfg)}
     if table != param_paths:
         extra = sorted(".".join(p) for p in param_paths - table) or sorted(".".join(p) for p in table - param_paths)
-        raise HFError(f"parameter {extra[0]}: no Hugging Face name for it in maxfp4.hf.leaves")
+        raise HFError(f"parameter {extra[0]}: no Hugging Face name for it in maxfp4.interop.hf.leaves")
 
 
 def ordered_slices(model_cfg) -> list[tuple[Leaf, int | None, int | None]]:

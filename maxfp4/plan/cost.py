@@ -1,6 +1,6 @@
 """The planner's cost model: parameters, FLOPs, memory per device, communication, compute and
 step time of a run on a mesh of GPUs, for each precision column (``python -m maxfp4.plan`` and
-maxfp4.plan_layout read it). Every formula and constant is stated in docs/PLANNING.md; the
+maxfp4.plan.layout read it). Every formula and constant is stated in docs/PLANNING.md; the
 constants below carry the same names.
 """
 
@@ -416,7 +416,7 @@ def project(cfg: Config, mesh: tuple[int, int, int], gpu: str, precision: str,
 
 def rows_for(layout, gpus: int, gpu: str, tokens: float, utilisation: float | None,
              gpus_per_node: int, goodput: float) -> list[dict]:
-    """The plan of each precision for a layout (maxfp4.plan_layout.Layout)."""
+    """The plan of each precision for a layout (maxfp4.plan.layout.Layout)."""
     rows = []
     for precision in PRECISIONS:
         row = project(layout.cfg, layout.mesh, gpu, precision, utilisation, gpus_per_node)
