@@ -315,6 +315,10 @@ class FaultConfig:
     # Steps (1-based, as logged) whose gradients are replaced by NaN inside the jitted step, so
     # the real non-finite guard sees them.
     nonfinite_at_steps: tuple[int, ...] = ()
+    # Steps whose gradients are NaN in the step's first evaluation only: a transient hardware
+    # fault, which a re-run (resilience.rerun_skipped) computes cleanly, where it reproduces the
+    # persistent nonfinite_at_steps.
+    transient_nonfinite_at_steps: tuple[int, ...] = ()
     hang_at_step: int = 0  # the loop sleeps forever before this step (0: never); for the watchdog
     slow_process: int = -1  # this process index sleeps slow_seconds every step (-1: none)
     slow_seconds: float = 0.0  # per-step sleep of slow_process; for the straggler report
@@ -330,6 +334,8 @@ class FaultConfig:
                  "an integer >= 0 (0: never)")
         _require(all(s >= 1 for s in self.nonfinite_at_steps), f"{p}.nonfinite_at_steps",
                  list(self.nonfinite_at_steps), "a list of steps >= 1")
+        _require(all(s >= 1 for s in self.transient_nonfinite_at_steps), f"{p}.transient_nonfinite_at_steps",
+                 list(self.transient_nonfinite_at_steps), "a list of steps >= 1")
         _require(self.hang_at_step >= 0, f"{p}.hang_at_step", self.hang_at_step, "an integer >= 0 (0: never)")
         _require(self.slow_process >= -1, f"{p}.slow_process", self.slow_process, "a process index or -1 (none)")
         _require(self.slow_seconds >= 0, f"{p}.slow_seconds", self.slow_seconds, "a number of seconds >= 0")
@@ -356,6 +362,12 @@ class ResilienceConfig:
     # suspends spike judgement for spike_window steps; a non-finite streak stops the run.
     max_consecutive_skips: int = 10
     max_rollbacks: int = 3  # rollbacks in one process's lifetime before it stops (exit code 3)
+    # Evaluate a skipped step's loss and gradients once more from the same state and batch and
+    # compare bit for bit: the same result is a divergence, a different one a transient hardware
+    # fault (maxfp4.reliability.rerun). Needs run.deterministic. Costs a forward and backward pass
+    # per skipped step, and on good steps a conditional (docs/RELIABILITY.md).
+    rerun_skipped: bool = False
+    rerun_drain_after: int = 2  # re-runs with a different result on the same devices before "drain it"
     hang_timeout_s: float = 0.0  # no step completes for this long -> stack dump, exit 124 (0: off)
     straggler_every: int = 0  # gather per-process host time per step every N steps (0: off)
     straggler_threshold: float = 1.2  # report processes slower than this x the median
@@ -377,6 +389,9 @@ class ResilienceConfig:
                      f"at most {2 * self.max_consecutive_skips - 3} with max_consecutive_skips="
                      f"{self.max_consecutive_skips} (a level shift skips up to spike_window // 2 + 1 steps)")
         _require(self.max_rollbacks >= 0, f"{p}.max_rollbacks", self.max_rollbacks, "an integer >= 0")
+        _require(self.rerun_drain_after >= 1, f"{p}.rerun_drain_after", self.rerun_drain_after, "an integer >= 1")
+        _require(self.guard or not self.rerun_skipped, f"{p}.rerun_skipped", self.rerun_skipped,
+                 "false with resilience.guard=false (only the guard skips steps)")
         _require(self.hang_timeout_s >= 0, f"{p}.hang_timeout_s", self.hang_timeout_s,
                  "a number of seconds >= 0 (0: off)")
         _require(self.straggler_every >= 0, f"{p}.straggler_every", self.straggler_every, "an integer >= 0 (0: off)")
@@ -505,6 +520,10 @@ def _check_across_sections(cfg: Config) -> None:
              f"a divisor of data.global_batch={d.global_batch}")
     _require(t.loss_chunks >= 1 and d.seq_len % t.loss_chunks == 0, "train.loss_chunks", t.loss_chunks,
              f"an integer >= 1 dividing data.seq_len={d.seq_len}")
+    # Without deterministic ops a healthy GPU may sum a re-run in another order: a false fault.
+    _require(cfg.run.deterministic or not cfg.resilience.rerun_skipped, "resilience.rerun_skipped",
+             cfg.resilience.rerun_skipped, "false unless run.deterministic=true (a re-run must give the same bits "
+             "on healthy hardware)")
     horizon = o.schedule_steps or t.steps
     _require(o.warmup_steps <= horizon, "optim.warmup_steps", o.warmup_steps,
              f"at most the schedule length {horizon}")

@@ -238,6 +238,7 @@ class MetricsHook(Hook):
             "step_time_s": step_time,
             "eta_s": (total_steps - step) * step_time if step_time else None,
             "skipped_steps": int(values["skipped_steps"]),
+            **({"rerun_verdict": int(values["rerun_verdict"])} if "rerun_verdict" in values else {}),
         }
 
     def summary(self) -> str:

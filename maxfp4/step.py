@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import optax
 
 from maxfp4.config import Config, ConfigError
-from maxfp4.reliability.faults import loss_scale, poison_gradients
+from maxfp4.reliability.faults import loss_scale, poison_first_evaluation, poison_gradients
 from maxfp4.reliability.guard import guard_metrics, judge
+from maxfp4.reliability.rerun import rerun_if_bad
 from maxfp4.model import get_model
 from maxfp4.model.loss import chunked_loss_sum, token_losses
 from maxfp4.optim import global_norm
@@ -79,15 +80,11 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
     m = cfg.train.microbatches
     res = cfg.resilience
     nan_steps = tuple(res.fault.nonfinite_at_steps)
+    first_evaluation_nan_steps = tuple(res.fault.transient_nonfinite_at_steps)
     scale_from, scale = res.fault.loss_scale_at_step, res.fault.loss_scale
 
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        n_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
-        denom = jnp.maximum(n_tokens, 1.0)
-        if scale_from:
-            denom = denom / loss_scale(state.step + 1, scale_from, scale)
-        scales = scales_of(state.precision)
-        step_key = jax.random.fold_in(state.rng, state.step)
+    def loss_and_grads(state: TrainState, batch: Batch, scales: Any, step_key: jax.Array, denom: jax.Array):
+        """The step's loss, gradients and amaxes from its inputs: what a re-run evaluates again."""
         if m == 1:
             loss, (grads, amaxes) = grad_fn(state.params, scales, batch, step_key, denom)
         else:
@@ -105,6 +102,18 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
                 accumulate, init, (_split_microbatches(batch, m, constrain), jnp.arange(m)))
         if nan_steps:
             grads = poison_gradients(grads, state.step + 1, nan_steps)
+        return loss, grads, amaxes
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        n_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+        denom = jnp.maximum(n_tokens, 1.0)
+        if scale_from:
+            denom = denom / loss_scale(state.step + 1, scale_from, scale)
+        scales = scales_of(state.precision)
+        step_key = jax.random.fold_in(state.rng, state.step)
+        loss, grads, amaxes = loss_and_grads(state, batch, scales, step_key, denom)
+        if first_evaluation_nan_steps:
+            grads = poison_first_evaluation(grads, state.step + 1, first_evaluation_nan_steps)
         grad_norm = global_norm(grads)
 
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -112,6 +121,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
         precision = update_precision_state(state.precision, amaxes, policy)
         guard = state.guard
         ok = jnp.array(True)
+        rerun = {}
         if res.guard:
             # A bad step keeps the old state; the step counter still advances (maxfp4.reliability.guard).
             # The old or the new state is selected element-wise rather than by a cond: XLA fuses
@@ -126,12 +136,16 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
 
             params, opt_state, precision = jax.tree.map(
                 keep_old_if_bad, (params, opt_state, precision), (state.params, state.opt_state, state.precision))
+            if res.rerun_skipped:  # a bad step is evaluated once more (maxfp4.reliability.rerun)
+                rerun = {"rerun_verdict": rerun_if_bad(
+                    ok, (loss, grads), lambda: loss_and_grads(state, batch, scales, step_key, denom)[:2])}
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": schedule(state.step),
             "tokens": n_tokens,
             **guard_metrics(guard, ok),
+            **rerun,
         }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                                   precision=precision, guard=guard)

@@ -49,6 +49,7 @@ from maxfp4.reliability.faults import FaultHook
 from maxfp4.reliability.guard import init_guard_state
 from maxfp4.reliability.preemption import Interrupted, PreemptionHook, PreemptionWatch
 from maxfp4.reliability.preflight import preflight_summary
+from maxfp4.reliability.rerun import rerun_hook, reruns_of
 from maxfp4.reliability.rollback import Diverged, RollbackHook, Rollbacks
 from maxfp4.reliability.run_lock import run_directory
 from maxfp4.reliability.stragglers import StragglerHook, StragglerMonitor
@@ -161,7 +162,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
                 last = metrics.records[-1] if metrics.records else None
                 raise crash_error(cfg.run_dir, error, step=loop.last_step, config=cfg.to_dict(), last_metrics=last,
                                   newest_checkpoint=lambda: _newest_checkpoint(cfg.run_dir),
-                                  remove_partial_saves=checkpointer.remove_partial_saves, say=_say) from None
+                                  remove_partial_saves=checkpointer.remove_partial_saves, say=_say,
+                                  reruns=reruns_of(hooks)) from None
             finally:
                 close_hooks(hooks, quietly=failing)
             return metrics.records
@@ -306,7 +308,8 @@ def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Check
         StepProfiler(cfg.train.profile_steps, os.path.join(cfg.run_dir, "profile"), enabled=is_writer),
         CheckpointHook(checkpointer, enabled=cfg.checkpoint.enabled, data=data, config=cfg.to_dict(),
                        saving=watch.saving),
-        evaluation, metrics, RollbackHook(rollbacks, checkpointer, _say),
+        evaluation, metrics, rerun_hook(res, mesh, _say, is_writer=is_writer),
+        RollbackHook(rollbacks, checkpointer, _say),
     ]
     return [hook for hook in hooks if hook is not None], metrics
 

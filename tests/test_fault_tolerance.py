@@ -1,6 +1,7 @@
 """The resilience machinery end to end, through the command line, with real processes, signals and
 injected faults: kill -9 (mid-run, during an async save) and resume; NaN steps skipped, a streak
-rolled back, a persistent fault stopped; a hang ended by the watchdog; a slow process named in
+rolled back, a persistent fault stopped; re-runs of skipped steps telling a transient fault from a
+divergence; a hang ended by the watchdog; a slow process named in
 the straggler report of a two-process run; preflight's failure lines."""
 
 import json
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from maxfp4.reliability.stragglers import host_name
 from tests.conftest import cpu_env
 from tests.test_multiprocess import _free_port
 from tests.test_preemption import ARGS, REPO
@@ -220,3 +222,33 @@ def test_preflight_cli_reports_each_failure_in_one_line(tmp_path):
     # One line per failed check (a third, the memory check, fails on this 2-device mesh too).
     assert lines[0].startswith("error: preflight data: data.paths:") and "missing.txt" in lines[0]
     assert lines[1].startswith(f"preflight output: {blocker}/quickstart: not writable")
+
+
+def test_rerun_of_skipped_steps_tells_transient_faults_from_a_divergence_and_says_drain(tmp_path):
+    # Steps 3 and 5: NaN gradients in the first evaluation only (a transient fault); 7-9: NaN in
+    # every evaluation (a divergence), a streak of max_consecutive_skips with no checkpoint before
+    # it, so the run stops (exit 3) and crash.json holds every re-run's verdict.
+    out = _run(tmp_path, "rerun", "train.steps=12", "run.deterministic=true", "resilience.rerun_skipped=true",
+               "resilience.fault.transient_nonfinite_at_steps=[3,5]", "resilience.fault.nonfinite_at_steps=[7,8,9]",
+               "resilience.max_consecutive_skips=3", "resilience.spike_window=3")
+    text = out.stdout + out.stderr
+    assert out.returncode == 3, text[-3000:]
+    recs = _records(tmp_path, "rerun")
+    assert [(r["step"], r["rerun_verdict"]) for r in recs] == [
+        (1, 0), (2, 0), (3, 2), (4, 0), (5, 2), (6, 0), (7, 1), (8, 1), (9, 1)]
+    assert recs[-1]["skipped_steps"] == 5
+    lines = [line for line in out.stdout.splitlines() if line.startswith("rerun: ")]
+    device = f"device cpu:0 of process 0 (host {host_name()})"
+    assert lines[:3] == [
+        f"rerun: step 3 skipped (non-finite); its re-run gave a different result: a transient hardware fault "
+        f"(silent data corruption) on {device}, 1 in this run",
+        f"rerun: step 5 skipped (non-finite); its re-run gave a different result: a transient hardware fault "
+        f"(silent data corruption) on {device}, 2 in this run",
+        f"rerun: {device} gave different results on 2 re-runs (steps 3, 5): drain it",
+    ]
+    assert lines[3:] == [f"rerun: step {s} skipped (non-finite); its re-run reproduced it bit for bit: a divergence or "
+                         f"bad data, not a hardware fault ({device})" for s in (7, 8, 9)]
+    crash = json.loads((tmp_path / "rerun" / "crash.json").read_text())
+    assert crash["error"].startswith("Diverged")
+    assert [(r["step"], r["verdict"]) for r in crash["reruns"]] == [
+        (3, "differed"), (5, "differed"), (7, "reproduced"), (8, "reproduced"), (9, "reproduced")]

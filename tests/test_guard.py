@@ -2,7 +2,8 @@
 traces of real runs (tests/data/guard_traces/, every file) replayed through the jitted judge:
 no skip on the healthy runs, injected spikes and non-finite steps skipped; level shifts, drifts
 and declines skip at most the documented bound; inside the real train step (good steps
-bit-identical to the step without the guard; a NaN step leaves the state alone)."""
+bit-identical to the step without the guard; a NaN step leaves the state alone); re-runs of skipped
+steps (every step bit-identical with them on; transient and persistent faults told apart)."""
 
 import collections
 import glob
@@ -18,6 +19,8 @@ from hypothesis import strategies as st
 
 from maxfp4.config import ConfigError, ResilienceConfig, load_config
 from maxfp4.reliability.guard import init_guard_state, judge, level_shift_bound
+from maxfp4.reliability.rerun import (DIFFERED, NOT_RERUN, REPRODUCED, RerunHook, describe_devices,
+                                     reruns_of)
 from maxfp4.mesh import batch_sharding, make_constrain, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
@@ -276,3 +279,75 @@ def test_loss_scale_fault_multiplies_loss_and_gradients_from_its_step(tiny_cfg):
     _, m_plain2 = plain(second, batch)
     np.testing.assert_allclose(float(m_after["loss"]), 2.0 * float(m_plain2["loss"]), rtol=1e-6)
     np.testing.assert_allclose(float(m_after["grad_norm"]), 2.0 * float(m_plain2["grad_norm"]), rtol=1e-6)
+
+
+def test_rerun_keeps_every_step_bit_identical_and_tells_a_transient_fault_from_a_persistent_one(tiny_cfg):
+    """Two microbatches and FP8 delayed scaling (the scan and the scaling state inside the re-run). Steps: 1 good; 2 NaN gradients in the first evaluation only (transient); 3 NaN gradients in
+    every evaluation (persistent); 4 the loss x10 (a spike, persistent); 5 good. With re-runs on,
+    every step's state and metrics equal the step's without them bit for bit, and the verdicts
+    are 0, differed, reproduced, reproduced, 0."""
+    faults = ["mesh.data=1", "run.deterministic=true", "train.microbatches=2", "precision.default=fp8_delayed",
+              "resilience.spike_warmup=1",
+              "resilience.fault.transient_nonfinite_at_steps=[2]", "resilience.fault.nonfinite_at_steps=[3]",
+              "resilience.fault.loss_scale=10", "resilience.fault.loss_scale_at_step=4"]
+    plain_state, plain_step, b_sh = _step_fn(tiny_cfg(*faults))
+    state, step, _ = _step_fn(tiny_cfg(*faults, "resilience.rerun_skipped=true"))
+    verdicts = []
+    for i in range(5):
+        batch = {k: jax.device_put(v, b_sh) for k, v in _batch(tiny_cfg(), seed=i).items()}
+        plain_state, plain_m = plain_step(plain_state, batch)
+        state, m = step(state, batch)
+        assert "rerun_verdict" not in plain_m
+        verdicts.append(int(m.pop("rerun_verdict")))
+        # Every leaf but the random key (a key array; it never changes): params, optimizer, precision, guard.
+        for a, b in zip(_host(state.replace(rng=None)) + _host(m),
+                        _host(plain_state.replace(rng=None)) + _host(plain_m)):
+            assert np.array_equal(a, b, equal_nan=True) and a.tobytes() == b.tobytes()
+    assert verdicts == [NOT_RERUN, DIFFERED, REPRODUCED, REPRODUCED, NOT_RERUN]
+    assert int(m["skipped_steps"]) == 3
+
+
+def test_rerun_needs_deterministic_ops_and_the_guard(tmp_path):
+    base = [f"run.output_dir={tmp_path}", "resilience.rerun_skipped=true"]
+    with pytest.raises(ConfigError, match=r"^resilience.rerun_skipped=True: expected false unless run.determ"):
+        load_config(None, base)
+    with pytest.raises(ConfigError, match=r"^resilience.rerun_skipped=True: expected false with resilience.guard="):
+        load_config(None, base + ["run.deterministic=true", "resilience.guard=false"])
+    with pytest.raises(ConfigError, match=r"^resilience.rerun_drain_after=0: expected an integer >= 1$"):
+        load_config(None, base + ["run.deterministic=true", "resilience.rerun_drain_after=0"])
+    assert load_config(None, base + ["run.deterministic=true"]).resilience.rerun_skipped
+
+
+def test_rerun_lines_name_the_devices_and_say_drain_once_faults_repeat():
+    """The host side on real devices: one device is named exactly; several are named as a group,
+    since the re-run compares results summed over all of them."""
+    lines = []
+    one = RerunHook(describe_devices(jax.devices()[:1], 0, 1, "node7"), single_device=True, drain_after=2,
+                    say=lines.append, is_writer=True)
+    good = {"loss": 2.0, "grad_norm": 1.0}
+    for step, verdict, loss in ((1, NOT_RERUN, 2.0), (2, DIFFERED, float("nan")), (3, REPRODUCED, 9.0),
+                                (4, DIFFERED, 2.0), (5, DIFFERED, 2.0)):
+        one.after_step(None, step, dict(good, loss=loss, rerun_verdict=verdict), False)
+    assert lines == [
+        "rerun: step 2 skipped (non-finite); its re-run gave a different result: a transient hardware fault "
+        "(silent data corruption) on device cpu:0 of process 0 (host node7), 1 in this run",
+        "rerun: step 3 skipped (spike); its re-run reproduced it bit for bit: a divergence or bad data, not a "
+        "hardware fault (device cpu:0 of process 0 (host node7))",
+        "rerun: step 4 skipped (spike); its re-run gave a different result: a transient hardware fault "
+        "(silent data corruption) on device cpu:0 of process 0 (host node7), 2 in this run",
+        "rerun: device cpu:0 of process 0 (host node7) gave different results on 2 re-runs (steps 2, 4): drain it",
+        "rerun: step 5 skipped (spike); its re-run gave a different result: a transient hardware fault "
+        "(silent data corruption) on device cpu:0 of process 0 (host node7), 3 in this run",
+    ]
+    assert [(r["step"], r["skip"], r["verdict"]) for r in reruns_of([one])] == [
+        (2, "non-finite", "differed"), (3, "spike", "reproduced"), (4, "spike", "differed"), (5, "spike", "differed")]
+
+    lines.clear()
+    group = RerunHook(describe_devices(jax.devices()[:4], 1, 2, "node7"), single_device=False, drain_after=1,
+                      say=lines.append, is_writer=True)
+    group.after_step(None, 9, dict(good, rerun_verdict=DIFFERED), False)
+    assert lines[-1].startswith("rerun: 1 re-runs (steps 9) gave different results on one of the 4 devices of "
+                                "processes 0..1: one of them is faulty")
+    silent = RerunHook("device cpu:0", single_device=True, drain_after=1, say=lines.append, is_writer=False)
+    silent.after_step(None, 9, dict(good, rerun_verdict=DIFFERED), False)
+    assert len(lines) == 2 and reruns_of([silent])[0]["verdict"] == "differed" and reruns_of([]) is None

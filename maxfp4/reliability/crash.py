@@ -89,9 +89,11 @@ def quiet_disk_full_logs() -> None:
 
 
 def write_crash_report(run_dir: str, error: BaseException, *, step: int | None, config: dict[str, Any],
-                       last_metrics: dict[str, Any] | None) -> str:
+                       last_metrics: dict[str, Any] | None, reruns: list[dict[str, Any]] | None = None) -> str:
     """``<run_dir>/crash.json`` next to the metrics: what failed, where, at which step, with
     which config and the last metrics, so the operator need not dig through scheduler logs.
+    ``reruns``: each skipped step's re-run (maxfp4.reliability.rerun), when they are on, which
+    tells a divergence from a faulty device.
     Written under a temporary name and renamed; raises OSError (the temporary file removed)
     if it cannot be written."""
     path = os.path.join(run_dir, "crash.json")
@@ -103,6 +105,8 @@ def write_crash_report(run_dir: str, error: BaseException, *, step: int | None, 
         "last_metrics": last_metrics,
         "config": config,
     }
+    if reruns is not None:
+        report["reruns"] = reruns
     os.makedirs(run_dir, exist_ok=True)
     with atomic_file(path) as fh:
         json.dump(report, fh, indent=1, default=str)
@@ -110,7 +114,8 @@ def write_crash_report(run_dir: str, error: BaseException, *, step: int | None, 
 
 
 def crash_error(run_dir: str, error: Exception, *, step: int, config: dict[str, Any],
-                last_metrics: dict | None, newest_checkpoint, remove_partial_saves, say) -> BaseException:
+                last_metrics: dict | None, newest_checkpoint, remove_partial_saves, say,
+                reruns: list[dict[str, Any]] | None = None) -> BaseException:
     """Report a crash (crash.json, one line) and return what to raise. A full disk is no bug:
     one line naming the directory and the newest complete checkpoint, no traceback; the
     temporary directory of the save it cut short is removed to give the space back."""
@@ -122,7 +127,8 @@ def crash_error(run_dir: str, error: Exception, *, step: int, config: dict[str, 
     report = None
     if jax.process_index() == 0:
         try:
-            report = write_crash_report(run_dir, error, step=step, config=config, last_metrics=last_metrics)
+            report = write_crash_report(run_dir, error, step=step, config=config, last_metrics=last_metrics,
+                                        reruns=reruns)
         except OSError as e:
             report = f"not written ({e.strerror or e})"
     if full:

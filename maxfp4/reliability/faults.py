@@ -20,6 +20,14 @@ def poison_gradients(grads: Any, step: jax.Array, steps: Sequence[int]) -> Any:
     return jax.tree.map(lambda g: jnp.where(hit, jnp.asarray(jnp.nan, g.dtype), g), grads)
 
 
+def poison_first_evaluation(grads: Any, step: jax.Array, steps: Sequence[int]) -> Any:
+    """A transient fault: NaN gradients in the step's first evaluation only, when ``step``
+    (1-based, traced) is one of ``steps``. The caller applies it after the evaluation that a
+    re-run repeats (maxfp4.reliability.rerun), so the re-run computes clean gradients, as after a
+    bit flipped in flight; :func:`poison_gradients` is the persistent fault, which re-runs reproduce."""
+    return poison_gradients(grads, step, steps)
+
+
 def loss_scale(step: jax.Array, from_step: int, factor: float) -> jax.Array:
     """``factor`` from ``step`` ``from_step`` on (1-based, traced), else 1. The step divides its
     loss normaliser by it, so the loss and every gradient of the backward pass (FP8 amaxes

@@ -7,7 +7,8 @@ steps have been seen, when its loss is a spike:
 
 A bad step's update is not applied: the caller keeps the old parameters, optimizer state and
 precision state, while the step counter (and so the learning-rate schedule and the data) moves
-on, exactly as if the batch had been dropped from the dataset.
+on, exactly as if the batch had been dropped from the dataset. Whether a bad step was the model's
+or a device's doing, a re-run of it tells (``resilience.rerun_skipped``, maxfp4.reliability.rerun).
 
 Why this rule (the measurements are in docs/RELIABILITY.md):
 - A spike is transient. Every finite loss enters the window, the skipped ones too, so a value that
