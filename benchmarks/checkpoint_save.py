@@ -40,7 +40,7 @@ from maxfp4 import checksums
 from maxfp4.checkpoint import Checkpointer
 from maxfp4.config import load_config
 from maxfp4.data import make_batches
-from maxfp4.mesh import batch_sharding, make_constrain, make_mesh
+from maxfp4.mesh import batch_sharding, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.step import make_train_step
@@ -60,7 +60,7 @@ def measure(cfg, steps: int, warmup: int) -> dict:
     state, state_sh = init_state(cfg, mesh, optimizer, policy)
     os.makedirs(cfg.run_dir, exist_ok=True)
     data = make_batches(cfg, cfg.run_dir)
-    step_fn = make_train_step(cfg, policy, optimizer, make_schedule(cfg), make_constrain(mesh),
+    step_fn = make_train_step(cfg, policy, optimizer, make_schedule(cfg), mesh,
                               data.max_runs_per_row)  # the attention kernel the trainer would pick
     b_sh = batch_sharding(mesh)
     jitted = jax.jit(step_fn, in_shardings=(state_sh, b_sh),

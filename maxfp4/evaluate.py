@@ -21,9 +21,10 @@ from maxfp4.state import TrainState
 from maxfp4.step import make_loss_fn
 
 
-def make_eval_step(cfg: Config, policy: PrecisionPolicy, constrain: Callable = lambda x, axes: x) -> Callable:
-    """``eval_step(state, batch) -> (summed token loss, token count)``, both FP32 scalars; jit it."""
-    loss_fn = make_loss_fn(cfg, policy, constrain)
+def make_eval_step(cfg: Config, policy: PrecisionPolicy, mesh=None) -> Callable:
+    """``eval_step(state, batch) -> (summed token loss, token count)``, both FP32 scalars, traced
+    under ``mesh``; jit it."""
+    loss_fn = make_loss_fn(cfg, policy, mesh)
 
     def eval_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         n_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))

@@ -141,75 +141,98 @@ def batch_reader(mesh: Mesh, global_batch: int) -> tuple[int, int]:
     return start // (stop - start), global_batch // (stop - start)
 
 
-class ActivationSharding:
-    """``constrain(x, logical_axes)`` pins an activation's sharding inside jit;
-    ``constrain.per_batch_row(fn, batched, whole)`` runs ``fn`` on each device's rows of the batch.
+# How the mesh reaches a layer: one way, JAX's abstract mesh. The trainer traces its step under
+# the mesh (:func:`traced_in_mesh`), and a layer asks for what it needs where it needs it
+# (:func:`constrain`, :func:`per_batch_row` ...), so no module takes a mesh or a callable that
+# carries one, and code deep in the step (a recipe's backward pass, a kernel) reads the same
+# mesh as the model does. Without a mesh (one device, a test) each of these is the identity.
 
-    The second is for Pallas kernels: XLA cannot partition a kernel (a custom call on GPU, a
-    loop over the grid in interpret mode), so without it every device gathers the whole global
-    batch and runs the kernel on all of it: N times the work and the memory on N devices."""
+def traced_in_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
+    """``fn`` traced with ``mesh`` as JAX's abstract mesh (``fn`` itself when ``mesh`` is None)."""
+    if mesh is None:
+        return fn
 
-    def __init__(self, mesh: Mesh):
-        self.mesh = mesh
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+    return traced
 
-    def __call__(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-        spec = logical_to_spec(axes, x.shape, self.mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-    def traced_in_mesh(self, fn: Callable) -> Callable:
-        """``fn`` traced with this mesh as JAX's abstract mesh, so code deep in the step that
-        has no ``constrain`` (the precision recipes' backward passes) can split a kernel's work
-        over the devices as ``per_batch_row`` does (``jax.sharding.get_abstract_mesh``)."""
-        @functools.wraps(fn)
-        def traced(*args, **kwargs):
-            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-                return fn(*args, **kwargs)
-        return traced
+def traced_mesh():
+    """The abstract mesh the step is traced under (:func:`traced_in_mesh`), or None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
 
-    def splits_batch(self, batch: int) -> bool:
-        """Whether a batch of this many rows is split over several devices."""
-        return logical_to_spec(("batch",), (batch,), self.mesh)[0] is not None
 
-    def per_batch_row(self, fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) -> Any:
-        """``fn(*batched, *whole)``, where every array in ``batched`` and every output has the
-        batch first and is split over the batch axes, and ``whole`` (a pytree, parameters say)
-        is given whole to every device. ``fn`` must treat batch rows independently."""
-        batch_axes = self._batch_axes(batched)
-        if batch_axes is None:  # one device on the batch axes, or a batch they do not divide
-            return fn(*batched, *whole)
-        rows = PartitionSpec(batch_axes)
-        return self._per_device(fn, batched, whole, rows, rows)
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """``x`` pinned to the sharding of its logical ``axes`` (inside jit, under a mesh)."""
+    mesh = traced_mesh()
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh)))
 
-    def per_row_and_tensor_rank(self, fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) -> Any:
-        """As :meth:`per_batch_row`, and the last dim of the first array in ``batched`` and of
-        the output is split over ``tensor`` too: ``fn`` runs on each device's rows and its tensor
-        rank's block of channels (``jax.lax.axis_index("tensor")`` says which). Without a batch
-        split it still runs under ``shard_map``, over the tensor axis alone."""
-        batch_axes = self._batch_axes(batched)
-        split = PartitionSpec(batch_axes, *([None] * (batched[0].ndim - 2)), "tensor")
-        return self._per_device(fn, batched, whole, split, PartitionSpec(batch_axes))
 
-    def _batch_axes(self, batched: Sequence[Any]):
-        return logical_to_spec(("batch",), batched[0].shape[:1], self.mesh)[0]
+def tensor_ranks() -> int:
+    """Devices on the ``tensor`` axis of the mesh the step is traced under (1 without one)."""
+    mesh = traced_mesh()
+    return 1 if mesh is None else mesh.shape.get("tensor", 1)
 
-    def _per_device(self, fn: Callable, batched: Sequence[Any], whole: Sequence[Any], first: PartitionSpec,
-                    rest: PartitionSpec) -> Any:
-        """``fn`` under ``shard_map``: the first batched array and the output laid out as
-        ``first``, the other batched arrays as ``rest``, ``whole`` replicated."""
-        in_specs = ((first,) + tuple(rest for _ in batched[1:])
-                    + tuple(jax.tree.map(lambda _: PartitionSpec(), w) for w in whole))
-        # check_vma=False: the kernels' outputs carry no varying-axis type; the cotangents of
-        # the whole inputs are summed over the devices by shard_map's transpose all the same.
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=first,
-                             check_vma=False)(*batched, *whole)
+
+def splits_batch(batch: int) -> bool:
+    """Whether a batch of this many rows is split over several devices."""
+    mesh = traced_mesh()
+    return mesh is not None and logical_to_spec(("batch",), (batch,), mesh)[0] is not None
+
+
+# The next two are for Pallas kernels: XLA cannot partition a kernel (a custom call on GPU, a
+# loop over the grid in interpret mode), so without them every device gathers the whole global
+# batch and runs the kernel on all of it: N times the work and the memory on N devices.
+
+def per_batch_row(fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) -> Any:
+    """``fn(*batched, *whole)``, where every array in ``batched`` and every output has the
+    batch first and is split over the batch axes, and ``whole`` (a pytree, parameters say)
+    is given whole to every device. ``fn`` must treat batch rows independently."""
+    mesh = traced_mesh()
+    batch_axes = None if mesh is None else _batch_axes(batched, mesh)
+    if batch_axes is None:  # one device on the batch axes, or a batch they do not divide
+        return fn(*batched, *whole)
+    rows = PartitionSpec(batch_axes)
+    return _per_device(fn, batched, whole, rows, rows, mesh)
+
+
+def per_row_and_tensor_rank(fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) -> Any:
+    """As :func:`per_batch_row`, and the last dim of the first array in ``batched`` and of the
+    output is split over ``tensor`` too: ``fn`` runs on each device's rows and its tensor rank's
+    block of channels (``jax.lax.axis_index("tensor")`` says which). Without a batch split it
+    still runs under ``shard_map``, over the tensor axis alone. Needs a mesh."""
+    mesh = traced_mesh()
+    batch_axes = _batch_axes(batched, mesh)
+    split = PartitionSpec(batch_axes, *([None] * (batched[0].ndim - 2)), "tensor")
+    return _per_device(fn, batched, whole, split, PartitionSpec(batch_axes), mesh)
+
+
+def _batch_axes(batched: Sequence[Any], mesh):
+    return logical_to_spec(("batch",), batched[0].shape[:1], mesh)[0]
+
+
+def _per_device(fn: Callable, batched: Sequence[Any], whole: Sequence[Any], first: PartitionSpec,
+                rest: PartitionSpec, mesh) -> Any:
+    """``fn`` under ``shard_map``: the first batched array and the output laid out as
+    ``first``, the other batched arrays as ``rest``, ``whole`` replicated."""
+    in_specs = ((first,) + tuple(rest for _ in batched[1:])
+                + tuple(jax.tree.map(lambda _: PartitionSpec(), w) for w in whole))
+    # check_vma=False: the kernels' outputs carry no varying-axis type; the cotangents of
+    # the whole inputs are summed over the devices by shard_map's transpose all the same.
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=first, check_vma=False)(*batched, *whole)
 
 
 def batch_split():
     """``(mesh, axes)``: the abstract mesh the step is traced under and those of its batch axes
     that split the tokens (size > 1); ``(None, ())`` when no mesh is set. For code deep in the
-    step that runs a kernel on each device's rows (``ActivationSharding.traced_in_mesh``)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    step that runs a kernel on each device's rows."""
+    mesh = traced_mesh()
+    if mesh is None:
         return None, ()
     return mesh, tuple(a for a in LOGICAL_RULES["batch"] if a in mesh.axis_names and mesh.shape[a] > 1)
 
@@ -236,9 +259,3 @@ def batch_split_axes(batch: int):
     if not splits_only(mesh, axes) or batch % split_size(mesh, axes):
         return None
     return mesh, axes
-
-
-def make_constrain(mesh: Mesh) -> ActivationSharding:
-    """``constrain(x, logical_axes)``: pin an activation's sharding inside jit (see
-    :class:`ActivationSharding`)."""
-    return ActivationSharding(mesh)

@@ -15,7 +15,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax.sharding import Mesh
+
 from maxfp4.config import Config, ConfigError
+from maxfp4.mesh import constrain, traced_in_mesh
 from maxfp4.reliability.faults import loss_scale, poison_first_evaluation, poison_gradients
 from maxfp4.reliability.guard import guard_metrics, judge
 from maxfp4.reliability.rerun import rerun_if_bad
@@ -40,9 +43,10 @@ def check_loss_chunks(cfg: Config, policy: PrecisionPolicy) -> None:
                           f"precision policy gives it {recipe!r} (its scales span the whole tensor)")
 
 
-def make_loss_fn(cfg: Config, policy: PrecisionPolicy, constrain: Callable,
+def make_loss_fn(cfg: Config, policy: PrecisionPolicy, mesh: Mesh | None = None,
                  runs_per_row: int | None = None) -> Callable:
-    """``runs_per_row``: a bound on the segment runs in any row of the batches the loss will see
+    """The loss, traced under ``mesh`` (None: as the caller traces it; the train step traces
+    itself under its mesh). ``runs_per_row``: a bound on the segment runs in any row of the batches the loss will see
     (the training data's, from its packing layout), so attention picks its kernel when tracing
     (:func:`maxfp4.model.attention.attend`); None decides on the device per batch."""
     forward = get_model(cfg.model).forward
@@ -53,17 +57,17 @@ def make_loss_fn(cfg: Config, policy: PrecisionPolicy, constrain: Callable,
         """Summed token loss of ``batch`` divided by ``denom`` (FP32)."""
         out = forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
                       cfg=cfg.model, policy=policy, scales=scales, key=key, remat=cfg.train.remat,
-                      scan_layers=cfg.train.scan_layers, constrain=constrain, logits=chunks == 1,
+                      scan_layers=cfg.train.scan_layers, logits=chunks == 1,
                       runs_per_row=runs_per_row)
         mask_BT = batch["loss_mask"].astype(jnp.float32)
         if chunks == 1:
             return jnp.sum(token_losses(out, batch["targets"]) * mask_BT) / denom
         return chunked_loss_sum(params, out, batch["targets"], mask_BT, chunks, cfg=cfg.model,
-                                policy=policy, scales=scales, key=key, constrain=constrain) / denom
-    return loss_fn
+                                policy=policy, scales=scales, key=key) / denom
+    return traced_in_mesh(loss_fn, mesh)
 
 
-def _split_microbatches(batch: Batch, m: int, constrain: Callable) -> Batch:
+def _split_microbatches(batch: Batch, m: int) -> Batch:
     """[B, T] -> [M, B/M, T], taking every M-th row so each microbatch spans all devices of the
     batch-sharded input instead of living on a few of them."""
     def split(x):
@@ -74,9 +78,11 @@ def _split_microbatches(batch: Batch, m: int, constrain: Callable) -> Batch:
 
 
 def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule, constrain: Callable = lambda x, axes: x,
+                    schedule: optax.Schedule, mesh: Mesh | None = None,
                     runs_per_row: int | None = None) -> Callable:
-    grad_fn = jax.value_and_grad(make_loss_fn(cfg, policy, constrain, runs_per_row), argnums=(0, 1))
+    """The step, traced under ``mesh`` (:func:`maxfp4.mesh.traced_in_mesh`: the one way the mesh
+    reaches the layers, the recipes and the kernels); None: no mesh (one device, tests)."""
+    grad_fn = jax.value_and_grad(make_loss_fn(cfg, policy, None, runs_per_row), argnums=(0, 1))
     m = cfg.train.microbatches
     res = cfg.resilience
     nan_steps = tuple(res.fault.nonfinite_at_steps)
@@ -99,7 +105,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
             init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params),
                     jax.tree.map(jnp.zeros_like, scales))
             (loss, grads, amaxes), _ = jax.lax.scan(
-                accumulate, init, (_split_microbatches(batch, m, constrain), jnp.arange(m)))
+                accumulate, init, (_split_microbatches(batch, m), jnp.arange(m)))
         if nan_steps:
             grads = poison_gradients(grads, state.step + 1, nan_steps)
         return loss, grads, amaxes
@@ -151,5 +157,4 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
                                   precision=precision, guard=guard)
         return new_state, metrics
 
-    traced_in_mesh = getattr(constrain, "traced_in_mesh", None)  # the identity of tests has none
-    return train_step if traced_in_mesh is None else traced_in_mesh(train_step)
+    return traced_in_mesh(train_step, mesh)

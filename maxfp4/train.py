@@ -34,7 +34,7 @@ from maxfp4.files import write_text_atomic
 from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.loop import Hook, Loop, close_hooks
 from maxfp4.interop.hf import check_init_from, read_params as read_hf_params
-from maxfp4.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_constrain, make_mesh, tree_shardings
+from maxfp4.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsHook, MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import abstract_params, get_model
 from maxfp4.model.mamba import tensor_note as mamba_tensor_note
@@ -118,7 +118,7 @@ def jit_train_step(cfg: Config, policy, optimizer: optax.GradientTransformation,
     """The train step jitted as the loop runs it: state and batch in their shardings, metrics
     replicated, the old state's buffers donated to the new one. ``runs_per_row``: the data's
     bound on segment runs per row (:func:`maxfp4.step.make_loss_fn`)."""
-    step_fn = make_train_step(cfg, policy, optimizer, schedule, make_constrain(mesh), runs_per_row)
+    step_fn = make_train_step(cfg, policy, optimizer, schedule, mesh, runs_per_row)
     return jax.jit(step_fn, in_shardings=(state_sh, batch_sharding(mesh)),
                    out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=0,
                    compiler_options=xla_options)
@@ -292,7 +292,7 @@ def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Check
     cfg, mesh, res = start.cfg, start.mesh, start.cfg.resilience
     is_writer = jax.process_index() == 0
     replicated = NamedSharding(mesh, PartitionSpec())
-    eval_step = jax.jit(make_eval_step(cfg, start.policy, make_constrain(mesh)),
+    eval_step = jax.jit(make_eval_step(cfg, start.policy, mesh),
                         in_shardings=(state_sh, batch_sharding(mesh)), out_shardings=(replicated, replicated))
     evaluation = EvalHook(eval_step, eval_batches, every=cfg.train.eval_every, total_steps=cfg.train.steps)
     stragglers = (StragglerHook(StragglerMonitor(res.straggler_threshold), res.straggler_every, _say,

@@ -21,7 +21,7 @@ from maxfp4.config import ConfigError, ResilienceConfig, load_config
 from maxfp4.reliability.guard import init_guard_state, judge, level_shift_bound
 from maxfp4.reliability.rerun import (DIFFERED, NOT_RERUN, REPRODUCED, RerunHook, describe_devices,
                                      reruns_of)
-from maxfp4.mesh import batch_sharding, make_constrain, make_mesh
+from maxfp4.mesh import batch_sharding, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.step import make_train_step
@@ -220,7 +220,7 @@ def _step_fn(cfg):
     optimizer = make_optimizer(cfg)
     state, state_sh = init_state(cfg, mesh, optimizer)
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
-    step = make_train_step(cfg, policy, optimizer, make_schedule(cfg), make_constrain(mesh))
+    step = make_train_step(cfg, policy, optimizer, make_schedule(cfg), mesh)
     b_sh = batch_sharding(mesh)
     return state, jax.jit(step, in_shardings=(state_sh, b_sh), out_shardings=(state_sh, None)), b_sh
 

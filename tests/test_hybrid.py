@@ -213,7 +213,7 @@ def _fp8_mixer_value_and_grads(fp8_in_kernels: bool, out_proj_recipe: str = "fp8
     # its clip at 57344 both occur: a value that differs anywhere changes the bits below.
     scales = {"mamba_in": jnp.array([3.7, 51.3, 4.1e6], jnp.float32),
               "mamba_out": jnp.array([2.9, 47.1, 2.3e5], jnp.float32)}
-    used = mamba._fp8_in_kernels(x, cfg.model, LayerPrecision(policy, 0, scales), None)
+    used = mamba._fp8_in_kernels(x, cfg.model, LayerPrecision(policy, 0, scales))
     if trace_only:
         return used
 

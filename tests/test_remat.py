@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from maxfp4.mesh import make_constrain, make_mesh
+from maxfp4.mesh import make_mesh
 from maxfp4.model import remat
 from maxfp4.optim import make_optimizer
 from maxfp4.precision import GEMM_WEIGHT, resolve_policy
@@ -26,7 +26,7 @@ FP8 = "f8_e4m3fn"
 def _loss_and_params(cfg):
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     state, _ = init_state(cfg, mesh, make_optimizer(cfg))
-    loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), make_constrain(mesh))
+    loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), mesh)
     batch = _batch(cfg)
     scales = scales_of(state.precision)  # the delayed-scaling state's scales ({} for the others)
     return (lambda p: loss_fn(p, scales, batch, jax.random.key(0), 1.0)), state.params

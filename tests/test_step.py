@@ -6,7 +6,7 @@ import optax
 import pytest
 
 from maxfp4.config import ConfigError, load_config
-from maxfp4.mesh import batch_sharding, make_constrain, make_mesh
+from maxfp4.mesh import batch_sharding, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.step import make_loss_fn, make_train_step
@@ -31,10 +31,10 @@ def _one_step(cfg, devices):
     state, state_sh = init_state(cfg, mesh, optimizer)
     before = jax.device_get(state.params)
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
-    step = make_train_step(cfg, policy, optimizer, make_schedule(cfg), make_constrain(mesh))
+    step = make_train_step(cfg, policy, optimizer, make_schedule(cfg), mesh)
     b_sh = batch_sharding(mesh)
     batch = {k: jax.device_put(v, b_sh) for k, v in _batch(cfg).items()}
-    loss_fn = make_loss_fn(cfg, policy, make_constrain(mesh))
+    loss_fn = make_loss_fn(cfg, policy, mesh)
     grads = jax.jit(jax.grad(lambda p, b: loss_fn(p, {}, b, jax.random.key(0), 1.0)))(state.params, batch)
     new_state, metrics = jax.jit(step, in_shardings=(state_sh, b_sh), out_shardings=(state_sh, None))(state, batch)
     return before, new_state, jax.device_get(metrics), jax.device_get(grads)
@@ -48,7 +48,7 @@ def _loss_and_gradients(cfg, devices, params=None):
     mesh = make_mesh(cfg.mesh, devices)
     if params is None:
         params = init_state(cfg, mesh, make_optimizer(cfg))[0].params
-    loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), make_constrain(mesh))
+    loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), mesh)
     batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in _batch(cfg).items()}
     compiled = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, {}, b, jax.random.key(0), 1.0))).lower(
         params, batch).compile()
@@ -226,7 +226,7 @@ def test_loss_chunks_keep_one_slice_of_logits_and_refuse_a_quantized_head(tiny_c
         cfg = tiny_cfg("model.vocab_size=8192", "data.seq_len=256", f"train.loss_chunks={chunks}")
         mesh = make_mesh(cfg.mesh, jax.devices()[:1])
         state, _ = init_state(cfg, mesh, make_optimizer(cfg))
-        loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), make_constrain(mesh))
+        loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), mesh)
         grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, {}, b, jax.random.key(0), 1.0)))
         temp[chunks] = grad.lower(state.params, _batch(cfg)).compile().memory_analysis().temp_size_in_bytes
     logits_bytes = 8 * 256 * 8192 * 2  # B x T x V in BF16

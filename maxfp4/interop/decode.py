@@ -170,8 +170,7 @@ def decode_step(params: dict, cache: Cache, tokens_B: jax.Array, position: jax.A
     x_B1D = jnp.take(params["embed"], tokens_B[:, None], axis=0).astype(ACT_DTYPE)
     blocks = _hybrid_blocks if cfg.kind == "hybrid" else _dense_blocks
     x_B1D, cache = blocks(params, cache, x_B1D, position, cfg, policy)
-    logits_B1V = output_logits(params, x_B1D, cfg=cfg, policy=policy, scales={}, key=jax.random.key(0),
-                               constrain=lambda x, axes: x)
+    logits_B1V = output_logits(params, x_B1D, cfg=cfg, policy=policy, scales={}, key=jax.random.key(0))
     return logits_B1V[:, 0].astype(jnp.float32), cache
 
 

@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 from maxfp4.config import ModelConfig
+from maxfp4.mesh import constrain
 from maxfp4.model import lm
 from maxfp4.model.attention import Attention, resolve_implementation
 from maxfp4.model.layers import norm_scale, stacked
@@ -68,11 +69,12 @@ class DenseLM(lm.LanguageModel):
 
     def from_embedded(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
                       *, policy: PrecisionPolicy, scales: dict | None = None, key: jax.Array | None = None,
-                      remat: str = "none", scan_layers: bool = True, constrain=lambda x, axes: x,
+                      remat: str = "none", scan_layers: bool = True,
                       logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
         """The model after the embedding lookup. ``scales``: the delayed-scaling scales
         (:func:`maxfp4.precision.state.scales_of`); ``key`` seeds stochastic rounding;
-        ``constrain(x, logical_axes)`` pins activation shardings; ``runs_per_row``: a bound on
+        activations are pinned to their logical axes under the mesh the step is traced in
+        (:func:`maxfp4.mesh.constrain`); ``runs_per_row``: a bound on
         the segment runs of every row, when the data gives one
         (:func:`maxfp4.model.attention.attend`). ``logits=False`` returns the last block's
         output [B, T, D] instead of the logits [B, T, V]."""
@@ -103,7 +105,7 @@ class DenseLM(lm.LanguageModel):
             x_BTD = run_layers(body, x_BTD, (group, group_scales, group_keys), end - start, scan=scan_layers)
         if not logits:  # the last block's output, for a loss that applies the head itself
             return x_BTD
-        return self.logits(x_BTD, policy=policy, scales=scales, key=key, constrain=constrain)
+        return self.logits(x_BTD, policy=policy, scales=scales, key=key)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:

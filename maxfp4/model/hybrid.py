@@ -22,6 +22,7 @@ from flax import nnx
 
 from maxfp4.config import ModelConfig
 from maxfp4.model_spec import PATTERN_CHARS
+from maxfp4.mesh import constrain
 from maxfp4.model import lm
 from maxfp4.model.attention import Attention, resolve_implementation
 from maxfp4.model.layers import norm_scale, stacked
@@ -47,9 +48,9 @@ class MambaBlock(Mamba2Mixer):
         super().__init__(cfg, key, n)
         self.pre_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
 
-    def __call__(self, x_BTD, positions_BT, segment_ids_BT, lp: LayerPrecision, attn_impl: str, constrain,
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, lp: LayerPrecision, attn_impl: str,
                  runs_per_row: int | None):
-        y = super().__call__(self.pre_norm(x_BTD, self.cfg.norm_eps), segment_ids_BT, lp, constrain)
+        y = super().__call__(self.pre_norm(x_BTD, self.cfg.norm_eps), segment_ids_BT, lp)
         return x_BTD + y.astype(x_BTD.dtype)
 
 
@@ -61,7 +62,7 @@ class AttentionBlock(Attention):
         self.pre_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
         self.cfg = cfg
 
-    def __call__(self, x_BTD, positions_BT, segment_ids_BT, lp: LayerPrecision, attn_impl: str, constrain,
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, lp: LayerPrecision, attn_impl: str,
                  runs_per_row: int | None):
         cfg = self.cfg
         y = super().__call__(self.pre_norm(x_BTD, cfg.norm_eps), positions_BT, segment_ids_BT, lp,
@@ -78,7 +79,7 @@ class MLPBlock(MLP):
         self.pre_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
         self.cfg = cfg
 
-    def __call__(self, x_BTD, positions_BT, segment_ids_BT, lp: LayerPrecision, attn_impl: str, constrain,
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, lp: LayerPrecision, attn_impl: str,
                  runs_per_row: int | None):
         cfg = self.cfg
         y = super().__call__(self.pre_norm(x_BTD, cfg.norm_eps), lp, kind=cfg.mlp, smooth=cfg.smooth_swiglu)
@@ -108,7 +109,7 @@ class HybridLM(lm.LanguageModel):
 
     def from_embedded(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
                       *, policy: PrecisionPolicy, scales: dict | None = None, key: jax.Array | None = None,
-                      remat: str = "none", scan_layers: bool = True, constrain=lambda x, axes: x,
+                      remat: str = "none", scan_layers: bool = True,
                       logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
         """As :meth:`maxfp4.model.decoder.DenseLM.from_embedded`."""
         cfg = self.cfg
@@ -147,7 +148,7 @@ class HybridLM(lm.LanguageModel):
                     seen[t] += 1
                     lp = LayerPrecision(policy, start + j, {c: s[j] for c, s in xs["scales"].items()},
                                         jax.random.fold_in(xs["keys"], j))
-                    x = constrain(block(x, positions_BT, segment_ids_BT, lp, attn_impl, constrain, runs_per_row),
+                    x = constrain(block(x, positions_BT, segment_ids_BT, lp, attn_impl, runs_per_row),
                                   ("batch", "seq", "embed"))
                 return x, None
 
@@ -155,7 +156,7 @@ class HybridLM(lm.LanguageModel):
             x_BTD = run_layers(body, x_BTD, xs, reps, scan=scan_layers)
         if not logits:  # the last block's output, for a loss that applies the head itself
             return x_BTD
-        return self.logits(x_BTD, policy=policy, scales=scales, key=key, constrain=constrain)
+        return self.logits(x_BTD, policy=policy, scales=scales, key=key)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxfp4.mesh import constrain
 from maxfp4.model import fp8_mlp
 from maxfp4.model_spec import LinearSpec
 from maxfp4.model.activations import relu2, swiglu_product
@@ -189,8 +190,7 @@ def head_precision(cfg, policy, scales: dict, key: jax.Array) -> LayerPrecision:
                           jax.random.fold_in(key, cfg.n_layers))
 
 
-def output_logits(params: dict, x_BTD: jax.Array, *, cfg, policy, scales: dict, key: jax.Array,
-                  constrain) -> jax.Array:
+def output_logits(params: dict, x_BTD: jax.Array, *, cfg, policy, scales: dict, key: jax.Array) -> jax.Array:
     """Final RMSNorm and the LM head over the parameter pytree: logits [B, T, V]
     (``LanguageModel.logits`` on the module)."""
     x_BTD = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)

@@ -18,6 +18,7 @@ import jax
 from flax import nnx
 
 from maxfp4.config import ModelConfig
+from maxfp4.mesh import constrain
 from maxfp4.model.layers import Embedding, head_precision, linear, norm_scale, normal_init, param
 from maxfp4.model_spec import lm_head_linear
 from maxfp4.precision import PrecisionPolicy
@@ -43,8 +44,7 @@ class LanguageModel(nnx.Module):
     def from_embedded(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array, **options):
         raise NotImplementedError
 
-    def logits(self, x_BTD: jax.Array, *, policy: PrecisionPolicy, scales: dict, key: jax.Array,
-               constrain) -> jax.Array:
+    def logits(self, x_BTD: jax.Array, *, policy: PrecisionPolicy, scales: dict, key: jax.Array) -> jax.Array:
         """Final RMSNorm and the LM head (class ``lm_head``, not a block): logits [B, T, V]."""
         x_BTD = self.final_norm(x_BTD, self.cfg.norm_eps)
         head = head_precision(self.cfg, policy, scales, key)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from maxfp4.config import ModelConfig
+from maxfp4.mesh import constrain
 from maxfp4.model.layers import output_logits
 from maxfp4.precision import PrecisionPolicy
 
@@ -49,7 +50,7 @@ token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 
 def chunked_loss_sum(params: Params, x_BTD: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array,
                      chunks: int, *, cfg: ModelConfig, policy: PrecisionPolicy, scales: dict,
-                     key: jax.Array, constrain=lambda x, axes: x) -> jax.Array:
+                     key: jax.Array) -> jax.Array:
     """``sum(token_losses(output_logits(x)) * mask)`` over ``chunks`` slices of the sequence at
     a time (``train.loss_chunks``): one slice's [B, T/chunks, V] logits live at once, and the
     backward pass recomputes each slice's LM head instead of keeping the logits, which costs a
@@ -60,8 +61,7 @@ def chunked_loss_sum(params: Params, x_BTD: jax.Array, targets_BT: jax.Array, ma
 
     def per_chunk(x_BcD, targets_Bc, mask_Bc):
         x_BcD = constrain(x_BcD, ("batch", "seq", "embed"))
-        logits = output_logits(params, x_BcD, cfg=cfg, policy=policy, scales=scales, key=key,
-                               constrain=constrain)
+        logits = output_logits(params, x_BcD, cfg=cfg, policy=policy, scales=scales, key=key)
         return jnp.sum(token_losses(logits, targets_Bc) * mask_Bc)
 
     per_chunk = jax.checkpoint(per_chunk, prevent_cse=False)  # inside the scan: no barrier needed

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.config import ModelConfig
+from maxfp4.mesh import per_batch_row, per_row_and_tensor_rank, splits_batch, tensor_ranks
 from maxfp4.model.layers import ACT_DTYPE, Linear, normal_init, param
 from maxfp4.model.ssd import ssd_chunked
 from maxfp4.model_spec import mamba_dims as dims, mamba_splits_over_tensor as splits_over_tensor, mixer_linears
@@ -87,11 +88,10 @@ class Mamba2Mixer(nnx.Module):
                 setattr(self, name, param(value, lead + MAMBA_AXES[name]))
         self.cfg = cfg
 
-    def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, lp: LayerPrecision,
-                 constrain=None) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array, lp: LayerPrecision) -> jax.Array:
         # One function for the whole mixer: with FP8 hooks it fuses both GEMMs with the kernels.
         p = {name: getattr(self, name)[...] for name in MAMBA_AXES}
-        return mamba_mixer(x_BTD, p, segment_ids_BT, self.cfg, lp, constrain)
+        return mamba_mixer(x_BTD, p, segment_ids_BT, self.cfg, lp)
 
 
 def causal_conv(x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
@@ -139,36 +139,26 @@ def use_norm_kernel(cfg: ModelConfig, t: int, e: int) -> bool:
 
 
 def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: ModelConfig,
-                lp: LayerPrecision, constrain=None) -> jax.Array:
-    """in_proj -> the per-row core (``_mixer_core``) -> out_proj. ``constrain`` (the model's
-    activation sharding, ``maxfp4.mesh.ActivationSharding``) runs the core on each device's
-    rows of the batch: its kernels cannot be partitioned by XLA."""
+                lp: LayerPrecision) -> jax.Array:
+    """in_proj -> the per-row core (``_mixer_core``) -> out_proj. Under a mesh the core runs on
+    each device's rows of the batch (``maxfp4.mesh.per_batch_row``): its kernels cannot be
+    partitioned by XLA."""
     # Activations between the kernels are stored in BF16 (the GEMM's output dtype), as Mamba-2's
     # own kernels store them; each kernel computes in FP32 inside. FP32 storage doubled every
     # kernel's traffic and added converts: mamba2-1p3b 523 -> 451 ms a step on an H200 with
     # BF16 storage here and in the SSD (2026-11-25).
     core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
-    t = _tensor_ranks(constrain)
+    t = tensor_ranks()
     if t > 1 and splits_over_tensor(cfg, t):
-        return _tensor_parallel_mixer(x_BTD, p, core_params, segment_ids_BT, cfg, lp, constrain, t)
-    if _fp8_in_kernels(x_BTD, cfg, lp, constrain):
+        return _tensor_parallel_mixer(x_BTD, p, core_params, segment_ids_BT, cfg, lp, t)
+    if _fp8_in_kernels(x_BTD, cfg, lp):
         return _fused_mixer(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params, p["out_proj"],
                             lp.scales["mamba_out"], segment_ids_BT, cfg, lp.options("mamba_in"), lp.options("mamba_out"),
                             lp.fused("mamba_in"))
     zxbcdt_BTI = lp.dot(x_BTD, p["in_proj"], "mamba_in")
     core = functools.partial(_mixer_core, cfg=cfg)
-    per_batch_row = getattr(constrain, "per_batch_row", None)
-    if per_batch_row is None:
-        y_BTE = core(zxbcdt_BTI, segment_ids_BT, core_params)
-    else:
-        y_BTE = per_batch_row(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
+    y_BTE = per_batch_row(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
-
-
-def _tensor_ranks(constrain) -> int:
-    """The tensor axis's size under the model's activation sharding (1 without one)."""
-    mesh = getattr(constrain, "mesh", None)
-    return 1 if mesh is None else mesh.shape.get("tensor", 1)
 
 
 # Tensor parallelism (Megatron's split of Mamba-2): tensor rank r holds heads [r H/t, (r+1) H/t)
@@ -227,7 +217,7 @@ def _rank_core_params(p: Params, cfg: ModelConfig, t: int, r) -> Params:
 
 
 def _tensor_parallel_mixer(x_BTD, p: Params, core_params: Params, segment_ids_BT, cfg: ModelConfig,
-                           lp: LayerPrecision, constrain, t: int) -> jax.Array:
+                           lp: LayerPrecision, t: int) -> jax.Array:
     zxbcdt_BTI = lp.dot(x_BTD, _rank_major_columns(p["in_proj"], cfg, t), "mamba_in")
 
     def core(zxbcdt_local, segment_ids, params):
@@ -235,11 +225,11 @@ def _tensor_parallel_mixer(x_BTD, p: Params, core_params: Params, segment_ids_BT
         return _mixer_core(zxbcdt_local, segment_ids, _rank_core_params(params, cfg, t, rank),
                            cfg=_rank_config(cfg, t))
 
-    y_BTE = constrain.per_row_and_tensor_rank(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
+    y_BTE = per_row_and_tensor_rank(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
 
 
-def _fp8_in_kernels(x_BTD: jax.Array, cfg: ModelConfig, lp: LayerPrecision, constrain) -> bool:
+def _fp8_in_kernels(x_BTD: jax.Array, cfg: ModelConfig, lp: LayerPrecision) -> bool:
     """Whether the mixer runs as ``_fused_mixer``: in_proj and out_proj share a recipe that offers
     operand hooks (``LayerPrecision.fused``: FP8 delayed scaling), the core runs as the kernel core, and one device holds the whole batch (split over
     devices, the kernels run per device under ``per_batch_row``, and this fused form does not:
@@ -247,7 +237,7 @@ def _fp8_in_kernels(x_BTD: jax.Array, cfg: ModelConfig, lp: LayerPrecision, cons
     ops = lp.fused("mamba_in")
     if not cfg.mamba.fp8_in_kernels or ops is None or lp.fused("mamba_out") != ops:
         return False
-    if getattr(constrain, "splits_batch", lambda b: False)(x_BTD.shape[0]):
+    if splits_batch(x_BTD.shape[0]):
         return False
     d = dims(cfg)
     t = x_BTD.shape[1]

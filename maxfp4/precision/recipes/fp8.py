@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.kernels.launch import on_gpu
-from maxfp4.mesh import gathered_weight_spec
+from maxfp4.mesh import gathered_weight_spec, traced_mesh
 from maxfp4.precision import catalog
 from maxfp4.precision import formats as F
 from maxfp4.precision.catalog import FAST_ACCUMULATION_DEFAULT, LAYER_CLASS_OPTION
@@ -81,8 +81,8 @@ def _gathered(w_q: jax.Array, layer_class: str | None) -> jax.Array:
     the sharded weight, so the backward gathers it again rather than keeping a whole copy per
     layer. A call without a layer class under tensor parallelism (a recipe called directly)
     leaves the placement to XLA."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    mesh = traced_mesh()
+    if mesh is None or mesh.size == 1:
         return w_q
     if layer_class is not None:
         spec = gathered_weight_spec(layer_class, w_q.shape, mesh)
