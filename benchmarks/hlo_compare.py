@@ -94,14 +94,18 @@ def lower_all(out_dir: str, only: str) -> None:
 
 
 _LOC = re.compile(r"\s*loc\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)")
+_UNIT_AXIS = re.compile(r'"\w+"=1, |, "\w+"=1(?=\])')  # in sdy.mesh <["data"=1, ...]>
+_UNIT_AXIS_ENTRY = re.compile(r'\{name = "\w+", size = 1 : i64\}, |, \{name = "\w+", size = 1 : i64\}(?=\])')
 _VALUE = re.compile(r"%[\w.#$-]+")
 _SYMBOL = re.compile(r"@[\w.$-]+")
 
 
 def normalize(text: str) -> str:
-    """Drop location metadata; name SSA values and symbols by their order of first appearance."""
+    """Drop location metadata and the mesh's axes of size 1 (a new mesh axis left at 1 changes
+    no sharding); name SSA values and symbols by their order of first appearance."""
     lines = [ln for ln in text.splitlines() if not ln.startswith("#loc")]
     text = _LOC.sub("", "\n".join(lines))
+    text = _UNIT_AXIS.sub("", _UNIT_AXIS_ENTRY.sub("", text))
     for pattern, prefix in ((_VALUE, "%v"), (_SYMBOL, "@f")):
         names: dict[str, str] = {}
         text = pattern.sub(lambda m: names.setdefault(m.group(0), f"{prefix}{len(names)}"), text)

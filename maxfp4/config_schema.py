@@ -254,11 +254,14 @@ class PrecisionConfig:
 @dataclass(frozen=True)
 class MeshConfig:
     data: int = -1
+    # pipeline stages: each keeps 1/pipeline of the blocks, and train.microbatches (at least
+    # this many) stream through them (maxfp4.parallel.pipeline)
+    pipeline: int = 1
     fsdp: int = 1
     tensor: int = 1
 
     def check(self) -> None:
-        axes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        axes = {"data": self.data, "pipeline": self.pipeline, "fsdp": self.fsdp, "tensor": self.tensor}
         for name, v in axes.items():
             _require(v == -1 or v >= 1, f"mesh.{name}", v, "a positive integer or -1 (the remaining devices)")
         _require(list(axes.values()).count(-1) <= 1, "mesh", axes, "at most one axis of size -1")

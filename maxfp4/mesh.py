@@ -1,4 +1,4 @@
-"""Device mesh (data, fsdp, tensor) and the one table that maps logical axis names to it.
+"""Device mesh (data, pipeline, fsdp, tensor) and the one table that maps logical axis names to it.
 
 Layers name their axes logically (``batch``, ``embed``, ``heads`` ...); :data:`LOGICAL_RULES`
 is the only place that decides which mesh axes shard them. A mesh axis is used at most once per
@@ -22,7 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxfp4.config import ConfigError, MeshConfig
 from maxfp4.model_spec import WEIGHT_AXES  # each layer class's weight as its [K, N] GEMM takes it
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# Outermost to innermost: with one process a node, data and then pipeline stages span the network
+# between nodes, fsdp and tensor stay inside a node (make_mesh).
+MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
 
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
@@ -39,13 +41,16 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "mlp": ("tensor", "fsdp"),
     "inner": ("tensor", "fsdp"),  # Mamba-2's heads x head_dim: out_proj is row-parallel
     "vocab": ("tensor",),
-    "layers": (),
+    # Stacked blocks' leading dim: each pipeline stage keeps its own consecutive blocks
+    # (maxfp4.parallel.pipeline); with mesh.pipeline=1 every device holds every block.
+    "layers": ("pipeline",),
     "norm": (),
 }
 
 
-def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
-    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+def resolve_axes(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
+    """The size of each of :data:`MESH_AXES` (an axis of -1 takes the remaining devices)."""
+    sizes = [getattr(cfg, axis) for axis in MESH_AXES]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n_devices % known:
@@ -55,7 +60,17 @@ def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
     if math.prod(sizes) != n_devices:
         raise ConfigError(f"mesh={dict(zip(MESH_AXES, sizes))}: expected axis sizes whose product is "
                           f"the device count {n_devices}, got {math.prod(sizes)}")
-    return tuple(sizes)  # type: ignore[return-value]
+    return tuple(sizes)
+
+
+def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor): the axes the planner models (maxfp4.plan); it does not model pipeline
+    stages yet, and says so in one line."""
+    data, pipeline, fsdp, tensor = resolve_axes(cfg, n_devices)
+    if pipeline != 1:
+        raise ConfigError(f"mesh.pipeline={pipeline}: the planner models the data, fsdp and tensor axes only; "
+                          f"expected mesh.pipeline=1")
+    return data, fsdp, tensor
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -63,11 +78,11 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     XLA's propagation fills in the rest (the scanned blocks need no per-op annotations).
 
     With several processes the devices are laid out process by process, so the innermost axes
-    (tensor, then fsdp) stay inside a process's node and ``data`` spans the slow network between
-    nodes whenever fsdp x tensor equals the devices per node."""
+    (tensor, then fsdp) stay inside a process's node and ``data`` and ``pipeline`` span the slow
+    network between nodes whenever fsdp x tensor equals the devices per node."""
     devices = list(devices if devices is not None else jax.devices())
-    shape = resolve_mesh_shape(cfg, len(devices))
-    axis_types = (jax.sharding.AxisType.Auto,) * 3
+    shape = resolve_axes(cfg, len(devices))
+    axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     if len({d.process_index for d in devices}) > 1:
         ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
         return Mesh(np.array(ordered, dtype=object).reshape(shape), MESH_AXES, axis_types=axis_types)

@@ -24,6 +24,7 @@ from maxfp4.reliability.guard import guard_metrics, judge
 from maxfp4.reliability.rerun import rerun_if_bad
 from maxfp4.model import get_model
 from maxfp4.model.loss import chunked_loss_sum, token_losses
+from maxfp4.parallel.pipeline import make_pipelined_loss
 from maxfp4.optim import global_norm
 from maxfp4.precision import PrecisionPolicy
 from maxfp4.precision.catalog import SPECS
@@ -49,9 +50,11 @@ def make_loss_fn(cfg: Config, policy: PrecisionPolicy, mesh: Mesh | None = None,
     itself under its mesh). ``runs_per_row``: a bound on the segment runs in any row of the batches the loss will see
     (the training data's, from its packing layout), so attention picks its kernel when tracing
     (:func:`maxfp4.model.attention.attend`); None decides on the device per batch."""
+    check_loss_chunks(cfg, policy)
+    if cfg.mesh.pipeline > 1:  # the stages stream the microbatches themselves
+        return traced_in_mesh(make_pipelined_loss(cfg, policy, runs_per_row), mesh)
     forward = get_model(cfg.model).forward
     chunks = cfg.train.loss_chunks
-    check_loss_chunks(cfg, policy)
 
     def loss_fn(params: Any, scales: Any, batch: Batch, key: jax.Array, denom: jax.Array) -> jax.Array:
         """Summed token loss of ``batch`` divided by ``denom`` (FP32)."""
@@ -91,7 +94,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
 
     def loss_and_grads(state: TrainState, batch: Batch, scales: Any, step_key: jax.Array, denom: jax.Array):
         """The step's loss, gradients and amaxes from its inputs: what a re-run evaluates again."""
-        if m == 1:
+        if m == 1 or cfg.mesh.pipeline > 1:
             loss, (grads, amaxes) = grad_fn(state.params, scales, batch, step_key, denom)
         else:
             def accumulate(carry, xs):

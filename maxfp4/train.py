@@ -40,6 +40,7 @@ from maxfp4.model import abstract_params, get_model
 from maxfp4.model.mamba import tensor_note as mamba_tensor_note
 from maxfp4.model_spec import model_spec
 from maxfp4.optim import make_optimizer, make_schedule
+from maxfp4.parallel.pipeline import check_stages
 from maxfp4.precision import PrecisionPolicy, resolve_policy
 from maxfp4.precision.policy import check_block_divisibility, unmatched_rules
 from maxfp4.precision.state import init_precision_state
@@ -196,6 +197,7 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     spec = model_spec(cfg.model)
     check_block_divisibility(policy, spec.linear_shapes())
     check_loss_chunks(cfg, policy)
+    check_stages(cfg, policy)
     check_mamba_kernels(cfg.model, cfg.data.seq_len)
     table = policy.format_table(spec.block_classes)
     # A rule that decides nothing here (a preset shared by dense and hybrid models, or a typo) is shown, not refused.

@@ -68,7 +68,12 @@ class Embedding(nnx.Param):
     """The token embedding [V, D]; calling it looks tokens up, in the activation dtype."""
 
     def __call__(self, inputs_BT: jax.Array) -> jax.Array:
-        return jnp.take(self[...], inputs_BT, axis=0).astype(ACT_DTYPE)
+        return embed_tokens(self[...], inputs_BT)
+
+
+def embed_tokens(table_VD: jax.Array, inputs: jax.Array) -> jax.Array:
+    """The rows of the embedding table for ``inputs`` (any shape), in the activation dtype."""
+    return jnp.take(table_VD, inputs, axis=0).astype(ACT_DTYPE)
 
 
 def stacked(n: int | None, shape: tuple[int, ...], axes: tuple[str | None, ...]):

@@ -227,7 +227,9 @@ def memory_per_device(cfg: Config, n_params: int, mesh_shape: dict[str, int]) ->
     total."""
     from maxfp4.plan.cost import memory_per_device as planned
     from maxfp4.precision.catalog import SPECS
-    mesh = (mesh_shape["data"], mesh_shape["fsdp"], mesh_shape["tensor"])
+    # A pipeline stage keeps 1/pipeline of the blocks' state and activations, as an fsdp shard
+    # does of the state and a data shard of the activations: charged as more fsdp.
+    mesh = (mesh_shape["data"], mesh_shape["fsdp"] * mesh_shape.get("pipeline", 1), mesh_shape["tensor"])
     widest = max(SPECS.values(), key=lambda spec: (spec.weight_bytes, spec.operand_bytes)).name
     return sum(planned(cfg, mesh, n_params, widest, cfg.train.remat).values())
 

@@ -1,0 +1,1 @@
+"""Parallelism that wraps the model's blocks without changing them: pipeline stages."""
