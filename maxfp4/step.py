@@ -21,7 +21,7 @@ from maxfp4.config import Config, ConfigError
 from maxfp4.mesh import constrain, traced_in_mesh
 from maxfp4.reliability.faults import loss_scale, poison_first_evaluation, poison_gradients
 from maxfp4.reliability.guard import guard_metrics, judge
-from maxfp4.reliability.rerun import rerun_if_bad
+from maxfp4.reliability.rerun import evaluate_with_rerun
 from maxfp4.model import get_model
 from maxfp4.model.loss import chunked_loss_sum, token_losses
 from maxfp4.parallel.pipeline import make_pipelined_loss
@@ -52,7 +52,7 @@ def make_loss_fn(cfg: Config, policy: PrecisionPolicy, mesh: Mesh | None = None,
     (:func:`maxfp4.model.attention.attend`); None decides on the device per batch."""
     check_loss_chunks(cfg, policy)
     if cfg.mesh.pipeline > 1:  # the stages stream the microbatches themselves
-        return traced_in_mesh(make_pipelined_loss(cfg, policy, runs_per_row), mesh)
+        return traced_in_mesh(make_pipelined_loss(cfg, policy, runs_per_row, mesh), mesh)
     forward = get_model(cfg.model).forward
     chunks = cfg.train.loss_chunks
 
@@ -85,15 +85,20 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
                     runs_per_row: int | None = None) -> Callable:
     """The step, traced under ``mesh`` (:func:`maxfp4.mesh.traced_in_mesh`: the one way the mesh
     reaches the layers, the recipes and the kernels); None: no mesh (one device, tests)."""
-    grad_fn = jax.value_and_grad(make_loss_fn(cfg, policy, None, runs_per_row), argnums=(0, 1))
+    # The stages need the mesh itself (maxfp4.parallel.pipeline); any other loss is traced inside
+    # the step, which the mesh already surrounds.
+    loss_mesh = mesh if cfg.mesh.pipeline > 1 else None
+    grad_fn = jax.value_and_grad(make_loss_fn(cfg, policy, loss_mesh, runs_per_row), argnums=(0, 1))
     m = cfg.train.microbatches
     res = cfg.resilience
     nan_steps = tuple(res.fault.nonfinite_at_steps)
     first_evaluation_nan_steps = tuple(res.fault.transient_nonfinite_at_steps)
     scale_from, scale = res.fault.loss_scale_at_step, res.fault.loss_scale
 
-    def loss_and_grads(state: TrainState, batch: Batch, scales: Any, step_key: jax.Array, denom: jax.Array):
-        """The step's loss, gradients and amaxes from its inputs: what a re-run evaluates again."""
+    def loss_and_grads(state: TrainState, batch: Batch, scales: Any, step_key: jax.Array, denom: jax.Array,
+                       evaluation: jax.Array | int = 0):
+        """The step's loss, gradients and amaxes from its inputs: what a re-run evaluates again
+        (``evaluation`` 1; the transient fault strikes evaluation 0 only)."""
         if m == 1 or cfg.mesh.pipeline > 1:
             loss, (grads, amaxes) = grad_fn(state.params, scales, batch, step_key, denom)
         else:
@@ -111,6 +116,9 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
                 accumulate, init, (_split_microbatches(batch, m), jnp.arange(m)))
         if nan_steps:
             grads = poison_gradients(grads, state.step + 1, nan_steps)
+        if first_evaluation_nan_steps:
+            grads = poison_first_evaluation(grads, jnp.where(evaluation == 0, state.step + 1, 0),
+                                            first_evaluation_nan_steps)
         return loss, grads, amaxes
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -120,9 +128,17 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
             denom = denom / loss_scale(state.step + 1, scale_from, scale)
         scales = scales_of(state.precision)
         step_key = jax.random.fold_in(state.rng, state.step)
-        loss, grads, amaxes = loss_and_grads(state, batch, scales, step_key, denom)
-        if first_evaluation_nan_steps:
-            grads = poison_first_evaluation(grads, state.step + 1, first_evaluation_nan_steps)
+        rerun = {}
+        if res.guard and res.rerun_skipped:  # a bad step is evaluated once more (maxfp4.reliability.rerun)
+            def is_bad(results):
+                loss, grads, _ = results
+                return ~judge(state.guard, loss, global_norm(grads), margin=res.spike_margin, warmup=res.spike_warmup)[0]
+
+            (loss, grads, amaxes), verdict = evaluate_with_rerun(
+                lambda i: loss_and_grads(state, batch, scales, step_key, denom, i), is_bad)
+            rerun = {"rerun_verdict": verdict}
+        else:
+            loss, grads, amaxes = loss_and_grads(state, batch, scales, step_key, denom)
         grad_norm = global_norm(grads)
 
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -130,7 +146,6 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
         precision = update_precision_state(state.precision, amaxes, policy)
         guard = state.guard
         ok = jnp.array(True)
-        rerun = {}
         if res.guard:
             # A bad step keeps the old state; the step counter still advances (maxfp4.reliability.guard).
             # The old or the new state is selected element-wise rather than by a cond: XLA fuses
@@ -145,9 +160,6 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
 
             params, opt_state, precision = jax.tree.map(
                 keep_old_if_bad, (params, opt_state, precision), (state.params, state.opt_state, state.precision))
-            if res.rerun_skipped:  # a bad step is evaluated once more (maxfp4.reliability.rerun)
-                rerun = {"rerun_verdict": rerun_if_bad(
-                    ok, (loss, grads), lambda: loss_and_grads(state, batch, scales, step_key, denom)[:2])}
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,

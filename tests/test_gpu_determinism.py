@@ -79,3 +79,18 @@ def test_two_deterministic_runs_are_bit_identical(tmp_path, recipe):
         x, y = np.asarray(x), np.asarray(y)
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), (
             f"{jax.tree_util.keystr(path)}: {np.mean(x != y):.3%} of the parameters differ")
+
+
+@pytest.mark.parametrize("recipe", sorted(PRESETS))
+def test_rerun_of_a_skipped_step_reproduces_a_persistent_fault_on_gpu(tmp_path, recipe):
+    """``resilience.rerun_skipped`` on a GPU: the second evaluation of a step is a second copy of
+    the computation in the compiled step, so the verdict is only worth having if a healthy GPU
+    gives the same bits twice. A persistent fault (NaN gradients at steps 8 and 12) and a loss
+    spike (x10 at step 16) must each be reproduced (verdict 1), and the good steps not re-run."""
+    faults = ["resilience.rerun_skipped=true", "resilience.spike_warmup=4",
+              "resilience.fault.nonfinite_at_steps=[8,12]", "resilience.fault.loss_scale=10",
+              "resilience.fault.loss_scale_at_step=16"]
+    records = _records(_train(tmp_path, f"rerun-{recipe}", PRESETS[recipe] + faults))
+    verdicts = {r["step"]: r["rerun_verdict"] for r in records}
+    assert verdicts[8] == verdicts[12] == verdicts[16] == 1, verdicts
+    assert all(v == 0 for step, v in verdicts.items() if step not in (8, 12, 16) and step < 16), verdicts

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maxfp4.config import Config, ConfigError, ModelConfig
-from maxfp4.mesh import constrain, traced_mesh
+from maxfp4.mesh import constrain
 from maxfp4.model import get_model
 from maxfp4.model.layers import ACT_DTYPE, embed_tokens, output_logits
 from maxfp4.model.loss import chunked_loss_sum, token_losses
@@ -69,6 +69,9 @@ def stage_model(model: ModelConfig, stages: int) -> ModelConfig:
         what = "model.pattern into equal parts" if model.kind == "hybrid" else f"the {n} blocks"
         raise ConfigError(f"mesh.pipeline={stages}: cannot split {what}, one a stage; expected one of {works}")
     part = n // stages
+    # cuDNN's fused attention does not compile inside the stages' shard_map (XLA segfaults, H200,
+    # jax 0.11.2, 2026-11-28): the stages take XLA's attention (check_stages refuses cudnn).
+    model = dataclasses.replace(model, attention="xla")
     if model.kind == "hybrid":
         return dataclasses.replace(model, pattern=model.pattern[:part], n_layers=part)
     return dataclasses.replace(model, n_layers=part)
@@ -96,6 +99,9 @@ def check_stages(cfg: Config, policy: PrecisionPolicy) -> None:
         return
     stage_model(cfg.model, stages)
     stage_policy(policy, stages)
+    if cfg.model.attention.startswith("cudnn"):
+        raise ConfigError(f"model.attention={cfg.model.attention}: cuDNN's attention does not compile inside pipeline "
+                          f"stages (mesh.pipeline={stages}); expected auto or xla (the stages run XLA's attention)")
     if cfg.train.microbatches < stages:
         raise ConfigError(f"train.microbatches={cfg.train.microbatches}: expected at least mesh.pipeline={stages} "
                           f"microbatches to fill the stages (e.g. train.microbatches={4 * stages}: bubble "
@@ -130,10 +136,10 @@ def _split(a: jax.Array, m: int) -> jax.Array:
     return constrain(a, (None, "batch", "seq", "embed")[:a.ndim])
 
 
-def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int | None) -> Callable:
+def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int | None, mesh) -> Callable:
     """``loss_fn(params, scales, batch, key, denom)`` as :func:`maxfp4.step.make_loss_fn` gives
-    it, computed over ``train.microbatches`` microbatches streamed through ``mesh.pipeline``
-    stages; traced under the mesh."""
+    it, computed over ``train.microbatches`` microbatches streamed through the stages of ``mesh``
+    (the concrete mesh: cuDNN attention's partitioning rule inside the stages needs its devices)."""
     stages, m = cfg.mesh.pipeline, cfg.train.microbatches
     model_cfg = stage_model(cfg.model, stages)
     s_policy = stage_policy(policy, stages)
@@ -181,7 +187,6 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         return jax.lax.psum(total, AXIS)
 
     def loss_fn(params, scales, batch, key, denom):
-        mesh = traced_mesh()
         micro = {k: _split(v, m) for k, v in batch.items()}
         micro["loss_mask"] = micro["loss_mask"].astype(jnp.float32)
         blocks = {g: params[g] for g in groups}

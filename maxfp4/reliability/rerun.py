@@ -13,13 +13,15 @@ the same bits twice, so:
   unknown), and the device is counted: ``rerun_drain_after`` of them in one run and the log says
   to drain it.
 
-Why inside the jitted step, under ``lax.cond``: the host learns of a skip one step late, when the
-state the step started from has already been donated to the next step, so a re-run from the
-host would need a copy of every step's state and batch. Inside the step the state before a
-skipped step is still there, and the cond's second branch runs only for a bad step: a good step
-computes exactly what it computes with the feature off (the cond only reads its results, and
-the test checks the bits) and pays only the cond itself; a skipped step pays one more forward
-and backward pass.
+Why inside the jitted step: the host learns of a skip one step late, when the state the step
+started from has already been donated to the next step, so a re-run from the host would need a
+copy of every step's state and batch. Inside the step that state is still there: the step's
+evaluation is the body of a loop that runs once, or twice when the guard judges the first
+result bad (:func:`evaluate_with_rerun`). One body, compiled once, so a healthy device computes
+the same bits both times; a good step runs once and pays the loop (its condition read by the
+host, ~1-2 ms a step on a GPU), a skipped step one more forward and backward pass. The loop
+changes how XLA fuses the step, so a run with re-runs on is reproducible among its own kind
+(``run.deterministic``) but not bit-identical to one with them off.
 
 What it cannot tell: the comparison is of the step's global results (the loss and the gradients
 summed over every device), so with several devices it cannot say which one differed; the lines
@@ -49,13 +51,37 @@ def same_bits(a: Any, b: Any) -> jax.Array:
     return jnp.all(jnp.stack([equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]))
 
 
-def rerun_if_bad(ok: jax.Array, first: Any, evaluate_again: Callable[[], Any]) -> jax.Array:
-    """The verdict (int32): NOT_RERUN when ``ok``; else ``evaluate_again()`` (the step's loss and
-    gradients computed once more from the same inputs) compared with ``first``, REPRODUCED or
-    DIFFERED. A cond, not a select: the second evaluation must not run on good steps."""
-    def rerun(first):
-        return jnp.where(same_bits(first, evaluate_again()), REPRODUCED, DIFFERED).astype(jnp.int32)
-    return jax.lax.cond(ok, lambda first: jnp.int32(NOT_RERUN), rerun, first)
+def evaluate_with_rerun(evaluate: Callable[[jax.Array], Any], is_bad: Callable[[Any], jax.Array]) -> tuple[Any, jax.Array]:
+    """``(results, verdict)``: ``evaluate(i)`` (the step's loss, gradients and amaxes; ``i`` the
+    evaluation, 0 or 1) run once, and once more when ``is_bad(results)``; the verdict (int32) is
+    NOT_RERUN, or REPRODUCED / DIFFERED as the second run's loss and gradients equal the first's
+    bit for bit or not.
+
+    Both runs are the same loop body, compiled once: two copies of the computation (a second
+    one under a cond) were fused differently and rounded differently, so on a GPU every re-run
+    of a healthy step "differed" (H200, 2026-11-28). The loop's condition is read by the host
+    between the runs, as a cond's would be."""
+    shapes = jax.eval_shape(evaluate, jnp.int32(0))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def body(carry):
+        i, runs, first, verdict = carry
+        results = evaluate(i)
+        runs = jnp.where(i == 0, 1 + is_bad(results).astype(jnp.int32), runs)
+        same = same_bits(_compared(first), _compared(results))
+        verdict = jnp.where(i == 1, jnp.where(same, REPRODUCED, DIFFERED), verdict).astype(jnp.int32)
+        first = jax.tree.map(lambda new, old: jnp.where(i == 0, new, old), results, first)
+        return i + 1, runs, first, verdict
+
+    carry = (jnp.int32(0), jnp.int32(1), zeros, jnp.int32(NOT_RERUN))
+    _, _, results, verdict = jax.lax.while_loop(lambda c: c[0] < c[1], body, carry)
+    return results, verdict
+
+
+def _compared(results: Any) -> tuple:
+    """What a re-run compares: the loss and the gradients (the amaxes follow from them)."""
+    loss, grads, _ = results
+    return (loss, *jax.tree.leaves(grads))
 
 
 # ----------------------------------------------------------------------------- the host side
