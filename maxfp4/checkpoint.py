@@ -105,6 +105,7 @@ class Checkpointer:
         self._hashing: threading.Thread | None = None
         self._saves_over = threading.Event()  # tells a hashing thread that its save will not commit
         self._warned_unverified = False
+        self._warned_unchecked = False
         self._streak_start: int | None = None  # first skipped step of the streak of the newest save
 
     def latest_step(self) -> int | None:
@@ -164,10 +165,12 @@ class Checkpointer:
         path = self.step_path(step)
         items = {"state": ocp.args.StandardRestore(_abstract(_to_saveable(like))), "data": ocp.args.JsonRestore()}
         has = {name: os.path.isdir(os.path.join(path, name)) for name in ("integrity", "config")}
-        if has["integrity"]:  # checkpoints from before checksums were saved have none
+        if has["integrity"]:
             items["integrity"] = ocp.args.JsonRestore()
             if has["config"]:
                 items["config"] = ocp.args.JsonRestore()
+        else:
+            self._no_integrity_record(step)
         if self.verify:
             self._verify_arrays(step)
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
@@ -175,6 +178,18 @@ class Checkpointer:
         if has["integrity"]:
             _check_integrity(step, dict(out["integrity"]), data, out.get("config") if has["config"] else None)
         return _from_saved(out["state"], jax.random.key_impl(like.rng)), data
+
+    def _no_integrity_record(self, step: int) -> None:
+        """Checkpoints saved before the ``integrity`` item existed have none; one that lost it
+        (a partial copy) cannot be told from them. ``checkpoint.verify`` refuses it (the restore
+        falls back to an older one); otherwise it restores with one warning."""
+        if self.verify:
+            raise CheckpointCorrupt("no integrity record, so its data position and config cannot be checked "
+                                    "(checkpoint.verify)")
+        if not self._warned_unchecked:
+            self._warned_unchecked = True
+            _print_warning(f"checkpoint {self.step_path(step)} has no integrity record (saved by an older maxfp4, "
+                           f"or copied without it); its data position and config are restored unchecked")
 
     def _verify_arrays(self, step: int) -> None:
         """``checkpoint.verify``: the array files against their saved SHA-256 (each process
@@ -321,9 +336,20 @@ def checkpoint_dir(run_dir: str) -> str:
 
 def finalized_steps(run_dir: str) -> list[int]:
     """Steps of the run's complete checkpoints (Orbax's committed ``<step>/`` directories),
-    ascending; temporary directories of unfinished saves are not among them."""
+    ascending; temporary directories of unfinished saves are not among them. Raises
+    :class:`CheckpointError` if ``checkpoints`` is there but no directory (no save could commit)."""
     directory = checkpoint_dir(run_dir)
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: not a directory; expected the run's checkpoint directory "
+                              f"(move it away, or choose another run.name)")
     return sorted(ocp.path.step.checkpoint_steps(directory)) if os.path.isdir(directory) else []
+
+
+def unfinished_saves(run_dir: str) -> list[str]:
+    """Names of the temporary directories of saves that never committed (killed mid-write)."""
+    directory = checkpoint_dir(run_dir)
+    pattern = os.path.join(glob.escape(directory), "*.orbax-checkpoint-tmp*")
+    return sorted(os.path.basename(p) for p in glob.glob(pattern)) if os.path.isdir(directory) else []
 
 
 def read_params(run_dir: str, step: int, abstract_params: Any) -> Any:
@@ -339,9 +365,11 @@ def read_params(run_dir: str, step: int, abstract_params: Any) -> Any:
     return out["params"]
 
 
-def saved_config(run_dir: str, step: int | None = None) -> tuple[dict, str] | None:
-    """The config saved with the newest checkpoint (or ``step``) that has one readable, and
-    where it came from; None if the run has no checkpoint. Reads only.
+def saved_config(run_dir: str, step: int | None = None, require_integrity: bool = False) -> tuple[dict, str] | None:
+    """The config saved with the newest checkpoint (or ``step``) that has one readable and
+    matching the checksums of its ``integrity`` item (an edited checkpoint is skipped, as the
+    restore skips it), and where it came from; None if the run has no checkpoint. Reads only.
+    ``require_integrity`` (``checkpoint.verify``): checkpoints without that item are skipped too.
 
     Checkpoints written before configs were kept with them fall back to ``<run_dir>/config.yaml``
     (the config of the last start)."""
@@ -350,13 +378,19 @@ def saved_config(run_dir: str, step: int | None = None) -> tuple[dict, str] | No
         return None
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
         for candidate in reversed(steps) if step is None else [step]:
-            path = os.path.join(checkpoint_dir(run_dir), str(candidate), "config")
-            if not os.path.isdir(path):
+            step_dir = os.path.join(checkpoint_dir(run_dir), str(candidate))
+            if not os.path.isdir(os.path.join(step_dir, "config")):
                 continue
             try:
-                return dict(reader.restore(path)), os.path.dirname(path)
-            except Exception:  # noqa: BLE001 - a damaged checkpoint: try the previous one
+                config = dict(reader.restore(os.path.join(step_dir, "config")))
+                if os.path.isdir(os.path.join(step_dir, "integrity")):
+                    _check_integrity(candidate, dict(reader.restore(os.path.join(step_dir, "integrity"))),
+                                     dict(reader.restore(os.path.join(step_dir, "data"))), config)
+                elif require_integrity:
+                    continue
+            except Exception:  # noqa: BLE001 - a damaged or edited checkpoint: try the previous one
                 continue
+            return config, step_dir
     path = os.path.join(run_dir, "config.yaml")
     if os.path.isfile(path):
         import yaml
@@ -367,10 +401,11 @@ def saved_config(run_dir: str, step: int | None = None) -> tuple[dict, str] | No
 
 def refuse_changed_run(cfg) -> None:
     """Raise a ConfigError if ``cfg`` would resume a run (same run directory, with checkpoints)
-    with different math; see :mod:`maxfp4.config_diff`."""
+    with different math; see :mod:`maxfp4.config_diff`. The comparison is with the checkpoint
+    the restore will use: the newest whose saved config passes its checksum."""
     from maxfp4.config_diff import refuse_changed_math
 
-    saved = saved_config(cfg.run_dir)
+    saved = saved_config(cfg.run_dir, require_integrity=cfg.checkpoint.verify)
     if saved is not None:
         refuse_changed_math(saved[0], cfg, saved[1])
 

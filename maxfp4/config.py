@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import stat
 import types
 import typing
 from typing import Any
@@ -36,6 +37,12 @@ SEED_RANGE = (-2**63, 2**63 - 1)
 # configs hold a few hundred values, four levels deep (an alias bomb of 1 KB holds billions).
 YAML_MAX_VALUES = 100_000
 YAML_MAX_DEPTH = 64
+# No setting takes an integer past 20 digits; Python's int() refuses decimal text past 4300.
+YAML_MAX_INT_DIGITS = 1000
+# A config is a few KB, an override value a few hundred characters; YAML's pure-Python parser
+# reads ~100K values a second, so these bound what reading a config may cost to seconds.
+CONFIG_MAX_BYTES = 1 << 20
+OVERRIDE_MAX_CHARS = 1 << 16
 
 
 def _convert(value: Any, typ: Any, key: str) -> Any:
@@ -124,29 +131,39 @@ def _deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
-class YamlTooLarge(Exception):
-    """YAML that nests too deeply or expands (through aliases) past the bounds above."""
+class YamlRefused(Exception):
+    """YAML the loader refuses: nested too deeply, too many values (with or without aliases), a
+    duplicate key, an integer too long to read. ``expected`` says what would be accepted."""
 
-    def __init__(self, problem: str, mark=None):
+    def __init__(self, problem: str, mark=None, expected: str | None = None):
         super().__init__(problem)
         self.problem, self.line = problem, (mark.line + 1 if mark is not None else None)
+        self.expected = expected or f"at most {YAML_MAX_VALUES} values nested at most {YAML_MAX_DEPTH} deep"
 
 
-class _BoundedSafeLoader(yaml.SafeLoader):
+class _ConfigLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses documents nested deeper than ``YAML_MAX_DEPTH`` (the
-    composer recurses per level) or holding more than ``YAML_MAX_VALUES`` values once every alias
-    is expanded, checked on the composed graph before any Python object is built: aliases share
-    nodes there, so the check costs one pass over the text's own nodes, not over the expansion."""
+    composer recurses per level) or holding more than ``YAML_MAX_VALUES`` values, written out
+    (counted as they are composed, so a huge list stops early) or once every alias is expanded
+    (checked on the composed graph before any Python object is built: aliases share nodes there,
+    so the check costs one pass over the text's own nodes, not over the expansion). It refuses
+    duplicate keys (YAML's last-one-wins hides a typo) and reads YAML 1.1's base-60 numbers
+    (``1:30``) as the strings they look like, so a type check refuses them instead of reading 90."""
 
     def __init__(self, stream):
         super().__init__(stream)
         self._depth = 0
+        self._nodes = 0
 
     def compose_node(self, parent, index):
         self._depth += 1
         try:
             if self._depth > YAML_MAX_DEPTH:
-                raise YamlTooLarge(f"nested deeper than {YAML_MAX_DEPTH} levels", self.peek_event().start_mark)
+                raise YamlRefused(f"nested deeper than {YAML_MAX_DEPTH} levels", self.peek_event().start_mark)
+            if not self.check_event(yaml.AliasEvent):
+                self._nodes += 1
+                if self._nodes > YAML_MAX_VALUES:
+                    raise YamlRefused(f"holds more than {YAML_MAX_VALUES} values", self.peek_event().start_mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -157,6 +174,37 @@ class _BoundedSafeLoader(yaml.SafeLoader):
             return None
         _check_expansion(node)
         return self.construct_document(node)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)
+                if key in first:
+                    raise YamlRefused(f"duplicate key {describe(key)} (also at line {first[key]})",
+                                      key_node.start_mark, expected="each key once in a mapping")
+                first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        if ":" in text:  # YAML 1.1 base 60
+            return text
+        digits = text.replace("_", "").lstrip("+-")
+        if len(digits) > YAML_MAX_INT_DIGITS:  # int() refuses decimal text past 4300 digits
+            raise YamlRefused(f"an integer of {len(digits)} digits", node.start_mark,
+                              expected=f"integers of at most {YAML_MAX_INT_DIGITS} digits")
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        text = self.construct_scalar(node)
+        return text if ":" in text else super().construct_yaml_float(node)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+_ConfigLoader.add_constructor("tag:yaml.org,2002:float", _ConfigLoader.construct_yaml_float)
 
 
 def _node_children(node) -> list:
@@ -180,50 +228,69 @@ def _check_expansion(root) -> None:
             on_path.discard(key)
             total = 1 + sum(expanded[id(c)] for c in _node_children(node))
             if total > YAML_MAX_VALUES:
-                raise YamlTooLarge(f"aliases expand it to more than {YAML_MAX_VALUES} values "
-                                   "(an alias bomb?)", node.start_mark)
+                raise YamlRefused(f"aliases expand it to more than {YAML_MAX_VALUES} values "
+                                  "(an alias bomb?)", node.start_mark)
             expanded[key] = total
             continue
         if key in expanded:
             continue
         if key in on_path:
-            raise YamlTooLarge("an alias refers to a collection that contains it", node.start_mark)
+            raise YamlRefused("an alias refers to a collection that contains it", node.start_mark)
         on_path.add(key)
         stack.append((node, True))
         stack.extend((c, False) for c in _node_children(node) if id(c) not in expanded)
 
 
 def load_yaml(text) -> Any:
-    """``yaml.safe_load`` with the depth and alias-expansion bounds of :class:`_BoundedSafeLoader`
-    (raises :class:`YamlTooLarge`)."""
-    loader = _BoundedSafeLoader(text)
+    """``yaml.safe_load`` with the bounds and refusals of :class:`_ConfigLoader` (raises
+    :class:`YamlRefused`)."""
+    loader = _ConfigLoader(text)
     try:
         return loader.get_single_data()
     finally:
         loader.dispose()
 
 
+def _read_config_text(path: str, name: str) -> str:
+    """The text of a config file: a regular file (a device such as /dev/zero never ends, a FIFO
+    may never open) of at most ``CONFIG_MAX_BYTES``, UTF-8. ``name`` names it in errors."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {name}: not found") from None
+    except OSError as e:
+        raise ConfigError(f"config file {name}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a device, FIFO or socket"
+        raise ConfigError(f"config file {name}: not a regular file ({kind}); expected a YAML file")
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(CONFIG_MAX_BYTES + 1)
+    except OSError as e:  # a permission problem
+        raise ConfigError(f"config file {name}: cannot read ({e.strerror or e})") from None
+    if len(raw) > CONFIG_MAX_BYTES:
+        raise ConfigError(f"config file {name}: larger than {CONFIG_MAX_BYTES} bytes; expected a config "
+                          f"(a few KB), not data")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {name}: not UTF-8 text (undecodable byte at offset {e.start})") from None
+
+
 def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
     path = os.path.abspath(path)
     if path in seen:
         raise ConfigError(f"include: {path} includes itself")
+    text = _read_config_text(path, f"{path} (included by {seen[-1]})" if seen else path)
     try:
-        with open(path, encoding="utf-8") as fh:
-            raw = load_yaml(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path}: not found") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path}: not UTF-8 text (undecodable byte at offset {e.start})") from None
-    except OSError as e:  # a directory, a permission problem
-        raise ConfigError(f"config file {path}: cannot read ({e.strerror or e})") from None
+        raw = load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"config file {path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
-    except YamlTooLarge as e:
+    except YamlRefused as e:
         where = f" line {e.line}" if e.line else ""
-        raise ConfigError(f"config file {path}{where}: refused: {e.problem}; expected at most "
-                          f"{YAML_MAX_VALUES} values nested at most {YAML_MAX_DEPTH} deep") from None
+        raise ConfigError(f"config file {path}{where}: refused: {e.problem}; expected {e.expected}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -248,13 +315,15 @@ def apply_override(raw: dict, override: str) -> dict:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {describe(override)}: expected dotted.key=value")
+    if len(text) > OVERRIDE_MAX_CHARS:  # refused before YAML reads it: parsing costs ~8 s per MB
+        raise ConfigError(f"override {key}: a value of {len(text)} characters; expected at most "
+                          f"{OVERRIDE_MAX_CHARS} (put long lists in a config file)")
     try:
         value = load_yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
-    except YamlTooLarge as e:
-        raise ConfigError(f"override {key}: refused: {e.problem}; expected at most {YAML_MAX_VALUES} "
-                          f"values nested at most {YAML_MAX_DEPTH} deep") from None
+    except YamlRefused as e:
+        raise ConfigError(f"override {key}: refused: {e.problem}; expected {e.expected}") from None
     out = dict(raw)
     node = out
     parts = key.split(".")

@@ -281,8 +281,9 @@ class DistributedConfig:
 
     def check(self) -> None:
         _require(self.num_processes >= 0, "distributed.num_processes", self.num_processes, "an integer >= 0")
-        _require(self.init_timeout_s > 0, "distributed.init_timeout_s", self.init_timeout_s,
-                 "a positive number of seconds")
+        # a timer past ~1e11 s overflows; no start-up waits a day
+        _require(0 < self.init_timeout_s <= 86400, "distributed.init_timeout_s", self.init_timeout_s,
+                 "a positive number of seconds, at most 86400")
         _require(self.heartbeat_timeout_s >= 1, "distributed.heartbeat_timeout_s", self.heartbeat_timeout_s,
                  "an integer number of seconds >= 1")
         if self.coordinator:
@@ -341,7 +342,8 @@ class FaultConfig:
                  list(self.transient_nonfinite_at_steps), "a list of steps >= 1")
         _require(self.hang_at_step >= 0, f"{p}.hang_at_step", self.hang_at_step, "an integer >= 0 (0: never)")
         _require(self.slow_process >= -1, f"{p}.slow_process", self.slow_process, "a process index or -1 (none)")
-        _require(self.slow_seconds >= 0, f"{p}.slow_seconds", self.slow_seconds, "a number of seconds >= 0")
+        # time.sleep overflows past ~1e11 s; an hour per step is already no straggler but a hang
+        _require(0 <= self.slow_seconds <= 3600, f"{p}.slow_seconds", self.slow_seconds, "a number of seconds in [0, 3600]")
         _require(math.isfinite(self.loss_scale) and self.loss_scale > 0, f"{p}.loss_scale", self.loss_scale,
                  "a finite factor > 0")
         _require(self.loss_scale_at_step >= 0, f"{p}.loss_scale_at_step", self.loss_scale_at_step,

@@ -23,7 +23,8 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxfp4 import distributed, elastic
-from maxfp4.checkpoint import Checkpointer, CheckpointHook, checkpoint_dir, finalized_steps, refuse_changed_run
+from maxfp4.checkpoint import (Checkpointer, CheckpointHook, checkpoint_dir, finalized_steps, refuse_changed_run,
+                               unfinished_saves)
 from maxfp4.compiler import (check_compiler_options, check_deterministic_attention, compiler_options,
                              determinism_summary, use_compile_cache)
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
@@ -253,7 +254,9 @@ def restore(cfg: Config, checkpointer: Checkpointer, state: TrainState, state_sh
         data.set_state(data_state)
         if jax.process_index() == 0:
             _say(f"resumed from {checkpointer.directory}/{resume_step}")
-    elif cfg.model.init_from:
+    elif jax.process_index() == 0:
+        _fresh_start(cfg.run_dir)
+    if resumed is None and cfg.model.init_from:
         state = state.replace(params=read_hf_params(cfg.model, cfg.model.init_from, state_sh.params, state.params,
                                                     replacing=True))
         if jax.process_index() == 0:
@@ -264,6 +267,25 @@ def restore(cfg: Config, checkpointer: Checkpointer, state: TrainState, state_sh
         _say(f"model: {n_params / 1e6:.1f}M parameters, {cfg.model.n_layers} blocks, "
              f"attention {resolve_implementation(cfg.model.attention)}, remat {cfg.train.remat}")
     return state
+
+
+def _fresh_start(run_dir: str) -> None:
+    """A run that restores nothing starts at step 1, saying so when the directory holds an
+    earlier attempt: saves that never committed (a kill during the first save) are named, and
+    that attempt's metrics.jsonl is kept as metrics.jsonl.<n>, so the file never holds two runs."""
+    unfinished = unfinished_saves(run_dir)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    kept = None
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        n = 1
+        while os.path.lexists(f"{metrics}.{n}"):
+            n += 1
+        kept = f"{metrics}.{n}"
+        os.rename(metrics, kept)
+    if unfinished or kept:
+        only = f" (only unfinished saves, never restored: {', '.join(unfinished)})" if unfinished else ""
+        moved = f"; the earlier attempt's metrics moved to {kept}" if kept else ""
+        _say(f"warning: no complete checkpoint in {checkpoint_dir(run_dir)}{only}; starting from step 1{moved}")
 
 
 def _globalizer(mesh: Mesh, readers: int):

@@ -58,7 +58,8 @@ import sys  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from maxfp4.checkpoint import CheckpointError, Checkpointer, read_params  # noqa: E402
+from maxfp4.checkpoint import CheckpointError, Checkpointer, read_params, refuse_changed_run, saved_config  # noqa: E402
+from maxfp4.config import ConfigError  # noqa: E402
 from maxfp4.mesh import make_mesh  # noqa: E402
 from maxfp4.optim import make_optimizer  # noqa: E402
 from maxfp4.train import init_state  # noqa: E402
@@ -119,7 +120,7 @@ def test_restore_onto_a_different_mesh_is_bitwise(saved_run):
     ck.close()
     assert int(state.step) == 3 and data_state["next_index"] == 3
     w = state.params["blocks"]["w_qkv"]
-    assert w.sharding.mesh.shape == {"data": 2, "fsdp": 2, "tensor": 1} and len(w.sharding.device_set) == 4
+    assert w.sharding.mesh.shape == {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 1} and len(w.sharding.device_set) == 4
     assert not w.sharding.is_fully_replicated  # the embed axis really is split over fsdp=2
     got = jax.tree.map(np.asarray, state.params)
     assert jax.tree.structure(got) == jax.tree.structure(expected)
@@ -308,14 +309,80 @@ def test_an_edited_data_position_falls_back_to_the_previous_checkpoint(saved_run
     assert "1000000000000" in warnings[0] and "does not match its saved checksum" in warnings[0]
     assert "falling back to step 2" in warnings[0]
 
-    # The config saved with a checkpoint is checked the same way.
+    # The config saved with a checkpoint is checked the same way, and before the rerun's config is
+    # compared with it: the start-up compares with checkpoint 1, the one the restore will use,
+    # instead of refusing the rerun for a seed the user never changed.
     config_file = run / "checkpoints" / "2" / "config" / "metadata"
     config_file.write_text(config_file.read_text().replace('"seed": 0', '"seed": 1'))
+    refuse_changed_run(cfg)
+    assert saved_config(str(run))[1] == str(run / "checkpoints" / "1")
     ck = Checkpointer(str(run), cfg.checkpoint)
     warnings.clear()
     assert ck.restore_latest(like, warn=warnings.append)[0] == 1
     ck.close()
     assert "saved config does not match its checksum" in warnings[0]
+    # A real change of the math is still refused, against checkpoint 1.
+    with pytest.raises(ConfigError, match=r"run.seed: 0 -> 1; expected the saved values"):
+        refuse_changed_run(_cfg(tmp_path / "out", "run.seed=1"))
+
+
+def test_a_checkpoint_without_its_integrity_record_warns_and_verify_refuses_it(saved_run, tmp_path, capfd):
+    import jax
+    run = _copy(saved_run, tmp_path / "out") / "base"
+    shutil.rmtree(run / "checkpoints" / "3" / "integrity")  # as a partial copy, or an older maxfp4, leaves it
+    cfg = _cfg(tmp_path / "out")
+    like, _ = init_state(cfg, make_mesh(cfg.mesh, jax.devices()[:8]), make_optimizer(cfg))
+    capfd.readouterr()
+    ck = Checkpointer(str(run), cfg.checkpoint)
+    assert ck.restore_latest(like, warn=pytest.fail)[0] == 3  # restored, not silently
+    ck.close()
+    lines = [l for l in capfd.readouterr().err.splitlines() if "integrity" in l]
+    assert lines == [f"warning: checkpoint {run / 'checkpoints' / '3'} has no integrity record (saved by an older "
+                     "maxfp4, or copied without it); its data position and config are restored unchecked"], lines
+
+    # checkpoint.verify: refused, in the comparison at start-up and in the restore, which falls back.
+    strict = _cfg(tmp_path / "out", "checkpoint.verify=true")
+    assert saved_config(str(run), require_integrity=True)[1] == str(run / "checkpoints" / "2")
+    warnings = []
+    ck = Checkpointer(str(run), strict.checkpoint)
+    assert ck.restore_latest(like, warn=warnings.append)[0] == 2
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"checkpoint {run / 'checkpoints' / '3'} is unreadable (CheckpointCorrupt: no integrity record"), warnings
+    assert sorted(os.listdir(run / "checkpoints")) == ["1", "2", "3.unreadable"]
+    # None has one: one line, exit code 2 from the command line (a UserError), nothing moved.
+    for step in ("1", "2"):
+        shutil.rmtree(run / "checkpoints" / step / "integrity")
+    ck.manager.reload()
+    with pytest.raises(CheckpointError, match=r"no readable checkpoint \(tried steps 2 \(CheckpointCorrupt: no "
+                                              r"integrity record.*\), 1 \("):
+        ck.restore_latest(like, warn=warnings.append)
+    ck.close()
+    assert sorted(os.listdir(run / "checkpoints")) == ["1", "2", "3.unreadable"]
+
+
+def test_a_run_directory_with_only_unfinished_saves_starts_over_saying_so(saved_run, tmp_path, capsys):
+    """A kill -9 during the first save leaves only Orbax's temporary directory: the rerun starts
+    from step 1 (nothing could be restored), says so, and keeps the killed attempt's metrics
+    aside instead of appending a second run to metrics.jsonl."""
+    import jax
+    from maxfp4.train import restore
+    run = _copy(saved_run, tmp_path / "out") / "base"
+    for step in ("1", "2", "3"):
+        shutil.rmtree(run / "checkpoints" / step)
+    (run / "checkpoints" / "1.orbax-checkpoint-tmp").mkdir()  # the layout a killed first save leaves
+    before = (run / "metrics.jsonl").read_text()
+    cfg = _cfg(tmp_path / "out")
+    like, state_sh = init_state(cfg, make_mesh(cfg.mesh, jax.devices()[:8]), make_optimizer(cfg))
+    capsys.readouterr()
+    ck = Checkpointer(str(run), cfg.checkpoint)
+    state = restore(cfg, ck, like, state_sh, data=None)
+    ck.close()
+    assert int(state.step) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("warning")]
+    assert lines == [f"warning: no complete checkpoint in {run / 'checkpoints'} (only unfinished saves, never "
+                     f"restored: 1.orbax-checkpoint-tmp); starting from step 1; the earlier attempt's metrics moved "
+                     f"to {run / 'metrics.jsonl.1'}"], lines
+    assert not (run / "metrics.jsonl").exists() and (run / "metrics.jsonl.1").read_text() == before
 
 
 def test_verify_hashes_array_files_after_commit_and_catches_a_flipped_byte(tmp_path):

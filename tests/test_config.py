@@ -247,6 +247,81 @@ def test_huge_steps_nul_name_and_inf_lr_exit_2_from_the_cli(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+# ----------------------------------------------------------------------------- YAML surprises, unbounded input
+
+@pytest.mark.parametrize("override, message", [
+    # YAML 1.1 reads 1:30 as 90 (base 60): read as the string it looks like, then refused by type
+    ("train.steps=1:30", "train.steps='1:30': expected an integer"),
+    ("train.steps=-1:30", "train.steps='-1:30': expected an integer"),
+    ("optim.lr=1:30.5", "optim.lr='1:30.5': expected a number"),
+    ("model={d_model: 64, d_model: 128}", "override model: refused: duplicate key 'd_model' (also at line 1); "
+                                          "expected each key once in a mapping"),
+    # Python's int() refuses decimal text past 4300 digits (ValueError); hex passes it and then
+    # could not be printed in the message
+    ("train.steps=1" + "0" * 5000, "override train.steps: refused: an integer of 5001 digits; expected integers "
+                                   "of at most 1000 digits"),
+    ("run.seed=0x" + "f" * 4000, "override run.seed: refused: an integer of 4002 digits; expected integers of at "
+                                 "most 1000 digits"),
+    # refused before YAML parses it (600 KB took seconds, and was blamed on aliases)
+    ("resilience.fault.nonfinite_at_steps=[" + ", ".join(["1"] * 200_000) + "]",
+     "override resilience.fault.nonfinite_at_steps: a value of 600000 characters; expected at most 65536 (put long "
+     "lists in a config file)"),
+    ("resilience.fault.slow_seconds=1e300", "resilience.fault.slow_seconds=1e+300: expected a number of seconds in "
+                                            "[0, 3600]"),
+    ("distributed.init_timeout_s=1e300", "distributed.init_timeout_s=1e+300: expected a positive number of seconds, "
+                                         "at most 86400"),
+], ids=lambda v: v[:40])
+def test_yaml_surprises_and_unbounded_overrides_are_refused_in_one_line(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value) == message
+
+
+def test_config_files_with_duplicate_keys_long_lists_devices_or_huge_sizes_are_refused(tmp_path):
+    from maxfp4.config import CONFIG_MAX_BYTES, load_yaml
+    cases = {
+        "dup.yaml": ("train:\n  steps: 5\nmodel:\n  d_model: 64\ntrain:\n  log_every: 2\n",
+                     "line 5: refused: duplicate key 'train' (also at line 1); expected each key once in a mapping"),
+        "nested_dup.yaml": ("model:\n  d_model: 64\n  n_heads: 4\n  d_model: 128\n",
+                            "line 4: refused: duplicate key 'd_model' (also at line 2)"),
+        "list.yaml": ("resilience:\n  fault:\n    nonfinite_at_steps: [" + ", ".join(["1"] * 100_001) + "]\n",
+                      "line 3: refused: holds more than 100000 values; expected at most 100000 values"),
+        "huge.yaml": ("#" * CONFIG_MAX_BYTES + "\n", f": larger than {CONFIG_MAX_BYTES} bytes; expected a config"),
+    }
+    for name, (text, fragment) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as err:
+            load_config(str(tmp_path / name))
+        assert str(err.value).startswith(f"config file {tmp_path / name}") and fragment in str(err.value), str(err.value)
+    # Devices and FIFOs are refused before they are opened (/dev/zero never ends; a FIFO blocks).
+    os.mkfifo(tmp_path / "fifo.yaml")
+    for target in ("/dev/zero", str(tmp_path / "fifo.yaml")):
+        (tmp_path / "inc.yaml").write_text(f"include: [{target}]\n")
+        with pytest.raises(ConfigError) as err:
+            load_config(str(tmp_path / "inc.yaml"))
+        assert str(err.value) == (f"config file {target} (included by {tmp_path / 'inc.yaml'}): not a regular file "
+                                  "(a device, FIFO or socket); expected a YAML file")
+    # Merge keys may repeat a merged key (that is what they are for); base-60 lookalikes stay strings.
+    assert load_yaml("a: &a {x: 1, y: 2}\nb: {<<: *a, x: 3}\nname: 1:30\n") == {
+        "a": {"x": 1, "y": 2}, "b": {"x": 3, "y": 2}, "name": "1:30"}
+    assert load_config(None, ["run.name=1:30"]).run.name == "1:30"  # was "90"
+
+
+def test_unbounded_inputs_exit_2_in_one_line_from_the_cli(tmp_path):
+    """Each was a traceback (or a hang: with checkpoints a file, the first save never returned)."""
+    quick = os.path.join(REPO, "configs", "quickstart.yaml")
+    (tmp_path / "inc.yaml").write_text(f"include: [{quick}, /dev/zero]\n")
+    run_dir = tmp_path / "out" / "quickstart"
+    run_dir.mkdir(parents=True)
+    (run_dir / "checkpoints").write_text("not a directory\n")
+    for args, start in [([quick, "train.steps=1" + "0" * 5000], "error: override train.steps: refused: an integer of"),
+                        ([tmp_path / "inc.yaml"], "error: config file /dev/zero (included by"),
+                        ([quick], f"error: {run_dir / 'checkpoints'}: not a directory; expected the run's checkpoint")]:
+        line = _one_line(_cli(args, tmp_path / "out"))
+        assert line.startswith(start), line
+    assert os.listdir(run_dir) == ["checkpoints"]
+
+
 def test_eta_is_formatted_past_a_day_and_for_any_run_length():
     from maxfp4.metrics import format_duration
     assert format_duration(0) == "00:00:00"

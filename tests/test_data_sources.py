@@ -384,3 +384,29 @@ def test_shard_corrupted_mid_run_is_named_in_one_line_exit_2(prepared, tmp_path)
     assert re.match(rf"error: data.paths: ArrayRecord shard {re.escape(str(shard))} is corrupt: record \d+ cannot be "
                     r"read \(Corrupted Riegeli", proc.stderr), proc.stderr
     assert "step      1/30" in proc.stdout  # it failed mid-run, not at start-up
+
+
+def test_lone_surrogates_and_invalid_utf8_are_named_with_file_and_line(tmp_path):
+    """A JSON ``\\ud800`` escape decodes to a lone surrogate that no tokenizer can encode (it
+    ended in the tokenizer trainer's C++ cast error, naming no file); invalid UTF-8 in a text or
+    JSONL file names its line and byte. CRLF files read as text mode reads them."""
+    from maxfp4.data.sources import read_jsonl_file, read_text_file
+    jsonl = tmp_path / "surrogate.jsonl"
+    jsonl.write_text('{"text": "fine"}\n\n{"text": "a\\ud800b"}\n', encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        read_jsonl_file(str(jsonl), "text")
+    assert str(err.value) == (f"data.paths: {jsonl}:3: field 'text' holds a lone surrogate ('\\ud800' at "
+                              "character 1); expected valid Unicode text")
+    paired = tmp_path / "paired.jsonl"
+    paired.write_text('{"text": "\\ud83d\\ude00 ok"}\n', encoding="utf-8")  # a surrogate pair is one character
+    assert read_jsonl_file(str(paired), "text") == ["\U0001F600 ok"]
+    for name in ("bad.txt", "bad.jsonl"):
+        bad = tmp_path / name
+        bad.write_bytes(b'{"text": "one"}\n{"text": "caf\xe9"}\n')
+        with pytest.raises(DataError) as err:
+            read_jsonl_file(str(bad), "text") if name.endswith("jsonl") else read_text_file(str(bad))
+        assert str(err.value) == (f"data.paths: {bad} is not UTF-8 text (line 2: undecodable byte 0xe9 at "
+                                  "offset 29)")
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(b"a\r\nb\rc\n")
+    assert read_text_file(str(crlf)) == "a\nb\nc\n"

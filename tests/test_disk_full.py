@@ -137,3 +137,31 @@ def test_an_atomic_file_replaces_the_old_one_only_when_its_block_ends_cleanly(tm
         open(a, "w").write("a")
         open(b, "w").write("b")
     assert open(path).read() == "a" and os.stat(path).st_mode & 0o777 == 0o644
+
+
+EFBIG_SCRIPT = """
+import os, resource, signal, sys
+from maxfp4.reliability.crash import crash_error
+run_dir = sys.argv[1]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    with open(os.path.join(run_dir, "big.bin"), "wb") as fh:
+        fh.write(bytes(2 << 20))
+except OSError as error:
+    print(crash_error(run_dir, error, step=7, config={}, last_metrics=None, say=print,
+                      newest_checkpoint=lambda: os.path.join(run_dir, "checkpoints", "6"),
+                      remove_partial_saves=lambda: []))
+"""
+
+
+def test_a_file_size_limit_is_named_as_such_not_as_a_full_disk(tmp_path):
+    """A real EFBIG (a write past ``ulimit -f``): the line says the file is too large and how to
+    lift the limit; freeing space would not help."""
+    proc = subprocess.run([sys.executable, "-c", EFBIG_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env=cpu_env(1, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == (
+        f"{tmp_path}: File too large at step 7; the newest complete checkpoint is {tmp_path / 'checkpoints' / '6'}, "
+        f"intact; raise the file size limit (ulimit -f) or use a file system that holds larger files and rerun to "
+        f"resume; crash report {tmp_path / 'crash.json'}")

@@ -92,13 +92,20 @@ def expand_paths(patterns: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def read_text_file(path: str) -> str:
+    """The file as text, newlines as a text-mode read gives them (``\r\n`` and ``\r`` read
+    as ``\n``); invalid UTF-8 is an error naming the file, line and byte."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
-    except UnicodeDecodeError as e:
-        raise DataError(f"data.paths: {path} is not UTF-8 text (undecodable byte at offset {e.start})") from None
+        with open(path, "rb") as fh:
+            raw = fh.read()
     except OSError as e:
         raise DataError(f"data.paths: cannot read {path}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # decoded whole, so e.start is the offset in the file
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"data.paths: {path} is not UTF-8 text (line {line}: undecodable byte "
+                        f"0x{raw[e.start]:02x} at offset {e.start})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def text_documents(patterns: tuple[str, ...] | list[str]) -> list[str]:
@@ -135,6 +142,11 @@ def read_jsonl_file(path: str, field: str) -> list[str]:
         if not isinstance(value, str):
             raise DataError(f"data.paths: {path}:{number}: field {field!r} is {type(value).__name__}, "
                             "expected a string")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's \ud800 escapes decode to lone surrogates
+            raise DataError(f"data.paths: {path}:{number}: field {field!r} holds a lone surrogate "
+                            f"({value[e.start]!r} at character {e.start}); expected valid Unicode text") from None
         if value.strip():
             docs.append(value)
     return docs
@@ -187,7 +199,11 @@ def tfds_documents(name: str, split: str, data_dir: str, field: str) -> list[str
     docs = []
     for i in range(len(source)):
         value = tfds_field(name, source[i], i, field)
-        value = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        try:
+            value = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        except UnicodeDecodeError as e:
+            raise DataError(f"data.tfds_name={name!r}: example {i} field {field!r} is not UTF-8 text "
+                            f"(undecodable byte at offset {e.start})") from None
         if value.strip():
             docs.append(value)
     if not docs:

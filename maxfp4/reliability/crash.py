@@ -20,6 +20,8 @@ from maxfp4.files import atomic_file
 # errno values that mean "the storage is full", not "this path is wrong".
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 DISK_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "File too large")
+# EFBIG is a limit on one file (ulimit -f, or the file system's largest file), not on space.
+FILE_TOO_LARGE = os.strerror(errno.EFBIG)
 
 
 class RunFailed(Exception):
@@ -132,8 +134,10 @@ def crash_error(run_dir: str, error: Exception, *, step: int, config: dict[str, 
         except OSError as e:
             report = f"not written ({e.strerror or e})"
     if full:
+        remedy = ("raise the file size limit (ulimit -f) or use a file system that holds larger files"
+                  if full == FILE_TOO_LARGE else "free space")
         return RunFailed(f"{run_dir}: {full} at step {step}; the newest complete checkpoint is "
-                         f"{newest_checkpoint() or 'none'}, intact; free space and rerun to resume; crash report {report}")
+                         f"{newest_checkpoint() or 'none'}, intact; {remedy} and rerun to resume; crash report {report}")
     if report is not None:
         say(f"crashed: {type(error).__name__}: {error}; report {report}")
     return error
