@@ -106,7 +106,9 @@ class Checkpointer:
         self._saves_over = threading.Event()  # tells a hashing thread that its save will not commit
         self._warned_unverified = False
         self._warned_unchecked = False
-        self._streak_start: int | None = None  # first skipped step of the streak of the newest save
+        # The first step of a streak of skipped steps that may still trigger a rollback, as far
+        # as the host has seen (note_seen): the newest checkpoint before it is never rotated out.
+        self._streak_floor = 1
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -125,7 +127,6 @@ class Checkpointer:
         background (``wait`` blocks until they are complete). ``config`` (``Config.to_dict()``)
         is kept with the checkpoint so a rerun can be compared with the run it resumes."""
         self.wait()  # the previous save committed and hashed, then rotated (Orbax waits for it anyway)
-        self._note_streak(step, state)
         data = {k: int(v) for k, v in data_state.items()}
         # Checksums of the JSON items: an edited data position or config is caught on restore.
         integrity = {"step": int(step), "data_sha256": json_sha256(data)}
@@ -252,21 +253,15 @@ class Checkpointer:
     def delete(self, step: int) -> None:
         self.manager.delete(step)
 
-    def _note_streak(self, step: int, state: TrainState) -> None:
-        # The guard's streak as of the step being saved (replicated: the local copy is the value;
-        # the save reads the arrays off the devices anyway, so this adds no wait).
-        value = state.guard["consecutive"]
-        consecutive = int(value.addressable_data(0) if isinstance(value, jax.Array) else value)
-        self._streak_start = step - consecutive + 1 if consecutive > 0 else None
+    def note_seen(self, step: int, consecutive_skips: int) -> None:
+        """The host has seen step ``step``'s metrics (or restored or rolled back to it): its guard
+        counted ``consecutive_skips`` skipped steps in a row up to it. Any streak that may still
+        reach a rollback either runs through ``step`` or begins after it, so it begins at
+        ``step - consecutive_skips + 1`` or later (:func:`kept_steps`)."""
+        self._streak_floor = streak_floor(step, consecutive_skips)
 
     def kept_steps(self, steps: list[int]) -> list[int]:
-        """Of ``steps`` (ascending): the newest ``keep``, and, while the newest save was taken
-        inside a streak of skipped steps, the newest one from before the streak, which a
-        rollback will restore (with every=2, keep=3 a 10-step streak would rotate it out)."""
-        kept = set(steps[-self.keep:])
-        if self._streak_start is not None:
-            kept.update([s for s in steps if s < self._streak_start][-1:])
-        return sorted(kept)
+        return kept_steps(steps, self.keep, self._streak_floor)
 
     def _rotate(self) -> None:
         """Delete the complete checkpoints :meth:`kept_steps` leaves out. Runs before a save
@@ -304,6 +299,27 @@ class Checkpointer:
                 self.manager.close()
             except Exception:  # noqa: BLE001 - a failed save was already raised by wait()
                 pass
+
+
+def streak_floor(step: int, consecutive_skips: int) -> int:
+    """The earliest first step of a streak that may still trigger a rollback, once step ``step``
+    ended a run of ``consecutive_skips`` skipped steps: that run's first step, or the step after."""
+    return step - consecutive_skips + 1
+
+
+def kept_steps(steps: list[int], keep: int, floor: int) -> list[int]:
+    """The checkpoints rotation keeps, of ``steps`` (ascending): the newest ``keep``, and the
+    newest one before ``floor`` (:func:`streak_floor`), which a rollback of a streak running
+    from ``floor`` restores.
+
+    Every future rollback's target is kept, as long as every checkpoint is of a step whose
+    metrics the host has seen (the checkpoint hook settles the loop before it saves): a streak
+    from ``floor`` goes back to the newest before it; one that begins later, after the newest
+    step seen, to the newest of all. So at most ``keep + 1`` checkpoints are on disk, whatever
+    ``checkpoint.every``, ``keep`` and the length of the streak."""
+    kept = set(steps[-keep:])
+    kept.update([s for s in steps if s < floor][-1:])
+    return sorted(kept)
 
 
 def _with_saving_mesh(config: dict, state: TrainState) -> dict:
@@ -413,16 +429,43 @@ def refuse_changed_run(cfg) -> None:
 class CheckpointHook(Hook):
     """Saves when ``checkpoint.every`` says so, on the last step and on a stop (the state is
     saved before the next step's dispatch donates it); waits for the last save when the loop
-    ends. ``saving()``: a context the preemption watch uses to never cut a save short."""
+    ends. ``saving()``: a context the preemption watch uses to never cut a save short.
+
+    Before a save the loop is settled (:meth:`Loop.settle`): every step up to the one saved has
+    its metrics written, and its streak of skipped steps seen, before its checkpoint can exist.
+    A kill after the commit loses no record, and rotation knows every streak a rollback may
+    still need the checkpoint before (:func:`kept_steps`). It costs no wait of its own: the save
+    copies the step's state off the devices, which waits for the step anyway. The hook acts
+    after the others' ``after_dispatch`` (evaluation, metrics), so the record is complete."""
 
     def __init__(self, checkpointer: Checkpointer, *, enabled: bool, data, config: dict, saving):
         self.checkpointer, self.enabled, self.data, self.config = checkpointer, enabled, data, config
         self.saving = saving
+        self._started = False
+
+    def before_step(self, loop, step: int) -> None:
+        if not self._started:  # a resumed state may be inside a streak
+            self._started = True
+            self._note_state(loop, loop.start_step)
 
     def after_dispatch(self, loop, step: int, metrics) -> None:
-        if self.enabled and (loop.stopping or self.checkpointer.due(step, loop.total_steps)):
-            with self.saving():
-                self.checkpointer.save(step, loop.state, self.data.get_state(), self.config)
+        if not (self.enabled and (loop.stopping or self.checkpointer.due(step, loop.total_steps))):
+            return
+        if not loop.settle():
+            return  # a rollback replaced the state this save was for
+        with self.saving():
+            self.checkpointer.save(step, loop.state, self.data.get_state(), self.config)
+
+    def after_step(self, loop, step: int, values: dict[str, float], final: bool) -> None:
+        self.checkpointer.note_seen(step, int(values["consecutive_skips"]))
+
+    def on_rewind(self, loop, step: int) -> None:
+        self._note_state(loop, step)
+
+    def _note_state(self, loop, step: int) -> None:
+        # Replicated: the local copy is the value (a restored state, so this waits for nothing).
+        value = loop.state.guard["consecutive"]
+        self.checkpointer.note_seen(step, int(value.addressable_data(0) if isinstance(value, jax.Array) else value))
 
     def on_loop_end(self, loop) -> None:
         with self.saving():

@@ -13,6 +13,11 @@ One iteration, for step ``n`` (1-based: the step that the dispatch completes)::
 
 then, once the last step is dispatched or a stop was requested: ``on_loop_end``, the last
 step's ``after_step(..., final=True)``, ``on_finish``. Hooks run in the order they were given.
+
+A hook may call :meth:`Loop.settle` in ``after_dispatch(n)``: the metrics of every dispatched step,
+``n``'s included, are fetched and handed to ``after_step`` there and then (the host waits for
+step ``n``). The checkpoint hook does so before a save, so a step's metrics are written before
+its checkpoint can exist.
 """
 
 from __future__ import annotations
@@ -75,19 +80,27 @@ class Loop:
         self.step = self.start_step  # the last step dispatched
         self.stopping = False  # set after a dispatch when should_stop said so
         self.dispatch_s = 0.0  # host time of the last dispatch (the first one traces and compiles)
-        self._pending: tuple[int, dict[str, jax.Array]] | None = None
+        self._unfetched: list[tuple[int, dict[str, jax.Array]]] = []  # dispatched, not yet handed to after_step
+        self._fetched = self.start_step  # the newest step handed to after_step
         self._rewound = False
 
     @property
     def last_step(self) -> int:
         """The newest step dispatched whose metrics were not abandoned (for crash reports)."""
-        return self._pending[0] if self._pending else self.start_step
+        return self._unfetched[-1][0] if self._unfetched else self._fetched
 
     def rewind(self, state: Any) -> None:
         """Continue from ``state`` (an earlier step's): the queued step is abandoned."""
-        self.state, self.step, self._pending, self._rewound = state, int(state.step), None, True
+        self.state, self.step, self._rewound = state, int(state.step), True
+        self._unfetched, self._fetched = [], self.step
         for hook in self.hooks:
             hook.on_rewind(self, self.step)
+
+    def settle(self) -> bool:
+        """Fetch the metrics of every dispatched step now, the newest included, and hand them to
+        ``after_step``; False if a hook rewound the loop meanwhile."""
+        self._fetch_unfetched(leave=0)
+        return not self._rewound
 
     def host_paused(self, step: int) -> None:
         """Tell every hook that the host was held after step ``step`` was dispatched."""
@@ -104,11 +117,14 @@ class Loop:
             self.state, metrics = self.step_fn(self.state, batch)
             self.dispatch_s = time.perf_counter() - start
             self.stopping = self.should_stop(n)
+            self._unfetched.append((n, metrics))
+            self._rewound = False
             for hook in self.hooks:
                 hook.after_dispatch(self, n, metrics)
-            previous, self._pending, self._rewound = self._pending, (n, metrics), False
-            if previous is not None:
-                self._fetch(*previous, final=False)
+                if self._rewound:  # a hook settled the loop and a rollback followed
+                    break
+            if not self._rewound:
+                self._fetch_unfetched(leave=1)  # the previous step's, unless a hook settled it
             if self._rewound:
                 continue
             if self.stopping:
@@ -118,12 +134,20 @@ class Loop:
             self.step = n
         for hook in self.hooks:
             hook.on_loop_end(self)
-        if self._pending is not None:
-            self._fetch(*self._pending, final=True)
+        self._fetch_unfetched(leave=0)
         for hook in self.hooks:
             hook.on_finish(self)
 
+    def _fetch_unfetched(self, leave: int) -> None:
+        """Hand the oldest unfetched steps to ``after_step``, all but the newest ``leave``. The
+        newest is ``final`` when no step follows it: the last step, or the one a stop came at."""
+        while len(self._unfetched) > leave and not self._rewound:
+            step, metrics = self._unfetched.pop(0)
+            final = not self._unfetched and (step >= self.total_steps or self.stopping)
+            self._fetch(step, metrics, final)
+
     def _fetch(self, step: int, metrics: dict[str, jax.Array], final: bool) -> None:
+        self._fetched = step
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         for hook in self.hooks:
             hook.after_step(self, step, values, final)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -75,6 +76,33 @@ def format_duration(seconds: float) -> str:
     return f"{days}d {text}" if days else text
 
 
+_RECORD_STEP = re.compile(rb'\{"step": (\d+),')
+
+
+def end_of_records(path: str, step: int) -> tuple[int, int]:
+    """``(end, size)`` of metrics.jsonl for a run resuming at ``step``: ``end`` is the offset just
+    after the newest record of a step up to ``step`` if that step is ``step`` (what follows was
+    written after its checkpoint), else after the last complete line. Read from the end, so a
+    long run's file costs only its tail; records start with their step (``{"step": N, ...``)."""
+    with open(path, "rb") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        span = 1 << 16
+        while True:
+            start = max(0, size - span)
+            fh.seek(start)
+            block = fh.read()
+            lines = block.split(b"\n")  # the last: what follows the last newline (empty, or cut short)
+            complete = offset = size - len(lines[-1])
+            for line in reversed(lines[(0 if start == 0 else 1):-1]):  # a block's first line may be partial
+                match = _RECORD_STEP.match(line)
+                if match and int(match.group(1)) <= step:
+                    return (offset if int(match.group(1)) == step else complete), size
+                offset -= len(line) + 1
+            if start == 0:
+                return complete, size
+            span *= 4
+
+
 class MetricsLogger:
     """Writes metrics.jsonl and TensorBoard events (when ``enabled``), and a progress line."""
 
@@ -88,6 +116,30 @@ class MetricsLogger:
             self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
             from tensorboardX import SummaryWriter  # pure-Python event writer, no TensorFlow
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def resume_at(self, step: int) -> None:
+        """Before a run that starts at ``step`` (its checkpoint's) writes anything: the records
+        after the newest one of ``step`` were written by a process stopped after that checkpoint
+        (kill -9), and this run writes those steps again, so they move to
+        metrics.superseded.jsonl, as does a line cut short; each step keeps one record."""
+        if not self.enabled:
+            return
+        path = self._jsonl.name
+        end, size = end_of_records(path, step)
+        if end == size:
+            return
+        with open(path, "rb") as fh:
+            fh.seek(end)
+            tail = fh.read()
+        aside = os.path.join(os.path.dirname(path), "metrics.superseded.jsonl")
+        with open(aside, "ab") as out:  # kept before the file is cut: nothing written is lost
+            out.write(tail if tail.endswith(b"\n") else tail + b"\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.truncate(path, end)  # the append handle writes at the new end
+        what = (f"the records after step {step}'s, written after its checkpoint by the process that stopped "
+                f"(those steps run again)" if b"\n" in tail else "a line cut short")
+        self.say(f"{path}: moved {what} to {aside}")
 
     def log(self, record: dict[str, Any]) -> None:
         self.write(record)
@@ -159,6 +211,10 @@ class MetricsHook(Hook):
         self._measured_steps, self._measured_s = 0, 0.0
         self._last: tuple[int, float] | None = None  # (step, time) the previous step finished
         self._untimed_through = 0  # steps up to this one finished before a host pause ended
+
+    def before_step(self, loop, step: int) -> None:
+        if self._first_step is None and step == loop.start_step + 1:
+            self.logger.resume_at(loop.start_step)
 
     def after_dispatch(self, loop, step: int, metrics) -> None:
         if self._first_step is None:

@@ -311,8 +311,9 @@ def make_metrics(start: StartUp, stream, eval_losses: dict[int, float], straggle
 def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Checkpointer, data,
                eval_batches: list, state_sh, stream) -> tuple[list[Hook], MetricsHook]:
     """The hooks in the order they act at each point of the loop (maxfp4.loop): the watchdog and
-    stragglers see a finished step before it is logged; the rollback acts on it last. Also
-    returns the metrics hook, whose records the run returns."""
+    stragglers see a finished step before it is logged; the checkpoint comes after evaluation and
+    metrics (a save first settles the loop, writing the step's whole record); the rollback acts on
+    a step last. Also returns the metrics hook, whose records the run returns."""
     cfg, mesh, res = start.cfg, start.mesh, start.cfg.resilience
     is_writer = jax.process_index() == 0
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -330,9 +331,10 @@ def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Check
         watchdog, stragglers, FaultHook(res.fault, jax.process_index()),
         PreemptionHook(watch, checkpoints=cfg.checkpoint.enabled, say=_say),
         StepProfiler(cfg.train.profile_steps, os.path.join(cfg.run_dir, "profile"), enabled=is_writer),
+        evaluation, metrics,
         CheckpointHook(checkpointer, enabled=cfg.checkpoint.enabled, data=data, config=cfg.to_dict(),
                        saving=watch.saving),
-        evaluation, metrics, rerun_hook(res, mesh, _say, is_writer=is_writer),
+        rerun_hook(res, mesh, _say, is_writer=is_writer),
         RollbackHook(rollbacks, checkpointer, _say),
     ]
     return [hook for hook in hooks if hook is not None], metrics

@@ -55,6 +55,7 @@ import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -414,3 +415,94 @@ def test_verify_hashes_array_files_after_commit_and_catches_a_flipped_byte(tmp_p
     assert (step, data_state["next_index"]) == (1, 1)
     assert len(warnings) == 1 and f"array file {biggest}: SHA-256 differs from the saved one (checkpoint.verify)" in warnings[0]
     assert "falling back to step 1" in warnings[0]
+
+
+# Rotation and rollback: the real loop, checkpoint and rollback hooks and Orbax checkpoints, with a
+# one-number model whose guard (the real judge) skips the steps the batches mark bad.
+
+@jax.jit
+def _guarded_step(state, bad):
+    import jax.numpy as jnp
+    from maxfp4.reliability.guard import guard_metrics, judge
+    loss = jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(1.0))
+    ok, guard = judge(state.guard, loss, jnp.float32(1.0), margin=0.0, warmup=0)
+    state = state.replace(step=state.step + 1, params=jnp.where(ok, state.params + 1, state.params), guard=guard)
+    return state, {"loss": loss, **guard_metrics(guard, ok)}
+
+
+class _MarkedBatches:
+    """Batch i (1-based, counted across rollbacks, as the data moves on) is bad if in ``bad``."""
+
+    def __init__(self, bad):
+        self.bad, self.i = set(bad), 0
+
+    def __next__(self):
+        self.i += 1
+        return jax.numpy.bool_(self.i in self.bad)
+
+    def get_state(self):
+        return {"batches": self.i}
+
+
+def _run_streak(directory, *, every, keep, limit, first, length):
+    """Steps ``first .. first + length - 1`` skipped; returns the lines said and the checkpointer."""
+    import contextlib
+
+    import jax.numpy as jnp
+    from maxfp4.checkpoint import CheckpointHook
+    from maxfp4.config import CheckpointConfig
+    from maxfp4.loop import Loop
+    from maxfp4.reliability.guard import init_guard_state
+    from maxfp4.reliability.rollback import RollbackHook, Rollbacks
+    from maxfp4.state import TrainState
+
+    cfg = CheckpointConfig(every=every, keep=keep)
+    ck = Checkpointer(str(directory), cfg)
+    said, batches = [], _MarkedBatches(range(first, first + length))
+    state = TrainState(step=jnp.int32(0), params=jnp.float32(0), opt_state={}, rng=jax.random.key(0), precision={},
+                       guard=init_guard_state(4))
+    hooks = [CheckpointHook(ck, enabled=True, data=batches, config=None, saving=contextlib.nullcontext),
+             RollbackHook(Rollbacks(limit, 1, suspend_steps=4, checkpoint=cfg), ck, said.append)]
+    loop = Loop(_guarded_step, state, batches, total_steps=first + length + 1, hooks=hooks)
+    loop.run()
+    ck.close()
+    return said, ck, loop
+
+
+@pytest.mark.parametrize("every", [1, 2, 5])
+def test_rotation_keeps_the_checkpoint_before_a_streak_of_the_limit_and_one_either_side(tmp_path, every):
+    # A streak one shorter than resilience.max_consecutive_skips goes on; one of the limit and one
+    # longer roll back to the newest checkpoint before it, for keep 1, 2 and 3. Each streak ends
+    # right before a save, so that save's state no longer shows the streak (with every=2, keep=3
+    # and a streak of exactly 10 ending there, rotation used to delete that checkpoint).
+    limit = 3
+    for keep in (1, 2, 3):
+        for length in (limit - 1, limit, limit + 1):
+            first = next(s for s in range(every + 1, 3 * every + 2) if (s + length) % every == 0)
+            target = (first - 1) // every * every
+            said, ck, loop = _run_streak(tmp_path / f"k{keep}-l{length}", every=every, keep=keep, limit=limit,
+                                         first=first, length=length)
+            case = f"every={every} keep={keep} streak {first}..{first + length - 1}"
+            expected = ([] if length < limit else
+                        [f"rollback 1/1: {limit} consecutive skipped steps ({first}..{first + limit - 1}); "
+                         f"restored checkpoint {target}, data continues past the skipped batches"])
+            assert said == expected, case
+            assert int(loop.state.step) == first + length + 1, case
+            assert ck.all_steps()[-1] == first + length + 1 and len(ck.all_steps()) <= keep, case
+
+
+def test_kept_steps_hold_every_rollback_target_and_at_most_keep_plus_one():
+    from maxfp4.checkpoint import kept_steps, streak_floor
+    # Every checkpoint is of a step the host has seen (seen >= the newest saved step). A future
+    # rollback goes back to the newest checkpoint before the running streak's start, or, for a
+    # streak beginning after `seen`, to the newest of all.
+    for seen in range(1, 13):
+        for consecutive in range(seen + 1):
+            floor = streak_floor(seen, consecutive)
+            for every in (1, 2, 5):
+                steps = list(range(every, seen + 1, every))
+                for keep in (1, 2, 3):
+                    kept = kept_steps(steps, keep, floor)
+                    targets = {max([s for s in steps if s < floor], default=None), max(steps, default=None)}
+                    assert targets - {None} <= set(kept) and len(kept) <= keep + 1, (seen, consecutive, every, keep)
+                    assert set(steps[-keep:]) <= set(kept)

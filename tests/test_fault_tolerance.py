@@ -44,18 +44,21 @@ def test_kill_9_mid_run_and_during_async_save_then_rerun_finishes_like_an_uninte
              "resilience.fault.slow_seconds=0.2"]
     ckpts = tmp_path / "killed" / "checkpoints"
 
-    # 1. kill -9 in the middle of training.
+    # 1. kill -9 in the middle of training, the moment checkpoint 4 is committed (Orbax renames
+    # its directory to "4"): step 4's metrics are already on disk (the next step's start is 0.2 s
+    # away; they used to be written only once step 5 was dispatched, and so were lost for good).
     proc = subprocess.Popen(_cmd(tmp_path, "killed", *steps), env=cpu_env(1), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
-    while not any(r["step"] >= 5 for r in _records(tmp_path, "killed")):
+    while not (ckpts / "4").is_dir():
         assert proc.poll() is None and time.time() < deadline, "training did not get going"
-        time.sleep(0.01)
+        time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     first = _complete(ckpts)[-1]
-    assert 4 <= first < 8
+    assert first == 4
+    assert [r["step"] for r in _records(tmp_path, "killed")] == [1, 2, 3, 4]
 
     # 2. The rerun resumes from that checkpoint; kill -9 it the moment an async save is in flight
     # (Orbax writes <step>.orbax-checkpoint-tmp-*, renamed when complete).
@@ -78,16 +81,54 @@ def test_kill_9_mid_run_and_during_async_save_then_rerun_finishes_like_an_uninte
     assert resume < 8
 
     # 3. The next rerun ignores the partial save, resumes from the last complete checkpoint and
-    # ends exactly where a run that was never interrupted ends.
+    # ends exactly where a run that was never interrupted ends. The records the killed process
+    # wrote after that checkpoint (those of the save cut short) move aside, not logged twice.
+    written_after = [r for r in _records(tmp_path, "killed") if r["step"] > resume]
+    assert written_after
     again = _run(tmp_path, "killed", *steps)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumed from {ckpts}/{resume}" in again.stdout
+    assert f"metrics.jsonl: moved the records after step {resume}'s, written after its checkpoint" in again.stdout
+    assert [json.loads(line) for line in (tmp_path / "killed" / "metrics.superseded.jsonl").read_text().splitlines()
+            ] == written_after
     reference = _run(tmp_path, "reference", *steps)
     assert reference.returncode == 0, reference.stderr[-3000:]
     killed, ref = _records(tmp_path, "killed"), _records(tmp_path, "reference")
     assert killed[-1]["step"] == ref[-1]["step"] == 8
     assert killed[-1]["loss"] == ref[-1]["loss"]  # bit for bit: nothing of the kills leaked into the run
-    assert [r["step"] for r in killed][-(8 - resume):] == list(range(resume + 1, 9))
+    assert [r["step"] for r in killed] == [r["step"] for r in ref] == list(range(1, 9))  # each step once
+    assert [r["loss"] for r in killed] == [r["loss"] for r in ref]
+
+
+def test_a_resumed_run_moves_aside_the_records_written_after_its_checkpoint(tmp_path):
+    # The file a process killed after checkpoint 4 leaves (a record cut short at the end), with
+    # records before the tail long enough that it is read in more than one block from the end.
+    from maxfp4.metrics import MetricsLogger
+    path, aside = tmp_path / "metrics.jsonl", tmp_path / "metrics.superseded.jsonl"
+    pad = "x" * 20_000
+    records = [json.dumps({"step": s, "loss": 1.0 / s, "pad": pad}) + "\n" for s in range(1, 8)]
+    path.write_text("".join(records) + '{"step": 8, "lo')
+    said = []
+    logger = MetricsLogger(str(tmp_path), total_steps=8, enabled=True)
+    logger.say = said.append
+    logger.resume_at(4)
+    logger.write({"step": 5, "loss": 0.5})
+    logger.close()
+    assert path.read_text() == "".join(records[:4]) + json.dumps({"step": 5, "loss": 0.5}) + "\n"
+    assert aside.read_text() == "".join(records[4:]) + '{"step": 8, "lo\n'  # nothing written is lost
+    assert said == [f"{path}: moved the records after step 4's, written after its checkpoint by the process that "
+                    f"stopped (those steps run again) to {aside}"]
+
+    # A fresh start (no checkpoint: step 0) and a file with nothing after the checkpoint's record
+    # keep every record; only a line cut short moves.
+    path.write_text("".join(records[:3]) + '{"step": 4')
+    logger = MetricsLogger(str(tmp_path), total_steps=8, enabled=True)
+    logger.say = said.append
+    logger.resume_at(0)
+    logger.resume_at(3)
+    logger.close()
+    assert path.read_text() == "".join(records[:3])
+    assert said[1:] == [f"{path}: moved a line cut short to {aside}"] and aside.read_text().endswith('{"step": 4\n')
 
 
 def test_nan_steps_are_skipped_a_streak_rolls_back_and_a_persistent_fault_stops(tmp_path):
@@ -112,20 +153,22 @@ def test_nan_steps_are_skipped_a_streak_rolls_back_and_a_persistent_fault_stops(
 
 
 def test_rollback_finds_the_pre_streak_checkpoint_that_rotation_would_have_deleted(tmp_path):
-    # Saves every 2 steps, keep 3: by the time an 11-step NaN streak (9..19) reaches 10 skips, the
-    # saves of steps 10-18 would have rotated out every checkpoint from before it. Checkpoint 8 is
-    # kept out of rotation while the streak runs, so the rollback restores it. The fault is tied to
-    # step numbers: the streak comes back after the rollback and, with max_rollbacks=1, stops the run.
-    out = _run(tmp_path, "rot", "train.steps=24", "checkpoint.every=2", "checkpoint.keep=3",
-               "resilience.fault.nonfinite_at_steps=[9,10,11,12,13,14,15,16,17,18,19]", "resilience.max_rollbacks=1")
+    # Saves every 2 steps, keep 3: by the time a NaN streak of exactly max_consecutive_skips (10,
+    # steps 8..17) is seen whole, the saves of steps 8-16 would have rotated out every checkpoint
+    # from before it, and the save of step 18 (a good step: its state shows no streak) is issued
+    # before the host reads step 17. Checkpoint 6 is kept, so the rollback restores it. The fault is
+    # tied to step numbers: the streak comes back after the rollback and, with max_rollbacks=1,
+    # stops the run. (Other lengths, periods and keeps: tests/test_checkpoint.py.)
+    out = _run(tmp_path, "rot", "train.steps=20", "checkpoint.every=2", "checkpoint.keep=3",
+               "resilience.fault.nonfinite_at_steps=[8,9,10,11,12,13,14,15,16,17]", "resilience.max_rollbacks=1")
     text = out.stdout + out.stderr
     assert out.returncode == 3, text[-3000:]
-    assert "rollback 1/1: 10 consecutive skipped steps (9..18); restored checkpoint 8," in text
+    assert "rollback 1/1: 10 consecutive skipped steps (8..17); restored checkpoint 6," in text
     recs = _records(tmp_path, "rot")
-    assert [r["step"] for r in recs[:18]] == list(range(1, 19)) and recs[18]["step"] == 9  # resumed after 8
-    # The second streak: checkpoint 8 was still there, the rollbacks were used up.
-    assert "10 consecutive skipped steps (9..18), all non-finite, and 1 rollback(s) done" in text
-    assert _complete(tmp_path / "rot" / "checkpoints")[0] == 8
+    assert [r["step"] for r in recs[:17]] == list(range(1, 18)) and recs[17]["step"] == 7  # resumed after 6
+    # The second streak: checkpoint 6 was still there, the rollbacks were used up.
+    assert "10 consecutive skipped steps (8..17), all non-finite, and 1 rollback(s) done" in text
+    assert _complete(tmp_path / "rot" / "checkpoints")[0] == 6
 
 
 def test_streak_with_nothing_to_roll_back_to_suspends_spike_judgement_and_trains_on(tmp_path):
