@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from maxfp4 import checksums
 from maxfp4.config import CheckpointConfig
 from maxfp4.errors import UserError
-from maxfp4.loop import Hook
+from maxfp4.loop import Every, Hook
 from maxfp4.state import TrainState
 
 UNREADABLE_SUFFIX = ".unreadable"
@@ -118,9 +118,6 @@ class Checkpointer:
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
-
-    def due(self, step: int, last_step: int) -> bool:
-        return step == last_step or (self.every > 0 and step % self.every == 0)
 
     def save(self, step: int, state: TrainState, data_state: dict[str, int], config: dict | None = None) -> None:
         """Returns once the arrays are copied off the devices; the files are written in the
@@ -427,9 +424,9 @@ def refuse_changed_run(cfg) -> None:
 
 
 class CheckpointHook(Hook):
-    """Saves when ``checkpoint.every`` says so, on the last step and on a stop (the state is
-    saved before the next step's dispatch donates it); waits for the last save when the loop
-    ends. ``saving()``: a context the preemption watch uses to never cut a save short.
+    """Saves on the steps its cadence names (:meth:`cadence`: ``checkpoint.every``, the last step
+    and a stop; the state is saved before the next step's dispatch donates it); waits for the
+    last save when the loop ends. ``saving()``: a context the preemption watch uses to never cut a save short.
 
     Before a save the loop is settled (:meth:`Loop.settle`): every step up to the one saved has
     its metrics written, and its streak of skipped steps seen, before its checkpoint can exist.
@@ -448,9 +445,11 @@ class CheckpointHook(Hook):
             self._started = True
             self._note_state(loop, loop.start_step)
 
-    def after_dispatch(self, loop, step: int, metrics) -> None:
-        if not (self.enabled and (loop.stopping or self.checkpointer.due(step, loop.total_steps))):
-            return
+    def cadence(self) -> Every:
+        """``checkpoint.every``, the last step and a stop; never with checkpoints off."""
+        return Every(self.checkpointer.every, last=True, stop=True) if self.enabled else Every(0)
+
+    def on_due(self, loop, step: int) -> None:
         if not loop.settle():
             return  # a rollback replaced the state this save was for
         with self.saving():

@@ -44,13 +44,14 @@ def mean_eval_loss(jitted_eval_step: Callable, state: TrainState, batches: Seque
 
 
 class EvalHook(Hook):
-    """Held-out loss every ``every`` steps and after the last, on the state just dispatched;
-    ``losses`` (step -> loss) is read by the metrics, which log it with that step."""
+    """Held-out loss on the state just dispatched, on the steps its cadence names
+    (``train.eval_every`` and the last: ``every(hook, n, last=True)``); ``losses`` (step -> loss)
+    is read by the metrics, which log it with that step."""
 
-    def __init__(self, eval_step: Callable, batches: Sequence[dict], *, every: int, total_steps: int):
-        self.eval_step, self.batches, self.every, self.total_steps = eval_step, batches, every, total_steps
+    def __init__(self, eval_step: Callable, batches: Sequence[dict]):
+        self.eval_step, self.batches = eval_step, batches
         self.losses: dict[int, float] = {}
 
-    def after_dispatch(self, loop, step: int, metrics) -> None:
-        if self.batches and (step % self.every == 0 or step == self.total_steps):
+    def on_due(self, loop, step: int) -> None:
+        if self.batches:
             self.losses[step] = mean_eval_loss(self.eval_step, loop.state, self.batches)

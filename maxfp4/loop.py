@@ -7,14 +7,14 @@ has been dispatched, so the host never waits for the device in steady state (nan
 
 One iteration, for step ``n`` (1-based: the step that the dispatch completes)::
 
-    before_step(n) -> next batch -> dispatch -> after_dispatch(n, metrics)
+    before_step(n) -> next batch -> dispatch -> after_dispatch(n, metrics) [-> on_due(n) when due]
       -> after_step(n - 1, values)   (the previous step's metrics, fetched now)
       -> end_step(n)                 (unless a hook rewound the loop or a stop was requested)
 
 then, once the last step is dispatched or a stop was requested: ``on_loop_end``, the last
 step's ``after_step(..., final=True)``, ``on_finish``. Hooks run in the order they were given.
 
-A hook may call :meth:`Loop.settle` in ``after_dispatch(n)``: the metrics of every dispatched step,
+A hook may call :meth:`Loop.settle` in ``after_dispatch(n)`` or ``on_due(n)``: the metrics of every dispatched step,
 ``n``'s included, are fetched and handed to ``after_step`` there and then (the host waits for
 step ``n``). The checkpoint hook does so before a save, so a step's metrics are written before
 its checkpoint can exist.
@@ -22,6 +22,7 @@ its checkpoint can exist.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -40,6 +41,10 @@ class Hook:
     def after_step(self, loop: "Loop", step: int, values: dict[str, float], final: bool) -> None:
         """Step ``step``'s metrics on the host (fetched after the next step was dispatched;
         ``final``: the loop's last step, fetched after the loop)."""
+
+    def on_due(self, loop: "Loop", step: int) -> None:
+        """The hook's periodic work, on the steps its :class:`Every` names (the loop keeps the
+        cadence: ``Loop(..., hooks=[every(hook, n)])``), right after its ``after_dispatch``."""
 
     def end_step(self, loop: "Loop", step: int) -> None:
         """Step ``step``'s iteration is over and the loop goes on."""
@@ -61,20 +66,41 @@ class Hook:
         """Release what the hook holds; called once, also after an error."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Every:
+    """A hook's cadence, kept by the loop: every ``n``-th step (none when ``n`` is 0), the run's
+    last step when ``last``, and the step a stop came at when ``stop``."""
+
+    n: int
+    last: bool = False
+    stop: bool = False
+
+    def due(self, step: int, total_steps: int, stopping: bool) -> bool:
+        return (self.n > 0 and step % self.n == 0) or (self.last and step == total_steps) or (self.stop and stopping)
+
+
+def every(hook: Hook, n: int, *, last: bool = False, stop: bool = False) -> tuple[Hook, Every]:
+    """``hook`` with its cadence, as a ``Loop`` takes it among its hooks (Levanter's ``every=``)."""
+    return hook, Every(n, last, stop)
+
+
 class Loop:
     """``Loop(step_fn, state, batches, ...).run()``: steps from ``state.step`` to ``total_steps``.
 
     ``step_fn(state, batch) -> (state, metrics)`` is the jitted step; ``should_stop(step)`` is
     asked after each dispatch (a signal or a preemption notice ends the loop after that step).
+    ``hooks``: hooks, or hooks with a cadence (:func:`every`) whose ``on_due`` the loop calls.
     """
 
     def __init__(self, step_fn: Callable, state: Any, batches: Iterator[Any], *, total_steps: int,
-                 hooks: Sequence[Hook], should_stop: Callable[[int], bool] = lambda step: False):
+                 hooks: Sequence[Hook | tuple[Hook, Every]], should_stop: Callable[[int], bool] = lambda step: False):
         self.step_fn = step_fn
         self.state = state
         self.batches = batches
         self.total_steps = total_steps
-        self.hooks = list(hooks)
+        scheduled = [h if isinstance(h, tuple) else (h, None) for h in hooks]
+        self.hooks = [hook for hook, _ in scheduled]
+        self._cadences = [cadence for _, cadence in scheduled]
         self.should_stop = should_stop
         self.start_step = int(state.step)
         self.step = self.start_step  # the last step dispatched
@@ -119,8 +145,10 @@ class Loop:
             self.stopping = self.should_stop(n)
             self._unfetched.append((n, metrics))
             self._rewound = False
-            for hook in self.hooks:
+            for hook, cadence in zip(self.hooks, self._cadences):
                 hook.after_dispatch(self, n, metrics)
+                if cadence is not None and not self._rewound and cadence.due(n, self.total_steps, self.stopping):
+                    hook.on_due(self, n)
                 if self._rewound:  # a hook settled the loop and a rollback followed
                     break
             if not self._rewound:

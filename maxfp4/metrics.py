@@ -272,7 +272,7 @@ class MetricsHook(Hook):
             self._first = None
         if step in self.eval_losses:
             record["eval_loss"] = self.eval_losses.pop(step)
-        report = self.stragglers.take_report() if self.stragglers is not None else None
+        report = self.stragglers.take_report(step) if self.stragglers is not None else None
         if report is not None:
             record["straggler_processes"] = report["slow"]
         return record

@@ -33,7 +33,7 @@ from maxfp4.errors import exit_code_of
 from maxfp4.evaluate import EvalHook, make_eval_step
 from maxfp4.files import write_text_atomic
 from maxfp4.kernels.support import check_mamba_kernels
-from maxfp4.loop import Hook, Loop, close_hooks
+from maxfp4.loop import Every, Hook, Loop, close_hooks, every
 from maxfp4.interop.hf import check_init_from, read_params as read_hf_params
 from maxfp4.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsHook, MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
@@ -165,9 +165,9 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
                 raise crash_error(cfg.run_dir, error, step=loop.last_step, config=cfg.to_dict(), last_metrics=last,
                                   newest_checkpoint=lambda: _newest_checkpoint(cfg.run_dir),
                                   remove_partial_saves=checkpointer.remove_partial_saves, say=_say,
-                                  reruns=reruns_of(hooks)) from None
+                                  reruns=reruns_of(loop.hooks)) from None
             finally:
-                close_hooks(hooks, quietly=failing)
+                close_hooks(loop.hooks, quietly=failing)
             return metrics.records
     finally:
         if own_watch:
@@ -309,31 +309,33 @@ def make_metrics(start: StartUp, stream, eval_losses: dict[int, float], straggle
 
 
 def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Checkpointer, data,
-               eval_batches: list, state_sh, stream) -> tuple[list[Hook], MetricsHook]:
+               eval_batches: list, state_sh, stream) -> tuple[list[Hook | tuple[Hook, Every]], MetricsHook]:
     """The hooks in the order they act at each point of the loop (maxfp4.loop): the watchdog and
     stragglers see a finished step before it is logged; the checkpoint comes after evaluation and
     metrics (a save first settles the loop, writing the step's whole record); the rollback acts on
-    a step last. Also returns the metrics hook, whose records the run returns."""
+    a step last; the periodic ones with their cadence (maxfp4.loop.every). Also returns the
+    metrics hook, whose records the run returns."""
     cfg, mesh, res = start.cfg, start.mesh, start.cfg.resilience
     is_writer = jax.process_index() == 0
     replicated = NamedSharding(mesh, PartitionSpec())
     eval_step = jax.jit(make_eval_step(cfg, start.policy, mesh),
                         in_shardings=(state_sh, batch_sharding(mesh)), out_shardings=(replicated, replicated))
-    evaluation = EvalHook(eval_step, eval_batches, every=cfg.train.eval_every, total_steps=cfg.train.steps)
-    stragglers = (StragglerHook(StragglerMonitor(res.straggler_threshold), res.straggler_every, _say,
-                                is_writer=is_writer) if res.straggler_every else None)
+    evaluation = EvalHook(eval_step, eval_batches)
+    stragglers = (StragglerHook(StragglerMonitor(res.straggler_threshold), _say, is_writer=is_writer)
+                  if res.straggler_every else None)
     metrics = make_metrics(start, stream, evaluation.losses, stragglers)
     watchdog = HangWatchdog(cfg.run_dir, res.hang_timeout_s, jax.process_index(),
                             on_exit=lock.release if lock is not None else lambda: None)
     rollbacks = Rollbacks(res.max_consecutive_skips, res.max_rollbacks, suspend_steps=res.spike_window,
                           checkpoint=cfg.checkpoint)
+    checkpoints = CheckpointHook(checkpointer, enabled=cfg.checkpoint.enabled, data=data, config=cfg.to_dict(),
+                                 saving=watch.saving)
     hooks = [
-        watchdog, stragglers, FaultHook(res.fault, jax.process_index()),
+        watchdog, stragglers and every(stragglers, res.straggler_every), FaultHook(res.fault, jax.process_index()),
         PreemptionHook(watch, checkpoints=cfg.checkpoint.enabled, say=_say),
         StepProfiler(cfg.train.profile_steps, os.path.join(cfg.run_dir, "profile"), enabled=is_writer),
-        evaluation, metrics,
-        CheckpointHook(checkpointer, enabled=cfg.checkpoint.enabled, data=data, config=cfg.to_dict(),
-                       saving=watch.saving),
+        every(evaluation, cfg.train.eval_every, last=True), metrics,
+        (checkpoints, checkpoints.cadence()),
         rerun_hook(res, mesh, _say, is_writer=is_writer),
         RollbackHook(rollbacks, checkpointer, _say),
     ]

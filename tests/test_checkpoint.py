@@ -461,7 +461,8 @@ def _run_streak(directory, *, every, keep, limit, first, length):
     said, batches = [], _MarkedBatches(range(first, first + length))
     state = TrainState(step=jnp.int32(0), params=jnp.float32(0), opt_state={}, rng=jax.random.key(0), precision={},
                        guard=init_guard_state(4))
-    hooks = [CheckpointHook(ck, enabled=True, data=batches, config=None, saving=contextlib.nullcontext),
+    saves = CheckpointHook(ck, enabled=True, data=batches, config=None, saving=contextlib.nullcontext)
+    hooks = [(saves, saves.cadence()),
              RollbackHook(Rollbacks(limit, 1, suspend_steps=4, checkpoint=cfg), ck, said.append)]
     loop = Loop(_guarded_step, state, batches, total_steps=first + length + 1, hooks=hooks)
     loop.run()

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from maxfp4.loop import Hook, Loop
+from maxfp4.loop import Hook, Loop, every
 
 
 @jax.tree_util.register_dataclass
@@ -102,3 +102,27 @@ def test_an_error_in_a_hook_reaches_the_caller():
     with pytest.raises(RuntimeError, match="boom at 2"):
         loop.run()
     assert loop.last_step == 2
+
+
+class Due(Hook):
+    def __init__(self, events: list, name: str):
+        self.events, self.name = events, name
+
+    def on_due(self, loop, step):
+        self.events.append((self.name, step))
+
+
+def test_the_loop_keeps_each_hooks_cadence_the_last_step_and_a_stop():
+    """``every(hook, n, last=, stop=)``: ``on_due`` on the multiples of n, the last step when asked
+    and the step a stop came at when asked; a cadence of 0 only at those; a hook without one never."""
+    events = []
+    hooks = [every(Due(events, "three"), 3), every(Due(events, "three+last"), 3, last=True),
+             every(Due(events, "last+stop"), 0, last=True, stop=True), Due(events, "none")]
+    Loop(add_step, _start(), _batches(), total_steps=7, hooks=hooks).run()
+    assert [s for name, s in events if name == "three"] == [3, 6]
+    assert [s for name, s in events if name == "three+last"] == [3, 6, 7]
+    assert [s for name, s in events if name == "last+stop"] == [7]
+    assert not [e for e in events if e[0] == "none"]
+    events.clear()
+    Loop(add_step, _start(), _batches(), total_steps=7, hooks=hooks, should_stop=lambda step: step == 4).run()
+    assert events == [("three", 3), ("three+last", 3), ("last+stop", 4)]

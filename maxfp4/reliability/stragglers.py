@@ -87,11 +87,14 @@ class StragglerMonitor:
 
 class StragglerHook(Hook):
     """Times each process's host work per step (making and dispatching it, not compiling it) and
-    compares the processes every ``every`` steps; the report goes into the next metrics record."""
+    compares the processes on the steps its cadence names (``resilience.straggler_every``; the
+    same steps on every process, as the comparison is a collective); the report goes into the
+    next metrics record."""
 
-    def __init__(self, monitor: StragglerMonitor, every: int, say, *, is_writer: bool):
-        self.monitor, self.every, self.say, self.is_writer = monitor, every, say, is_writer
+    def __init__(self, monitor: StragglerMonitor, say, *, is_writer: bool):
+        self.monitor, self.say, self.is_writer = monitor, say, is_writer
         self.report: dict[str, Any] | None = None  # the newest report, until the metrics take it
+        self._report_step = 0
         self._host_start = 0.0
 
     def before_step(self, loop, step: int) -> None:
@@ -101,12 +104,14 @@ class StragglerHook(Hook):
         if step > loop.start_step + 1:
             self.monitor.add(time.perf_counter() - self._host_start)
 
-    def after_step(self, loop, step: int, values, final: bool) -> None:
-        if step % self.every == 0:  # a collective: the same steps on every process
-            self.report = self.monitor.report()
-            if self.is_writer:
-                self.say(self.monitor.describe(self.report))
+    def on_due(self, loop, step: int) -> None:
+        self.report, self._report_step = self.monitor.report(), step
+        if self.is_writer:
+            self.say(self.monitor.describe(self.report))
 
-    def take_report(self) -> dict[str, Any] | None:
+    def take_report(self, step: int) -> dict[str, Any] | None:
+        """The newest report, for the record of the step it was made at (or a later one)."""
+        if self.report is None or step < self._report_step:
+            return None
         report, self.report = self.report, None
         return report
