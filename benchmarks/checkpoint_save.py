@@ -40,7 +40,7 @@ from maxfp4 import checksums
 from maxfp4.checkpoint import Checkpointer
 from maxfp4.config import load_config
 from maxfp4.data import make_batches
-from maxfp4.mesh import batch_sharding, make_mesh
+from maxfp4.parallel.mesh import batch_sharding, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.step import make_train_step

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from maxfp4.compiler import compiler_options
 from maxfp4.config import Config, add_config_arguments, config_from_arguments
-from maxfp4.mesh import batch_sharding, make_mesh
+from maxfp4.parallel.mesh import batch_sharding, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.train import jit_train_step, state_maker

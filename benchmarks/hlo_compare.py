@@ -65,7 +65,7 @@ def lower_all(out_dir: str, only: str) -> None:
     import jax
 
     from maxfp4.config import load_config
-    from maxfp4.mesh import batch_sharding, make_mesh
+    from maxfp4.parallel.mesh import batch_sharding, make_mesh
     from maxfp4.optim import make_optimizer, make_schedule
     from maxfp4.precision import resolve_policy
     from maxfp4.train import jit_train_step, state_maker

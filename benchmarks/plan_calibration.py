@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maxfp4.plan import command as plan, cost as plan_model  # noqa: E402
 from maxfp4.config import load_config  # noqa: E402
-from maxfp4.mesh import resolve_mesh_shape  # noqa: E402
+from maxfp4.parallel.mesh import resolve_mesh_shape  # noqa: E402
 
 GOAL = 0.15
 LLAMA = "configs/llama3-8b.yaml"

@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh
 
 from maxfp4.config import Config, ConfigError
-from maxfp4.mesh import constrain, traced_in_mesh
+from maxfp4.parallel.mesh import constrain, traced_in_mesh
 from maxfp4.reliability.faults import loss_scale, poison_first_evaluation, poison_gradients
 from maxfp4.reliability.guard import guard_metrics, judge
 from maxfp4.reliability.rerun import evaluate_with_rerun
@@ -83,7 +83,7 @@ def _split_microbatches(batch: Batch, m: int) -> Batch:
 def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: Mesh | None = None,
                     runs_per_row: int | None = None) -> Callable:
-    """The step, traced under ``mesh`` (:func:`maxfp4.mesh.traced_in_mesh`: the one way the mesh
+    """The step, traced under ``mesh`` (:func:`maxfp4.parallel.mesh.traced_in_mesh`: the one way the mesh
     reaches the layers, the recipes and the kernels); None: no mesh (one device, tests)."""
     # The stages need the mesh itself (maxfp4.parallel.pipeline); any other loss is traced inside
     # the step, which the mesh already surrounds.

@@ -35,7 +35,7 @@ from maxfp4.files import write_text_atomic
 from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.loop import Every, Hook, Loop, close_hooks, every
 from maxfp4.interop.hf import check_init_from, read_params as read_hf_params
-from maxfp4.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_mesh, tree_shardings
+from maxfp4.parallel.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsHook, MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import abstract_params, get_model
 from maxfp4.model.mamba import tensor_note as mamba_tensor_note

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxfp4.mesh import logical_to_spec
+from maxfp4.parallel.mesh import logical_to_spec
 from maxfp4.model_spec import WEIGHT_AXES
 
 ROWS = ("data", "fsdp")  # the batch's mesh axes (mesh.LOGICAL_RULES["batch"])

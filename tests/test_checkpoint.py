@@ -61,7 +61,7 @@ import pytest  # noqa: E402
 
 from maxfp4.checkpoint import CheckpointError, Checkpointer, read_params, refuse_changed_run, saved_config  # noqa: E402
 from maxfp4.config import ConfigError  # noqa: E402
-from maxfp4.mesh import make_mesh  # noqa: E402
+from maxfp4.parallel.mesh import make_mesh  # noqa: E402
 from maxfp4.optim import make_optimizer  # noqa: E402
 from maxfp4.train import init_state  # noqa: E402
 from tests.conftest import TINY, cpu_env  # noqa: E402
@@ -199,7 +199,7 @@ KILL_SCRIPT = """
 import os, signal, sys
 from maxfp4.checkpoint import Checkpointer
 from maxfp4.config import load_config
-from maxfp4.mesh import make_mesh
+from maxfp4.parallel.mesh import make_mesh
 from maxfp4.optim import make_optimizer
 from maxfp4.train import init_state
 cfg = load_config(None, sys.argv[1:])

@@ -47,7 +47,7 @@ def test_a_checkpoint_records_the_mesh_it_was_sharded_over(tiny_cfg, tmp_path):
     next start knows the rows a device; config.yaml keeps -1, so it still runs anywhere."""
     import jax
     from maxfp4.checkpoint import Checkpointer, saved_config
-    from maxfp4.mesh import make_mesh
+    from maxfp4.parallel.mesh import make_mesh
     from maxfp4.optim import make_optimizer
     from maxfp4.train import init_state
     cfg = tiny_cfg("mesh.data=-1", "mesh.fsdp=2", "run.name=mesh")

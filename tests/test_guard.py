@@ -21,7 +21,7 @@ from maxfp4.config import ConfigError, ResilienceConfig, load_config
 from maxfp4.reliability.guard import init_guard_state, judge, level_shift_bound
 from maxfp4.reliability.rerun import (DIFFERED, NOT_RERUN, REPRODUCED, RerunHook, describe_devices,
                                      reruns_of)
-from maxfp4.mesh import batch_sharding, make_mesh
+from maxfp4.parallel.mesh import batch_sharding, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.step import make_train_step

@@ -43,7 +43,7 @@ def hybrid_run(tmp_path_factory):
     import jax
 
     from maxfp4.checkpoint import Checkpointer
-    from maxfp4.mesh import make_mesh
+    from maxfp4.parallel.mesh import make_mesh
     from maxfp4.optim import make_optimizer
     from maxfp4.train import init_state
 
@@ -237,7 +237,7 @@ def test_sharded_export_and_round_trip_are_bit_identical(dense_run, tmp_path):
 
     from maxfp4.interop.export import _export_hf, export
     from maxfp4.interop.hf import read_params
-    from maxfp4.mesh import make_mesh, tree_shardings
+    from maxfp4.parallel.mesh import make_mesh, tree_shardings
     from maxfp4.model import get_model
 
     cfg = _load(dense_run.parent, DENSE + ["mesh.fsdp=4", "mesh.tensor=2"])
@@ -374,7 +374,7 @@ def test_nemotron_h_export_config_tensors_and_round_trip(hybrid_run, tmp_path, c
 
     from maxfp4.interop.export import _export_hf, main as export_main
     from maxfp4.interop.hf import read_params
-    from maxfp4.mesh import make_mesh, tree_shardings
+    from maxfp4.parallel.mesh import make_mesh, tree_shardings
     from maxfp4.model import get_model
 
     cfg = _load(hybrid_run.parent, HYBRID)

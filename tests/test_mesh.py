@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from maxfp4.config import ConfigError
-from maxfp4.mesh import logical_to_spec, make_mesh, resolve_mesh_shape, tree_shardings
+from maxfp4.parallel.mesh import logical_to_spec, make_mesh, resolve_mesh_shape, tree_shardings
 from maxfp4.model.decoder import init_params, param_axes
 from maxfp4.train import train
 
@@ -77,7 +77,7 @@ def test_weight_axes_table_matches_the_models_linear_parameters(tiny_cfg, kind):
     own sharding puts it on its first dim, on a later one, or nowhere."""
     from flax import nnx
 
-    from maxfp4.mesh import gathered_weight_spec
+    from maxfp4.parallel.mesh import gathered_weight_spec
     from maxfp4.model_spec import WEIGHT_AXES
     from maxfp4.model import get_model
     from maxfp4.model.layers import Linear

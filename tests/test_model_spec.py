@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from maxfp4.config import load_config
-from maxfp4.mesh import make_mesh
+from maxfp4.parallel.mesh import make_mesh
 from maxfp4.model import get_model
 from maxfp4.model.layers import Linear
 from maxfp4.model_spec import LAYER_CLASSES, MIXERS, WEIGHT_AXES, model_spec

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from maxfp4.config import ConfigError, load_config
-from maxfp4.mesh import batch_sharding, make_mesh, resolve_mesh_shape
+from maxfp4.parallel.mesh import batch_sharding, make_mesh, resolve_mesh_shape
 from maxfp4.optim import make_optimizer
 from maxfp4.parallel.pipeline import bubble_fraction, check_stages
 from maxfp4.precision import resolve_policy

@@ -8,7 +8,7 @@ import pytest
 
 from maxfp4.plan import command as plan, cost as plan_model
 from maxfp4.config import load_config
-from maxfp4.mesh import make_mesh
+from maxfp4.parallel.mesh import make_mesh
 from maxfp4.metrics import flops_per_token
 from maxfp4.model_spec import model_spec
 from maxfp4.model import get_model

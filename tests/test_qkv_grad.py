@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxfp4.config import load_config
-from maxfp4.mesh import batch_split_axes
+from maxfp4.parallel.mesh import batch_split_axes
 from maxfp4.kernels import qkv_grad as qkv_grad_kernel
 from maxfp4.model.attention import assemble_qkv_grad, qkv_heads, split_heads
 from maxfp4.kernels.epilogue import Quantize

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from maxfp4.mesh import make_mesh
+from maxfp4.parallel.mesh import make_mesh
 from maxfp4.model import remat
 from maxfp4.optim import make_optimizer
 from maxfp4.precision import GEMM_WEIGHT, resolve_policy

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 from maxfp4.config import ConfigError, load_config
-from maxfp4.mesh import batch_sharding, make_mesh
+from maxfp4.parallel.mesh import batch_sharding, make_mesh
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.step import make_loss_fn, make_train_step

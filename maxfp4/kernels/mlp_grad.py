@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
-from maxfp4.mesh import batch_split_axes
+from maxfp4.parallel.mesh import batch_split_axes
 from maxfp4.kernels.epilogue import Quantized
 from maxfp4.kernels.launch import triton_params
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2

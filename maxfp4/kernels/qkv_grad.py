@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
-from maxfp4.mesh import batch_split_axes
+from maxfp4.parallel.mesh import batch_split_axes
 from maxfp4.kernels.epilogue import Quantize, Quantized
 from maxfp4.kernels.launch import triton_params
 

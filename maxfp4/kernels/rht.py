@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
-from maxfp4.mesh import split_size
+from maxfp4.parallel.mesh import split_size
 from maxfp4.kernels.launch import triton_params
 from maxfp4.precision import formats as F
 

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.config import ModelConfig
-from maxfp4.mesh import batch_split_axes
+from maxfp4.parallel.mesh import batch_split_axes
 from maxfp4.kernels import qkv_grad as qkv_grad_kernel
 from maxfp4.kernels.epilogue import Quantize
 from maxfp4.model.layers import linear, rope_tables, rotate

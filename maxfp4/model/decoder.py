@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 
 from maxfp4.config import ModelConfig
-from maxfp4.mesh import constrain
+from maxfp4.parallel.mesh import constrain
 from maxfp4.model import lm
 from maxfp4.model.attention import Attention, resolve_implementation
 from maxfp4.model.layers import norm_scale, stacked
@@ -74,7 +74,7 @@ class DenseLM(lm.LanguageModel):
         """The model after the embedding lookup. ``scales``: the delayed-scaling scales
         (:func:`maxfp4.precision.state.scales_of`); ``key`` seeds stochastic rounding;
         activations are pinned to their logical axes under the mesh the step is traced in
-        (:func:`maxfp4.mesh.constrain`); ``runs_per_row``: a bound on
+        (:func:`maxfp4.parallel.mesh.constrain`); ``runs_per_row``: a bound on
         the segment runs of every row, when the data gives one
         (:func:`maxfp4.model.attention.attend`). ``logits=False`` returns the last block's
         output [B, T, D] instead of the logits [B, T, V]."""
@@ -114,7 +114,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
 
 
 def param_axes(cfg: ModelConfig) -> Params:
-    """Logical axis names of every parameter (from the modules' metadata); mesh.py maps them."""
+    """Logical axis names of every parameter (from the modules' metadata); maxfp4.parallel.mesh maps them."""
     return lm.param_axes(DenseLM, cfg)
 
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxfp4.mesh import batch_split_axes, split_size
+from maxfp4.parallel.mesh import batch_split_axes, split_size
 from maxfp4.model import activations
 from maxfp4.kernels import mlp_grad as mlp_grad_kernel
 from maxfp4.kernels.launch import on_gpu

@@ -22,7 +22,7 @@ from flax import nnx
 
 from maxfp4.config import ModelConfig
 from maxfp4.model_spec import PATTERN_CHARS
-from maxfp4.mesh import constrain
+from maxfp4.parallel.mesh import constrain
 from maxfp4.model import lm
 from maxfp4.model.attention import Attention, resolve_implementation
 from maxfp4.model.layers import norm_scale, stacked
@@ -165,7 +165,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
 
 
 def param_axes(cfg: ModelConfig) -> Params:
-    """Logical axis names of every parameter (from the modules' metadata); mesh.py maps them."""
+    """Logical axis names of every parameter (from the modules' metadata); maxfp4.parallel.mesh maps them."""
     return lm.param_axes(HybridLM, cfg)
 
 

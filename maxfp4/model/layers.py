@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxfp4.mesh import constrain
+from maxfp4.parallel.mesh import constrain
 from maxfp4.model import fp8_mlp
 from maxfp4.model_spec import LinearSpec
 from maxfp4.model.activations import relu2, swiglu_product
@@ -26,7 +26,7 @@ ACT_DTYPE = jnp.bfloat16
 # Parameters are leaves of the module that owns them, named as in checkpoints and the export
 # (``blocks/w_qkv``), so a layer's weight is a Param type of its own rather than a submodule,
 # which would add a level to every name. ``logical_axes`` metadata names each dimension for
-# mesh.py's one table; it is not flax's ``out_sharding``, which flax would resolve against the
+# parallel/mesh.py's one table; it is not flax's ``out_sharding``, which flax would resolve against the
 # mesh itself (eagerly at creation, and in ``nnx.eval_shape`` under a mesh).
 
 def param(value: jax.Array, axes: tuple[str | None, ...], kind: type = nnx.Param, **metadata) -> nnx.Param:

@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 
 from maxfp4.config import ModelConfig
-from maxfp4.mesh import constrain
+from maxfp4.parallel.mesh import constrain
 from maxfp4.model.layers import Embedding, head_precision, linear, norm_scale, normal_init, param
 from maxfp4.model_spec import lm_head_linear
 from maxfp4.precision import PrecisionPolicy

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from maxfp4.config import ModelConfig
-from maxfp4.mesh import constrain
+from maxfp4.parallel.mesh import constrain
 from maxfp4.model.layers import output_logits
 from maxfp4.precision import PrecisionPolicy
 

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.config import ModelConfig
-from maxfp4.mesh import per_batch_row, per_row_and_tensor_rank, splits_batch, tensor_ranks
+from maxfp4.parallel.mesh import per_batch_row, per_row_and_tensor_rank, splits_batch, tensor_ranks
 from maxfp4.model.layers import ACT_DTYPE, Linear, normal_init, param
 from maxfp4.model.ssd import ssd_chunked
 from maxfp4.model_spec import mamba_dims as dims, mamba_splits_over_tensor as splits_over_tensor, mixer_linears
@@ -141,7 +141,7 @@ def use_norm_kernel(cfg: ModelConfig, t: int, e: int) -> bool:
 def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: ModelConfig,
                 lp: LayerPrecision) -> jax.Array:
     """in_proj -> the per-row core (``_mixer_core``) -> out_proj. Under a mesh the core runs on
-    each device's rows of the batch (``maxfp4.mesh.per_batch_row``): its kernels cannot be
+    each device's rows of the batch (``maxfp4.parallel.mesh.per_batch_row``): its kernels cannot be
     partitioned by XLA."""
     # Activations between the kernels are stored in BF16 (the GEMM's output dtype), as Mamba-2's
     # own kernels store them; each kernel computes in FP32 inside. FP32 storage doubled every

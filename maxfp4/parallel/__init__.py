@@ -1,1 +1,2 @@
-"""Parallelism that wraps the model's blocks without changing them: pipeline stages."""
+"""How the model is spread over devices, without changing it: the mesh and its one table from
+logical axes to mesh axes (``mesh``), and pipeline stages that wrap the blocks (``pipeline``)."""

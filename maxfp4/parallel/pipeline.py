@@ -14,7 +14,7 @@ fsdp and tensor compose as without stages): every stage runs the blocks of the s
 of the stacked blocks. So the stages must be alike: the same block types in the same order (a
 hybrid pattern made of P equal parts) and the same recipes (:func:`check_stages`). The
 parameters keep their one layout (stacked over all blocks, the stack split over ``pipeline`` by
-the ``layers`` rule of :mod:`maxfp4.mesh`): checkpoints and exports do not depend on P.
+the ``layers`` rule of :mod:`maxfp4.parallel.mesh`): checkpoints and exports do not depend on P.
 
 FP8 delayed scaling: each tick hands the stage a copy of the scales whose cotangent (the amax)
 counts only where the tick ran a real microbatch (:func:`_fan_out_max`), and the copies combine
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maxfp4.config import Config, ConfigError, ModelConfig
-from maxfp4.mesh import constrain
+from maxfp4.parallel.mesh import constrain
 from maxfp4.model import get_model
 from maxfp4.model.layers import ACT_DTYPE, embed_tokens, output_logits
 from maxfp4.model.loss import chunked_loss_sum, token_losses

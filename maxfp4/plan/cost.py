@@ -15,7 +15,7 @@ import jax
 
 from maxfp4.config import Config, ModelConfig, PrecisionConfig
 from maxfp4.errors import UserError
-from maxfp4.mesh import LOGICAL_RULES
+from maxfp4.parallel.mesh import LOGICAL_RULES
 from maxfp4.metrics import DEVICE_PEAKS_TFLOPS
 from maxfp4.model import abstract_params
 from maxfp4.model_spec import (BlockSpec, LinearSpec, model_spec,
@@ -270,7 +270,7 @@ def _link_gbs(gpu: str, span: int, gpus_per_node: int = GPUS_PER_NODE) -> float:
 def comm_seconds(cfg: Config, mesh: tuple[int, int, int], params: int, precision: str, gpu: str,
                  gpus_per_node: int = GPUS_PER_NODE) -> tuple[float, float]:
     """Ring collectives per step, bytes per device / link bandwidth, as (exposed, overlappable)
-    seconds. Axes are laid out tensor innermost, then fsdp, then data (maxfp4.mesh), so an axis
+    seconds. Axes are laid out tensor innermost, then fsdp, then data (maxfp4.parallel.mesh), so an axis
     crosses nodes once the product of it and the axes inside it exceeds a node.
 
     Tensor parallelism's activation all-reduces are exposed: each sums a GEMM's output that the

@@ -19,7 +19,7 @@ from typing import Iterator
 
 from maxfp4.config import Config, ModelConfig
 from maxfp4.errors import UserError
-from maxfp4.mesh import resolve_mesh_shape
+from maxfp4.parallel.mesh import resolve_mesh_shape
 from maxfp4.plan import cost as model
 from maxfp4.plot import save_figure
 

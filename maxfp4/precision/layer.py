@@ -31,7 +31,7 @@ def dot(x: jax.Array, w: jax.Array, layer_class: str, layer_index: int | None,
 def call_options(policy: PrecisionPolicy, recipe: str, layer_class: str) -> tuple:
     """What a recipe's functions get as ``options``: the policy's options for the recipe, and the
     layer's class (``LAYER_CLASS_OPTION``), from which a recipe that gathers its quantized weight
-    knows the weight's tensor-parallel split (maxfp4.mesh.gathered_weight_spec)."""
+    knows the weight's tensor-parallel split (maxfp4.parallel.mesh.gathered_weight_spec)."""
     return policy.options_tuple(recipe) + ((LAYER_CLASS_OPTION, layer_class),)
 
 

@@ -256,7 +256,7 @@ def check_memory(cfg: Config, devices: Sequence[jax.Device], n_params: int, mesh
 
 def run_checks(cfg: Config, devices: Sequence[jax.Device] | None = None, *, gemm: bool | None = None) -> list[Check]:
     """All checks, in order. ``gemm`` None: on GPUs or when ``resilience.preflight_gemm``."""
-    from maxfp4.mesh import make_mesh
+    from maxfp4.parallel.mesh import make_mesh
     devices = list(devices if devices is not None else jax.devices())
     checks = [check_devices(devices)]
     if not checks[0].ok:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.kernels.launch import on_gpu
-from maxfp4.mesh import gathered_weight_spec, traced_mesh
+from maxfp4.parallel.mesh import gathered_weight_spec, traced_mesh
 from maxfp4.precision import catalog
 from maxfp4.precision import formats as F
 from maxfp4.precision.catalog import FAST_ACCUMULATION_DEFAULT, LAYER_CLASS_OPTION
@@ -74,7 +74,7 @@ def fp8_gemm_tn(a_q: jax.Array, a_scale: jax.Array, b_q: jax.Array, b_scale: jax
 def _gathered(w_q: jax.Array, layer_class: str | None) -> jax.Array:
     """The quantized weight as its GEMM takes it where FSDP shards it: whole along every mesh
     axis but tensor, whose split stays (column-parallel layers split N, row-parallel ones K:
-    ``maxfp4.mesh.gathered_weight_spec`` of ``layer_class``). The all-gather then
+    ``maxfp4.parallel.mesh.gathered_weight_spec`` of ``layer_class``). The all-gather then
     moves the FP8 bytes. Left to itself, XLA placed it after the FP8 -> BF16 convert that feeds
     the GEMM, which moved twice the bytes and, worse, hid the FP8 operand from the GEMM rewriter:
     the forward GEMMs ran in BF16 (Llama-3-8B at fsdp=2, unrolled blocks). The residual stays

@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.kernels.launch import on_gpu
 from maxfp4.kernels.rht import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
-from maxfp4.mesh import batch_split, split_size, splits_only
+from maxfp4.parallel.mesh import batch_split, split_size, splits_only
 from maxfp4.precision import catalog
 from maxfp4.precision import formats as F
 from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, flat
