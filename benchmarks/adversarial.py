@@ -2,15 +2,15 @@
 run as real processes with real signals and real files (a 0.1M-parameter model on CPU), each
 outcome put in one of four classes. Prints a table, writes JSON, exits 0 whatever it finds:
 
-    PYTHONPATH=$PWD python benchmarks/adversarial.py [--family kill ...] [--case NAME ...]
-        [--workers 2] [--json adversarial.json] [--markdown] [--keep DIR]
+    PYTHONPATH=$PWD python benchmarks/adversarial.py [--only SUBSTRING] [--workers 2]
+        [--json adversarial.json] [--markdown] [--keep DIR] [--list]
 
 Families: ``kill`` (kill -9 at each phase of a run, then a rerun), ``signal`` (SIGTERM, SIGINT,
 SIGHUP at the same phases, then a rerun), ``damage`` (a finished run's checkpoints or lock
 damaged before a rerun), ``nan`` (non-finite streaks around ``resilience.max_consecutive_skips``),
 ``config`` (bad configs and overrides), ``data`` (bad data files). The phases: ``start-up`` (the
-"run directory" line printed, nothing compiled yet), ``compile`` (the "model:" line printed, the
-first step compiling into an empty compilation cache), ``mid-run`` (three steps in
+"run directory" line printed, nothing compiled yet), ``compile`` (1.5 s after the "model:" line, no
+step finished: the first step compiling into an empty compilation cache), ``mid-run`` (three steps in
 metrics.jsonl), ``async-save`` (a ``<step>.orbax-checkpoint-tmp*`` directory of a periodic save on
 disk), ``after-commit`` (``<step>/commit_success.txt`` of a periodic save just appeared),
 ``final-save`` (the temporary directory of the last step's save on disk).
@@ -56,7 +56,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -77,13 +76,17 @@ SEED_STEPS = 6  # the finished run that damage cases start from: checkpoints 2, 
 # Slow steps (host time only, not math) widen the windows a signal must land in.
 CURVE = TINY + (f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=10",
                 "resilience.fault.slow_process=0", "resilience.fault.slow_seconds=0.15")
+SEED = TINY + (f"train.steps={SEED_STEPS}", "checkpoint.every=2", "checkpoint.keep=10", "checkpoint.verify=true",
+               "resilience.fault.slow_process=0", "resilience.fault.slow_seconds=0.15")
 DOCUMENTED_EXITS = {0: "done", 1: "full disk or crash", 2: "bad input", 3: "diverged", 4: "peer lost",
                     124: "hang", 129: "SIGHUP", 130: "SIGINT", 143: "SIGTERM"}
 CLASSES = ("clean", "unclear", "data loss", "silent")
 SEVERITY = {"data loss": 3, "silent": 2, "unclear": 1}
 INPUT_LIMIT_S = 30  # a config or data case that takes longer is unclear
 RUN_LIMIT_S = 240
+DAMAGE_LIMIT_S = 60  # a rerun of 8 tiny steps after damage takes ~4 s; longer is a hang
 MEMORY_LIMIT = 8 << 30  # address space of a config or data case (a /dev/zero include must not eat the host)
+COMPILE_DELAY_S = 1.5
 LIMIT = 10  # resilience.max_consecutive_skips, default
 STREAK_AT = 16
 NAN_STEPS = 30
@@ -267,7 +270,11 @@ def _phase_start_up(ctx: Ctx, trainer: Trainer, seen: dict) -> bool:
 
 
 def _phase_compile(ctx: Ctx, trainer: Trainer, seen: dict) -> bool:
-    return "model: " in trainer.stdout()
+    """COMPILE_DELAY_S after the "model:" line: the state is built and the first step is being
+    traced and compiled (about 5 s into an empty cache; signal_at checks no step had finished)."""
+    if "since" not in seen and "model: " in trainer.stdout():
+        seen["since"] = time.monotonic()
+    return "since" in seen and time.monotonic() - seen["since"] >= COMPILE_DELAY_S
 
 
 def _phase_mid_run(ctx: Ctx, trainer: Trainer, seen: dict) -> bool:
@@ -275,7 +282,7 @@ def _phase_mid_run(ctx: Ctx, trainer: Trainer, seen: dict) -> bool:
 
 
 def _phase_async_save(ctx: Ctx, trainer: Trainer, seen: dict) -> bool:
-    return any(2 <= s < STEPS for s in temporary_steps(ctx.ckpts))
+    return any(4 <= s < STEPS for s in temporary_steps(ctx.ckpts))  # one complete checkpoint before it
 
 
 def _phase_after_commit(ctx: Ctx, trainer: Trainer, seen: dict) -> bool:
@@ -304,6 +311,8 @@ def signal_at(ctx: Ctx, phase: str, sig: int, overrides: Sequence[str], tag: str
         if trainer.proc.poll() is not None or time.monotonic() > deadline:
             return trainer.finish(5, missed=phase)
         time.sleep(poll)
+    if phase == "compile" and records(ctx.run_dir):
+        return trainer.finish(RUN_LIMIT_S, missed="compile (the first step had finished)")
     trainer.proc.send_signal(sig)
     return trainer.finish(120)
 
@@ -327,7 +336,7 @@ def damage_then_rerun(damage: Callable[[Ctx], dict], extra: Sequence[str], ctx: 
     facts = damage(ctx) or {}
     facts["complete_before_rerun"] = complete_steps(ctx.ckpts)
     facts["records_before_rerun"] = records(ctx.run_dir)
-    rerun = run_trainer(ctx, CURVE + tuple(extra), tag="rerun")
+    rerun = run_trainer(ctx, CURVE + tuple(extra), tag="rerun", limit_s=DAMAGE_LIMIT_S)
     facts.update(victim_after(facts))
     return Observed((rerun,), facts)
 
@@ -385,11 +394,6 @@ def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
     path.write_text(json.dumps(value))
 
 
-def edit_integrity(ctx: Ctx) -> dict:
-    _edit_json(_newest(ctx) / "integrity" / "metadata", lambda v: v.update(data_sha256="0" * 64))
-    return {}
-
-
 def edit_data_position(ctx: Ctx) -> dict:
     _edit_json(_newest(ctx) / "data" / "metadata", lambda v: v.update(next_index=10 ** 12))
     return {}
@@ -397,23 +401,6 @@ def edit_data_position(ctx: Ctx) -> dict:
 
 def edit_saved_config(ctx: Ctx) -> dict:
     _edit_json(_newest(ctx) / "config" / "metadata", lambda v: v["optim"].update(lr=0.5))
-    return {}
-
-
-def remove_commit_marker(ctx: Ctx) -> dict:
-    (_newest(ctx) / "commit_success.txt").unlink()
-    return {}
-
-
-def delete_state(ctx: Ctx) -> dict:
-    shutil.rmtree(_newest(ctx) / "state")
-    return {}
-
-
-def truncate_every_checkpoint(ctx: Ctx) -> dict:
-    for step in complete_steps(ctx.ckpts):
-        path = _largest_array_file(ctx.ckpts / str(step))
-        path.write_bytes(b"")
     return {}
 
 
@@ -440,10 +427,6 @@ def lock_symlink_to_text_file(ctx: Ctx) -> dict:
     return _victim(ctx, b"a file that belongs to someone else\n")
 
 
-def lock_symlink_to_empty_file(ctx: Ctx) -> dict:
-    return _victim(ctx, b"")
-
-
 def victim_after(facts: dict) -> dict:
     if "victim" not in facts:
         return {}
@@ -464,12 +447,6 @@ def lock_with_garbage(ctx: Ctx) -> dict:
     return _write_lock(ctx, "\x00\x01garbage{")
 
 
-def stale_lock_dead_pid(ctx: Ctx) -> dict:
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    return _write_lock(ctx, json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": time.time() - 60}))
-
-
 # ----------------------------------------------------------------------------- expectations
 
 
@@ -483,7 +460,8 @@ def ending(ran: Ran, expected: set[int], what: str) -> list[Finding]:
         return [Finding("unclear", f"{what}: no end within {ran.seconds:.0f} s (killed)")]
     found = []
     if ran.rc < 0:
-        found.append(Finding("unclear", f"{what}: died by signal {-ran.rc} (no message, undocumented)"))
+        found.append(Finding("unclear", f"{what}: died by {signal.Signals(-ran.rc).name} "
+                                        f"(a shell's exit {128 - ran.rc}, undocumented)"))
     elif ran.rc not in DOCUMENTED_EXITS:
         found.append(Finding("unclear", f"{what}: exit {ran.rc}, undocumented"))
     elif ran.rc not in expected:
@@ -494,7 +472,7 @@ def ending(ran: Ran, expected: set[int], what: str) -> list[Finding]:
 
 
 def _last_exception(text: str) -> str:
-    lines = [line for line in text.splitlines() if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", line)]
+    lines = [line for line in text.splitlines() if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line)]
     return (lines[-1] if lines else "?")[:120]
 
 
@@ -533,7 +511,7 @@ def records_kept(recs_before: list[dict], complete: list[int]) -> list[Finding]:
 def stop_line(ran: Ran, sig: int, phase: str, ctx: Ctx, complete: list[int], recs: list[dict]) -> list[Finding]:
     """A signal's promise: one stop line naming it; mid-run, a checkpoint of the running step."""
     name = signal.Signals(sig).name
-    lines = [line for line in ran.err.splitlines() if f"({name})" in line and "again" not in line]
+    lines = [line for line in ran.text.splitlines() if f"({name})" in line and "again" not in line]
     if ran.rc != 128 + sig:
         return []  # the exit code finding says it already
     if len(lines) != 1:
@@ -583,12 +561,6 @@ def expect_fallback(bad: int, to: int, ctx: Ctx, seen: Observed) -> list[Finding
     return found
 
 
-def expect_any_safe_resume(ctx: Ctx, seen: Observed) -> list[Finding]:
-    """Damage that leaves the data intact: any resume on the curve is fine."""
-    (rerun,) = seen.runs
-    return ending(rerun, {0}, "rerun") + (on_the_curve(ctx, records(ctx.run_dir)) if rerun.rc == 0 else [])
-
-
 def expect_warned_or_refused(bad: int, ctx: Ctx, seen: Observed) -> list[Finding]:
     """A checkpoint that cannot be checked: a warning naming it, or a fall-back."""
     (rerun,) = seen.runs
@@ -626,13 +598,6 @@ def expect_bounded(hint: str, ctx: Ctx, seen: Observed) -> list[Finding]:
     within the time limit."""
     (ran,) = seen.runs
     return [] if ran.rc == 0 and ran.seconds <= INPUT_LIMIT_S else expect_one_line_refusal(hint, ctx, seen)
-
-
-def expect_refusal_keeps(hint: str, ctx: Ctx, seen: Observed) -> list[Finding]:
-    """A refusal of a run directory: one line, and nothing of the finished run lost."""
-    found = expect_one_line_refusal(hint, ctx, seen)
-    found += _nothing_lost(ctx, seen)
-    return found
 
 
 def _nothing_lost(ctx: Ctx, seen: Observed) -> list[Finding]:
@@ -676,7 +641,8 @@ def expect_lock_taken_over(ctx: Ctx, seen: Observed) -> list[Finding]:
 def expect_temporary_only_said(ctx: Ctx, seen: Observed) -> list[Finding]:
     """Only unfinished checkpoints: one line saying so, no second run appended from step 1."""
     (rerun,) = seen.runs
-    said = [l for l in rerun.text.splitlines() if re.search(r"unfinished|temporary|orbax-checkpoint-tmp", l)]
+    text = rerun.text.replace(str(ctx.work), "<case>")  # the case's own name says "temporary"
+    said = [l for l in text.splitlines() if re.search(r"unfinished|temporary|orbax-checkpoint-tmp", l)]
     found = ending(rerun, {0, 2}, "rerun")
     steps = [r.get("step") for r in records(ctx.run_dir)]
     if rerun.rc == 0 and not said:
@@ -715,13 +681,18 @@ def _p(fn, *args, **kwargs):
 
 
 def kill_and_signal_cases() -> list[Case]:
+    """kill -9 at every phase; SIGTERM, SIGINT and SIGHUP at start-up, while compiling, mid-run,
+    and SIGTERM during the final save (the documented wait for it)."""
+    plan = [(signal.SIGKILL, phase) for phase in PHASES]
+    plan += [(sig, phase) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+             for phase in ("start-up", "compile", "mid-run")]
+    plan.append((signal.SIGTERM, "final-save"))
     cases = []
-    for phase in PHASES:
-        for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            family = "kill" if sig == signal.SIGKILL else "signal"
-            cases.append(Case(f"{signal.Signals(sig).name.lower()}-{phase}", family,
-                              _p(interrupt_then_rerun, phase, sig), _p(expect_interrupt, sig, phase),
-                              what=f"{signal.Signals(sig).name} during {phase}, then a rerun"))
+    for sig, phase in plan:
+        family = "kill" if sig == signal.SIGKILL else "signal"
+        cases.append(Case(f"{signal.Signals(sig).name.lower()}-{phase}", family,
+                          _p(interrupt_then_rerun, phase, sig), _p(expect_interrupt, sig, phase),
+                          what=f"{signal.Signals(sig).name} during {phase}, then a rerun"))
     return cases
 
 
@@ -730,44 +701,33 @@ def damage_cases() -> list[Case]:
     fall = _p(expect_fallback, SEED_STEPS, SEED_STEPS - 2)
     table = [
         ("truncated-array", truncate_array, n, fall, "largest array file of checkpoint 6 cut in half"),
-        ("truncated-array-verify", truncate_array, v, fall, "the same, checkpoint.verify=true"),
-        ("flipped-byte", flip_array_byte, n, fall, "one bit of the largest array file flipped"),
         ("flipped-byte-verify", flip_array_byte, v, fall, "the same, checkpoint.verify=true"),
         ("integrity-deleted", delete_integrity, n, _p(expect_warned_or_refused, SEED_STEPS),
          "checkpoint 6's integrity item deleted"),
         ("integrity-deleted-verify", delete_integrity, v, fall, "the same, checkpoint.verify=true"),
-        ("integrity-edited", edit_integrity, n, fall, "checkpoint 6's data checksum edited"),
         ("data-position-edited", edit_data_position, n, fall, "next_index set to 10**12"),
         ("saved-config-edited", edit_saved_config, n, fall, "optim.lr in checkpoints/6/config edited"),
-        ("state-deleted", delete_state, n, fall, "checkpoints/6/state removed"),
-        ("commit-marker-removed", remove_commit_marker, n, expect_any_safe_resume, "6/commit_success.txt removed"),
-        ("every-checkpoint-truncated", truncate_every_checkpoint, n,
-         _p(expect_refusal_keeps, "no readable checkpoint"), "an array file of each checkpoint emptied"),
         ("only-temporary-checkpoints", only_temporary_checkpoints, n, expect_temporary_only_said,
          "every checkpoint renamed to N.orbax-checkpoint-tmp-*"),
         ("checkpoints-is-a-file", checkpoints_is_a_file, n, _p(expect_one_line_refusal, "checkpoints"),
          "checkpoints/ replaced by a regular file"),
         ("lock-symlink-text-file", lock_symlink_to_text_file, n, expect_lock_victim_kept,
          "run.lock a symlink to another file"),
-        ("lock-symlink-empty-file", lock_symlink_to_empty_file, n, expect_lock_victim_kept,
-         "run.lock a symlink to an empty file"),
         ("stale-lock-other-host", stale_lock_other_host, n, expect_lock_taken_over,
          "run.lock of a dead run on another host"),
         ("lock-garbage", lock_with_garbage, n, expect_lock_taken_over, "run.lock holding garbage"),
-        ("stale-lock-dead-pid", stale_lock_dead_pid, n, expect_lock_taken_over,
-         "run.lock of a dead process on this host"),
     ]
     return [Case(name, "damage", _p(damage_then_rerun, damage, extra), expect, what=what)
             for name, damage, extra, expect, what in table]
 
 
 def nan_cases() -> list[Case]:
+    """Streaks one short of, at and one over the limit, with every in {1, 2} and keep in {1, 3};
+    and one saving only at the end (nothing to roll back to)."""
     cases = []
-    for every in (1, 2, 5):
-        for keep in (1, 2, 3):
+    for every in (1, 2):
+        for keep in (1, 3):
             for length in (LIMIT - 1, LIMIT, LIMIT + 1):
-                if keep == 2 and length != LIMIT:
-                    continue  # keep=2 only at the boundary itself
                 steps = list(range(STREAK_AT, STREAK_AT + length))
                 overrides = TINY + (f"train.steps={NAN_STEPS}", f"checkpoint.every={every}", f"checkpoint.keep={keep}",
                                     f"resilience.fault.nonfinite_at_steps={steps}".replace(" ", ""),
@@ -775,10 +735,10 @@ def nan_cases() -> list[Case]:
                 cases.append(Case(f"nan-{length}-every{every}-keep{keep}", "nan", _p(single_run, overrides),
                                   _p(expect_nan, length, every),
                                   what=f"{length} non-finite steps from {STREAK_AT}, every={every}, keep={keep}"))
-    no_ckpt = TINY + (f"train.steps={NAN_STEPS}", f"resilience.fault.nonfinite_at_steps="
+    no_ckpt = TINY + (f"train.steps={NAN_STEPS}", "checkpoint.every=0", f"resilience.fault.nonfinite_at_steps="
                       f"{list(range(STREAK_AT, STREAK_AT + LIMIT))}".replace(" ", ""))
     cases.append(Case("nan-10-every0", "nan", _p(single_run, no_ckpt), _p(expect_nan, LIMIT, 0),
-                      what="10 non-finite steps, checkpoint.every=0 (nothing to roll back to)"))
+                      what="10 non-finite steps, checkpoint.every=0 (only the final save: nothing to roll back to)"))
     return cases
 
 
@@ -809,18 +769,11 @@ def config_cases() -> list[Case]:
         _config_case("duplicate-section", [], "train", "the train section twice",
                      files={"c.yaml": _yaml("train:\n  steps: 3\ntrain:\n  log_every: 1\n")}, config="{work}/c.yaml"),
         _config_case("5000-digit-int", [f"train.steps={digits}"], "train.steps", "an integer of 5000 digits"),
-        _config_case("5000-digit-int-in-file", [], "run.seed", "a 5000-digit run.seed in a file",
-                     files={"c.yaml": _yaml(f"run:\n  seed: {digits}\n")}, config="{work}/c.yaml"),
         _config_case("include-dev-zero", [], "/dev/zero", "include: [/dev/zero]", files=include("/dev/zero"),
                      config="{work}/c.yaml"),
-        _config_case("include-directory", [], "/tmp", "include: [a directory]", files=include("/tmp"),
-                     config="{work}/c.yaml"),
-        _config_case("include-itself", [], "includes itself", "a config that includes itself",
-                     files=include("c.yaml"), config="{work}/c.yaml"),
         _config_case("nul-in-name", [], "run.name", "NUL in run.name (from a file)",
                      files={"c.yaml": _yaml('run:\n  name: "a\\0b"\n')}, config="{work}/c.yaml", named=False),
         _config_case("lr-inf", ["optim.lr=inf"], "optim.lr", "optim.lr=inf"),
-        _config_case("lr-nan", ["optim.lr=nan"], "optim.lr", "optim.lr=nan"),
         _config_case("slow-seconds-1e300", ["resilience.fault.slow_process=0", "resilience.fault.slow_seconds=1e300"],
                      "slow_seconds", "resilience.fault.slow_seconds=1e300"),
         _config_case("list-override-127kb", ["resilience.fault.nonfinite_at_steps=" + big_list[:127_000].rsplit(",", 1)[0]
@@ -829,20 +782,6 @@ def config_cases() -> list[Case]:
         _config_case("list-in-file-600kb", [], "nonfinite_at_steps", "a 590 KB list in a config file",
                      files={"c.yaml": _yaml(f"resilience:\n  fault:\n    nonfinite_at_steps: {big_list}\n")},
                      config="{work}/c.yaml", expect=expect_bounded),
-        _config_case("steps-negative", ["train.steps=-5"], "train.steps", "train.steps=-5"),
-        _config_case("steps-text", ["train.steps=many"], "train.steps", "train.steps=many"),
-        _config_case("batch-zero", ["data.global_batch=0"], "data.global_batch", "data.global_batch=0"),
-        _config_case("mesh-too-big", ["mesh.data=3"], "mesh", "mesh.data=3 on one device"),
-        _config_case("heads-not-dividing", ["model.n_heads=3"], "n_heads", "d_model 64 over 3 heads"),
-        _config_case("precision-unknown", ["precision.default=fp5"], "fp5", "precision.default=fp5"),
-        _config_case("override-without-equals", ["train.steps"], "train.steps", "an override without '='"),
-        _config_case("missing-config-file", [], "not found", "a config file that does not exist",
-                     config="{work}/nope.yaml"),
-        _config_case("tab-indented-yaml", [], "c.yaml", "YAML indented with a tab",
-                     files={"c.yaml": _yaml("train:\n\tsteps: 3\n")}, config="{work}/c.yaml"),
-        _config_case("config-not-utf8", [], "UTF-8", "a config file of Latin-1 bytes",
-                     files={"c.yaml": b"run:\n  name: caf\xe9\n"}, config="{work}/c.yaml"),
-        _config_case("keep-zero", ["checkpoint.keep=0"], "checkpoint.keep", "checkpoint.keep=0"),
     ]
 
 
@@ -862,11 +801,6 @@ def data_cases() -> list[Case]:
         text("empty.txt", {"empty.txt": b""}, "empty.txt", "empty-file: no text at all"),
         text("random.bin", {"random.bin": rand}, "random.bin", "random-bytes: 64 KB of them"),
         text("dir.txt", {"dir.txt/inner": b""}, "dir.txt", "directory: in place of a file"),
-        text("broken.jsonl", {"broken.jsonl": b'{"text": "fine"}\n{"text": \n' * 50}, "broken.jsonl",
-             "jsonl-broken-line: a truncated JSON line", source="jsonl"),
-        text("nofield.jsonl", {"nofield.jsonl": b'{"body": "no text key"}\n' * 50}, "nofield.jsonl",
-             "jsonl-no-field: no 'text' key", source="jsonl"),
-        text("missing.txt", {}, "missing.txt", "missing-file: a path that does not exist"),
     ]
 
 
@@ -892,19 +826,20 @@ def run_case(case: Case, shared: Shared) -> Result:
                   round(time.monotonic() - started, 1), codes, case.what)
 
 
-def prepare(root: Path) -> Shared:
-    """The uninterrupted reference run (its losses) and the finished run that damage cases copy."""
+def prepare(root: Path, seed: bool = True) -> Shared:
+    """The uninterrupted reference run (its losses) and, with ``seed``, the finished run that
+    damage cases copy."""
     cache = root / "jax-cache"
     cache.mkdir(parents=True)
     draft = Shared(root, cache, (), root / "seed" / RUN)
-    ref_ctx, seed_ctx = Ctx(root / "reference", draft), Ctx(root / "seed", draft)
+    ref_ctx = Ctx(root / "reference", draft)
     ref_ctx.work.mkdir()
-    seed_ctx.work.mkdir()
-    ref = run_trainer(ref_ctx, CURVE, tag="run")  # fills the compilation cache before the seed starts
-    seed = run_trainer(seed_ctx, TINY + (f"train.steps={SEED_STEPS}", "checkpoint.every=2", "checkpoint.keep=10",
-                                         "checkpoint.verify=true", "resilience.fault.slow_process=0",
-                                         "resilience.fault.slow_seconds=0.15"), tag="run")
-    for what, ran in (("reference", ref), ("seed", seed)):
+    runs = [("reference", run_trainer(ref_ctx, CURVE, tag="run"))]  # fills the compilation cache first
+    if seed:
+        seed_ctx = Ctx(root / "seed", draft)
+        seed_ctx.work.mkdir()
+        runs.append(("seed", run_trainer(seed_ctx, SEED, tag="run")))
+    for what, ran in runs:
         if ran.rc != 0:
             raise SystemExit(f"error: the {what} run failed (exit {ran.rc}): {ran.text[-2000:]}")
     reference = tuple((r["step"], r["loss"]) for r in records(ref_ctx.run_dir))
@@ -955,28 +890,29 @@ def text_table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
-def select(cases: Sequence[Case], families: Sequence[str] | None, names: Sequence[str] | None) -> list[Case]:
-    return [c for c in cases if (not families or c.family in families) and (not names or c.name in names)]
+def select(cases: Sequence[Case], only: str | None) -> list[Case]:
+    """The cases whose name or family contains ``only`` (all of them without it)."""
+    return [c for c in cases if not only or only in c.name or only == c.family]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", nargs="*", help="only these families (kill signal damage nan config data)")
-    parser.add_argument("--case", nargs="*", help="only these cases, by name")
+    parser.add_argument("--only", help="only the cases whose name contains this, or of this family "
+                                       "(kill signal damage nan config data)")
     parser.add_argument("--workers", type=int, default=2, help="cases at a time")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", action="store_true", help="print the counts as a markdown table")
     parser.add_argument("--keep", help="keep every case's directory under this one (default: a removed temp dir)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     args = parser.parse_args(argv)
-    cases = select(all_cases(), args.family, args.case)
+    cases = select(all_cases(), args.only)
     if args.list:
         print("\n".join(f"{c.family:<7} {c.name:<32} {c.what}" for c in cases))
         return 0
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="maxfp4-adversarial-"))
     started = time.monotonic()
     try:
-        shared = prepare(root)
+        shared = prepare(root, seed=any(c.family == "damage" for c in cases))
         results = run_matrix(cases, shared, args.workers,
                              lambda r: print(f"{r.klass:<9} {r.name} ({r.seconds:.0f} s)", flush=True))
     finally:
