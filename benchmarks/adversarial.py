@@ -39,7 +39,9 @@ Classes (what the promise is: docs/RELIABILITY.md, and the one-line rule for bad
 A case collects findings; its class is the worst of them (data loss, then silent, then unclear),
 clean when there is none. The uninterrupted reference run and a finished run to damage are made
 once per matrix; every process shares one JAX compilation cache (the compile phase excepted,
-which needs a real compilation), with the XLA flags of tests/conftest.py.
+which needs a real compilation), with the XLA flags of tests/conftest.py. ``--workers`` cases run
+at a time (default 2), each driven by a thread of this process: the work is in the trainer
+processes, so the driver stays one small process.
 """
 
 from __future__ import annotations
