@@ -8,7 +8,8 @@ outcome put in one of four classes. Prints a table, writes JSON, exits 0 whateve
 Families: ``kill`` (kill -9 at each phase of a run, then a rerun), ``signal`` (SIGTERM, SIGINT,
 SIGHUP at the same phases, then a rerun), ``damage`` (a finished run's checkpoints or lock
 damaged before a rerun), ``nan`` (non-finite streaks around ``resilience.max_consecutive_skips``),
-``config`` (bad configs and overrides), ``data`` (bad data files). The phases: ``start-up`` (the
+``config`` (bad configs and overrides), ``data`` (bad data files). The phases: ``imports`` (0.5 s
+after the process started, nothing printed: Python importing JAX), ``start-up`` (the
 "run directory" line printed, nothing compiled yet), ``compile`` (1.5 s after the "model:" line, no
 step finished: the first step compiling into an empty compilation cache), ``mid-run`` (three steps in
 metrics.jsonl), ``async-save`` (a ``<step>.orbax-checkpoint-tmp*`` directory of a periodic save on
@@ -89,6 +90,7 @@ RUN_LIMIT_S = 240
 DAMAGE_LIMIT_S = 60  # a rerun of 8 tiny steps after damage takes ~4 s; longer is a hang
 MEMORY_LIMIT = 8 << 30  # address space of a config or data case (a /dev/zero include must not eat the host)
 COMPILE_DELAY_S = 1.5
+IMPORTS_S = 0.5
 LIMIT = 10  # resilience.max_consecutive_skips, default
 STREAK_AT = 16
 NAN_STEPS = 30
@@ -267,6 +269,11 @@ def temporary_steps(ckpts: Path) -> list[int]:
 # ----------------------------------------------------------------------------- phases of a run
 
 
+def _phase_imports(ctx: Ctx, trainer: Trainer, seen: dict) -> bool:
+    """IMPORTS_S after the process started, nothing printed yet: Python is importing JAX."""
+    return time.monotonic() - trainer.started >= IMPORTS_S and not trainer.stdout()
+
+
 def _phase_start_up(ctx: Ctx, trainer: Trainer, seen: dict) -> bool:
     return "run directory " in trainer.stdout()
 
@@ -296,7 +303,7 @@ def _phase_final_save(ctx: Ctx, trainer: Trainer, seen: dict) -> bool:
 
 
 PHASES: dict[str, Callable[[Ctx, Trainer, dict], bool]] = {
-    "start-up": _phase_start_up, "compile": _phase_compile, "mid-run": _phase_mid_run,
+    "imports": _phase_imports, "start-up": _phase_start_up, "compile": _phase_compile, "mid-run": _phase_mid_run,
     "async-save": _phase_async_save, "after-commit": _phase_after_commit, "final-save": _phase_final_save,
 }
 SAVE_PHASES = ("async-save", "after-commit", "final-save")
@@ -461,7 +468,9 @@ def ending(ran: Ran, expected: set[int], what: str) -> list[Finding]:
     if ran.timed_out:
         return [Finding("unclear", f"{what}: no end within {ran.seconds:.0f} s (killed)")]
     found = []
-    if ran.rc < 0:
+    if ran.rc < 0 and 128 - ran.rc in expected:
+        pass  # died by the signal it was sent: a shell and a scheduler read 128 + signal
+    elif ran.rc < 0:
         found.append(Finding("unclear", f"{what}: died by {signal.Signals(-ran.rc).name} "
                                         f"(a shell's exit {128 - ran.rc}, undocumented)"))
     elif ran.rc not in DOCUMENTED_EXITS:
@@ -514,11 +523,16 @@ def stop_line(ran: Ran, sig: int, phase: str, ctx: Ctx, complete: list[int], rec
     """A signal's promise: one stop line naming it; mid-run, a checkpoint of the running step."""
     name = signal.Signals(sig).name
     lines = [line for line in ran.text.splitlines() if f"({name})" in line and "again" not in line]
-    if ran.rc != 128 + sig:
+    if ran.rc not in (128 + sig, -sig):
         return []  # the exit code finding says it already
+    if phase == "imports" and not lines:
+        return []  # stopped before the trainer had anything to say: the exit code says it
+    if not lines:
+        return [Finding("unclear", f"no stop line naming {name}"
+                                   + (f" (died by {name}'s default action)" if ran.rc < 0 else ""))]
     if len(lines) != 1:
         return [Finding("unclear", f"{len(lines)} stop lines naming {name}")]
-    if phase in ("start-up", "compile"):
+    if phase in ("imports", "start-up", "compile"):
         return [] if "nothing was saved" in lines[0] else [Finding("unclear", f"stop line: {lines[0][:120]}")]
     last = max((r.get("step", 0) for r in recs), default=0)
     if "checkpoint saved" not in lines[0] or not complete or complete[-1] != last:
@@ -683,9 +697,11 @@ def _p(fn, *args, **kwargs):
 
 
 def kill_and_signal_cases() -> list[Case]:
-    """kill -9 at every phase; SIGTERM, SIGINT and SIGHUP at start-up, while compiling, mid-run,
-    and SIGTERM during the final save (the documented wait for it)."""
-    plan = [(signal.SIGKILL, phase) for phase in PHASES]
+    """kill -9 at every phase after the imports; SIGINT during the imports; SIGTERM,
+    SIGINT and SIGHUP at start-up, while compiling, mid-run; SIGTERM during the final save (the
+    documented wait for it)."""
+    plan = [(signal.SIGKILL, phase) for phase in PHASES if phase != "imports"]
+    plan.append((signal.SIGINT, "imports"))  # Ctrl-C right after the command
     plan += [(sig, phase) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
              for phase in ("start-up", "compile", "mid-run")]
     plan.append((signal.SIGTERM, "final-save"))

@@ -29,12 +29,20 @@ def _ctx(tmp_path, reference=((1, 5.5), (2, 5.25))):
 
 
 def test_each_class_follows_from_what_a_case_saw(tmp_path, monkeypatch):
-    """A segfault and a traceback are unclear, a bad input accepted is silent, a loss off the
-    reference curve is data loss; a case's class is its worst finding."""
+    """A segfault, a traceback and a signal's default action are unclear, a bad input accepted is
+    silent, a loss off the reference curve or a signal's stop without a checkpoint of the last
+    logged step is data loss; a case's class is its worst finding."""
     ctx = _ctx(tmp_path)
     monkeypatch.setattr(adv, "STEPS", 2)
     segfault = adv.Ran(-11, "", "stopped by signal 15 during start-up\n", 1.0)
     assert [f.klass for f in adv.ending(segfault, {143}, "run")] == ["unclear"]
+    by_its_default_action = adv.Ran(-signal.SIGTERM, "", "", 1.0)  # a shell reads 143, but no stop line
+    assert adv.ending(by_its_default_action, {143}, "run") == []
+    unsaid = adv.stop_line(by_its_default_action, signal.SIGTERM, "mid-run", ctx, [4], [{"step": 4}])
+    assert [f.klass for f in unsaid] == ["unclear"]
+    stopped = adv.Ran(143, "", "stopped by signal 15 (SIGTERM) at step 4; checkpoint saved to c/4\n", 1.0)
+    assert adv.stop_line(stopped, signal.SIGTERM, "mid-run", ctx, [4], [{"step": 4}]) == []
+    assert adv.stop_line(stopped, signal.SIGTERM, "mid-run", ctx, [2], [{"step": 4}])[0].klass == "data loss"
     traceback = adv.Ran(1, "", "Traceback (most recent call last):\nValueError: boom\n", 1.0)
     assert {f.klass for f in adv.ending(traceback, {2}, "run")} == {"unclear"}
     accepted = adv.Observed((adv.Ran(0, "", "", 1.0),), {"records": [{"step": 1}]})
