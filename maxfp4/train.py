@@ -13,8 +13,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 from typing import Any, Sequence
+
+if __name__ == "__main__":
+    # Ctrl-C while the imports below load (seconds): one line and 130, not a KeyboardInterrupt
+    # traceback from whichever import it landed in. main() installs the run's handlers.
+    signal.signal(signal.SIGINT, lambda signum, frame: (
+        os.write(2, b"stopped by signal 2 (SIGINT) during start-up, before the first step; nothing was saved\n"),
+        os._exit(128 + signum)))
 
 import jax
 import jax.numpy as jnp
@@ -141,7 +149,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     try:
         start = start_up(cfg, devices)  # everything that can be refused, before the run directory is touched
         cfg = start.cfg
-        with run_directory(cfg.run_dir, say=_say, on_exit_hooks=watch.add_exit_hook) as lock:
+        with run_directory(cfg.run_dir, say=_say, on_exit_hooks=watch.add_exit_hook,
+                           stale_s=cfg.run.lock_stale_s) as lock:
             data, eval_batches, to_global = open_data(start)
             optimizer = make_optimizer(cfg)
             state, state_sh = init_state(cfg, start.mesh, optimizer, start.policy)
@@ -369,6 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stop.message:  # a stop during start-up; later stops were reported by train()
             watch.reported()
             print(stop.message, file=sys.stderr, flush=True)
+            # Leave now: XLA's compiler threads may still run, and the interpreter's shutdown
+            # beside them ended in a segfault (139 instead of 128 + signal). Nothing is saved
+            # during start-up, and the run lock was released as the stop unwound.
+            watch.close()
+            sys.stdout.flush()
+            os._exit(stop.code)
         return stop.code
     except Diverged as stop:  # already explained in the log and crash.json
         return stop.exit_code

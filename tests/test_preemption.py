@@ -32,7 +32,7 @@ def _steps(tmp_path):
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_signal_checkpoints_and_rerun_resumes(tmp_path, sig):
     proc = _run(tmp_path, 100000)
     deadline = time.time() + 180
@@ -128,10 +128,13 @@ def test_sigterm_during_the_final_async_save_waits_for_it_or_aborts_on_the_third
     assert not (tmp_path / "final" / "run.lock").exists()  # released on every way out
 
 
-@pytest.mark.parametrize("sig, after", [(signal.SIGINT, "run directory "), (signal.SIGTERM, "model: ")])
+@pytest.mark.parametrize("sig, after", [(signal.SIGINT, "run directory "), (signal.SIGTERM, "model: "),
+                                        (signal.SIGINT, "model: "), (signal.SIGHUP, "model: ")])
 def test_signal_during_start_up_is_one_line_and_leaves_nothing_half_written(tmp_path, sig, after):
-    # SIGINT while the data and state are set up; SIGTERM while the first step compiles.
-    proc, log = _start(tmp_path, "early", "train.steps=1000", *BIG)
+    # SIGINT while the data and state are set up; each signal while the first step compiles
+    # (unrolled blocks: a longer compile), where leaving through the interpreter's shutdown beside
+    # XLA's compiler threads used to end in a segfault (139).
+    proc, log = _start(tmp_path, "early", "train.steps=1000", "train.scan_layers=false", *BIG)
     _wait_for(proc, lambda: after in log.read_text(), repr(after), poll=0.005)
     sent = time.time()
     proc.send_signal(sig)
@@ -145,6 +148,17 @@ def test_signal_during_start_up_is_one_line_and_leaves_nothing_half_written(tmp_
     assert not [p for p in run.rglob("*") if p.name.endswith(".tmp") or "orbax-checkpoint-tmp" in p.name]
     assert not (run / "run.lock").exists() and _checkpoint_entries(tmp_path, "early") == []
     assert (run / "config.yaml").read_text().startswith("run:")  # complete, when written
+
+
+def test_sigint_during_the_imports_is_one_line_without_a_traceback(tmp_path):
+    proc, log = _start(tmp_path, "imports", "train.steps=10")
+    time.sleep(0.3)  # inside the imports (jax alone takes seconds), before any line is printed
+    assert log.read_text() == ""
+    proc.send_signal(signal.SIGINT)
+    out = _finish(proc, log)
+    assert proc.returncode == 130, out[-3000:]
+    assert out.strip().splitlines() == ["stopped by signal 2 (SIGINT) during start-up, before the first step; "
+                                        "nothing was saved"]
 
 
 def test_a_hung_run_still_honours_sigterm(tmp_path):

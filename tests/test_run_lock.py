@@ -104,3 +104,77 @@ def test_a_run_refused_while_the_holder_writes_its_record_names_the_holder(tmp_p
     finally:
         writer.join()
         os.close(holder)
+
+
+def _old(path, seconds: float) -> None:
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+
+
+def test_another_hosts_lock_is_taken_over_once_its_heartbeat_is_stale(tmp_path):
+    """A job requeued on another node finds the dead node's run.lock: its flock is gone, its pid
+    cannot be checked from here, so its heartbeat (the file's modification time) decides."""
+    import pytest
+
+    from maxfp4.reliability.run_lock import LOCK_NAME, RunLock, RunLocked
+
+    path = tmp_path / LOCK_NAME
+    path.write_text(json.dumps({"host": "node-gone", "pid": 77, "started": 1.7e9, "heartbeat": 1.7e9}))
+    _old(path, 100)
+    with pytest.raises(RunLocked, match=r"locked by host node-gone pid 77 started .* last heartbeat was 100 s ago, "
+                                        r"and the lock is taken over once that exceeds run.lock_stale_s=300$"):
+        RunLock(str(tmp_path), stale_s=300).acquire()
+    _old(path, 400)
+    said = []
+    lock = RunLock(str(tmp_path), say=said.append, stale_s=300)
+    lock.acquire()
+    try:
+        assert len(said) == 1 and said[0].startswith(f"run directory lock {path} of host node-gone pid 77 started ")
+        assert said[0].endswith("has had no heartbeat for 400 s (run.lock_stale_s=300); taking it over")
+        assert json.loads(path.read_text())["host"] == socket.gethostname()
+    finally:
+        lock.release()
+    # A record nobody can read: the same rule, and the line says so.
+    path.write_bytes(b"\x00garbage{")
+    _old(path, 50)
+    with pytest.raises(RunLocked, match="last heartbeat was 50 s ago"):
+        RunLock(str(tmp_path), stale_s=300).acquire()
+    _old(path, 301)
+    said.clear()
+    lock = RunLock(str(tmp_path), say=said.append, stale_s=300)
+    lock.acquire()
+    lock.release()
+    assert said == [f"run directory lock {path} holding an unreadable record has had no heartbeat for 301 s "
+                    f"(run.lock_stale_s=300); taking it over"]
+
+
+def test_the_holder_beats_and_a_lock_symlink_or_non_file_is_refused_untouched(tmp_path):
+    import pytest
+
+    from maxfp4.reliability.run_lock import LOCK_NAME, RunLock, RunLocked
+
+    path = tmp_path / LOCK_NAME
+    lock = RunLock(str(tmp_path), beat_s=0.05)
+    lock.acquire()
+    try:
+        first = json.loads(path.read_text())["heartbeat"]
+        _old(path, 1000)
+        deadline = time.time() + 10
+        while json.loads(path.read_text())["heartbeat"] == first:
+            assert time.time() < deadline, "no heartbeat"
+            time.sleep(0.05)
+        assert time.time() - path.stat().st_mtime < 5  # the beat renews the file's time too
+    finally:
+        lock.release()
+    assert not path.exists()
+    target = tmp_path / "precious.txt"
+    for content in ("", "keep me"):
+        target.write_text(content)
+        path.symlink_to(target)
+        with pytest.raises(RunLocked, match=f"^run directory lock {path} is a symbolic link; expected a regular file"):
+            RunLock(str(tmp_path)).acquire()
+        assert target.read_text() == content and path.is_symlink()
+        path.unlink()
+    path.mkdir()
+    with pytest.raises(RunLocked, match=f"^run directory lock {path} is not a regular file"):
+        RunLock(str(tmp_path)).acquire()

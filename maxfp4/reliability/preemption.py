@@ -1,5 +1,6 @@
-"""Graceful preemption: SIGTERM (Slurm preemption, ``scancel``) or SIGINT (Ctrl-C) at any moment
-ends with the newest complete checkpoint on disk and exit code 128 + the signal number.
+"""Graceful preemption: SIGTERM (Slurm preemption, ``scancel``), SIGINT (Ctrl-C) or SIGHUP (a
+lost terminal or ssh session) at any moment ends with the newest complete checkpoint on disk and
+exit code 128 + the signal number.
 
 What a signal does depends on where the run is (:class:`PreemptionWatch` ``phase``):
 
@@ -29,7 +30,7 @@ cannot run a Python handler.
 With several processes every process must stop at the same step: JAX's coordination service
 catches SIGTERM for that (its preemption notifier), and
 ``multihost_utils.reached_preemption_sync_point`` tells all processes together; there this
-class handles SIGINT only.
+class handles SIGINT and SIGHUP only.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class PreemptionWatch:
     handlers on ``close``. ``newest_checkpoint()`` names the newest complete checkpoint for the
     lines printed when the process is ended from the helper thread."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    # SIGHUP (the terminal or ssh session went away) as SIGTERM: a checkpoint, then 129.
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self, say: Callable[[str], None] = _print):
         self.signum: int | None = None

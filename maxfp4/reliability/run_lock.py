@@ -5,13 +5,16 @@ Two jobs with the same ``run.name`` would otherwise write one checkpoint directo
 directory and released on every way out (a normal end, an error, a signal; ``os._exit`` paths
 call :meth:`RunLock.release` first).
 
-How it is held: the file is created and ``flock``-ed, and holds JSON naming its holder (host,
-pid, start time). A live holder keeps the flock, so a second run on the same host (or on a
-file system with working ``flock``) is refused with one line naming the holder. A lock file left
-by a process that died (kill -9, a node reboot) has no flock any more: on the same host its pid
-is checked and, dead, the lock is taken over with one line saying so. A lock written by another
-host whose flock this file system cannot show is refused, naming the file to delete once that
-run is known to be gone.
+How it is held: the file is created (exclusively, never through a symbolic link: a ``run.lock``
+that is a link or not a regular file is refused, its target untouched) and ``flock``-ed, and
+holds JSON naming its holder (host, pid, start time, heartbeat). The holder rewrites the record
+every ``beat_s`` (at most a minute), so the file's modification time says when it was last
+alive. A live holder keeps the flock, so a second run on the same host (or on a file system with
+working ``flock``) is refused with one line naming the holder. A lock file left by a process that
+died (kill -9, a lost node) has no flock any more: on the same host its pid is checked and, dead,
+the lock is taken over with one line saying so; written by another host (a job requeued
+elsewhere) or unreadable, it is taken over once its heartbeat is older than ``run.lock_stale_s``
+(one line naming the old holder), and refused before that, saying when it will count as stale.
 
 With several processes only process 0 takes the lock (the others learn the outcome from a
 broadcast in :func:`lock_run_dir`): the run directory is one per job, not per host.
@@ -24,6 +27,8 @@ import fcntl
 import json
 import os
 import socket
+import stat
+import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -33,6 +38,7 @@ import numpy as np
 from maxfp4.errors import UserError
 
 LOCK_NAME = "run.lock"
+MAX_BEAT_S = 60.0  # the holder rewrites its record at least this often
 
 
 class RunLocked(UserError):
@@ -60,26 +66,52 @@ def _describe(holder: dict) -> str:
 
 
 class RunLock:
-    """``with RunLock(run_dir, say=print):`` or ``acquire()`` / ``release()``."""
+    """``with RunLock(run_dir, say=print):`` or ``acquire()`` / ``release()``. ``stale_s``: how
+    old a heartbeat of a holder this host cannot check must be to take its lock over."""
 
-    def __init__(self, run_dir: str, say: Callable[[str], None] = print):
+    def __init__(self, run_dir: str, say: Callable[[str], None] = print, *, stale_s: float = 300.0,
+                 beat_s: float | None = None):
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, LOCK_NAME)
         self._say = say
+        self.stale_s = stale_s
+        self.beat_s = beat_s if beat_s is not None else min(MAX_BEAT_S, stale_s / 4)
         self._fd: int | None = None
+        self._record: dict = {}
+        self._write_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._beater: threading.Thread | None = None
 
     def acquire(self) -> None:
         try:
             os.makedirs(self.run_dir, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RunLocked(f"run directory lock {self.path} is a symbolic link; expected a regular file "
+                                f"(a lock is never written through a link: delete it and rerun)") from None
+            if e.errno == errno.EISDIR:
+                raise RunLocked(f"run directory lock {self.path} is not a regular file; expected a regular file "
+                                f"(delete it and rerun)") from None
             raise RunDirNotWritable(f"run directory {self.run_dir}: cannot be written ({e.strerror or e}); "
                                     f"expected a writable run.output_dir") from None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise RunLocked(f"run directory lock {self.path} is not a regular file; expected a regular file "
+                                f"(delete it and rerun)")
             self._take(fd)
         except BaseException:
             os.close(fd)
             raise
+        self._beater = threading.Thread(target=self._beat, name="maxfp4-run-lock-heartbeat", daemon=True)
+        self._beater.start()
+
+    def _open(self) -> int:
+        """A new lock file exclusively, or the existing one; never through a symbolic link."""
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            return os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
 
     def _take(self, fd: int) -> None:
         locked = True
@@ -100,23 +132,52 @@ class RunLock:
             same_host = previous.get("host") == socket.gethostname()
             pid = previous.get("pid")
             if not same_host or not isinstance(pid, int):
-                raise RunLocked(self._refusal(previous, live=False))
-            if pid != os.getpid() and _pid_alive(pid) and not locked:
-                raise RunLocked(self._refusal(previous, live=True))
-            self._say(f"run directory lock {self.path} of {_describe(previous)} is stale "
-                      f"(that process is gone); taking it over")
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
-        os.fsync(fd)
+                # Another host's (a requeued job) or unreadable: its heartbeat decides. The file's
+                # modification time is the heartbeat, as the file system's clock keeps it.
+                age = time.time() - os.fstat(fd).st_mtime
+                if age <= self.stale_s:
+                    raise RunLocked(self._refusal(previous, live=False, age=age))
+                what = (f"of {_describe(previous)}" if previous.get("host") not in (None, "?")
+                        else "holding an unreadable record")
+                self._say(f"run directory lock {self.path} {what} has had no heartbeat for {age:.0f} s "
+                          f"(run.lock_stale_s={self.stale_s:g}); taking it over")
+            else:
+                if pid != os.getpid() and _pid_alive(pid) and not locked:
+                    raise RunLocked(self._refusal(previous, live=True))
+                self._say(f"run directory lock {self.path} of {_describe(previous)} is stale "
+                          f"(that process is gone); taking it over")
+        now = time.time()
+        self._record = {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "heartbeat": now}
         self._fd = fd
+        self._write(fsync=True)
 
-    def _refusal(self, holder: dict, live: bool) -> str:
+    def _write(self, fsync: bool = False) -> None:
+        with self._write_lock:
+            if self._fd is None:
+                return
+            data = json.dumps(self._record).encode()
+            os.pwrite(self._fd, data, 0)
+            os.ftruncate(self._fd, len(data))
+            if fsync:
+                os.fsync(self._fd)
+
+    def _beat(self) -> None:
+        """The heartbeat: the record rewritten every ``beat_s`` until the lock is released. A
+        failing write (a full disk) is not this thread's to report: the run's own writes say so."""
+        while not self._stop.wait(self.beat_s):
+            self._record["heartbeat"] = time.time()
+            try:
+                self._write()
+            except OSError:
+                pass
+
+    def _refusal(self, holder: dict, live: bool, age: float = 0.0) -> str:
         if live:
             return (f"run directory {self.run_dir} is in use by another run ({_describe(holder)}, lock {self.path}); "
                     f"expected one run per run directory: wait for it, stop it, or choose another run.name")
         return (f"run directory {self.run_dir} is locked by {_describe(holder)} ({self.path}), which cannot be "
-                f"checked from this host; if that run is gone, delete {self.path} and rerun")
+                f"checked from this host; its last heartbeat was {age:.0f} s ago, and the lock is taken over "
+                f"once that exceeds run.lock_stale_s={self.stale_s:g}")
 
     @classmethod
     def _holder(cls, fd: int, wait_s: float = 2.0) -> dict:
@@ -140,7 +201,9 @@ class RunLock:
 
     def release(self) -> None:
         """Idempotent; safe from a signal-handling thread just before ``os._exit``."""
-        fd, self._fd = self._fd, None
+        self._stop.set()
+        with self._write_lock:
+            fd, self._fd = self._fd, None
         if fd is None:
             return
         try:
@@ -161,12 +224,12 @@ class RunLock:
         self.release()
 
 
-def lock_run_dir(run_dir: str, say: Callable[[str], None]) -> RunLock | None:
+def lock_run_dir(run_dir: str, say: Callable[[str], None], stale_s: float = 300.0) -> RunLock | None:
     """Process 0 takes ``<run_dir>/run.lock``; every process learns whether it got it, so a
     refused job stops everywhere with one line instead of hanging its other processes."""
     import jax
 
-    lock = RunLock(run_dir, say=say) if jax.process_index() == 0 else None
+    lock = RunLock(run_dir, say=say, stale_s=stale_s) if jax.process_index() == 0 else None
     refusal = None
     if lock is not None:
         try:
@@ -208,12 +271,12 @@ def remove_if_empty(directories: list[str]) -> None:
 
 @contextmanager
 def run_directory(run_dir: str, *, say: Callable[[str], None],
-                  on_exit_hooks: Callable[[Callable[[], None]], None]) -> Iterator[RunLock | None]:
+                  on_exit_hooks: Callable[[Callable[[], None]], None], stale_s: float = 300.0) -> Iterator[RunLock | None]:
     """The run directory, locked for the block (``on_exit_hooks`` registers the release for the
     paths that end the process with ``os._exit``). If the block fails, the directories it
     created are removed again when nothing was written into them (a failed preflight)."""
     created = missing_directories(run_dir)
-    lock = lock_run_dir(run_dir, say)
+    lock = lock_run_dir(run_dir, say, stale_s)
     if lock is not None:
         on_exit_hooks(lock.release)
     try:
