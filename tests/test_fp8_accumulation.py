@@ -97,7 +97,7 @@ def _count_precisions(cfg) -> dict[str, int]:
     b, t = cfg.data.global_batch, cfg.data.seq_len
     ints = jax.ShapeDtypeStruct((b, t), jnp.int32)
     batch = {"inputs": ints, "targets": ints, "positions": ints, "segment_ids": ints, "loss_mask": ints}
-    grad = jax.grad(make_loss_fn(cfg, policy, lambda x, axes: x), argnums=(0, 1))
+    grad = jax.grad(make_loss_fn(cfg, policy), argnums=(0, 1))
     text = jax.jit(grad).lower(params, scales, batch, jax.random.key(0), jnp.float32(1.0)).as_text()
     counts: dict[str, int] = {}
     for p in re.findall(r"stablehlo\.dot_general .*precision = \[(\w+), \w+\]", text):

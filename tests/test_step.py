@@ -233,6 +233,6 @@ def test_loss_chunks_keep_one_slice_of_logits_and_refuse_a_quantized_head(tiny_c
     assert temp[1] > 2 * logits_bytes and temp[8] < temp[1] / 2, temp
     cfg = tiny_cfg("train.loss_chunks=2", "precision.default=fp8_delayed")
     with pytest.raises(ConfigError, match=r"train\.loss_chunks=2: needs the lm_head layer class in bf16"):
-        make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), lambda x, axes: x)
+        make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers))
     with pytest.raises(ConfigError, match=r"train\.loss_chunks"):
         tiny_cfg("train.loss_chunks=3")
