@@ -10,6 +10,11 @@ hooks for everything else (metrics, checkpoints, evaluation, reliability).
 
 from __future__ import annotations
 
+from maxfp4.reliability.signal_exit import stop_quietly_while_importing
+
+if __name__ == "__main__":
+    stop_quietly_while_importing()  # the imports below take seconds: a Ctrl-C there is one line
+
 import argparse
 import dataclasses
 import os
@@ -343,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stop.message:  # a stop during start-up; later stops were reported by train()
             watch.reported()
             print(stop.message, file=sys.stderr, flush=True)
+            # Maybe raised out of a compile whose threads still run: no interpreter shutdown.
+            watch.end_process(stop.code)
         return stop.code
     except Diverged as stop:  # already explained in the log and crash.json
         return stop.exit_code
