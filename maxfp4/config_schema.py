@@ -37,11 +37,17 @@ class RunConfig:
     # cuDNN attention's deterministic backward, no timing-based autotuning). Slower; see
     # docs/RELIABILITY.md "Deterministic runs".
     deterministic: bool = False
+    # A run.lock whose flock is free and whose holder's heartbeat (refreshed every
+    # min(60, lock_stale_s / 5) s) is older than this is taken over: a job requeued on another
+    # node after its node was lost is not stranded. Longer than any stall of a live holder.
+    lock_stale_s: float = 300.0
 
     def check(self) -> None:
         _require(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name", self.name,
                  "a non-empty name without '/'")
         _require(bool(self.output_dir), "run.output_dir", self.output_dir, "a directory path")
+        _require(math.isfinite(self.lock_stale_s) and self.lock_stale_s >= 10, "run.lock_stale_s", self.lock_stale_s,
+                 "a number of seconds >= 10")
 
 
 @dataclass(frozen=True)

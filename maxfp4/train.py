@@ -145,7 +145,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
     try:
         start = start_up(cfg, devices)  # everything that can be refused, before the run directory is touched
         cfg = start.cfg
-        with run_directory(cfg.run_dir, say=_say, on_exit_hooks=watch.add_exit_hook) as lock:
+        with run_directory(cfg.run_dir, say=_say, on_exit_hooks=watch.add_exit_hook,
+                           stale_s=cfg.run.lock_stale_s) as lock:
             data, eval_batches, to_global = open_data(start)
             optimizer = make_optimizer(cfg)
             state, state_sh = init_state(cfg, start.mesh, optimizer, start.policy)
