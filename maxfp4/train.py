@@ -10,7 +10,7 @@ hooks for everything else (metrics, checkpoints, evaluation, reliability).
 
 from __future__ import annotations
 
-from maxfp4.reliability.signal_exit import stop_quietly_while_importing
+from maxfp4.reliability.signal_exit import default_actions_after_main, stop_quietly_while_importing
 
 if __name__ == "__main__":
     stop_quietly_while_importing()  # the imports below take seconds: a Ctrl-C there is one line
@@ -362,5 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    default_actions_after_main()
+    sys.exit(code)
 

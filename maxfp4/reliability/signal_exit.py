@@ -54,3 +54,11 @@ def stop_quietly_while_importing() -> None:
     for signum in STOP_SIGNALS:
         if honoured(signum):
             signal.signal(signum, _stop_while_importing)
+
+
+def default_actions_after_main() -> None:
+    """After ``main()`` returns: a signal during the interpreter's shutdown takes its default
+    action (the line above would misreport it)."""
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is _stop_while_importing:
+            signal.signal(signum, signal.SIG_DFL)
