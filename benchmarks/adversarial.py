@@ -444,7 +444,12 @@ def victim_after(facts: dict) -> dict:
 
 
 def _write_lock(ctx: Ctx, text: str) -> dict:
-    (ctx.run_dir / "run.lock").write_text(text)
+    """A lock file whose holder stopped beating ten minutes ago (past run.lock_stale_s's 300 s
+    default): a node lost that long before its job is requeued."""
+    path = ctx.run_dir / "run.lock"
+    path.write_text(text)
+    past = time.time() - 600
+    os.utime(path, (past, past))
     return {}
 
 
@@ -797,7 +802,7 @@ def config_cases() -> list[Case]:
         _config_case("list-override-127kb", ["resilience.fault.nonfinite_at_steps=" + big_list[:127_000].rsplit(",", 1)[0]
                                              + "]"], "nonfinite_at_steps", "a 127 KB list override (argv's limit)",
                      expect=expect_bounded),
-        _config_case("list-in-file-600kb", [], "nonfinite_at_steps", "a 590 KB list in a config file",
+        _config_case("list-in-file-600kb", [], "c.yaml", "a 590 KB list in a config file (named by file and line)",
                      files={"c.yaml": _yaml(f"resilience:\n  fault:\n    nonfinite_at_steps: {big_list}\n")},
                      config="{work}/c.yaml", expect=expect_bounded),
     ]

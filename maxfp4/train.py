@@ -10,19 +10,16 @@ hooks for everything else (metrics, checkpoints, evaluation, reliability).
 
 from __future__ import annotations
 
+from maxfp4.reliability.signal_exit import default_actions_after_main, stop_quietly_while_importing
+
+if __name__ == "__main__":
+    stop_quietly_while_importing()  # the imports below take seconds: a Ctrl-C there is one line
+
 import argparse
 import dataclasses
 import os
-import signal
 import sys
 from typing import Any, Sequence
-
-if __name__ == "__main__":
-    # Ctrl-C while the imports below load (seconds): one line and 130, not a KeyboardInterrupt
-    # traceback from whichever import it landed in. main() installs the run's handlers.
-    signal.signal(signal.SIGINT, lambda signum, frame: (
-        os.write(2, b"stopped by signal 2 (SIGINT) during start-up, before the first step; nothing was saved\n"),
-        os._exit(128 + signum)))
 
 import jax
 import jax.numpy as jnp
@@ -378,12 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stop.message:  # a stop during start-up; later stops were reported by train()
             watch.reported()
             print(stop.message, file=sys.stderr, flush=True)
-            # Leave now: XLA's compiler threads may still run, and the interpreter's shutdown
-            # beside them ended in a segfault (139 instead of 128 + signal). Nothing is saved
-            # during start-up, and the run lock was released as the stop unwound.
-            watch.close()
-            sys.stdout.flush()
-            os._exit(stop.code)
+            # Maybe raised out of a compile whose threads still run: no interpreter shutdown.
+            watch.end_process(stop.code)
         return stop.code
     except Diverged as stop:  # already explained in the log and crash.json
         return stop.exit_code
@@ -395,5 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    default_actions_after_main()
+    sys.exit(code)
 

@@ -1,14 +1,20 @@
 """One run per run directory: ``<run_dir>/run.lock`` with real processes. Two runs of one
 ``run.name`` started together or apart: one is refused with one line naming the holder, the
-other finishes with its metrics intact; a lock left by a dead process is taken over."""
+other finishes with its metrics intact; a lock left by a dead process is taken over, one of
+another host once its heartbeat is stale; a symlink in its place is refused."""
 
+import fcntl
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import pytest
+
+from maxfp4.reliability.run_lock import LOCK_NAME, RunLock, RunLocked
 from tests.conftest import cpu_env
 from tests.test_preemption import ARGS, REPO
 
@@ -85,13 +91,6 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_with_one_line(tmp_path):
 def test_a_run_refused_while_the_holder_writes_its_record_names_the_holder(tmp_path):
     """The holder takes the lock, then writes who it is: a run refused in between waits for the
     record instead of naming nobody (seen once with two runs started together)."""
-    import fcntl
-    import threading
-
-    import pytest
-
-    from maxfp4.reliability.run_lock import LOCK_NAME, RunLock, RunLocked
-
     path = tmp_path / LOCK_NAME
     holder = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked, nothing written yet
@@ -106,75 +105,94 @@ def test_a_run_refused_while_the_holder_writes_its_record_names_the_holder(tmp_p
         os.close(holder)
 
 
-def _old(path, seconds: float) -> None:
-    past = time.time() - seconds
-    os.utime(path, (past, past))
+# ----------------------------------------------------------------------------- stale and odd lock files
+# In-process: the lock's own functions on real files; a second open file description of the same
+# file is a second flock holder, as another process would be.
 
 
-def test_another_hosts_lock_is_taken_over_once_its_heartbeat_is_stale(tmp_path):
-    """A job requeued on another node finds the dead node's run.lock: its flock is gone, its pid
-    cannot be checked from here, so its heartbeat (the file's modification time) decides."""
-    import pytest
+def _write_lock(run_dir, record, age_s=0.0):
+    path = run_dir / LOCK_NAME
+    path.write_text(record if isinstance(record, str) else json.dumps(record))
+    os.utime(path, (time.time() - age_s,) * 2)
+    return path
 
-    from maxfp4.reliability.run_lock import LOCK_NAME, RunLock, RunLocked
 
-    path = tmp_path / LOCK_NAME
-    path.write_text(json.dumps({"host": "node-gone", "pid": 77, "started": 1.7e9, "heartbeat": 1.7e9}))
-    _old(path, 100)
-    with pytest.raises(RunLocked, match=r"locked by host node-gone pid 77 started .* last heartbeat was 100 s ago, "
-                                        r"and the lock is taken over once that exceeds run.lock_stale_s=300$"):
-        RunLock(str(tmp_path), stale_s=300).acquire()
-    _old(path, 400)
+@pytest.mark.parametrize("heartbeat_age, flock_held, taken", [(400, False, True), (100, False, False),
+                                                               (400, True, False)])
+def test_a_lock_of_another_host_is_taken_over_once_its_heartbeat_is_stale_and_its_flock_free(
+        tmp_path, heartbeat_age, flock_held, taken):
+    now = time.time()
+    path = _write_lock(tmp_path, {"host": "node-gone", "pid": 4242, "started": now - 1000,
+                                  "heartbeat": now - heartbeat_age}, age_s=heartbeat_age)
+    holder = os.open(path, os.O_RDWR)
+    if flock_held:  # the old holder is alive on a host whose flock this file system shows
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
     said = []
     lock = RunLock(str(tmp_path), say=said.append, stale_s=300)
-    lock.acquire()
     try:
-        assert len(said) == 1 and said[0].startswith(f"run directory lock {path} of host node-gone pid 77 started ")
-        assert said[0].endswith("has had no heartbeat for 400 s (run.lock_stale_s=300); taking it over")
-        assert json.loads(path.read_text())["host"] == socket.gethostname()
+        if not taken:
+            with pytest.raises(RunLocked, match="host node-gone pid 4242 started "):
+                lock.acquire()
+            assert json.loads(path.read_text())["host"] == "node-gone" and said == []
+            return
+        lock.acquire()
+        assert len(said) == 1 and "host node-gone pid 4242 started " in said[0], said
+        assert f"last heartbeat {time.strftime('%Y-%m-%d %H:%M', time.localtime(now - heartbeat_age))}" in said[0]
+        assert "is stale (no heartbeat for more than run.lock_stale_s=300 s, flock free); taking it over" in said[0]
+        record = json.loads(path.read_text())
+        assert record["host"] == socket.gethostname() and record["pid"] == os.getpid()
     finally:
         lock.release()
-    # A record nobody can read: the same rule, and the line says so.
-    path.write_bytes(b"\x00garbage{")
-    _old(path, 50)
-    with pytest.raises(RunLocked, match="last heartbeat was 50 s ago"):
-        RunLock(str(tmp_path), stale_s=300).acquire()
-    _old(path, 301)
-    said.clear()
+        os.close(holder)
+
+
+@pytest.mark.parametrize("age, taken", [(400, True), (5, False)])
+def test_a_lock_file_of_garbage_is_taken_over_once_older_than_the_limit(tmp_path, age, taken):
+    path = _write_lock(tmp_path, "\x00\xffnot a lock record", age_s=age)
+    said = []
     lock = RunLock(str(tmp_path), say=said.append, stale_s=300)
-    lock.acquire()
-    lock.release()
-    assert said == [f"run directory lock {path} holding an unreadable record has had no heartbeat for 301 s "
-                    f"(run.lock_stale_s=300); taking it over"]
+    if not taken:
+        with pytest.raises(RunLocked, match=r"holds an unreadable record, last written \d+ s ago; it is taken over "
+                                            r"once older than run.lock_stale_s=300 s"):
+            lock.acquire()
+        assert path.read_text() == "\x00\xffnot a lock record"
+        return
+    with lock:
+        assert len(said) == 1 and "holds an unreadable record" in said[0] and "taking it over" in said[0], said
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert not path.exists()
 
 
-def test_the_holder_beats_and_a_lock_symlink_or_non_file_is_refused_untouched(tmp_path):
-    import pytest
+@pytest.mark.parametrize("target_exists", [True, False])
+def test_a_run_lock_symlink_is_refused_and_its_target_left_untouched(tmp_path, target_exists):
+    run_dir, target = tmp_path / "run", tmp_path / "elsewhere.txt"
+    run_dir.mkdir()
+    if target_exists:
+        target.write_text("")  # an empty file: the lock would have written its record into it
+    (run_dir / LOCK_NAME).symlink_to(target)
+    with pytest.raises(RunLocked, match=f"run directory lock {run_dir / LOCK_NAME} is a symbolic link "
+                                        f"\\(to {target}\\); expected a regular file"):
+        RunLock(str(run_dir)).acquire()
+    assert (target.read_text() == "") if target_exists else not target.exists()
+    assert (run_dir / LOCK_NAME).is_symlink()
 
-    from maxfp4.reliability.run_lock import LOCK_NAME, RunLock, RunLocked
 
-    path = tmp_path / LOCK_NAME
-    lock = RunLock(str(tmp_path), beat_s=0.05)
+def test_the_holder_refreshes_its_heartbeat_while_it_holds_the_lock(tmp_path):
+    lock = RunLock(str(tmp_path), stale_s=300, heartbeat_s=0.05)
+    assert lock.heartbeat_s == 0.05 and RunLock(str(tmp_path)).heartbeat_s == 60  # at least every minute
     lock.acquire()
     try:
-        first = json.loads(path.read_text())["heartbeat"]
-        _old(path, 1000)
-        deadline = time.time() + 10
-        while json.loads(path.read_text())["heartbeat"] == first:
-            assert time.time() < deadline, "no heartbeat"
+        path = tmp_path / LOCK_NAME
+        first = json.loads(path.read_text())
+        beats = [first["heartbeat"]]
+        deadline = time.time() + 5
+        while len(set(beats)) < 3 and time.time() < deadline:
             time.sleep(0.05)
-        assert time.time() - path.stat().st_mtime < 5  # the beat renews the file's time too
+            beats.append(json.loads(path.read_text())["heartbeat"])
+        assert len(set(beats)) >= 3 and beats == sorted(beats), beats
+        record = json.loads(path.read_text())
+        assert (record["pid"], record["started"]) == (os.getpid(), first["started"])
     finally:
         lock.release()
-    assert not path.exists()
-    target = tmp_path / "precious.txt"
-    for content in ("", "keep me"):
-        target.write_text(content)
-        path.symlink_to(target)
-        with pytest.raises(RunLocked, match=f"^run directory lock {path} is a symbolic link; expected a regular file"):
-            RunLock(str(tmp_path)).acquire()
-        assert target.read_text() == content and path.is_symlink()
-        path.unlink()
-    path.mkdir()
-    with pytest.raises(RunLocked, match=f"^run directory lock {path} is not a regular file"):
-        RunLock(str(tmp_path)).acquire()
+    assert not [t for t in threading.enumerate() if t.name == "maxfp4-run-lock-heartbeat"]  # stopped
+    assert not (tmp_path / LOCK_NAME).exists()

@@ -1,13 +1,14 @@
-"""Graceful preemption: SIGTERM (Slurm preemption, ``scancel``), SIGINT (Ctrl-C) or SIGHUP (a
-lost terminal or ssh session) at any moment ends with the newest complete checkpoint on disk and
-exit code 128 + the signal number.
+"""Graceful preemption: SIGTERM (Slurm preemption, ``scancel``), SIGINT (Ctrl-C) or SIGHUP (the
+ssh session that started the run ended; ignored under ``nohup``) at any moment ends with the
+newest complete checkpoint on disk and exit code 128 + the signal number.
 
 What a signal does depends on where the run is (:class:`PreemptionWatch` ``phase``):
 
 - start-up (config, data, restore, compiling the first step): nothing has been trained, so the
   run stops at once with one line; the main thread unwinds (files are written under temporary
   names, so none is left half-written) and, if it is stuck in native code (compiling), a
-  helper thread ends the process after ``STARTUP_EXIT_S``;
+  helper thread ends the process after ``STARTUP_EXIT_S``; either way the process ends with
+  ``os._exit`` (:meth:`PreemptionWatch.end_process`), as XLA's compiler threads may still be running;
 - training: the running step finishes, a checkpoint of it is written and waited for, and the
   process exits; a rerun resumes from exactly that step;
 - the final save (the loop is over, the last checkpoint is being written): the save is waited
@@ -35,7 +36,6 @@ class handles SIGINT and SIGHUP only.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import sys
@@ -47,6 +47,7 @@ from typing import Callable, Iterator
 from jax.experimental import multihost_utils
 
 from maxfp4.loop import Hook
+from maxfp4.reliability.signal_exit import STOP_SIGNALS, exit_now, honoured, signal_name
 
 STARTUP, TRAINING, FINAL_SAVE = "start-up", "training", "final save"
 STARTUP_EXIT_S = 5.0  # how long the main thread may take to unwind a start-up stop on its own
@@ -68,10 +69,6 @@ class Interrupted(BaseException):
         self.message = message
 
 
-def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
-
-
 def _print(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -81,8 +78,7 @@ class PreemptionWatch:
     handlers on ``close``. ``newest_checkpoint()`` names the newest complete checkpoint for the
     lines printed when the process is ended from the helper thread."""
 
-    # SIGHUP (the terminal or ssh session went away) as SIGTERM: a checkpoint, then 129.
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self, say: Callable[[str], None] = _print):
         self.signum: int | None = None
@@ -108,7 +104,8 @@ class PreemptionWatch:
         if threading.current_thread() is not threading.main_thread():
             return
         for s in self.SIGNALS:
-            self._previous[s] = signal.signal(s, self._handle)
+            if honoured(s):
+                self._previous[s] = signal.signal(s, self._handle)
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
         self._previous_wakeup = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
@@ -177,10 +174,12 @@ class PreemptionWatch:
 
     def _handle(self, signum, frame) -> None:
         del frame
-        if self.signum is None:
+        first = self.signum is None
+        if first:
             self.signum = signum
-        if self.phase == STARTUP:
-            # Nothing trained yet: unwind now rather than finish starting up.
+        if self.phase == STARTUP and first:
+            # Nothing trained yet: unwind now rather than finish starting up. Only once: a
+            # second signal must not cut the unwinding short (the lock's release).
             raise Interrupted(128 + signum, f"stopped by signal {signum} ({signal_name(signum)}) during start-up, "
                                             f"before the first step; nothing was saved")
 
@@ -256,12 +255,17 @@ class PreemptionWatch:
         code = 128 + int(signum)
         if message:
             self._say(f"{message}; exiting with code {code}")
+        self.end_process(code)
+
+    def end_process(self, code: int) -> None:
+        """Run the exit hooks (release the run lock), flush, and ``os._exit(code)``: no
+        interpreter shutdown under native threads (a compile a signal interrupted)."""
         for hook in self._exit_hooks:
             try:
                 hook()
             except Exception:  # noqa: BLE001 - exiting anyway
                 pass
-        os._exit(code)
+        exit_now(code)
 
     def close(self) -> None:
         for s, handler in self._previous.items():

@@ -5,16 +5,19 @@ Two jobs with the same ``run.name`` would otherwise write one checkpoint directo
 directory and released on every way out (a normal end, an error, a signal; ``os._exit`` paths
 call :meth:`RunLock.release` first).
 
-How it is held: the file is created (exclusively, never through a symbolic link: a ``run.lock``
-that is a link or not a regular file is refused, its target untouched) and ``flock``-ed, and
-holds JSON naming its holder (host, pid, start time, heartbeat). The holder rewrites the record
-every ``beat_s`` (at most a minute), so the file's modification time says when it was last
-alive. A live holder keeps the flock, so a second run on the same host (or on a file system with
-working ``flock``) is refused with one line naming the holder. A lock file left by a process that
-died (kill -9, a lost node) has no flock any more: on the same host its pid is checked and, dead,
-the lock is taken over with one line saying so; written by another host (a job requeued
-elsewhere) or unreadable, it is taken over once its heartbeat is older than ``run.lock_stale_s``
-(one line naming the old holder), and refused before that, saying when it will count as stale.
+How it is held: the file is created (``O_EXCL``; an existing one is opened ``O_NOFOLLOW``, so a
+``run.lock`` symlink never makes the trainer write another file) and ``flock``-ed, and holds
+JSON naming its holder (host, pid, start time, heartbeat). A daemon thread rewrites the
+heartbeat every ``min(60 s, stale_s / 5)``. A live holder keeps the flock, so a second run on
+the same host (or on a file system with working ``flock``) is refused with one line naming the
+holder. A lock whose flock is free was left by a process that died (kill -9, a lost node):
+
+- same host: its pid is checked and, dead, the lock is taken over with one line;
+- another host (a job requeued elsewhere): taken over with one line naming the old holder once
+  its heartbeat is older than ``stale_s`` (``run.lock_stale_s``); a fresher one may be a live
+  run whose flock this file system does not show across hosts, so it is refused;
+- a record that cannot be read (garbage): taken over once the file was last written more than
+  ``stale_s`` ago (its mtime; a live holder rewrites it with every heartbeat).
 
 With several processes only process 0 takes the lock (the others learn the outcome from a
 broadcast in :func:`lock_run_dir`): the run directory is one per job, not per host.
@@ -38,7 +41,9 @@ import numpy as np
 from maxfp4.errors import UserError
 
 LOCK_NAME = "run.lock"
-MAX_BEAT_S = 60.0  # the holder rewrites its record at least this often
+DEFAULT_STALE_S = 300.0  # run.lock_stale_s
+MAX_HEARTBEAT_S = 60.0
+RECORD_BYTES = 512  # records are padded to one length, so a heartbeat is one in-place write
 
 
 class RunLocked(UserError):
@@ -59,61 +64,89 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _when(t) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "?"
+
+
 def _describe(holder: dict) -> str:
-    started = holder.get("started")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
-    return f"host {holder.get('host', '?')} pid {holder.get('pid', '?')} started {when}"
+    text = f"host {holder.get('host', '?')} pid {holder.get('pid', '?')} started {_when(holder.get('started'))}"
+    beat = holder.get("heartbeat")
+    if isinstance(beat, (int, float)):
+        text += f", last heartbeat {_when(beat)} ({max(0.0, time.time() - beat):.0f} s ago)"
+    return text
+
+
+def _unreadable(holder: dict) -> bool:
+    return not (isinstance(holder.get("host"), str) and isinstance(holder.get("pid"), int))
+
+
+def _record(holder: dict) -> bytes:
+    return json.dumps(holder).encode().ljust(RECORD_BYTES)
 
 
 class RunLock:
-    """``with RunLock(run_dir, say=print):`` or ``acquire()`` / ``release()``. ``stale_s``: how
-    old a heartbeat of a holder this host cannot check must be to take its lock over."""
+    """``with RunLock(run_dir, say=print):`` or ``acquire()`` / ``release()``. ``stale_s``: a lock
+    whose flock is free and whose heartbeat is older is taken over; ``heartbeat_s``: how often
+    the holder refreshes its heartbeat (default ``min(60 s, stale_s / 5)``)."""
 
-    def __init__(self, run_dir: str, say: Callable[[str], None] = print, *, stale_s: float = 300.0,
-                 beat_s: float | None = None):
+    def __init__(self, run_dir: str, say: Callable[[str], None] = print, *, stale_s: float = DEFAULT_STALE_S,
+                 heartbeat_s: float | None = None):
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, LOCK_NAME)
         self._say = say
         self.stale_s = stale_s
-        self.beat_s = beat_s if beat_s is not None else min(MAX_BEAT_S, stale_s / 4)
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(MAX_HEARTBEAT_S, stale_s / 5)
         self._fd: int | None = None
         self._record: dict = {}
-        self._write_lock = threading.Lock()
         self._stop = threading.Event()
-        self._beater: threading.Thread | None = None
+        self._beating: threading.Thread | None = None
 
     def acquire(self) -> None:
-        try:
-            os.makedirs(self.run_dir, exist_ok=True)
-            fd = self._open()
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise RunLocked(f"run directory lock {self.path} is a symbolic link; expected a regular file "
-                                f"(a lock is never written through a link: delete it and rerun)") from None
-            if e.errno == errno.EISDIR:
-                raise RunLocked(f"run directory lock {self.path} is not a regular file; expected a regular file "
-                                f"(delete it and rerun)") from None
-            raise RunDirNotWritable(f"run directory {self.run_dir}: cannot be written ({e.strerror or e}); "
-                                    f"expected a writable run.output_dir") from None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise RunLocked(f"run directory lock {self.path} is not a regular file; expected a regular file "
-                                f"(delete it and rerun)")
-            self._take(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._beater = threading.Thread(target=self._beat, name="maxfp4-run-lock-heartbeat", daemon=True)
-        self._beater.start()
+        while self._fd is None:
+            try:
+                os.makedirs(self.run_dir, exist_ok=True)
+                fd = self._open()
+            except OSError as e:
+                raise RunDirNotWritable(f"run directory {self.run_dir}: cannot be written ({e.strerror or e}); "
+                                        f"expected a writable run.output_dir") from None
+            try:
+                taken = self._take(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if not taken:
+                os.close(fd)
+        self._start_heartbeat()
 
     def _open(self) -> int:
-        """A new lock file exclusively, or the existing one; never through a symbolic link."""
-        try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        except FileExistsError:
-            return os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+        """A new lock file (``O_EXCL``), else the existing one without following a symlink."""
+        while True:
+            try:
+                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            except FileExistsError:
+                pass
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except FileNotFoundError:
+                continue  # released between the two opens
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.EISDIR):
+                    self._refuse_odd_file()
+                raise
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                self._refuse_odd_file()
+            return fd
 
-    def _take(self, fd: int) -> None:
+    def _refuse_odd_file(self) -> None:
+        mode = os.lstat(self.path).st_mode
+        what = (f"a symbolic link (to {os.readlink(self.path)})" if stat.S_ISLNK(mode) else
+                "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+        raise RunLocked(f"run directory lock {self.path} is {what}; expected a regular file written by the "
+                        f"trainer (left untouched): remove it and rerun")
+
+    def _take(self, fd: int) -> bool:
+        """Lock ``fd`` and write our record; False when the file was replaced meanwhile (retry)."""
         locked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -123,61 +156,78 @@ class RunLock:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
             locked = False
-        if os.fstat(fd).st_ino != os.stat(self.path).st_ino:
-            # The holder released (unlinked) it between our open and flock: a fresh file now.
-            os.close(fd)
-            return self.acquire()
+        try:
+            replaced = os.fstat(fd).st_ino != os.stat(self.path, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            replaced = True
+        if replaced:  # the holder released (unlinked) it between our open and flock: a fresh file now
+            return False
         previous = self._read(fd)
         if previous:
-            same_host = previous.get("host") == socket.gethostname()
-            pid = previous.get("pid")
-            if not same_host or not isinstance(pid, int):
-                # Another host's (a requeued job) or unreadable: its heartbeat decides. The file's
-                # modification time is the heartbeat, as the file system's clock keeps it.
-                age = time.time() - os.fstat(fd).st_mtime
-                if age <= self.stale_s:
-                    raise RunLocked(self._refusal(previous, live=False, age=age))
-                what = (f"of {_describe(previous)}" if previous.get("host") not in (None, "?")
-                        else "holding an unreadable record")
-                self._say(f"run directory lock {self.path} {what} has had no heartbeat for {age:.0f} s "
-                          f"(run.lock_stale_s={self.stale_s:g}); taking it over")
-            else:
-                if pid != os.getpid() and _pid_alive(pid) and not locked:
-                    raise RunLocked(self._refusal(previous, live=True))
-                self._say(f"run directory lock {self.path} of {_describe(previous)} is stale "
-                          f"(that process is gone); taking it over")
+            self._take_over(fd, previous, locked)
         now = time.time()
         self._record = {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "heartbeat": now}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _record(self._record), 0)
+        os.fsync(fd)
         self._fd = fd
-        self._write(fsync=True)
+        return True
 
-    def _write(self, fsync: bool = False) -> None:
-        with self._write_lock:
-            if self._fd is None:
-                return
-            data = json.dumps(self._record).encode()
-            os.pwrite(self._fd, data, 0)
-            os.ftruncate(self._fd, len(data))
-            if fsync:
-                os.fsync(self._fd)
+    def _take_over(self, fd: int, previous: dict, locked: bool) -> None:
+        """Say why the free lock ``previous`` may be taken, or refuse it."""
+        if _unreadable(previous):
+            age = time.time() - os.fstat(fd).st_mtime
+            if age <= self.stale_s:
+                raise RunLocked(f"run directory lock {self.path} holds an unreadable record, last written {age:.0f} s "
+                                f"ago; it is taken over once older than run.lock_stale_s={self.stale_s:g} s; "
+                                f"if no run uses {self.run_dir}, delete {self.path} and rerun")
+            self._say(f"run directory lock {self.path} holds an unreadable record, last written {age:.0f} s ago "
+                      f"(more than run.lock_stale_s={self.stale_s:g} s); taking it over")
+            return
+        pid = previous["pid"]
+        if previous["host"] == socket.gethostname():
+            if pid != os.getpid() and _pid_alive(pid) and not locked:
+                raise RunLocked(self._refusal(previous, live=True))
+            self._say(f"run directory lock {self.path} of {_describe(previous)} is stale "
+                      f"(that process is gone); taking it over")
+            return
+        beat = previous.get("heartbeat")  # a record without one: when the file was last written
+        age = time.time() - (beat if isinstance(beat, (int, float)) else os.fstat(fd).st_mtime)
+        if age <= self.stale_s:
+            raise RunLocked(self._refusal(previous, live=False))
+        self._say(f"run directory lock {self.path} of {_describe(previous)} is stale (no heartbeat for more "
+                  f"than run.lock_stale_s={self.stale_s:g} s, flock free); taking it over")
 
-    def _beat(self) -> None:
-        """The heartbeat: the record rewritten every ``beat_s`` until the lock is released. A
-        failing write (a full disk) is not this thread's to report: the run's own writes say so."""
-        while not self._stop.wait(self.beat_s):
-            self._record["heartbeat"] = time.time()
-            try:
-                self._write()
-            except OSError:
-                pass
+    def _start_heartbeat(self) -> None:
+        # Its own descriptor: a release closing ours never leaves the thread writing to a reused one.
+        fd = os.dup(self._fd)
+        self._stop.clear()
+        self._beating = threading.Thread(target=self._beat, args=(fd, dict(self._record)),
+                                         name="maxfp4-run-lock-heartbeat", daemon=True)
+        self._beating.start()
 
-    def _refusal(self, holder: dict, live: bool, age: float = 0.0) -> str:
+    def _beat(self, fd: int, record: dict) -> None:
+        warned = False
+        try:
+            while not self._stop.wait(self.heartbeat_s):
+                record["heartbeat"] = time.time()
+                try:
+                    os.pwrite(fd, _record(record), 0)
+                except OSError as e:  # a full or failing disk: the run goes on; the next beat retries
+                    if not warned:
+                        self._say(f"warning: run directory lock {self.path}: heartbeat not written "
+                                  f"({e.strerror or e}); retrying every {self.heartbeat_s:g} s")
+                        warned = True
+        finally:
+            os.close(fd)
+
+    def _refusal(self, holder: dict, live: bool) -> str:
         if live:
             return (f"run directory {self.run_dir} is in use by another run ({_describe(holder)}, lock {self.path}); "
                     f"expected one run per run directory: wait for it, stop it, or choose another run.name")
         return (f"run directory {self.run_dir} is locked by {_describe(holder)} ({self.path}), which cannot be "
-                f"checked from this host; its last heartbeat was {age:.0f} s ago, and the lock is taken over "
-                f"once that exceeds run.lock_stale_s={self.stale_s:g}")
+                f"checked from this host; it is taken over once its heartbeat is older than "
+                f"run.lock_stale_s={self.stale_s:g} s; if that run is gone, delete {self.path} and rerun")
 
     @classmethod
     def _holder(cls, fd: int, wait_s: float = 2.0) -> dict:
@@ -201,13 +251,18 @@ class RunLock:
 
     def release(self) -> None:
         """Idempotent; safe from a signal-handling thread just before ``os._exit``."""
-        self._stop.set()
-        with self._write_lock:
-            fd, self._fd = self._fd, None
+        fd, self._fd = self._fd, None
         if fd is None:
             return
+        self._stop.set()
+        if self._beating is not None and self._beating is not threading.current_thread():
+            self._beating.join(timeout=2)
+        self._beating = None
         try:
-            os.unlink(self.path)  # before unlocking, so no one takes a lock on a file about to vanish
+            # Before unlocking, so no one takes a lock on a file about to vanish; only our own
+            # file (a run that took over a lock it thought stale must keep its own).
+            if os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(self.path)
         except OSError:
             pass
         os.close(fd)
@@ -224,7 +279,7 @@ class RunLock:
         self.release()
 
 
-def lock_run_dir(run_dir: str, say: Callable[[str], None], stale_s: float = 300.0) -> RunLock | None:
+def lock_run_dir(run_dir: str, say: Callable[[str], None], stale_s: float = DEFAULT_STALE_S) -> RunLock | None:
     """Process 0 takes ``<run_dir>/run.lock``; every process learns whether it got it, so a
     refused job stops everywhere with one line instead of hanging its other processes."""
     import jax
@@ -270,8 +325,8 @@ def remove_if_empty(directories: list[str]) -> None:
 
 
 @contextmanager
-def run_directory(run_dir: str, *, say: Callable[[str], None],
-                  on_exit_hooks: Callable[[Callable[[], None]], None], stale_s: float = 300.0) -> Iterator[RunLock | None]:
+def run_directory(run_dir: str, *, say: Callable[[str], None], on_exit_hooks: Callable[[Callable[[], None]], None],
+                  stale_s: float = DEFAULT_STALE_S) -> Iterator[RunLock | None]:
     """The run directory, locked for the block (``on_exit_hooks`` registers the release for the
     paths that end the process with ``os._exit``). If the block fails, the directories it
     created are removed again when nothing was written into them (a failed preflight)."""
