@@ -131,7 +131,7 @@ def mamba_splits_over_tensor(cfg: Any, t: int) -> bool:
     return cfg.mamba.n_groups % t == 0 and cfg.d_model % t == 0
 
 
-def mlp_gates(cfg: Any) -> int:
+def _mlp_gates(cfg: Any) -> int:
     """2 for SwiGLU (gate and up side by side per hidden unit), 1 for the squared ReLU."""
     return 2 if cfg.kind == "dense" or cfg.mlp == "swiglu" else 1
 
@@ -142,7 +142,7 @@ def _shapes(cfg: Any, mixer: str) -> tuple[tuple[int, ...], ...]:
         h, heads, kv = cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
         return (d, kv, heads // kv + 2, h), (heads * h, d)
     if mixer == "mlp":
-        return (d, cfg.d_ff, mlp_gates(cfg)), (cfg.d_ff, d)
+        return (d, cfg.d_ff, _mlp_gates(cfg)), (cfg.d_ff, d)
     md = mamba_dims(cfg)
     return (d, md["in"]), (md["E"], d)
 
@@ -269,7 +269,7 @@ def _block(cfg: Any, block_type: str) -> BlockSpec:
     return BlockSpec(block_type, mixers, group, tuple(lin for m in mixers for lin in mixer_linears(cfg, m)))
 
 
-def block_types(cfg: Any) -> tuple[str, ...]:
+def _block_types(cfg: Any) -> tuple[str, ...]:
     """The type of each block: the dense model's ``decoder`` repeated, or the hybrid's pattern."""
     if cfg.kind == "hybrid":
         return tuple(PATTERN_CHARS[c] for c in cfg.pattern)
@@ -279,7 +279,7 @@ def block_types(cfg: Any) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=256)
 def model_spec(cfg: Any) -> ModelSpec:
     """The :class:`ModelSpec` of a ``ModelConfig``."""
-    types = block_types(cfg)
+    types = _block_types(cfg)
     built = {t: _block(cfg, t) for t in dict.fromkeys(types)}
     ssd = 0.0
     if "mamba" in built:

@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh
 
 from maxfp4.config import Config, ConfigError
-from maxfp4.parallel.mesh import constrain, traced_in_mesh
+from maxfp4.parallel.mesh import split_microbatches, traced_in_mesh
 from maxfp4.reliability.faults import loss_scale, poison_first_evaluation, poison_gradients
 from maxfp4.reliability.guard import guard_metrics, judge
 from maxfp4.reliability.rerun import evaluate_with_rerun
@@ -70,16 +70,6 @@ def make_loss_fn(cfg: Config, policy: PrecisionPolicy, mesh: Mesh | None = None,
     return traced_in_mesh(loss_fn, mesh)
 
 
-def _split_microbatches(batch: Batch, m: int) -> Batch:
-    """[B, T] -> [M, B/M, T], taking every M-th row so each microbatch spans all devices of the
-    batch-sharded input instead of living on a few of them."""
-    def split(x):
-        b = x.shape[0]
-        x = x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
-        return constrain(x, (None, "batch", "seq"))
-    return {k: split(v) for k, v in batch.items()}
-
-
 def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: Mesh | None = None,
                     runs_per_row: int | None = None) -> Callable:
@@ -113,7 +103,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
             init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params),
                     jax.tree.map(jnp.zeros_like, scales))
             (loss, grads, amaxes), _ = jax.lax.scan(
-                accumulate, init, (_split_microbatches(batch, m), jnp.arange(m)))
+                accumulate, init, (split_microbatches(batch, m), jnp.arange(m)))
         if nan_steps:
             grads = poison_gradients(grads, state.step + 1, nan_steps)
         if first_evaluation_nan_steps:

@@ -188,6 +188,16 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh)))
 
 
+def split_microbatches(batch: dict[str, jax.Array], m: int) -> dict[str, jax.Array]:
+    """[B, T] -> [M, B/M, T], taking every M-th row so each microbatch spans all devices of the
+    batch-sharded input instead of living on a few of them (the step's microbatches and the
+    pipeline's)."""
+    def split(x):
+        x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+        return constrain(x, (None, "batch", "seq"))
+    return {k: split(v) for k, v in batch.items()}
+
+
 def tensor_ranks() -> int:
     """Devices on the ``tensor`` axis of the mesh the step is traced under (1 without one)."""
     mesh = traced_mesh()

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maxfp4.config import Config, ConfigError, ModelConfig
-from maxfp4.parallel.mesh import constrain
+from maxfp4.parallel.mesh import split_microbatches
 from maxfp4.model import get_model
 from maxfp4.model.layers import ACT_DTYPE, embed_tokens, output_logits
 from maxfp4.model.loss import chunked_loss_sum, token_losses
@@ -129,13 +129,6 @@ def _fan_out_max_bwd(valid_N, ct):
 _fan_out_max.defvjp(_fan_out_max_fwd, _fan_out_max_bwd)
 
 
-def _split(a: jax.Array, m: int) -> jax.Array:
-    """[B, ...] -> [M, B/M, ...], every M-th row (each microbatch spans every device of the batch
-    split), as the unpipelined step's microbatches."""
-    a = a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
-    return constrain(a, (None, "batch", "seq", "embed")[:a.ndim])
-
-
 def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int | None, mesh) -> Callable:
     """``loss_fn(params, scales, batch, key, denom)`` as :func:`maxfp4.step.make_loss_fn` gives
     it, computed over ``train.microbatches`` microbatches streamed through the stages of ``mesh``
@@ -187,7 +180,7 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         return jax.lax.psum(total, AXIS)
 
     def loss_fn(params, scales, batch, key, denom):
-        micro = {k: _split(v, m) for k, v in batch.items()}
+        micro = split_microbatches(batch, m)
         micro["loss_mask"] = micro["loss_mask"].astype(jnp.float32)
         blocks = {g: params[g] for g in groups}
         others = {k: v for k, v in params.items() if k not in groups}
