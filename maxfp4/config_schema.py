@@ -264,13 +264,22 @@ class MeshConfig:
     # this many) stream through them (maxfp4.parallel.pipeline)
     pipeline: int = 1
     fsdp: int = 1
+    # splits each sequence across devices (long contexts)
+    context: int = 1
+    # splits a mixture-of-experts block's experts across devices
+    expert: int = 1
     tensor: int = 1
 
     def check(self) -> None:
-        axes = {"data": self.data, "pipeline": self.pipeline, "fsdp": self.fsdp, "tensor": self.tensor}
+        axes = {"data": self.data, "pipeline": self.pipeline, "fsdp": self.fsdp, "context": self.context,
+                "expert": self.expert, "tensor": self.tensor}
         for name, v in axes.items():
             _require(v == -1 or v >= 1, f"mesh.{name}", v, "a positive integer or -1 (the remaining devices)")
-        _require(list(axes.values()).count(-1) <= 1, "mesh", axes, "at most one axis of size -1")
+        remaining = {name: v for name, v in axes.items() if v == -1}
+        _require(len(remaining) <= 1, "mesh", remaining, "at most one axis of size -1")
+        for name in ("context", "expert"):
+            # built in later steps: until then an axis that splits nothing would only waste devices
+            _require(axes[name] == 1, f"mesh.{name}", axes[name], "1 (this axis is not built yet)")
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ def test_restore_onto_a_different_mesh_is_bitwise(saved_run):
     ck.close()
     assert int(state.step) == 3 and data_state["next_index"] == 3
     w = state.params["blocks"]["w_qkv"]
-    assert w.sharding.mesh.shape == {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 1} and len(w.sharding.device_set) == 4
+    assert w.sharding.mesh.shape == {"data": 2, "pipeline": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 1} and len(w.sharding.device_set) == 4
     assert not w.sharding.is_fully_replicated  # the embed axis really is split over fsdp=2
     got = jax.tree.map(np.asarray, state.params)
     assert jax.tree.structure(got) == jax.tree.structure(expected)

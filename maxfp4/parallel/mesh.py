@@ -1,4 +1,4 @@
-"""Device mesh (data, pipeline, fsdp, tensor) and the one table that maps logical axis names to it.
+"""Device mesh (data, pipeline, fsdp, context, expert, tensor) and the one table that maps logical axis names to it.
 
 Layers name their axes logically (``batch``, ``embed``, ``heads`` ...); :data:`LOGICAL_RULES`
 is the only place that decides which mesh axes shard them. A mesh axis is used at most once per
@@ -23,8 +23,9 @@ from maxfp4.config import ConfigError, MeshConfig
 from maxfp4.model_spec import WEIGHT_AXES  # each layer class's weight as its [K, N] GEMM takes it
 
 # Outermost to innermost: with one process a node, data and then pipeline stages span the network
-# between nodes, fsdp and tensor stay inside a node (make_mesh).
-MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
+# between nodes; fsdp, context, expert and tensor stay inside a node (make_mesh). context splits
+# each sequence, expert splits a mixture-of-experts block's experts.
+MESH_AXES = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
 
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
@@ -66,7 +67,11 @@ def resolve_axes(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
 def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
     """(data, fsdp, tensor): the axes the planner models (maxfp4.plan); it does not model pipeline
     stages yet, and says so in one line."""
-    data, pipeline, fsdp, tensor = resolve_axes(cfg, n_devices)
+    data, pipeline, fsdp, context, expert, tensor = resolve_axes(cfg, n_devices)
+    for name, size in (("context", context), ("expert", expert)):
+        if size != 1:
+            raise ConfigError(f"mesh.{name}={size}: the planner models the data, fsdp and tensor axes only; "
+                              f"expected mesh.{name}=1")
     if pipeline != 1:
         raise ConfigError(f"mesh.pipeline={pipeline}: the planner models the data, fsdp and tensor axes only; "
                           f"expected mesh.pipeline=1")
