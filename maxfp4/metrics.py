@@ -198,8 +198,9 @@ class MetricsHook(Hook):
 
     def __init__(self, logger: MetricsLogger, *, tokens_per_step: int, flops_per_step: float, n_devices: int,
                  peaks: dict[str, float] | None, policy_peak: float | None, log_every: int,
-                 eval_losses: dict[int, float], stragglers=None):
+                 eval_losses: dict[int, float], stragglers=None, task_scores: dict[int, dict[str, float]] | None = None):
         self.logger = logger
+        self.task_scores = task_scores if task_scores is not None else {}  # lm-eval metrics by step
         self.tokens_per_step, self.flops_per_step, self.n_devices = tokens_per_step, flops_per_step, n_devices
         self.peaks, self.policy_peak, self.log_every = peaks, policy_peak, log_every
         self.eval_losses, self.stragglers = eval_losses, stragglers
@@ -243,7 +244,8 @@ class MetricsHook(Hook):
             self._mark = (step, now)
         # Every step goes to metrics.jsonl and TensorBoard with its own loss (the plot's curves);
         # the terminal line, and the records the run returns, come every train.log_every steps.
-        if not (step % self.log_every == 0 or final or step == loop.start_step + 1 or step in self.eval_losses):
+        if not (step % self.log_every == 0 or final or step == loop.start_step + 1 or step in self.eval_losses
+                or step in self.task_scores):
             # Timed since the previous step finished, so never the compile.
             step_time = now - previous[1] if previous is not None and previous[0] == step - 1 else None
             self.logger.write(self._fields(step, values["loss"], values, step_time, loop.total_steps))
@@ -272,6 +274,7 @@ class MetricsHook(Hook):
             self._first = None
         if step in self.eval_losses:
             record["eval_loss"] = self.eval_losses.pop(step)
+        record.update(self.task_scores.pop(step, {}))
         report = self.stragglers.take_report(step) if self.stragglers is not None else None
         if report is not None:
             record["straggler_processes"] = report["slow"]
