@@ -1,0 +1,166 @@
+"""Downstream tasks through lm-evaluation-harness (maxfp4.lm_eval_*): the real lm-eval on the tiny
+local tasks in tests/data/lm_eval (JSON lines read offline), scored by maxfp4's forward pass during
+training (train.eval_tasks) and from the command line (python -m maxfp4.evaluate); its
+log-likelihoods checked against a float64 NumPy forward of the export. tests/test_lm_eval_hf.py
+compares them with lm-eval's Hugging Face backend (it needs torch)."""
+
+import io
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from maxfp4.config import load_config
+from tests.conftest import TINY
+
+TASKS = os.path.join(os.path.dirname(__file__), "data", "lm_eval")
+CLOZE, TEXT, ECHO = (os.path.join(TASKS, f"{name}.yaml") for name in ("tiny_cloze", "tiny_text", "tiny_echo"))
+# The tiny dense model on the builtin corpus (it needs a tokenizer), two steps on a two-device
+# mesh, the cloze task scored at step 2 (the last) beside the held-out loss.
+RUN = TINY + ["run.name=tasks", "data.source=builtin", "model.vocab_size=512", "train.steps=2", "optim.lr=3e-3",
+              "data.eval_fraction=0.1", "train.eval_every=2", f"train.eval_tasks=[{CLOZE}]"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    import jax
+
+    from maxfp4.train import train
+
+    out = tmp_path_factory.mktemp("lm_eval")
+    stream = io.StringIO()
+    train(load_config(None, RUN + [f"run.output_dir={out}"]), devices=jax.devices()[:2], stream=stream)
+    return out / "tasks"
+
+
+def test_training_logs_the_task_scores_beside_the_held_out_loss(run_dir):
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    last = records[-1]
+    assert last["step"] == 2 and "eval_loss" in last
+    # 8 questions: acc is a multiple of 1/8 (a score lm-eval computed, not a default).
+    assert 0 <= last["lm_eval/tiny_cloze/acc"] <= 1 and (8 * last["lm_eval/tiny_cloze/acc"]).is_integer()
+    assert "lm_eval/tiny_cloze/acc_norm" in last
+    assert not any(k.startswith("lm_eval/") for k in records[0])  # step 1 was not evaluated
+    saved = json.loads((run_dir / "evals" / "step_2.json").read_text())
+    assert saved["results"]["tiny_cloze"]["acc,none"] == last["lm_eval/tiny_cloze/acc"]
+    # TensorBoard got them through the metrics' scalar path.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("lm_eval/tiny_cloze/acc")] == pytest.approx([last["lm_eval/tiny_cloze/acc"]])
+
+
+def test_the_command_scores_the_newest_checkpoint_as_training_did(run_dir, capsys):
+    from maxfp4.lm_eval_cli import main
+
+    (run_dir / "evals" / "step_2.json").unlink()
+    assert main([str(run_dir), "--tasks", f"{CLOZE},{TEXT},{ECHO}", "--rows", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "tiny_cloze" in out and "bits_per_byte" in out and "exact_match" in out  # lm-eval's table
+    assert f"evaluating {run_dir} step 2 with bf16" in err
+    results = json.loads((run_dir / "evals" / "step_2.json").read_text())["results"]
+    # Same parameters, same policy as the training hook's step-2 evaluation: the same scores.
+    logged = json.loads(open(run_dir / "metrics.jsonl").readlines()[-1])
+    assert results["tiny_cloze"]["acc,none"] == logged["lm_eval/tiny_cloze/acc"]
+    assert results["tiny_cloze"]["acc_norm,none"] == logged["lm_eval/tiny_cloze/acc_norm"]
+    # A barely trained model of 512 tokens: bits per byte near log2 of its vocabulary per token.
+    assert 0.5 < results["tiny_text"]["bits_per_byte,none"] < 20
+    assert results["tiny_echo"]["exact_match,none"] in (0.0, 0.5, 1.0)
+
+
+def test_log_likelihoods_match_a_float64_forward_of_the_export(run_dir, tmp_path):
+    """The adapter's (context, continuation) and rolling log-likelihoods against a float64 NumPy
+    Llama forward on the FP32 export of the same checkpoint (tests/test_hf.py's reference)."""
+    from transformers import LlamaConfig
+
+    from maxfp4.interop.export import export
+    from maxfp4.lm_eval_adapter import MaxFP4LM
+    from maxfp4.lm_eval_cli import load_eval_model
+    from lm_eval.api.instance import Instance
+    from tests.test_hf import _llama_reference_logits, _tensors
+
+    out = tmp_path / "hf"
+    export(str(run_dir), str(out), dtype="fp32")
+    model = load_eval_model(str(out), bf16=True)
+    assert model.step == 2
+    lm = MaxFP4LM(model.params, model.model_cfg, model.tokenizer, policy=model.policy, max_length=model.max_length,
+                  rows=4)
+    tensors, hf_config = _tensors(out), LlamaConfig.from_pretrained(str(out))
+    bos = model.tokenizer.bos_id
+
+    def reference(tokens, n_scored):
+        logits = _llama_reference_logits(tensors, hf_config, np.asarray(tokens[:-1]))
+        logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        rows = np.arange(len(tokens) - 1 - n_scored, len(tokens) - 1)
+        return float(np.sum(logp[rows, np.asarray(tokens)[rows + 1]]))
+
+    pairs = [("The cat sat on the", " mat"), ("Once upon a time", " there was a king"), ("", "Hello world")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    got = [logprob for logprob, _ in lm.loglikelihood(requests)]
+    for (context, continuation), value in zip(pairs, got):
+        context_ids = [bos] + model.tokenizer.encode(context) if context else [bos]
+        whole = [bos] + model.tokenizer.encode(context + continuation)
+        n = len(whole) - len(context_ids)
+        want = reference(whole, n)
+        # BF16 GEMM operands and activations (8 significant bits) against float64: each scored
+        # token's log-probability within 0.02 nats (measured up to 0.004 here); a wrong
+        # position, token or BOS shifts it by whole nats.
+        assert abs(value - want) <= 0.02 * n, (context, continuation, value, want)
+    text = "The sea is calm tonight."
+    (rolled,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    ids = model.tokenizer.encode(text)
+    assert abs(rolled - reference([bos] + ids, len(ids))) <= 0.02 * len(ids)
+    long_text = " ".join(["the river flows to the sea"] * 12)  # several windows of 32 tokens
+    (long_rolled,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (long_text,), 0)])
+    assert math.isfinite(long_rolled) and long_rolled < 0
+
+
+@pytest.mark.parametrize("tasks, expected", [
+    ("tiny_clozee", "task tiny_clozee: not an lm-eval task, group or tag; did you mean"),
+    ("{bad}.yaml", "task file {bad}.yaml: does not parse (ParserError: while parsing a flow mapping"),
+    ("{missing}.yaml", "task file {missing}.yaml: not found; expected an lm-eval task YAML file"),
+])
+def test_a_bad_task_is_one_line_before_anything_is_written(run_dir, tmp_path, capsys, tasks, expected):
+    from maxfp4.lm_eval_cli import main
+
+    bad = tmp_path / "bad"
+    bad.with_suffix(".yaml").write_text("task: x\ndoc_to_text: {{a}\n  : - [\n")
+    tasks, expected = (s.format(bad=bad, missing=tmp_path / "missing") for s in (tasks, expected))
+    before = sorted(os.listdir(run_dir))
+    assert main([str(run_dir), "--tasks", tasks]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: " + expected) and "\n" not in err, err
+    assert sorted(os.listdir(run_dir)) == before
+
+
+def test_a_run_without_checkpoints_is_one_line(tmp_path, capsys):
+    from maxfp4.lm_eval_cli import main
+
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), "--tasks", CLOZE]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: run directory {tmp_path / 'empty'}: no complete checkpoint") and "\n" not in err
+    assert os.listdir(tmp_path / "empty") == []
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.eval_tasks=[tiny_cloze]", "train.eval_tasks=['tiny_cloze']: expected [] unless train.eval_every > 0"),
+    ("train.eval_tasks=['']", "train.eval_tasks=['']: expected a list of lm-eval task names or task YAML files"),
+])
+def test_train_eval_tasks_is_checked_with_the_config(override, expected):
+    from maxfp4.config import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        load_config(None, TINY + ["data.source=builtin", override])
+    assert str(error.value).startswith(expected), str(error.value)
+
+
+def test_train_eval_tasks_need_a_tokenizer():
+    from maxfp4.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.eval_tasks=\['tiny_cloze'\]: expected \[\] with data.source=synthetic"):
+        load_config(None, TINY + ["train.eval_every=1", "train.eval_tasks=[tiny_cloze]"])
