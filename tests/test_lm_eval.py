@@ -51,6 +51,15 @@ def test_training_logs_the_task_scores_beside_the_held_out_loss(run_dir):
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     assert [e.value for e in events.Scalars("lm_eval/tiny_cloze/acc")] == pytest.approx([last["lm_eval/tiny_cloze/acc"]])
+    # The plot draws them on the held-out loss panel.
+    from matplotlib.lines import Line2D
+
+    from maxfp4.plot import draw
+
+    fig = draw([str(run_dir)])
+    lines = {line.get_gid(): line for line in fig.findobj(Line2D)}
+    assert list(lines["tasks:lm_eval/tiny_cloze/acc"].get_xdata()) == [2]
+    assert "tasks:eval_loss" in lines
 
 
 def test_the_command_scores_the_newest_checkpoint_as_training_did(run_dir, capsys):
