@@ -146,6 +146,7 @@ def evaluate_cli(args: argparse.Namespace, out=None, err=None) -> dict:
     lm = MaxFP4LM(model.params, model.model_cfg, model.tokenizer, policy=model.policy, scales=model.scales,
                   max_length=model.max_length, rows=args.rows)
     results = evaluate(lm, tasks, limit=args.limit)
+    results["maxfp4"] = {"source": os.path.abspath(args.run), "step": model.step, "precision": model.precision}
     out.write(results_table(results) + "\n")
     out.flush()
     target = os.path.join(args.run, "evals", f"step_{model.step}.json")

@@ -49,6 +49,7 @@ class LmEvalHook(Hook):
             self._lm = self.make_lm()
         self._lm.params, self._lm.scales = loop.state.params, scales_of(loop.state.precision)
         results = evaluate(self._lm, self.tasks)
+        results["maxfp4"] = {"source": os.path.abspath(self.run_dir), "step": step, "precision": "the run's"}
         self._lm.params = self._lm.scales = None  # the next step donates these buffers
         self.scores[step] = task_scores(results)
         if self.is_writer:

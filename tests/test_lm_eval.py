@@ -70,7 +70,9 @@ def test_the_command_scores_the_newest_checkpoint_as_training_did(run_dir, capsy
     out, err = capsys.readouterr()
     assert "tiny_cloze" in out and "bits_per_byte" in out and "exact_match" in out  # lm-eval's table
     assert f"evaluating {run_dir} step 2 with bf16" in err
-    results = json.loads((run_dir / "evals" / "step_2.json").read_text())["results"]
+    saved = json.loads((run_dir / "evals" / "step_2.json").read_text())
+    assert saved["maxfp4"] == {"source": str(run_dir), "step": 2, "precision": "bf16"}
+    results = saved["results"]
     # Same parameters, same policy as the training hook's step-2 evaluation: the same scores.
     logged = json.loads(open(run_dir / "metrics.jsonl").readlines()[-1])
     assert results["tiny_cloze"]["acc,none"] == logged["lm_eval/tiny_cloze/acc"]
@@ -126,6 +128,44 @@ def test_log_likelihoods_match_a_float64_forward_of_the_export(run_dir, tmp_path
     long_text = " ".join(["the river flows to the sea"] * 12)  # several windows of 32 tokens
     (long_rolled,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (long_text,), 0)])
     assert math.isfinite(long_rolled) and long_rolled < 0
+
+
+def test_a_run_is_scored_with_its_own_precision_and_fp8_scales(run_dir, tmp_path):
+    """An fp8_delayed run (the trained parameters, its checkpoint's delayed scales set to 7): the
+    command reads the policy and those scales, and --bf16 scores the same parameters in BF16."""
+    import jax
+    import jax.numpy as jnp
+
+    from maxfp4.checkpoint import Checkpointer
+    from maxfp4.lm_eval_adapter import MaxFP4LM
+    from maxfp4.lm_eval_cli import load_eval_model
+    from maxfp4.optim import make_optimizer
+    from maxfp4.parallel.mesh import make_mesh
+    from maxfp4.train import init_state
+
+    cfg = load_config(None, TINY + ["run.name=fp8", "data.source=builtin", "model.vocab_size=512", "mesh.data=1",
+                                    "precision.default=fp8_delayed", f"run.output_dir={tmp_path}"])
+    state, _ = init_state(cfg, make_mesh(cfg.mesh, jax.devices()[:1]), make_optimizer(cfg))
+    trained = load_eval_model(str(run_dir), bf16=True).params
+    precision = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.full_like(x, 7.0) if "scale" in jax.tree_util.keystr(path) else x, state.precision)
+    checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint)
+    checkpointer.save(2, state.replace(params=trained, precision=precision), {"step": 2, "global_batch": 8},
+                      cfg.to_dict())
+    checkpointer.close()
+    (tmp_path / "fp8" / "tokenizer.model").write_bytes((run_dir / "tokenizer.model").read_bytes())
+
+    fp8, bf16 = (load_eval_model(str(tmp_path / "fp8"), bf16=flag) for flag in (False, True))
+    assert (fp8.precision, bf16.precision, bf16.scales) == ("fp8_delayed", "bf16", {})
+    scales = np.concatenate([np.ravel(s) for s in jax.tree.leaves(fp8.scales)])
+    assert scales.size >= 5 and np.all(scales == 7.0), scales  # four block classes and the head
+    pair = [([fp8.tokenizer.bos_id] + fp8.tokenizer.encode("The cat sat on the"), fp8.tokenizer.encode(" mat"))]
+    (got_fp8, _), = MaxFP4LM(fp8.params, fp8.model_cfg, fp8.tokenizer, policy=fp8.policy, scales=fp8.scales,
+                             max_length=fp8.max_length, rows=1).score_pairs(pair)
+    (got_bf16, _), = MaxFP4LM(bf16.params, bf16.model_cfg, bf16.tokenizer, policy=bf16.policy,
+                              max_length=bf16.max_length, rows=1).score_pairs(pair)
+    # E4M3 operands (4 significant bits) move the log-likelihood, but not by whole nats.
+    assert got_fp8 != got_bf16 and abs(got_fp8 - got_bf16) < 0.5, (got_fp8, got_bf16)
 
 
 @pytest.mark.parametrize("tasks, expected", [
