@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
@@ -61,7 +62,10 @@ def make_scorer(model_cfg: ModelConfig, policy: PrecisionPolicy, mesh=None) -> C
         logprob_B = jnp.sum(jnp.where(scored_BT, picked_BT, 0.0), axis=1)
         return logprob_B, jnp.all(greedy_BT | ~scored_BT, axis=1)
 
-    return jax.jit(traced_in_mesh(score, mesh))
+    if mesh is None:
+        return jax.jit(score)
+    # Replicated results: every process reads the scores (each runs lm-eval over all requests).
+    return jax.jit(traced_in_mesh(score, mesh), out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 class MaxFP4LM(TemplateLM):
@@ -129,10 +133,18 @@ class MaxFP4LM(TemplateLM):
                 n = len(tokens) - 1
                 inputs[r, :n], targets[r, :n], valid[r, :n] = tokens[:-1], tokens[1:], True
                 scored[r, n - n_scored:n] = True
-            logprob_B, greedy_B = jax.device_get(self._score(self.params, self.scales, inputs, targets, valid, scored))
+            arrays = [self._place(a) for a in (inputs, targets, valid, scored)]
+            logprob_B, greedy_B = jax.device_get(self._score(self.params, self.scales, *arrays))
             for r, (i, _, _) in enumerate(group):
                 out[i] = (float(logprob_B[r]), bool(greedy_B[r]))
         return out  # type: ignore[return-value]
+
+    def _place(self, a_BT: np.ndarray):
+        """A host array as the scorer takes it: on the mesh, the same whole array from every
+        process (replicated; jit then splits the rows over the batch axes)."""
+        if self.mesh is None:
+            return a_BT
+        return jax.make_array_from_process_local_data(NamedSharding(self.mesh, PartitionSpec()), a_BT, a_BT.shape)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owners = [], []
