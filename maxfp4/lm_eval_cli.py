@@ -76,7 +76,7 @@ def _export_step(path: str) -> int:
         return 0
 
 
-def _read_run_precision(run_dir: str, step: int, model_cfg, params):
+def _read_run_precision(run_dir: str, step: int, model_cfg):
     """(policy, scales, label) of the run's saved precision section, the scaling state read from
     checkpoint ``step`` when a recipe keeps one (FP8 delayed scaling)."""
     import jax
@@ -120,7 +120,7 @@ def load_eval_model(path: str, bf16: bool) -> EvalModel:
     steps = finalized_steps(path) if os.path.isdir(os.path.join(path, "checkpoints")) else []
     policy, scales, label = bf16_policy(loaded.cfg), {}, "bf16"
     if steps and not bf16:
-        policy, scales, label = _read_run_precision(path, steps[-1], loaded.cfg, loaded.params)
+        policy, scales, label = _read_run_precision(path, steps[-1], loaded.cfg)
     step = steps[-1] if steps else _export_step(path)
     max_length = loaded.context or 2048
     return EvalModel(loaded.params, loaded.cfg, loaded.tokenizer, policy, scales, max_length, step, label)

@@ -213,3 +213,15 @@ def test_train_eval_tasks_need_a_tokenizer():
 
     with pytest.raises(ConfigError, match=r"train.eval_tasks=\['tiny_cloze'\]: expected \[\] with data.source=synthetic"):
         load_config(None, TINY + ["train.eval_every=1", "train.eval_tasks=[tiny_cloze]"])
+
+
+def test_a_bad_task_in_train_eval_tasks_is_refused_before_the_run_directory_is_made(tmp_path):
+    import jax
+
+    from maxfp4.lm_eval_tasks import TaskError
+    from maxfp4.train import train
+
+    cfg = load_config(None, RUN + [f"run.output_dir={tmp_path}", f"train.eval_tasks=[{tmp_path / 'missing.yaml'}]"])
+    with pytest.raises(TaskError, match=r"task file .*missing.yaml: not found"):
+        train(cfg, devices=jax.devices()[:2], stream=io.StringIO())
+    assert os.listdir(tmp_path) == []
