@@ -42,7 +42,8 @@ def test_the_trainer_reserves_its_configured_share_of_the_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
     env["CUDA_VISIBLE_DEVICES"] = "0"
     out = subprocess.run([sys.executable, "-m", "maxfp4.train", "configs/quickstart.yaml", "train.steps=1",
-                          f"run.output_dir={tmp_path}", "run.gpu_memory_fraction=0.5", "checkpoint.enabled=false"],
+                          f"run.output_dir={tmp_path}", "run.gpu_memory_fraction=0.5", "checkpoint.enabled=false",
+                          "optim.warmup_steps=0"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     limit_gib = float(re.search(r"of ([0-9.]+) GiB per device", out.stdout + out.stderr).group(1))
