@@ -320,7 +320,8 @@ def make_metrics(start: StartUp, stream, eval_losses: dict[int, float], straggle
 def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Checkpointer, data,
                eval_batches: list, state_sh, stream) -> tuple[list[Hook | tuple[Hook, Every]], MetricsHook]:
     """The hooks in the order they act at each point of the loop (maxfp4.loop): the watchdog and
-    stragglers see a finished step before it is logged; the checkpoint comes after evaluation and
+    stragglers see a finished step before it is logged; the metrics start timing a step as soon as
+    it is dispatched, before an evaluation holds the host; the checkpoint comes after evaluation and
     metrics (a save first settles the loop, writing the step's whole record); the rollback acts on
     a step last; the periodic ones with their cadence (maxfp4.loop.every). Also returns the
     metrics hook, whose records the run returns."""
@@ -345,8 +346,8 @@ def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Check
         watchdog, stragglers and every(stragglers, res.straggler_every), FaultHook(res.fault, jax.process_index()),
         PreemptionHook(watch, checkpoints=cfg.checkpoint.enabled, say=_say),
         StepProfiler(cfg.train.profile_steps, os.path.join(cfg.run_dir, "profile"), enabled=is_writer),
-        every(evaluation, cfg.train.eval_every, last=True),
-        tasks and every(tasks, cfg.train.eval_every, last=True), metrics,
+        metrics, every(evaluation, cfg.train.eval_every, last=True),
+        tasks and every(tasks, cfg.train.eval_every, last=True),
         (checkpoints, checkpoints.cadence()),
         rerun_hook(res, mesh, _say, is_writer=is_writer),
         RollbackHook(rollbacks, checkpointer, _say),
@@ -371,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def run() -> None:
         cfg = config_from_arguments(args)
+        distributed.set_gpu_memory_fraction(cfg.run.gpu_memory_fraction)  # still before the backend starts
         how = distributed.initialize(cfg.distributed)
         _say(f"{how}; {jax.local_device_count()} local of {jax.device_count()} devices")
         train(cfg, watch=watch)
