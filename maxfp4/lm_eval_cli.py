@@ -20,7 +20,6 @@ import sys
 from typing import Any, Sequence
 
 from maxfp4.errors import UserError, exit_code_of
-from maxfp4.lm_eval_tasks import TaskError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +105,13 @@ def _read_run_precision(run_dir: str, step: int, model_cfg):
                 item={"precision": item}, partial_restore=True,
                 restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
                                           {"precision": item})))["precision"]
+    return policy, scales_of(state), precision_label(precision_cfg)
+
+
+def precision_label(precision_cfg) -> str:
+    """``fp8_delayed``, or ``nvfp4 with 3 rule(s)``: the policy as the header line and results name it."""
     rules = len(precision_cfg.rules)
-    label = precision_cfg.default + (f" with {rules} rule(s)" if rules else "")
-    return policy, scales_of(state), label
+    return precision_cfg.default + (f" with {rules} rule(s)" if rules else "")
 
 
 def load_eval_model(path: str, bf16: bool) -> EvalModel:
@@ -160,5 +163,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     return exit_code_of(evaluate_cli, args)
 
-
-__all__ = ["main", "evaluate_cli", "load_eval_model", "TaskError"]

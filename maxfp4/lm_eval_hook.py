@@ -35,8 +35,9 @@ def check_eval_tasks(cfg: Config):
 class LmEvalHook(Hook):
     """Scores ``tasks`` on ``on_due``; ``scores`` (step -> {metric: value}) is read by the metrics."""
 
-    def __init__(self, tasks, make_lm: Callable, run_dir: str, *, is_writer: bool, say: Callable[[str], None]):
-        self.tasks, self.make_lm, self.run_dir = tasks, make_lm, run_dir
+    def __init__(self, tasks, make_lm: Callable, run_dir: str, *, precision: str, is_writer: bool,
+                 say: Callable[[str], None]):
+        self.tasks, self.make_lm, self.run_dir, self.precision = tasks, make_lm, run_dir, precision
         self.is_writer, self.say = is_writer, say
         self.scores: dict[int, dict[str, float]] = {}
         self._lm = None
@@ -49,7 +50,7 @@ class LmEvalHook(Hook):
             self._lm = self.make_lm()
         self._lm.params, self._lm.scales = loop.state.params, scales_of(loop.state.precision)
         results = evaluate(self._lm, self.tasks)
-        results["maxfp4"] = {"source": os.path.abspath(self.run_dir), "step": step, "precision": "the run's"}
+        results["maxfp4"] = {"source": os.path.abspath(self.run_dir), "step": step, "precision": self.precision}
         self._lm.params = self._lm.scales = None  # the next step donates these buffers
         self.scores[step] = task_scores(results)
         if self.is_writer:
@@ -68,6 +69,7 @@ def lm_eval_hook(cfg: Config, tasks, tokenizer, policy, mesh, *, say: Callable[[
     if tasks is None:
         return None
     from maxfp4.lm_eval_adapter import MaxFP4LM
+    from maxfp4.lm_eval_cli import precision_label
 
     batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = batch_devices * -(-8 // batch_devices)
@@ -75,4 +77,5 @@ def lm_eval_hook(cfg: Config, tasks, tokenizer, policy, mesh, *, say: Callable[[
     def make_lm():
         return MaxFP4LM(None, cfg.model, tokenizer, policy=policy, max_length=cfg.data.seq_len, rows=rows, mesh=mesh)
 
-    return LmEvalHook(tasks, make_lm, cfg.run_dir, is_writer=jax.process_index() == 0, say=say)
+    return LmEvalHook(tasks, make_lm, cfg.run_dir, precision=precision_label(cfg.precision),
+                      is_writer=jax.process_index() == 0, say=say)

@@ -45,6 +45,7 @@ def test_training_logs_the_task_scores_beside_the_held_out_loss(run_dir):
     assert not any(k.startswith("lm_eval/") for k in records[0])  # step 1 was not evaluated
     saved = json.loads((run_dir / "evals" / "step_2.json").read_text())
     assert saved["results"]["tiny_cloze"]["acc,none"] == last["lm_eval/tiny_cloze/acc"]
+    assert saved["maxfp4"] == {"source": str(run_dir), "step": 2, "precision": "bf16"}
     # TensorBoard got them through the metrics' scalar path.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
