@@ -20,10 +20,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from maxfp4.plan import command as plan, cost as plan_model  # noqa: E402
 from maxfp4.config import load_config  # noqa: E402
 from maxfp4.parallel.mesh import resolve_mesh_shape  # noqa: E402
+from maxfp4.plan.stages import PlanMesh  # noqa: E402
 
 GOAL = 0.15
 LLAMA = "configs/llama3-8b.yaml"
 NO_PREFLIGHT = ["resilience.preflight=false"]
+# docs/PERFORMANCE.md, "Pipeline stages": the same batch at pipeline=2 and at fsdp=2
+PIPELINE_PAIR = ["model.attention=xla", "data.seq_len=1024", "train.remat=full", "mesh.data=1",
+                 "data.global_batch=16"]
 # (label, config, overrides, GPUs, GPU, precision recipe, measured step ms, measured peak GiB or None, stale)
 MEASURED = [
     # One H200, configs as committed (unrolled, no remat, 8 x 2048)
@@ -94,6 +98,11 @@ MEASURED = [
     ("llama widths 12 blocks V=48128 nvfp4", LLAMA, ["model.n_layers=12", "model.vocab_size=48128", "data.global_batch=1"], 1, "h200", "nvfp4", 350.5, None, False),
     ("nemotron-h-8b 7 blocks 2 x 8192 full bf16", "configs/nemotron-h-8b.yaml",
      ["model.pattern=M-M-M*-", "data.global_batch=2"], 1, "h200", "bf16", 338.3, 50.1, False),
+    # Pipeline stages, one process a GPU, 2026-11-28: XLA's attention, 16 x 1024, full remat
+    ("dense-1p3b fsdp=2 B=16 T=1024 full xla-attention bf16", "configs/dense-1p3b.yaml",
+     PIPELINE_PAIR + ["mesh.fsdp=2"], 2, "h200", "bf16", 303.1, None, False),
+    ("dense-1p3b pipeline=2 x8 B=16 T=1024 full xla-attention bf16", "configs/dense-1p3b.yaml",
+     PIPELINE_PAIR + ["mesh.pipeline=2", "train.microbatches=8"], 2, "h200", "bf16", 442.4, None, False),
 ]
 GIB = 2**30
 
@@ -125,7 +134,7 @@ def calibration_rows() -> list[dict]:
     rows = []
     for label, path, overrides, gpus, gpu, precision, step_ms, peak_gib, stale in MEASURED:
         cfg = load_config(path, overrides)
-        row = plan_model.project(cfg, resolve_mesh_shape(cfg.mesh, gpus), gpu, precision)
+        row = plan_model.project(cfg, PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus)), gpu, precision)
         predicted = row["step_time_s"] * 1e3
         rows.append({"run": label, "gpus": f"{gpus} x {gpu.upper()}", "precision": precision,
                      "measured_ms": step_ms, "predicted_ms": predicted, "error": predicted / step_ms - 1,

@@ -20,6 +20,7 @@ from maxfp4.metrics import DEVICE_PEAKS_TFLOPS
 from maxfp4.model import abstract_params
 from maxfp4.model_spec import (BlockSpec, LinearSpec, model_spec,
                                mamba_splits_over_tensor as splits_over_tensor)
+from maxfp4.plan.stages import PlanMesh, StageSplit, block_flops, bubble_fraction, split_stages, ticks
 from maxfp4.precision.catalog import SPECS
 
 # The recipe each column of the plan stands for; bytes and peak classes come from its catalog
@@ -42,6 +43,12 @@ FP4_EFFICIENCY = MEASURED_H200_TFLOPS["fp8"] / DEVICE_PEAKS_TFLOPS["H200"]["fp8"
 # cuDNN flash attention, model FLOPs (causal half) per second on one H200: the Llama-3-8B BF16
 # profile spends 283 ms on 1.06e14 attention FLOPs a GPU (docs/PERFORMANCE.md, "What bounds each").
 ATTENTION_H200_TFLOPS = 370.0
+# XLA's attention (model.attention=xla, and every pipeline stage: cuDNN's does not compile inside
+# the stages' shard_map, maxfp4.parallel.pipeline) materialises the scores; it is bound by their
+# traffic. Fitted to the one step measured with it alone, dense-1p3b fsdp=2 at 16 x 1024 with full
+# remat on two H200s (303.1 ms, 2026-11-28): the rest of that step as the model charges it leaves
+# ~147 ms for 3.3e12 attention FLOPs a GPU. Other GPUs scale it by HBM bandwidth.
+XLA_ATTENTION_H200_TFLOPS = 22.5
 # Mamba-2's SSD and convolution kernels, charged per SSD matmul FLOP: ~1.8 ms a layer at
 # mamba2-1p3b's shapes on one H200 (the profile's kernel times), i.e. ~70 TFLOP/s; they are
 # bound by memory traffic and occupancy, so other GPUs scale it by HBM bandwidth.
@@ -74,6 +81,12 @@ WORKING_BYTES = {name: spec.weight_bytes for name, spec in SPECS.items()} | {
     column: SPECS[recipe].weight_bytes for column, recipe in PLAN_RECIPES.items()}
 # Adam update traffic per parameter: read master, grad, two moments; write master, two moments.
 OPTIMIZER_TRAFFIC_BYTES = 4 * 4 + 3 * 4
+# Gradient accumulation per parameter each time a microbatch's (or a pipeline tick's) gradient is
+# added: read the FP32 accumulator and the new gradient, write the sum. The pipeline's ticks are
+# one scan that autodiff reverses, and a scan's transpose adds the cotangent of every parameter
+# it closes over into its carry each iteration: every tick, on every stage, for the stage's
+# blocks and for the embedding and LM head each stage holds.
+ACCUMULATE_BYTES = 3 * 4
 # Activations kept for the backward pass: maxfp4.model_spec (ACT_BYTES_*, GEMM_OUT_BYTES).
 # Per input feature: train.remat=save_gemm_io also keeps each linear layer's activation operand as
 # its recipe's backward reads it (FP8 bytes; BF16 for BF16 and for NVFP4, whose wgrad quantizes it
@@ -132,16 +145,44 @@ def _row_parallel_layers(m: ModelConfig) -> int:
     return sum(_tensor_split(lin)[0] for b in model_spec(m).blocks for lin in b.linears)
 
 
-def _tensor_replicated_params(m: ModelConfig) -> int:
-    """Matmul parameters kept whole on every tensor device (Mamba-2's in_proj)."""
-    return sum(lin.params for b in model_spec(m).blocks for lin in b.linears if not _sharded_over_tensor(lin))
+def _whole_on_tensor(lin: LinearSpec, m: ModelConfig, tensor: int) -> bool:
+    """Whether each of ``tensor`` devices keeps the whole weight: Mamba-2's in_proj where the
+    tensor axis cannot split the mixer (its z, x, B, C and dt parts split with their groups
+    whenever ``splits_over_tensor``; maxfp4.model.mamba)."""
+    if tensor == 1 or _sharded_over_tensor(lin):
+        return False
+    return not (lin.layer_class == "mamba_in" and splits_over_tensor(m, tensor))
 
 
-def state_params_per_device(m: ModelConfig, params: int, fsdp: int, tensor: int) -> float:
-    """Parameters one device keeps master weights, moments and gradients for: sharded over
-    fsdp x tensor, except those kept whole on every tensor device (over fsdp only)."""
-    whole = _tensor_replicated_params(m) if tensor > 1 else 0
-    return (params - whole) / (fsdp * tensor) + whole / fsdp
+def stage_split(cfg: Config, mesh: PlanMesh) -> StageSplit:
+    """The blocks of each pipeline stage: the stack cut into pipeline x repeats chunks balanced by
+    each block's training FLOPs (maxfp4.parallel.pipeline cuts by the same count)."""
+    costs = block_flops(model_spec(cfg.model), cfg.data.seq_len)
+    return split_stages(costs, mesh.pipeline, mesh.repeats)
+
+
+def _held_blocks(cfg: Config, mesh: PlanMesh) -> tuple[int, ...]:
+    """The blocks of the device that keeps the most block parameters (all blocks without stages)."""
+    spec = model_spec(cfg.model)
+    if mesh.pipeline == 1:
+        return tuple(range(len(spec.blocks)))
+    split = stage_split(cfg, mesh)
+    return max((split.device_blocks(p) for p in range(mesh.pipeline)),
+               key=lambda held: sum(spec.blocks[b].matmul_params for b in held))
+
+
+def state_params_per_device(cfg: Config, params: int, mesh) -> float:
+    """Parameters one device keeps master weights, moments and gradients for: its stage's block
+    weights sharded over fsdp x tensor, except those kept whole on every tensor device (over fsdp
+    only); the embedding, the LM head, norms and SSM scalars on every stage (the stages hold them
+    whole over ``pipeline``, maxfp4.parallel.pipeline) over fsdp x tensor."""
+    m, mesh = cfg.model, PlanMesh(*mesh)
+    spec = model_spec(m)
+    fsdp, tensor = mesh.fsdp, mesh.tensor
+    held = [lin for b in _held_blocks(cfg, mesh) for lin in spec.blocks[b].linears]
+    whole = sum(lin.params for lin in held if _whole_on_tensor(lin, m, tensor))
+    other = params - spec.block_matmul_params
+    return (sum(lin.params for lin in held) - whole + other) / (fsdp * tensor) + whole / fsdp
 
 
 # ----------------------------------------------------------------------------- device rates
@@ -161,8 +202,15 @@ def _bf16_peak_ratio(gpu: str) -> float:
     return DEVICE_PEAKS_TFLOPS[gpu.upper()]["bf16"] / DEVICE_PEAKS_TFLOPS["H200"]["bf16"]
 
 
-def attention_tflops(gpu: str) -> float:
+def attention_tflops(gpu: str, xla: bool = False) -> float:
+    if xla:
+        return XLA_ATTENTION_H200_TFLOPS * GPUS[gpu]["hbm_tbs"] / GPUS["h200"]["hbm_tbs"]
     return ATTENTION_H200_TFLOPS * _bf16_peak_ratio(gpu)
+
+
+def runs_xla_attention(cfg: Config) -> bool:
+    """Whether the step runs XLA's attention: asked for, or inside pipeline stages."""
+    return cfg.model.attention == "xla" or cfg.mesh.pipeline > 1
 
 
 def ssd_tflops(gpu: str) -> float:
@@ -210,37 +258,54 @@ def _split_gemm_flops(cfg: ModelConfig, flops: dict[str, float], seq_len: int,
 # ----------------------------------------------------------------------------- memory
 
 
-def _tokens_per_device(cfg: Config, mesh: tuple[int, int, int]) -> float:
-    data, fsdp, _ = mesh
-    return cfg.data.global_batch * cfg.data.seq_len / (data * fsdp)
+def _tokens_per_device(cfg: Config, mesh) -> float:
+    """Tokens of the rows one device holds a step: the batch over data x fsdp (every pipeline
+    stage and tensor rank of a batch shard sees all of its rows)."""
+    return cfg.data.global_batch * cfg.data.seq_len / PlanMesh(*mesh).batch_shards
 
 
-def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, precision: str,
+def in_flight_share(cfg: Config, mesh) -> float:
+    """Share of a device's rows whose activations are held at once: one microbatch's without
+    stages (the step accumulates them one by one); with stages, every microbatch's and the fill
+    and drain ticks' (V M + P - 1 ticks of 1/(V M) each): the schedules run as one scan over the
+    ticks that autodiff reverses, so nothing is freed before the backward pass (a 1F1B order
+    would hold ~P microbatches; it is not what the trainer runs)."""
+    mesh, micro = PlanMesh(*mesh), cfg.train.microbatches
+    if mesh.pipeline == 1:
+        return 1 / micro
+    return ticks(mesh.pipeline, micro, mesh.repeats) / (mesh.repeats * micro)
+
+
+def memory_per_device(cfg: Config, mesh, params: int, precision: str,
                       remat: str) -> dict[str, float]:
-    """Bytes per device. State (master, Adam, gradients) is sharded over fsdp x tensor; one
-    block's working copy (or the BF16 LM head, whichever is larger) is live at a time, and with
-    unrolled blocks under save_gemm every block's cast weight shard too."""
-    m = cfg.model
-    _, fsdp, tensor = mesh
+    """Bytes per device. State (master, Adam, gradients) is sharded over fsdp x tensor, and a
+    pipeline stage keeps its own blocks' (:func:`state_params_per_device`); one block's working
+    copy (or the BF16 LM head, whichever is larger) is live at a time, and with unrolled blocks
+    under save_gemm every block's cast weight shard too."""
+    m, mesh = cfg.model, PlanMesh(*mesh)
+    fsdp, tensor = mesh.fsdp, mesh.tensor
     spec = model_spec(m)
-    blocks = spec.blocks
+    blocks = [spec.blocks[b] for b in _held_blocks(cfg, mesh)]
     share = [_tensor_share(b, m, tensor) for b in blocks]  # of each block's activations, on one device
-    weights = [sum(lin.params / (tensor if _sharded_over_tensor(lin) else 1) for lin in b.linears) for b in blocks]
+    weights = [sum(lin.params / (1 if _whole_on_tensor(lin, m, tensor) else tensor) for lin in b.linears)
+               for b in blocks]
     working = max(max(weights) * WORKING_BYTES[precision], spec.lm_head.params * 2 / tensor)
     if remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers:
         # Unrolled blocks keep every block's cast weight shard for the backward pass (maxfp4.model.remat).
         working += sum(weights) * WORKING_BYTES[precision] / fsdp
-    tokens = _tokens_per_device(cfg, mesh) / cfg.train.microbatches
+    rows = _tokens_per_device(cfg, mesh)
+    tokens = rows / cfg.train.microbatches  # one microbatch
     per_token = sum(s * spec.activation_bytes_per_token(b, remat, GEMM_IN_BYTES[precision])
                     for b, s in zip(blocks, share))
+    acts = rows * in_flight_share(cfg, mesh) * per_token
     if remat != "none":  # the block being recomputed holds its activations
-        per_token += spec.activation_bytes_per_token(blocks[0], "none") * max(share)
-    acts = tokens * per_token
+        acts += tokens * spec.activation_bytes_per_token(blocks[0], "none") * max(share)
     logits = tokens * m.vocab_size * LOGIT_MEMORY_BYTES / tensor / cfg.train.loss_chunks
-    state = state_params_per_device(m, params, fsdp, tensor)
+    state = state_params_per_device(cfg, params, mesh)
     return {"master": state * MASTER_BYTES, "adam": state * ADAM_BYTES,
-            # with microbatches, the FP32 accumulator and one microbatch's gradients (maxfp4.step)
-            "grads": state * GRAD_BYTES * (2 if cfg.train.microbatches > 1 else 1),
+            # with microbatches, the FP32 accumulator and one microbatch's gradients (maxfp4.step);
+            # stages take every microbatch's gradient in one backward pass, into one buffer
+            "grads": state * GRAD_BYTES * (2 if cfg.train.microbatches > 1 and mesh.pipeline == 1 else 1),
             "working_copy": working,
             "activations": acts, "logits": logits}
 
@@ -267,41 +332,98 @@ def _link_gbs(gpu: str, span: int, gpus_per_node: int = GPUS_PER_NODE) -> float:
     return GPUS[gpu]["nvlink_gbs"] if span <= gpus_per_node else IB_GBS
 
 
-def comm_seconds(cfg: Config, mesh: tuple[int, int, int], params: int, precision: str, gpu: str,
+def stage_factor(cfg: Config, mesh, precision: str, gpu: str) -> float:
+    """A device's block time with stages over the time of all blocks on its rows: (V M + P - 1)
+    ticks, each as long as the costliest chunk on one microbatch (maxfp4.plan.stages); 1 without
+    stages. The chunks are cut by FLOPs and timed by :func:`block_seconds_per_token`."""
+    mesh = PlanMesh(*mesh)
+    if mesh.pipeline == 1:
+        return 1.0
+    costs = block_seconds_per_token(cfg, mesh.tensor, precision, gpu)
+    return stage_split(cfg, mesh).step_factor(costs, cfg.train.microbatches)
+
+
+def comm_seconds(cfg: Config, mesh, params: int, precision: str, gpu: str,
                  gpus_per_node: int = GPUS_PER_NODE) -> tuple[float, float]:
     """Ring collectives per step, bytes per device / link bandwidth, as (exposed, overlappable)
-    seconds. Axes are laid out tensor innermost, then fsdp, then data (maxfp4.parallel.mesh), so an axis
-    crosses nodes once the product of it and the axes inside it exceeds a node.
+    seconds. Axes are laid out tensor innermost, then fsdp, then pipeline, then data
+    (maxfp4.parallel.mesh), so an axis crosses nodes once the product of it and the axes inside
+    it exceeds a node.
 
     Tensor parallelism's activation all-reduces are exposed: each sums a GEMM's output that the
     next operation (a norm, the residual) needs at once, so there is no independent work to hide
-    them behind. FSDP's weight gathers (fetched ahead of the layer that needs them) and the
-    gradient reduce-scatters and all-reduces (of finished layers) overlap with compute; FSDP
-    gathers and reduce-scatters once a microbatch."""
-    data, fsdp, tensor = mesh
-    m = cfg.model
+    them behind. So are the pipeline's hand-overs: a stage sends its output when the tick ends
+    and the next stage waits for it. FSDP's weight gathers (fetched ahead of the layer that needs
+    them) and the gradient reduce-scatters and all-reduces (of finished layers) overlap with
+    compute; FSDP gathers and reduce-scatters once a microbatch (with stages, once a tick)."""
+    m, mesh = cfg.model, PlanMesh(*mesh)
+    data, fsdp, tensor, stages = mesh.data, mesh.fsdp, mesh.tensor, mesh.pipeline
+    micro = cfg.train.microbatches
     exposed = overlappable = 0.0
-    state = state_params_per_device(m, params, fsdp, tensor)  # the shard each device keeps
+    state = state_params_per_device(cfg, params, mesh)  # the shard each device keeps
+    rows = _tokens_per_device(cfg, mesh)
     if tensor > 1:  # per row-parallel layer: its output forward, its sublayer input's gradient backward
-        ar = 2 * (tensor - 1) / tensor * _tokens_per_device(cfg, mesh) * m.d_model * 2
-        exposed += 2 * _row_parallel_layers(m) * ar / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9)
+        ar = 2 * (tensor - 1) / tensor * rows * m.d_model * 2
+        exposed += (2 * _row_parallel_layers(m) * ar * stage_factor(cfg, mesh, precision, gpu)
+                    / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9))
+    if stages > 1:  # each tick hands a microbatch's BF16 activations on, and its gradient back
+        handed = 2 * ticks(stages, micro, mesh.repeats) * rows / micro * m.d_model * 2
+        exposed += handed / (_link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
     if fsdp > 1:  # weights gathered forward and again backward, FP32 gradients reduce-scattered
-        per_device = state * (fsdp - 1) * cfg.train.microbatches
+        other = (params - model_spec(m).block_matmul_params) / (fsdp * tensor)
+        gathers = micro if stages == 1 else ticks(stages, micro, mesh.repeats) / mesh.repeats
+        per_device = ((state - other) * gathers + other * micro) * (fsdp - 1)
         overlappable += per_device * (2 * WORKING_BYTES[precision] + GRAD_BYTES) / (
             _link_gbs(gpu, tensor * fsdp, gpus_per_node) * 1e9)
+    if stages > 1:  # the embedding's and LM head's gradients summed over the stages that hold them
+        other = (params - model_spec(m).block_matmul_params) / (fsdp * tensor) * GRAD_BYTES
+        overlappable += 2 * (stages - 1) / stages * other / (
+            _link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
     if data > 1:  # all-reduce of each device's FP32 gradient shard
         shard = state * GRAD_BYTES
-        overlappable += 2 * (data - 1) / data * shard / (_link_gbs(gpu, data * fsdp * tensor, gpus_per_node) * 1e9)
+        overlappable += 2 * (data - 1) / data * shard / (_link_gbs(gpu, mesh.devices, gpus_per_node) * 1e9)
     return exposed, overlappable
 
 
-def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, float], params: int,
-                    precision: str, gpu: str, utilisation: float | None) -> float:
-    """GEMMs at the precision's effective rate (the LM head at BF16), attention at cuDNN's rate,
-    Mamba-2's SSD at its kernels' rate, elementwise work at HBM bandwidth; or, given a measured
-    utilisation, all FLOPs at that fraction of the peak."""
+def block_seconds_per_token(cfg: Config, tensor: int, precision: str, gpu: str) -> tuple[float, ...]:
+    """Seconds each block takes a token on one of ``tensor`` devices, training: its GEMMs at the
+    precision's rate, attention's products at cuDNN's, the SSD's at its kernels', its element-wise
+    traffic at HBM bandwidth (the weights that time the pipeline's chunks)."""
     m = cfg.model
-    tensor = mesh[2]
+    spec = model_spec(m)
+    scores = 6.0 * cfg.data.seq_len * spec.n_heads * spec.head_dim
+    ssd = 3.0 * spec.ssd_forward_flops
+    rate = gemm_tflops(gpu, "bf16" if precision == "nvfp4" else precision) * 1e12
+    out = []
+    for b in spec.blocks:
+        wide = max(lin.params for lin in b.linears) / m.d_model
+        t = (6.0 * b.matmul_params / rate + scores * ("attention" in b.mixers) / (attention_tflops(gpu, runs_xla_attention(cfg)) * 1e12)
+             + ssd * ("mamba" in b.mixers) / (ssd_tflops(gpu) * 1e12)
+             + 6 * (10 * m.d_model + 3 * wide) / (GPUS[gpu]["hbm_tbs"] * 1e12))
+        out.append(t * _tensor_share(b, m, tensor))
+    return tuple(out)
+
+
+def accumulated_params(cfg: Config, mesh, params: int, state: float) -> float:
+    """Parameters whose FP32 gradient a device adds into an accumulator a step: its shard once a
+    microbatch (none with one microbatch); with stages, once a tick, the blocks of one chunk."""
+    mesh, micro = PlanMesh(*mesh), cfg.train.microbatches
+    if mesh.pipeline == 1:
+        return state * micro if micro > 1 else 0.0
+    other = (params - model_spec(cfg.model).block_matmul_params) / (mesh.fsdp * mesh.tensor)
+    n = ticks(mesh.pipeline, micro, mesh.repeats)
+    return (state - other) * n / mesh.repeats + other * n
+
+
+def compute_parts(cfg: Config, mesh, flops: dict[str, float], params: int,
+                  precision: str, gpu: str, utilisation: float | None) -> dict[str, float]:
+    """Seconds a step of one device spends in the blocks, the LM head and loss, and the optimizer,
+    for all blocks on its rows (:func:`stage_factor` turns the blocks' into a stage's). GEMMs at
+    the precision's effective rate (the LM head at BF16), attention at cuDNN's rate, Mamba-2's SSD
+    at its kernels' rate, elementwise work at HBM bandwidth; or, given a measured utilisation, all
+    FLOPs at that fraction of the peak."""
+    m, mesh = cfg.model, PlanMesh(*mesh)
+    tensor = mesh.tensor
     rows = _tokens_per_device(cfg, mesh)  # tokens of the rows a device holds
     tokens = rows / tensor  # tensor parallelism splits each token's work over its devices,
     ssd = model_spec(m).ssd_flops_per_token()
@@ -310,30 +432,43 @@ def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, fl
         ssd *= tensor
     fast, slow = _split_gemm_flops(m, flops, cfg.data.seq_len, precision, ssd)
     scores = model_spec(m).attention_flops_per_token(cfg.data.seq_len)
+    lm_head = flops["lm_head"]
+    hbm = GPUS[gpu]["hbm_tbs"] * 1e12
+    state = state_params_per_device(cfg, params, mesh)
+    optimizer = (state * OPTIMIZER_TRAFFIC_BYTES + accumulated_params(cfg, mesh, params, state) * ACCUMULATE_BYTES) / hbm
     if utilisation is not None:
         peak = datasheet_tflops(gpu, precision) * 1e12
-        slow += scores + ssd
-        return tokens * (fast / (utilisation * peak) + slow / (utilisation * datasheet_tflops(gpu, "bf16") * 1e12))
-    lm_head = flops["lm_head"]
+        bf16 = utilisation * datasheet_tflops(gpu, "bf16") * 1e12
+        return {"blocks": tokens * (fast / (utilisation * peak) + (slow - lm_head + scores + ssd) / bf16),
+                "head": tokens * lm_head / bf16, "optimizer": 0.0}
     recompute = 4 / 3  # one more forward pass: a third of a layer's training FLOPs
     if cfg.train.remat == "full":  # the blocks' forward runs again
         fast, slow = fast * recompute, lm_head + (slow - lm_head) * recompute
         scores, ssd = scores * recompute, ssd * recompute
     elif cfg.train.remat != "none":  # save_gemm keeps the GEMM outputs; the Mamba-2 kernels run again
         ssd *= recompute
-    if cfg.train.loss_chunks > 1:  # each slice's LM head runs again in the backward pass
-        slow += lm_head / 3
-    gemm = tokens * (fast / (gemm_tflops(gpu, precision) * 1e12) + slow / (gemm_tflops(gpu, "bf16") * 1e12))
+    head = lm_head * (4 / 3 if cfg.train.loss_chunks > 1 else 1)  # chunks re-run each slice's head
+    bf16_rate = gemm_tflops(gpu, "bf16") * 1e12
+    gemm = tokens * (fast / (gemm_tflops(gpu, precision) * 1e12) + (slow - lm_head) / bf16_rate)
     if precision == "nvfp4" and "fp4" not in DEVICE_PEAKS_TFLOPS[gpu.upper()]:
-        gemm += nvfp4_quant_bytes(cfg, tokens) / (GPUS[gpu]["hbm_tbs"] * 1e12)
-    kernels = tokens * (scores / (attention_tflops(gpu) * 1e12) + ssd / (ssd_tflops(gpu) * 1e12))
-    hbm = GPUS[gpu]["hbm_tbs"] * 1e12
-    elementwise = rows * _non_gemm_bytes_per_token(m, cfg.train.remat != "none", tensor) / hbm
-    optimizer = state_params_per_device(m, params, mesh[1], tensor) * OPTIMIZER_TRAFFIC_BYTES / hbm
-    blocks = gemm + kernels + elementwise
+        gemm += nvfp4_quant_bytes(cfg, tokens) / hbm
+    kernels = tokens * (scores / (attention_tflops(gpu, runs_xla_attention(cfg)) * 1e12)
+                        + ssd / (ssd_tflops(gpu) * 1e12))
+    logits = 4 * LOGIT_BYTES * m.vocab_size / tensor  # bytes a token: the loss's passes over the FP32 logits
+    elementwise = rows * (_non_gemm_bytes_per_token(m, cfg.train.remat != "none", tensor) - logits) / hbm
+    parts = {"blocks": gemm + kernels + elementwise, "head": tokens * head / bf16_rate + rows * logits / hbm}
     if cfg.train.scan_layers and cfg.train.remat != "full":
-        blocks *= SCANNED_BLOCKS_FACTOR
-    return blocks + optimizer
+        parts = {k: v * SCANNED_BLOCKS_FACTOR for k, v in parts.items()}
+    return parts | {"optimizer": optimizer}
+
+
+def compute_seconds(cfg: Config, mesh, flops: dict[str, float], params: int,
+                    precision: str, gpu: str, utilisation: float | None) -> float:
+    """A device's compute a step: its stage's blocks (all blocks without stages, :func:`stage_factor`
+    with them: ticks as long as the costliest chunk), then the LM head and loss (the last stage's,
+    outside the bubble: they run in M of the ticks) and the optimizer on its state."""
+    parts = compute_parts(cfg, mesh, flops, params, precision, gpu, utilisation)
+    return parts["blocks"] * stage_factor(cfg, mesh, precision, gpu) + parts["head"] + parts["optimizer"]
 
 
 def step_seconds(compute: float, exposed_comm: float, overlappable_comm: float) -> float:
@@ -383,10 +518,11 @@ def _find_fields(node: Any) -> tuple[str, float] | None:
     return found
 
 
-def project(cfg: Config, mesh: tuple[int, int, int], gpu: str, precision: str,
+def project(cfg: Config, mesh, gpu: str, precision: str,
             utilisation: float | None = None, gpus_per_node: int = GPUS_PER_NODE) -> dict:
-    """One precision's memory and step time for ``cfg`` (its batch, remat, microbatches) on ``mesh``."""
-    m = cfg.model
+    """One precision's memory and step time for ``cfg`` (its batch, remat, microbatches) on ``mesh``
+    (a :class:`PlanMesh`, or a (data, fsdp, tensor) triple)."""
+    m, mesh = cfg.model, PlanMesh(*mesh)
     params = param_count(m)
     flops = flops_by_block_type(m, cfg.data.seq_len)
     mem = memory_per_device(cfg, mesh, params, precision, cfg.train.remat)
@@ -397,20 +533,20 @@ def project(cfg: Config, mesh: tuple[int, int, int], gpu: str, precision: str,
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     other_remat = "full" if cfg.train.remat == "none" else "none"
     return {
-        "precision": precision, "gpu": gpu, "gpus": math.prod(mesh),
-        "mesh": dict(zip(("data", "fsdp", "tensor"), mesh)),
+        "precision": precision, "gpu": gpu, "gpus": mesh.devices, "mesh": mesh.as_dict(),
         "params": params, "matmul_params": model_spec(m).matmul_params,
         "flops_per_token": sum(flops.values()), "flops_per_token_by_block": flops,
         "memory_per_device_gb": sum(mem.values()) / 1e9,
         "memory_breakdown_gb": {k: v / 1e9 for k, v in mem.items()},
         "memory_other_remat_gb": sum(memory_per_device(cfg, mesh, params, precision, other_remat).values()) / 1e9,
         "remat": cfg.train.remat, "microbatches": cfg.train.microbatches,
+        "pipeline_bubble": bubble_fraction(mesh.pipeline, cfg.train.microbatches, mesh.repeats),
         "global_batch": cfg.data.global_batch,
         "fits": sum(mem.values()) / 1e9 <= USABLE_MEMORY * GPUS[gpu]["memory_gb"],
         "tokens_per_step": tokens_per_step,
         "compute_s": compute, "comm_s": comm, "step_time_s": step,
         # model FLOPs over the BF16 peak while training (goodput not included), as metrics.py reports MFU
-        "mfu": sum(flops.values()) * tokens_per_step / step / math.prod(mesh) / (datasheet_tflops(gpu, "bf16") * 1e12),
+        "mfu": sum(flops.values()) * tokens_per_step / step / mesh.devices / (datasheet_tflops(gpu, "bf16") * 1e12),
     }
 
 
