@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from maxfp4.plan import command as plan, cost as plan_model
+from maxfp4.plan.utilisation import read_utilisation
 from maxfp4.config import load_config
 from maxfp4.parallel.mesh import make_mesh
 from maxfp4.metrics import flops_per_token
@@ -172,7 +173,7 @@ def test_more_gpus_train_faster():
 def test_mfu_from_results_file(tmp_path):
     results = tmp_path / "metrics.jsonl"
     results.write_text('{"step": 10, "mfu": 0.2}\n{"step": 20, "mfu": 0.4}\n')
-    assert plan_model.read_utilisation(str(results), "h200") == pytest.approx(0.4)
+    assert read_utilisation(str(results), "h200") == pytest.approx(0.4)
     cfg = load_config("configs/dense-1p3b.yaml")
     bf16 = plan.plan(cfg, 1, "h200", 1e9, utilisation=0.4)[0]
     # one device: no communication, so the step is exactly the FLOPs at 40% of the BF16 peak

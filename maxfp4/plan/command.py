@@ -19,7 +19,8 @@ from maxfp4.config import Config, add_config_arguments, config_from_arguments
 from maxfp4.errors import UserError, exit_code_of
 from maxfp4.plan.layout import DEFAULT_WHAT_IF_GPUS, describe, format_what_if, layout_for, plot_what_if, what_if
 from maxfp4.plan.stages import PlanMesh
-from maxfp4.plan.cost import (GOODPUT, GPUS, GPUS_PER_NODE, OVERLAP, USABLE_MEMORY, read_utilisation, rows_for)
+from maxfp4.plan.cost import GOODPUT, GPUS, GPUS_PER_NODE, OVERLAP, USABLE_MEMORY, rows_for
+from maxfp4.plan.utilisation import read_utilisation
 
 
 def _check_inputs(gpus: int, gpu: str, tokens: float, batch_tokens: float | None = None,

@@ -20,7 +20,7 @@ import dataclasses
 from typing import Iterator
 
 from maxfp4.config import Config, ModelConfig
-from maxfp4.errors import UserError
+from maxfp4.errors import ConfigError, UserError
 from maxfp4.parallel.mesh import resolve_mesh_shape
 from maxfp4.plan import cost as model
 from maxfp4.plan.stages import PlanMesh, bubble_fraction
@@ -97,8 +97,16 @@ def _divisors(n: int) -> list[int]:
 
 
 def config_mesh(cfg: Config, gpus: int) -> PlanMesh:
-    """The config's own mesh on ``gpus`` (an explicit mesh that cannot be built is an error)."""
-    return PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), repeats=pipeline_repeats(cfg))
+    """The config's own mesh on ``gpus`` (an explicit mesh that cannot be built, or stages the
+    blocks cannot fill, is an error)."""
+    mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), repeats=pipeline_repeats(cfg))
+    blocks = cfg.model.n_layers
+    if mesh.pipeline * mesh.repeats > blocks:
+        most = max(p for p in _divisors(blocks) if p * mesh.repeats <= blocks)
+        raise ConfigError(f"mesh.pipeline={mesh.pipeline}: {mesh.pipeline} stages x mesh.pipeline_repeats="
+                          f"{mesh.repeats} need at least one block each, the model has {blocks}; expected "
+                          f"mesh.pipeline={most} or fewer")
+    return mesh
 
 
 def _config_layout_problem(cfg: Config, gpus: int, gpu: str) -> str | None:
@@ -173,7 +181,8 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
         for mesh in candidate_meshes(cfg.model, gpus, gpus_per_node, across):
             tried += 1
             shards = mesh.batch_shards
-            rows = max(1, round(batch_tokens / seq / shards)) * shards
+            # with stages, at least one row a stage on every shard: microbatches >= stages
+            rows = max(mesh.pipeline, round(batch_tokens / seq / shards)) * shards
             best = None
             for micro in _microbatch_options(rows // shards, mesh.pipeline):
                 c = _with(cfg, rows, mesh, micro, remat)
