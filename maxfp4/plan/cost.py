@@ -1,7 +1,7 @@
 """The planner's cost model: parameters, FLOPs, memory per device, communication, compute and
 step time of a run on a mesh of GPUs, for each precision column (``python -m maxfp4.plan`` and
 maxfp4.plan.layout read it). Every formula and constant is stated in docs/PLANNING.md; the
-constants below carry the same names.
+constants below and in maxfp4.plan.rates carry the same names.
 """
 
 from __future__ import annotations
@@ -17,51 +17,21 @@ from maxfp4.metrics import DEVICE_PEAKS_TFLOPS
 from maxfp4.model import abstract_params
 from maxfp4.model_spec import (BlockSpec, LinearSpec, model_spec,
                                mamba_splits_over_tensor as splits_over_tensor)
+from maxfp4.plan.rates import GPUS, PLAN_RECIPES, PRECISIONS, attention_tflops, datasheet_tflops, gemm_tflops, ssd_tflops
 from maxfp4.plan.stages import PlanMesh, StageSplit, block_flops, bubble_fraction, split_stages, ticks
 from maxfp4.precision.catalog import SPECS
 
-# The recipe each column of the plan stands for; bytes and peak classes come from its catalog
-# entry. The memory functions also take any recipe's name (``mxfp8``).
-PLAN_RECIPES = {"bf16": "bf16", "fp8": "fp8_delayed", "nvfp4": "nvfp4"}
-PRECISIONS = tuple(PLAN_RECIPES)
-
-# Effective GEMM rates in TFLOP/s on one H200 (docs/PERFORMANCE.md, one linear layer at
-# M = K = N = 8192, forward + both gradients, quantization passes included): bf16 recipe and
-# fp8_delayed as measured; emulated nvfp4 runs BF16 GEMMs, its quantization passes are charged
-# as memory traffic (NVFP4_QUANT_BYTES).
-MEASURED_H200_TFLOPS = {"bf16": 666.0, "fp8": 1079.0, "nvfp4": 666.0}
 # Emulated NVFP4's quantize passes (RHT, stochastic rounding, scales, the FP32 output's cast),
 # bytes moved per element of each GEMM operand (x and dY per token, the weight once a
 # microbatch): fitted to the whole-model NVFP4 steps of 2026-11-25/27 (docs/PLANNING.md); the
 # passes run below HBM bandwidth (one layer's ~2.7 GB took ~1.7 ms on an H100).
 NVFP4_QUANT_BYTES = 36.0
-# Native FP4 GEMMs (B200) run at the datasheet FP4 peak times the efficiency FP8 reached on H200.
-FP4_EFFICIENCY = MEASURED_H200_TFLOPS["fp8"] / DEVICE_PEAKS_TFLOPS["H200"]["fp8"]
-# cuDNN flash attention, model FLOPs (causal half) per second on one H200: the Llama-3-8B BF16
-# profile spends 283 ms on 1.06e14 attention FLOPs a GPU (docs/PERFORMANCE.md, "What bounds each").
-ATTENTION_H200_TFLOPS = 370.0
-# XLA's attention (model.attention=xla, and every pipeline stage: cuDNN's does not compile inside
-# the stages' shard_map, maxfp4.parallel.pipeline) materialises the scores; it is bound by their
-# traffic. Fitted to the one step measured with it alone, dense-1p3b fsdp=2 at 16 x 1024 with full
-# remat on two H200s (303.1 ms, 2026-11-28): the rest of that step as the model charges it leaves
-# ~147 ms for 3.3e12 attention FLOPs a GPU. Other GPUs scale it by HBM bandwidth.
-XLA_ATTENTION_H200_TFLOPS = 22.5
-# Mamba-2's SSD and convolution kernels, charged per SSD matmul FLOP: ~1.8 ms a layer at
-# mamba2-1p3b's shapes on one H200 (the profile's kernel times), i.e. ~70 TFLOP/s; they are
-# bound by memory traffic and occupancy, so other GPUs scale it by HBM bandwidth.
-SSD_H200_TFLOPS = 70.0
 # Scanned blocks (train.scan_layers=true) zero and fill stacked residual buffers: dense-1p3b BF16
 # 350.9 vs 292.2 ms unrolled (2026-11-23), 329.8 vs 275.0 (2026-11-27) on one H200. Under full
 # remat the stack holds only each block's input, and the factor does not apply: the scanned
 # nemotron-h-8b steps on 2 and 4 H200s (2026-11-27) were 15-18% faster than the factor made them.
 SCANNED_BLOCKS_FACTOR = 1.20
 
-GPUS: dict[str, dict[str, float]] = {
-    # memory GB (1e9 bytes), HBM bandwidth TB/s, NVLink GB/s per GPU (one direction)
-    "h100": {"memory_gb": 80.0, "hbm_tbs": 3.35, "nvlink_gbs": 450.0},
-    "h200": {"memory_gb": 141.0, "hbm_tbs": 4.8, "nvlink_gbs": 450.0},
-    "b200": {"memory_gb": 180.0, "hbm_tbs": 8.0, "nvlink_gbs": 900.0},
-}
 GPUS_PER_NODE = 8  # default of --gpus-per-node
 IB_GBS = 50.0  # one 400 Gb/s InfiniBand NIC per GPU
 USABLE_MEMORY = 0.90  # the rest goes to the CUDA context, XLA workspace and fragmentation
@@ -185,38 +155,9 @@ def state_params_per_device(cfg: Config, params: int, mesh) -> float:
 # ----------------------------------------------------------------------------- device rates
 
 
-def gemm_tflops(gpu: str, precision: str) -> float:
-    """Effective GEMM rate: the H200 measurement scaled by the datasheet peak of ``gpu``."""
-    peaks = DEVICE_PEAKS_TFLOPS[gpu.upper()]
-    peak_class = SPECS[PLAN_RECIPES[precision]].peak
-    if peak_class == "fp4" and "fp4" in peaks:
-        return peaks["fp4"] * FP4_EFFICIENCY
-    peak_key = "bf16" if peak_class == "fp4" else peak_class  # emulated FP4 runs BF16 GEMMs
-    return MEASURED_H200_TFLOPS[precision] * peaks[peak_key] / DEVICE_PEAKS_TFLOPS["H200"][peak_key]
-
-
-def _bf16_peak_ratio(gpu: str) -> float:
-    return DEVICE_PEAKS_TFLOPS[gpu.upper()]["bf16"] / DEVICE_PEAKS_TFLOPS["H200"]["bf16"]
-
-
-def attention_tflops(gpu: str, xla: bool = False) -> float:
-    if xla:
-        return XLA_ATTENTION_H200_TFLOPS * GPUS[gpu]["hbm_tbs"] / GPUS["h200"]["hbm_tbs"]
-    return ATTENTION_H200_TFLOPS * _bf16_peak_ratio(gpu)
-
-
 def runs_xla_attention(cfg: Config) -> bool:
     """Whether the step runs XLA's attention: asked for, or inside pipeline stages."""
     return cfg.model.attention == "xla" or cfg.mesh.pipeline > 1
-
-
-def ssd_tflops(gpu: str) -> float:
-    return SSD_H200_TFLOPS * GPUS[gpu]["hbm_tbs"] / GPUS["h200"]["hbm_tbs"]
-
-
-def datasheet_tflops(gpu: str, precision: str) -> float:
-    peaks = DEVICE_PEAKS_TFLOPS[gpu.upper()]
-    return peaks.get(SPECS[PLAN_RECIPES[precision]].peak, peaks["bf16"])
 
 
 @functools.lru_cache(maxsize=64)
