@@ -121,11 +121,36 @@ def _whole_on_tensor(lin: LinearSpec, m: ModelConfig, tensor: int) -> bool:
     return not (lin.layer_class == "mamba_in" and splits_over_tensor(m, tensor))
 
 
+@functools.lru_cache(maxsize=256)
+def _block_matmul_params(m: ModelConfig) -> int:
+    return model_spec(m).block_matmul_params
+
+
 def stage_split(cfg: Config, mesh: PlanMesh) -> StageSplit:
     """The blocks of each pipeline stage: the stack cut into pipeline x repeats chunks balanced by
     each block's training FLOPs (maxfp4.parallel.pipeline cuts by the same count)."""
-    costs = block_flops(model_spec(cfg.model), cfg.data.seq_len)
-    return split_stages(costs, mesh.pipeline, mesh.repeats)
+    return _stage_split(cfg.model, cfg.data.seq_len, mesh.pipeline, mesh.repeats)
+
+
+@functools.lru_cache(maxsize=1024)  # the layout search asks again for every microbatch count
+def _stage_split(m: ModelConfig, seq_len: int, stages: int, repeats: int) -> StageSplit:
+    return split_stages(block_flops(model_spec(m), seq_len), stages, repeats)
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_block_params(m: ModelConfig, seq_len: int, stages: int, repeats: int, tensor: int) -> tuple[int, int]:
+    """(matmul parameters, those kept whole on every tensor device) of the blocks of the device
+    that keeps the most block parameters (all blocks without stages)."""
+    blocks = model_spec(m).blocks
+    if stages == 1:
+        held = range(len(blocks))
+    else:
+        split = _stage_split(m, seq_len, stages, repeats)
+        held = max((split.device_blocks(p) for p in range(stages)),
+                   key=lambda device: sum(blocks[b].matmul_params for b in device))
+    linears = [lin for b in held for lin in blocks[b].linears]
+    return (sum(lin.params for lin in linears),
+            sum(lin.params for lin in linears if _whole_on_tensor(lin, m, tensor)))
 
 
 def _held_blocks(cfg: Config, mesh: PlanMesh) -> tuple[int, ...]:
@@ -144,12 +169,9 @@ def state_params_per_device(cfg: Config, params: int, mesh) -> float:
     only); the embedding, the LM head, norms and SSM scalars on every stage (the stages hold them
     whole over ``pipeline``, maxfp4.parallel.pipeline) over fsdp x tensor."""
     m, mesh = cfg.model, PlanMesh(*mesh)
-    spec = model_spec(m)
-    fsdp, tensor = mesh.fsdp, mesh.tensor
-    held = [lin for b in _held_blocks(cfg, mesh) for lin in spec.blocks[b].linears]
-    whole = sum(lin.params for lin in held if _whole_on_tensor(lin, m, tensor))
-    other = params - spec.block_matmul_params
-    return (sum(lin.params for lin in held) - whole + other) / (fsdp * tensor) + whole / fsdp
+    held, whole = _held_block_params(m, cfg.data.seq_len, mesh.pipeline, mesh.repeats, mesh.tensor)
+    other = params - _block_matmul_params(m)
+    return (held - whole + other) / (mesh.fsdp * mesh.tensor) + whole / mesh.fsdp
 
 
 # ----------------------------------------------------------------------------- device rates
@@ -308,13 +330,13 @@ def comm_seconds(cfg: Config, mesh, params: int, precision: str, gpu: str,
         handed = 2 * ticks(stages, micro, mesh.repeats) * rows / micro * m.d_model * 2
         exposed += handed / (_link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
     if fsdp > 1:  # weights gathered forward and again backward, FP32 gradients reduce-scattered
-        other = (params - model_spec(m).block_matmul_params) / (fsdp * tensor)
+        other = (params - _block_matmul_params(m)) / (fsdp * tensor)
         gathers = micro if stages == 1 else ticks(stages, micro, mesh.repeats) / mesh.repeats
         per_device = ((state - other) * gathers + other * micro) * (fsdp - 1)
         overlappable += per_device * (2 * WORKING_BYTES[precision] + GRAD_BYTES) / (
             _link_gbs(gpu, tensor * fsdp, gpus_per_node) * 1e9)
     if stages > 1:  # the embedding's and LM head's gradients summed over the stages that hold them
-        other = (params - model_spec(m).block_matmul_params) / (fsdp * tensor) * GRAD_BYTES
+        other = (params - _block_matmul_params(m)) / (fsdp * tensor) * GRAD_BYTES
         overlappable += 2 * (stages - 1) / stages * other / (
             _link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
     if data > 1:  # all-reduce of each device's FP32 gradient shard
@@ -325,17 +347,23 @@ def comm_seconds(cfg: Config, mesh, params: int, precision: str, gpu: str,
 
 def block_seconds_per_token(cfg: Config, tensor: int, precision: str, gpu: str) -> tuple[float, ...]:
     """Seconds each block takes a token on one of ``tensor`` devices, training: its GEMMs at the
-    precision's rate, attention's products at cuDNN's, the SSD's at its kernels', its element-wise
-    traffic at HBM bandwidth (the weights that time the pipeline's chunks)."""
-    m = cfg.model
+    precision's rate, attention's products at the rate of the attention the step runs, the SSD's
+    at its kernels', its element-wise traffic at HBM bandwidth (the weights that time the
+    pipeline's chunks)."""
+    return _block_seconds(cfg.model, cfg.data.seq_len, tensor, precision, gpu, runs_xla_attention(cfg))
+
+
+@functools.lru_cache(maxsize=1024)  # the layout search asks again for every mesh
+def _block_seconds(m: ModelConfig, seq_len: int, tensor: int, precision: str, gpu: str,
+                   xla: bool) -> tuple[float, ...]:
     spec = model_spec(m)
-    scores = 6.0 * cfg.data.seq_len * spec.n_heads * spec.head_dim
+    scores = 6.0 * seq_len * spec.n_heads * spec.head_dim
     ssd = 3.0 * spec.ssd_forward_flops
     rate = gemm_tflops(gpu, "bf16" if precision == "nvfp4" else precision) * 1e12
     out = []
     for b in spec.blocks:
         wide = max(lin.params for lin in b.linears) / m.d_model
-        t = (6.0 * b.matmul_params / rate + scores * ("attention" in b.mixers) / (attention_tflops(gpu, runs_xla_attention(cfg)) * 1e12)
+        t = (6.0 * b.matmul_params / rate + scores * ("attention" in b.mixers) / (attention_tflops(gpu, xla) * 1e12)
              + ssd * ("mamba" in b.mixers) / (ssd_tflops(gpu) * 1e12)
              + 6 * (10 * m.d_model + 3 * wide) / (GPUS[gpu]["hbm_tbs"] * 1e12))
         out.append(t * _tensor_share(b, m, tensor))
@@ -348,7 +376,7 @@ def accumulated_params(cfg: Config, mesh, params: int, state: float) -> float:
     mesh, micro = PlanMesh(*mesh), cfg.train.microbatches
     if mesh.pipeline == 1:
         return state * micro if micro > 1 else 0.0
-    other = (params - model_spec(cfg.model).block_matmul_params) / (mesh.fsdp * mesh.tensor)
+    other = (params - _block_matmul_params(cfg.model)) / (mesh.fsdp * mesh.tensor)
     n = ticks(mesh.pipeline, micro, mesh.repeats)
     return (state - other) * n / mesh.repeats + other * n
 
