@@ -244,6 +244,8 @@ def open_data(start: StartUp):
         write_text_atomic(os.path.join(cfg.run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         write_text_atomic(os.path.join(cfg.run_dir, "precision_table.txt"), start.table + "\n")
         _say(f"run directory {cfg.run_dir}")
+        for note in data.notes:
+            _say(note)
         _say("precision policy:\n" + start.table)
         _say(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)")
         _say(f"compilation cache {start.compile_cache or 'off'}; {determinism_summary(start.xla_options)}")

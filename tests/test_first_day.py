@@ -1,0 +1,55 @@
+"""What a new user meets on the first day: one text file, the defaults, and the one-line errors."""
+
+import numpy as np
+import pytest
+
+from maxfp4.config import load_config
+from maxfp4.data import make_batches, make_eval_batches
+from maxfp4.data.sources import builtin_documents
+
+
+@pytest.fixture(scope="module")
+def one_text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "input.txt"
+    path.write_text("\n\n".join(builtin_documents()[:40]), encoding="utf-8")
+    return path
+
+
+def text_cfg(path, tmp_path, *overrides):
+    return load_config(None, ["data.source=text", f"data.paths=[{path}]", "data.eval_fraction=0.05",
+                              "model.vocab_size=512", "data.seq_len=64", "data.global_batch=8",
+                              "data.eval_batches=1000", f"run.output_dir={tmp_path}", *overrides])
+
+
+def test_one_text_file_holds_out_whole_sequences_that_training_never_sees(one_text_file, tmp_path):
+    cfg = text_cfg(one_text_file, tmp_path)
+    data = make_batches(cfg, str(tmp_path / "r"))
+    (note,) = data.notes
+    assert "too few documents for data.eval_fraction" in note and "sequence(s) of 65 tokens" in note
+    _, (part,) = data.corpus
+    slices = part.documents
+    assert (slices.doc_S == 0).all()  # one file, one document
+    spans = sorted(zip(slices.start_S.tolist(), slices.stop_S.tolist()))
+    assert all(stop <= next_start for (_, stop), (next_start, _) in zip(spans, spans[1:]))  # disjoint
+    held = set(part.held_N.tolist())
+    held_tokens = sum(int(part.lengths_N[i]) for i in held)
+    total = int(part.lengths_N.sum())
+    # round(0.05 x tokens / 65) windows of 65 tokens: the fraction up to one window.
+    assert abs(held_tokens / total - 0.05) <= 65 / total + 1e-9 and all(part.lengths_N[i] == 65 for i in held)
+    # Every held-out window is one evaluated row of 64 pairs; none of its pairs is a training pair.
+    evals = make_eval_batches(cfg, str(tmp_path / "r"), corpus=data.corpus)
+    eval_rows = [r for b in evals for r, m in zip(b["inputs"], b["loss_mask"]) if m.any()]
+    assert len(eval_rows) == len(held) and sum(int(b["loss_mask"].sum()) for b in evals) == 64 * len(held)
+    document = np.asarray(slices.documents[0])
+    held_positions = {p for i in held for p in range(int(slices.start_S[i]), int(slices.stop_S[i]))}
+    trained_positions = {p for i in range(len(slices)) if i not in held
+                         for p in range(int(slices.start_S[i]), int(slices.stop_S[i]))}
+    assert not held_positions & trained_positions and len(document) - len(held_positions | trained_positions) < 2 * len(slices)
+    assert data.num_rows >= 8 * 4  # training keeps the rest
+    # The same seed holds out the same windows; another seed others.
+    again = make_batches(cfg, str(tmp_path / "r"))
+    assert set(again.corpus[1][0].held_N.tolist()) == held
+    other = make_batches(text_cfg(one_text_file, tmp_path, "run.seed=1"), str(tmp_path / "r"))
+    held_starts = {int(slices.start_S[i]) for i in held}
+    other_part = other.corpus[1][0]
+    assert {int(other_part.documents.start_S[i]) for i in other_part.held_N} != held_starts
