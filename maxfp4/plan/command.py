@@ -85,6 +85,20 @@ def _number(text: str, flag: str) -> float:
         raise UserError(f"{flag} {text}: expected a number") from None
 
 
+def _goodput(text: str) -> float:
+    """``--goodput``: a fraction, or a run directory (or its goodput.json) whose measured one is used."""
+    import os
+
+    if not os.path.exists(text):
+        return _number(text, "--goodput")
+    from maxfp4.goodput import read_goodput
+
+    measured = read_goodput(text).get("goodput")
+    if not measured:
+        raise UserError(f"--goodput {text}: no measured goodput there (goodput.json is written by a training run)")
+    return measured
+
+
 def _count(text: str, flag: str) -> int:
     value = _number(text, flag)
     if value != int(value):
@@ -112,7 +126,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "then ~4.2M)")
     parser.add_argument("--gpus-per-node", default=str(GPUS_PER_NODE), help="GPUs a node (default 8)")
     parser.add_argument("--goodput", default=str(GOODPUT),
-                        help=f"share of wall-clock time that trains (default {GOODPUT})")
+                        help=f"share of wall-clock time that trains (default {GOODPUT}), or a run directory "
+                             "whose measured goodput.json gives it")
     parser.add_argument("--what-if", nargs="?", const="default", metavar="N,N,...",
                         help="days and GPU-hours for these GPU counts x precisions (default grid "
                              "8..16384)")
@@ -129,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens = _number(args.tokens, "--tokens")
         batch_tokens = _number(args.batch_tokens, "--batch-tokens") if args.batch_tokens is not None else None
         gpus_per_node = _count(args.gpus_per_node, "--gpus-per-node")
-        goodput = _number(args.goodput, "--goodput")
+        goodput = _goodput(args.goodput)
         if args.what_if is None:
             if args.gpus is None:
                 raise UserError("--gpus: expected a number of GPUs (or --what-if for a grid)")
