@@ -185,6 +185,9 @@ class GoodputHook(Hook):
             n["lost_s"] += lost * per_step
             n["last_step"] = step
 
+    def end_step(self, loop, step: int) -> None:
+        self._update_loop_time()
+
     def on_finish(self, loop) -> None:
         self._update_loop_time()
         self._finished = "finished" if loop.step >= loop.total_steps else "stopped"
@@ -194,6 +197,8 @@ class GoodputHook(Hook):
             self.g.now["loop_s"] = time.perf_counter() - self._loop_from
 
     def close(self) -> None:
+        if self._finished is None:  # a crash: the loop ran until now
+            self._update_loop_time()
         summary = self.g.write(ended=self._finished or "crashed")
         if self.g.enabled:
             self.g.say(self.g.line(summary))

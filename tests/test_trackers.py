@@ -52,7 +52,7 @@ def offline(monkeypatch):
 def test_every_scalar_config_and_file_reach_wandb_and_mlflow_and_a_restart_resumes_their_runs(tiny_cfg, tmp_path, offline):
     from mlflow import MlflowClient
 
-    common = ["run.name=tracked", "run.trackers=[tensorboard,wandb,mlflow]", "optim.schedule_steps=5"]
+    common = ["run.name=tracked", "run.trackers=[tensorboard,wandb,mlflow]", "optim.schedule_steps=8"]
     out = io.StringIO()
     train(tiny_cfg(*common, "train.steps=3"), devices=jax.devices()[:1], stream=out)
     run_dir = tmp_path / "tracked"
