@@ -166,6 +166,9 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             hooks, metrics = make_hooks(start, watch, lock, checkpointer, data, eval_batches, state_sh, stream, goodput)
             loop = Loop(step_fn, state, goodput.timed_batches(to_global(batch) for batch in data), total_steps=cfg.train.steps,
                         hooks=hooks, should_stop=watch.should_stop)
+            if loop.start_step >= cfg.train.steps and jax.process_index() == 0:
+                _say(f"nothing to train: the run finished at step {loop.start_step} (train.steps={cfg.train.steps}); "
+                     "raise train.steps to train on, or set run.name for a new run")
             failing = False
             try:
                 loop.run()
@@ -358,14 +361,23 @@ def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Check
     return [hook for hook in hooks if hook is not None], metrics
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m maxfp4.train", description="Train a language model from a YAML config.")
+        prog="python -m maxfp4.train", description="Train a language model from a YAML config.",
+        epilog="example: python -m maxfp4.train configs/quickstart.yaml train.steps=50")
     add_config_arguments(parser)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # argparse would name the missing arguments; a first try wants the usage
+        _parser().print_help(sys.stderr)
+        return 2
     args = parse_args(argv)
     distributed.set_gpu_environment_defaults()  # before anything starts the GPU backend
 

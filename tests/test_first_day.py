@@ -53,3 +53,38 @@ def test_one_text_file_holds_out_whole_sequences_that_training_never_sees(one_te
     held_starts = {int(slices.start_S[i]) for i in held}
     other_part = other.corpus[1][0]
     assert {int(other_part.documents.start_S[i]) for i in other_part.held_N} != held_starts
+
+
+def test_bad_first_tries_get_one_line_with_what_would_work(tmp_path, capsys):
+    from maxfp4.config import ConfigError
+    from maxfp4.train import main
+
+    with pytest.raises(ConfigError, match=r"precision.default='fp8': unknown recipe; .* \(did you mean 'fp8_delayed' "
+                                          r"or .* or the preset configs/precision/fp8.yaml\?\)"):
+        load_config(None, ["precision.default=fp8"])
+    with pytest.raises(ConfigError, match=r"fp9.yaml: not found; .*configs/precision has fp8.yaml, .*nvfp4.yaml"):
+        load_config(["configs/precision/fp9.yaml"])
+    # A config without run.name runs under its own file's name, not in another config's run.
+    mine = tmp_path / "my-experiment.yaml"
+    mine.write_text("model: {d_model: 64}\n")
+    assert load_config([str(mine)]).run.name == "my-experiment"
+    assert load_config([str(mine)], ["run.name=other"]).run.name == "other"
+    assert load_config(["configs/quickstart.yaml"]).run.name == "quickstart"
+    # No arguments: the usage, exit code 2.
+    assert main([]) == 2
+    assert "usage: python -m maxfp4.train" in capsys.readouterr().err
+
+
+def test_rerunning_a_finished_run_says_nothing_was_trained(tiny_cfg, tmp_path, capsys):
+    import io
+
+    import jax
+
+    from maxfp4.train import train
+
+    # The config of tests/test_goodput.py's run: its compiled step is reused.
+    cfg = tiny_cfg("run.name=done", "train.steps=2", "optim.schedule_steps=8", "checkpoint.async=false")
+    train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
+    capsys.readouterr()
+    assert train(cfg, devices=jax.devices()[:1], stream=io.StringIO()) == []
+    assert "nothing to train: the run finished at step 2 (train.steps=2)" in capsys.readouterr().out
