@@ -88,3 +88,21 @@ def test_rerunning_a_finished_run_says_nothing_was_trained(tiny_cfg, tmp_path, c
     capsys.readouterr()
     assert train(cfg, devices=jax.devices()[:1], stream=io.StringIO()) == []
     assert "nothing to train: the run finished at step 2 (train.steps=2)" in capsys.readouterr().out
+
+
+def test_a_gpu_sized_config_on_a_cpu_is_refused_by_the_host_memory_check(tiny_cfg):
+    import jax
+
+    from maxfp4.reliability.preflight import check_memory, host_memory_bytes, memory_per_device
+
+    cfg = tiny_cfg()
+    devices = jax.devices()
+    mesh = {"data": 8, "fsdp": 1, "tensor": 1, "pipeline": 1}
+    small = check_memory(cfg, devices, 10**5, mesh)
+    assert small.ok is True and "of the host's" in small.detail
+    huge_params = 10**12  # 16 TB of weights and Adam moments: more than any host this runs on
+    need = memory_per_device(cfg, huge_params, mesh) * len(devices)
+    assert need > host_memory_bytes()
+    big = check_memory(cfg, devices, huge_params, mesh)
+    assert big.ok is False and f"about {need / 2**30:.1f} GiB estimated for this process's cpu devices" in big.detail
+    assert "\n" not in big.detail
