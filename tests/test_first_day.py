@@ -89,6 +89,17 @@ def test_rerunning_a_finished_run_says_nothing_was_trained(tiny_cfg, tmp_path, c
     assert train(cfg, devices=jax.devices()[:1], stream=io.StringIO()) == []
     assert "nothing to train: the run finished at step 2 (train.steps=2)" in capsys.readouterr().out
 
+    # Export without --out: beside the run; nothing in it names this machine's directories.
+    from maxfp4.interop.export import main as export_main
+
+    assert export_main([str(tmp_path / "done")]) == 0
+    out = tmp_path / "done-step2-hf"
+    assert f"wrote {out / 'config.json'}" in capsys.readouterr().out
+    for path in out.iterdir():
+        if path.suffix in (".json", ".txt", ".yaml", ".model"):
+            assert str(tmp_path) not in path.read_text(errors="replace"), path
+    assert export_main([str(tmp_path / "done")]) == 2  # a second export of the same step is refused in one line
+
 
 def test_a_gpu_sized_config_on_a_cpu_is_refused_by_the_host_memory_check(tiny_cfg):
     import jax
