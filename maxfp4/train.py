@@ -42,6 +42,7 @@ from maxfp4.goodput import Goodput, GoodputHook
 from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.loop import Every, Hook, Loop, close_hooks, every
 from maxfp4.interop.hf import check_init_from, read_params as read_hf_params
+from maxfp4.interop.positions import positions_warning
 from maxfp4.parallel.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsHook, MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import abstract_params, get_model
@@ -232,6 +233,8 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     check_deterministic_attention(cfg, platform)
     refuse_changed_run(cfg)
     check_init_from(cfg)
+    if jax.process_index() == 0 and (note := positions_warning(cfg)) and not finalized_steps(cfg.run_dir):
+        print(note, file=sys.stderr, flush=True)
     check_trackers_installed(cfg.run.trackers)
     return StartUp(cfg, policy, table, mesh, xla_options,
                    compile_cache)

@@ -117,3 +117,18 @@ def test_a_gpu_sized_config_on_a_cpu_is_refused_by_the_host_memory_check(tiny_cf
     big = check_memory(cfg, devices, huge_params, mesh)
     assert big.ok is False and f"about {need / 2**30:.1f} GiB estimated for this process's cpu devices" in big.detail
     assert "\n" not in big.detail
+
+
+def test_init_from_with_longer_sequences_than_the_source_is_said_at_start(tmp_path):
+    import json
+
+    from maxfp4.interop.positions import positions_warning
+
+    source = tmp_path / "hf"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
+    base = [f"model.init_from={source}", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2"]
+    assert positions_warning(load_config(None, base + ["data.seq_len=128"])) is None
+    line = positions_warning(load_config(None, base + ["data.seq_len=256"]))
+    assert line.startswith("warning: data.seq_len=256 exceeds model.init_from's max_position_embeddings=128: "
+                           "rotary positions beyond 128 were never trained") and "data.seq_len=128 keeps" in line
