@@ -63,14 +63,29 @@ def format_table(rows: list[dict]) -> str:
         f"{OVERLAP:.0%} hidden, tensor comm exposed; days and GPU-hours at goodput {r0['goodput']:.0%} (failures, restarts, "
         f"checkpoints: --goodput)",
         "",
-        f"{'precision':<10}{'mem GB':>9}{'other remat':>12}{'fits':>6}{'compute s':>11}{'comm s':>9}"
+        f"{'precision':<17}{'mem GB':>9}{'other remat':>12}{'fits':>6}{'compute s':>11}{'comm s':>9}"
         f"{'step s':>9}{'MFU':>6}{'days':>10}{'GPU-hours':>13}",
     ]
     for r in rows:
-        lines.append(f"{r['precision']:<10}{r['memory_per_device_gb']:>9.1f}{r['memory_other_remat_gb']:>12.1f}"
+        label = r["precision"] + (" (emulated)" if _emulated(r["precision"], r["gpu"]) else "")
+        lines.append(f"{label:<17}{r['memory_per_device_gb']:>9.1f}{r['memory_other_remat_gb']:>12.1f}"
                      f"{'yes' if r['fits'] else 'NO':>6}{r['compute_s']:>11.3f}{r['comm_s']:>9.3f}"
                      f"{r['step_time_s']:>9.3f}{r['mfu']:>6.0%}{r['days']:>10.2f}{r['gpu_hours']:>13,.0f}")
+    other = "full" if r0["remat"] == "none" else "none"
+    lines += ["", f"mem GB: memory per device with train.remat={r0['remat']}; other remat: the same with "
+                  f"train.remat={other}; fits: within the usable memory;",
+              "compute s, comm s (exposed), step s: one step; MFU: model FLOPs over the BF16 peak;",
+              "(emulated): the GPU has no tensor cores of that format: BF16 GEMMs plus the quantization passes"]
     return "\n".join(lines)
+
+
+def _emulated(precision: str, gpu: str) -> bool:
+    """A precision whose peak class the GPU lacks (NVFP4 on Hopper) runs emulated."""
+    from maxfp4.metrics import DEVICE_PEAKS_TFLOPS
+    from maxfp4.plan.cost import PLAN_RECIPES
+    from maxfp4.precision.catalog import SPECS
+
+    return SPECS[PLAN_RECIPES[precision]].peak not in DEVICE_PEAKS_TFLOPS[gpu.upper()]
 
 
 class _OneLineParser(argparse.ArgumentParser):
