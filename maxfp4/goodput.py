@@ -55,7 +55,8 @@ class Goodput:
 
     def __init__(self, run_dir: str, *, started_at: float, enabled: bool = True, say: Callable[[str], None] = print,
                  heartbeat_s: float = 10.0, clock: Callable[[], float] = time.time):
-        self.path, self.enabled, self.say, self.heartbeat_s, self.clock = os.path.join(run_dir, FILE), enabled, say, heartbeat_s, clock
+        self.path, self.enabled, self.say = os.path.join(run_dir, FILE), enabled, say
+        self.heartbeat_s, self.clock = heartbeat_s, clock
         self.earlier: list[dict[str, Any]] = read_goodput(self.path).get("runs", []) if enabled else []
         self.now = {b: 0.0 for b in _MEASURED} | {"started_at": started_at, "last_alive": started_at, "ended": None,
                                                    "start_step": None, "last_step": None, "lost_steps": 0,
@@ -96,7 +97,8 @@ class Goodput:
         a["wall_s"] = a["last_alive"] - a["started_at"]
         in_loop = sum(a[b] for b in ("checkpoint_save_s", "evaluation_s", "data_wait_s", "lost_s"))
         a["productive_s"] = max(0.0, a.pop("loop_s") - in_loop)
-        a["other_s"] = max(0.0, a["wall_s"] - a["productive_s"] - sum(a[b] for b in _MEASURED if b != "crash_to_resume_s"))
+        timed = sum(a[b] for b in _MEASURED if b != "crash_to_resume_s")  # the gap lies before this attempt
+        a["other_s"] = max(0.0, a["wall_s"] - a["productive_s"] - timed)
         return a
 
     def write(self, ended: str | None = None) -> dict[str, Any]:
@@ -109,6 +111,12 @@ class Goodput:
             write_text_atomic(self.path, json.dumps({**summary, "runs": runs}, indent=1) + "\n")
         self._last_write = time.perf_counter()
         return summary
+
+    def beat(self) -> None:
+        """Rewrite the file when ``heartbeat_s`` have passed since the last write: a killed
+        attempt leaves its times up to here, and its last sign of life."""
+        if time.perf_counter() - self._last_write >= self.heartbeat_s:
+            self.write()
 
     def resumed_at(self, step: int) -> None:
         """The loop starts after ``step``: the previous attempt's steps past it are computed again,
@@ -170,8 +178,7 @@ class GoodputHook(Hook):
             n["productive_steps"] += 1
         n["last_step"] = step if n["last_step"] is None else max(n["last_step"], step)
         self._update_loop_time()
-        if time.perf_counter() - self.g._last_write >= self.g.heartbeat_s:
-            self.g.write()
+        self.g.beat()
 
     def on_rewind(self, loop, step: int) -> None:
         n = self.g.now

@@ -165,8 +165,9 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             step_fn = jit_train_step(cfg, start.policy, optimizer, make_schedule(cfg), start.mesh, state_sh,
                                      start.xla_options, data.max_runs_per_row)
             hooks, metrics = make_hooks(start, watch, lock, checkpointer, data, eval_batches, state_sh, stream, goodput)
-            loop = Loop(step_fn, state, goodput.timed_batches(to_global(batch) for batch in data), total_steps=cfg.train.steps,
-                        hooks=hooks, should_stop=watch.should_stop)
+            batches = goodput.timed_batches(to_global(batch) for batch in data)
+            loop = Loop(step_fn, state, batches, total_steps=cfg.train.steps, hooks=hooks,
+                        should_stop=watch.should_stop)
             if loop.start_step >= cfg.train.steps and jax.process_index() == 0:
                 _say(f"nothing to train: the run finished at step {loop.start_step} (train.steps={cfg.train.steps}); "
                      "raise train.steps to train on, or set run.name for a new run")
@@ -330,8 +331,8 @@ def make_metrics(start: StartUp, stream, eval_losses: dict[int, float], straggle
                        log_every=cfg.train.log_every, eval_losses=eval_losses, stragglers=stragglers)
 
 
-def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Checkpointer, data,
-               eval_batches: list, state_sh, stream, goodput: Goodput) -> tuple[list[Hook | tuple[Hook, Every]], MetricsHook]:
+def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Checkpointer, data, eval_batches: list,
+               state_sh, stream, goodput: Goodput) -> tuple[list[Hook | tuple[Hook, Every]], MetricsHook]:
     """The hooks in the order they act at each point of the loop (maxfp4.loop): the watchdog and
     stragglers see a finished step before it is logged; the checkpoint comes after evaluation and
     metrics (a save first settles the loop, writing the step's whole record); the rollback acts on
@@ -356,7 +357,8 @@ def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Check
         watchdog, stragglers and every(stragglers, res.straggler_every), FaultHook(res.fault, jax.process_index()),
         PreemptionHook(watch, checkpoints=cfg.checkpoint.enabled, say=_say),
         StepProfiler(cfg.train.profile_steps, os.path.join(cfg.run_dir, "profile"), enabled=is_writer),
-        goodput.timed(every(evaluation, cfg.train.eval_every, last=True), "evaluation_s"), metrics, GoodputHook(goodput),
+        goodput.timed(every(evaluation, cfg.train.eval_every, last=True), "evaluation_s"),
+        metrics, GoodputHook(goodput),  # after the metrics hook, which waits for the first step
         goodput.timed((checkpoints, checkpoints.cadence()), "checkpoint_save_s"),
         rerun_hook(res, mesh, _say, is_writer=is_writer),
         goodput.timed(RollbackHook(rollbacks, checkpointer, _say), "lost_s"),

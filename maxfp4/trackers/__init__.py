@@ -86,8 +86,8 @@ class Trackers:
         try:
             return call()
         except Exception as error:  # noqa: BLE001 - any failure of a tracker: warn once, train on
-            self._say(f"warning: tracker {name} failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                      "training goes on without it")
+            first_line = str(error).splitlines()[0] if str(error) else ""
+            self._say(f"warning: tracker {name} failed ({type(error).__name__}: {first_line}); training goes on without it")
             self._live.pop(name, None)
             return None
 
