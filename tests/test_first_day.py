@@ -25,7 +25,8 @@ def test_one_text_file_holds_out_whole_sequences_that_training_never_sees(one_te
     cfg = text_cfg(one_text_file, tmp_path)
     data = make_batches(cfg, str(tmp_path / "r"))
     (note,) = data.notes
-    assert "too few documents for data.eval_fraction" in note and "sequence(s) of 65 tokens" in note
+    assert note.startswith("data.eval_fraction=0.05: the text data has 1 document(s), too few to hold some out; "
+                           "holding out ") and "sequence(s) of 65 tokens instead" in note
     _, (part,) = data.corpus
     slices = part.documents
     assert (slices.doc_S == 0).all()  # one file, one document

@@ -73,9 +73,11 @@ def hold_out_sequences(part, fraction: float, seed: int, index: int, seq_len: in
                                lengths_N=stop_S - start_S, held_N=np.asarray(held, np.int64))
 
 
-def sequences_note(part, seq_len: int) -> str:
+def sequences_note(part, fraction: float, seq_len: int) -> str:
     """The start-up line of a part held out as sequences."""
-    n = len(part.held_N)
-    return (f"data: {part.name} has too few documents for data.eval_fraction; holding out {n} seeded "
-            f"sequence(s) of {seq_len + 1} tokens ({n * (seq_len + 1)} of {int(part.lengths_N.sum())} tokens) "
-            "instead, never overlapping training rows")
+    n, width = len(part.held_N), seq_len + 1
+    documents = len(np.unique(part.documents.doc_S))
+    source = part.name.split(":", 1)[-1]  # "0:text" -> "text"
+    return (f"data.eval_fraction={fraction:g}: the {source} data has {documents} document(s), too few to hold some "
+            f"out; holding out {n} seeded sequence(s) of {width} tokens instead ({n * width:,} of "
+            f"{int(part.lengths_N.sum()):,} tokens), never overlapping training rows")

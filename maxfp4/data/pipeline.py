@@ -107,7 +107,8 @@ class BatchIterator:
         # The loaded corpus (None for synthetic data), so make_eval_batches need not load it again.
         self.corpus = (tokenizer, parts) if parts is not None else None
         # Start-up lines about how the data was split (a part held out as sequences).
-        self.notes = [sequences_note(part, cfg.data.seq_len) for part in parts or [] if part.held_N is not None]
+        self.notes = [sequences_note(part, cfg.data.eval_fraction, cfg.data.seq_len)
+                      for part in parts or [] if part.held_N is not None]
         self.num_tokens = num_tokens
         self.num_rows = num_rows
         self.max_runs_per_row = max_runs_per_row
