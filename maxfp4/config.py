@@ -251,13 +251,26 @@ def load_yaml(text) -> Any:
         loader.dispose()
 
 
+def _files_beside(path: str) -> str:
+    """"; ... has a.yaml, b.yaml": the YAML files of the missing file's directory (the presets, for
+    configs/precision/fp9.yaml), the closest first."""
+    import difflib
+
+    folder = os.path.dirname(path)
+    names = sorted(n for n in os.listdir(folder) if n.endswith((".yaml", ".yml"))) if os.path.isdir(folder) else []
+    if not names:
+        return ""
+    close = difflib.get_close_matches(os.path.basename(path), names, n=1, cutoff=0.5)
+    return f"; {folder} has {', '.join(close + [n for n in names if n not in close])}"
+
+
 def _read_config_text(path: str, name: str) -> str:
     """The text of a config file: a regular file (a device such as /dev/zero never ends, a FIFO
     may never open) of at most ``CONFIG_MAX_BYTES``, UTF-8. ``name`` names it in errors."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise ConfigError(f"config file {name}: not found") from None
+        raise ConfigError(f"config file {name}: not found{_files_beside(path)}") from None
     except OSError as e:
         raise ConfigError(f"config file {name}: cannot read ({e.strerror or e})") from None
     if not stat.S_ISREG(info.st_mode):
@@ -357,6 +370,9 @@ def load_config(path: str | typing.Sequence[str] | None, overrides: typing.Seque
     raw: dict = {}
     for p in paths:
         raw = _deep_merge(raw, _read_yaml(p))
+    if paths and "name" not in (raw.get("run") or {}):
+        # A config without a run name runs in a directory named after its file, not in another config's run.
+        raw = _deep_merge(raw, {"run": {"name": os.path.splitext(os.path.basename(paths[0]))[0]}})
     for ov in overrides:
         raw = apply_override(raw, ov)
     return config_from_dict(raw)

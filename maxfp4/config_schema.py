@@ -22,6 +22,15 @@ MODEL_KINDS = ("dense", "hybrid")
 MLP_KINDS = ("swiglu", "relu2")
 REMAT_POLICIES = ("none", "full", "save_gemm", "save_gemm_io")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_mask")
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+def did_you_mean(value: Any, choices) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``choices`` to a mistyped ``value``, else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,9 @@ class RunConfig:
     # min(60, lock_stale_s / 5) s) is older than this is taken over: a job requeued on another
     # node after its node was lost is not stranded. Longer than any stall of a live holder.
     lock_stale_s: float = 300.0
+    # Experiment trackers that receive the metrics, the config and the run's files (process 0):
+    # tensorboard, wandb, mlflow (maxfp4.trackers; wandb and mlflow are the extras of their name)
+    trackers: tuple[str, ...] = ("tensorboard",)
     # Share of each GPU's memory JAX's allocator reserves (XLA_PYTHON_CLIENT_MEM_FRACTION, which
     # wins when set; JAX's own default is 0.75). The rest holds the CUDA context, cuBLAS/cuDNN
     # workspaces and NCCL's buffers: 0.92 leaves 6.4 GB of an 80 GB H100.
@@ -52,6 +64,9 @@ class RunConfig:
         _require(bool(self.output_dir), "run.output_dir", self.output_dir, "a directory path")
         _require(math.isfinite(self.lock_stale_s) and self.lock_stale_s >= 10, "run.lock_stale_s", self.lock_stale_s,
                  "a number of seconds >= 10")
+        for name in self.trackers:
+            _require(name in TRACKERS, "run.trackers", list(self.trackers),
+                     f"names from {', '.join(TRACKERS)}{did_you_mean(name, TRACKERS)}")
         _require(0.1 <= self.gpu_memory_fraction <= 0.99, "run.gpu_memory_fraction", self.gpu_memory_fraction,
                  "a fraction in [0.1, 0.99]")
 

@@ -105,18 +105,24 @@ def end_of_records(path: str, step: int) -> tuple[int, int]:
 
 
 class MetricsLogger:
-    """Writes metrics.jsonl and TensorBoard events (when ``enabled``), and a progress line."""
+    """Writes metrics.jsonl and the trackers' records (when ``enabled``: process 0), and a
+    progress line. ``trackers``: ``run.trackers`` (:mod:`maxfp4.trackers`); ``config``: the
+    resolved config, the trackers' run parameters."""
 
-    def __init__(self, run_dir: str, *, total_steps: int, enabled: bool = True, stream=None):
+    def __init__(self, run_dir: str, *, total_steps: int, enabled: bool = True, stream=None,
+                 trackers=("tensorboard",), config: dict[str, Any] | None = None):
         self.enabled = enabled
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
+        self.run_dir = run_dir
         self._jsonl = None
-        self._tb = None
+        self._trackers = None
         if enabled:
             self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
-            from tensorboardX import SummaryWriter  # pure-Python event writer, no TensorFlow
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            from maxfp4.trackers import Trackers
+
+            self._trackers = Trackers(trackers, run_dir, config=config or {}, say=self.say)
+            self._trackers.log_files([os.path.join(run_dir, name) for name in ("config.yaml", "precision_table.txt")])
 
     def resume_at(self, step: int) -> None:
         """Before a run that starts at ``step`` (its checkpoint's) writes anything: the records
@@ -147,15 +153,13 @@ class MetricsLogger:
         self.say(self.progress_line(record))
 
     def write(self, record: dict[str, Any]) -> None:
-        """One line of metrics.jsonl and the TensorBoard scalars of one step."""
+        """One line of metrics.jsonl and the trackers' scalars of one step."""
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)) and v is not None:
-                self._tb.add_scalar(k, v, record["step"])
-        self._tb.flush()
+        self._trackers.log_scalars(record["step"], {k: v for k, v in record.items()
+                                                    if k != "step" and isinstance(v, (int, float))})
 
     def say(self, line: str) -> None:
         if self.enabled:
@@ -183,8 +187,19 @@ class MetricsLogger:
     def close(self) -> None:
         if self._jsonl:
             self._jsonl.close()
-        if self._tb:
-            self._tb.close()
+        if self._trackers:
+            if set(self._trackers.names) - {"tensorboard"}:  # a tracker that keeps files gets the loss plot
+                self._trackers.log_files([self._plot()])
+            self._trackers.close()
+
+    def _plot(self) -> str:
+        from maxfp4.plot import plot_runs
+
+        try:
+            return plot_runs([self.run_dir], os.path.join(self.run_dir, "loss.png"))
+        except Exception as error:  # noqa: BLE001 - a plot that cannot be drawn costs only the plot
+            self.say(f"warning: no loss plot for the trackers ({type(error).__name__}: {error})")
+            return ""
 
 
 class MetricsHook(Hook):

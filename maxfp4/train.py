@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from typing import Any, Sequence
 
 import jax
@@ -37,10 +38,12 @@ from maxfp4.data import make_batches, make_eval_batches
 from maxfp4.errors import exit_code_of
 from maxfp4.evaluate import EvalHook, make_eval_step
 from maxfp4.files import write_text_atomic
+from maxfp4.goodput import Goodput, GoodputHook
 from maxfp4.kernels.support import check_mamba_kernels
 from maxfp4.lm_eval_hook import check_eval_tasks, lm_eval_hook
 from maxfp4.loop import Every, Hook, Loop, close_hooks, every
 from maxfp4.interop.hf import check_init_from, read_params as read_hf_params
+from maxfp4.interop.positions import positions_warning
 from maxfp4.parallel.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsHook, MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import abstract_params, get_model
@@ -63,6 +66,7 @@ from maxfp4.reliability.run_lock import run_directory
 from maxfp4.reliability.stragglers import StragglerHook, StragglerMonitor
 from maxfp4.reliability.watchdog import HangWatchdog
 from maxfp4.state import TrainState
+from maxfp4.trackers import check_trackers_installed
 from maxfp4.step import check_loss_chunks, make_train_step
 
 
@@ -139,6 +143,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
           watch: PreemptionWatch | None = None) -> list[dict[str, Any]]:
     """Run the training loop described by ``cfg``; returns the logged metric records. ``watch``:
     the signal handling the command line installs at its start (else installed here)."""
+    started_at = time.time()
     own_watch = watch is None
     watch = watch or PreemptionWatch(say=_say)
     if jax.process_count() > 1:
@@ -149,18 +154,24 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
         cfg = start.cfg
         with run_directory(cfg.run_dir, say=_say, on_exit_hooks=watch.add_exit_hook,
                            stale_s=cfg.run.lock_stale_s) as lock:
+            goodput = Goodput(cfg.run_dir, started_at=started_at, enabled=jax.process_index() == 0, say=_say)
             data, eval_batches, to_global = open_data(start)
             optimizer = make_optimizer(cfg)
             state, state_sh = init_state(cfg, start.mesh, optimizer, start.policy)
             checkpointer = Checkpointer(cfg.run_dir, cfg.checkpoint)
-            state = restore(cfg, checkpointer, state, state_sh, data)
+            with goodput.timing("checkpoint_restore_s"):
+                state = restore(cfg, checkpointer, state, state_sh, data)
             # The data's bound on documents per row is the same on every process (the packing
             # layout is global), so every process compiles the same attention kernel.
             step_fn = jit_train_step(cfg, start.policy, optimizer, make_schedule(cfg), start.mesh, state_sh,
                                      start.xla_options, data.max_runs_per_row)
-            hooks, metrics = make_hooks(start, watch, lock, checkpointer, data, eval_batches, state_sh, stream)
-            loop = Loop(step_fn, state, (to_global(batch) for batch in data), total_steps=cfg.train.steps,
-                        hooks=hooks, should_stop=watch.should_stop)
+            hooks, metrics = make_hooks(start, watch, lock, checkpointer, data, eval_batches, state_sh, stream, goodput)
+            batches = goodput.timed_batches(to_global(batch) for batch in data)
+            loop = Loop(step_fn, state, batches, total_steps=cfg.train.steps, hooks=hooks,
+                        should_stop=watch.should_stop)
+            if loop.start_step >= cfg.train.steps and jax.process_index() == 0:
+                _say(f"nothing to train: the run finished at step {loop.start_step} (train.steps={cfg.train.steps}); "
+                     "raise train.steps to train on, or set run.name for a new run")
             failing = False
             try:
                 loop.run()
@@ -225,6 +236,9 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     check_deterministic_attention(cfg, platform)
     refuse_changed_run(cfg)
     check_init_from(cfg)
+    if jax.process_index() == 0 and (note := positions_warning(cfg)) and not finalized_steps(cfg.run_dir):
+        print(note, file=sys.stderr, flush=True)
+    check_trackers_installed(cfg.run.trackers)
     eval_tasks = check_eval_tasks(cfg)
     return StartUp(cfg, policy, table, mesh, xla_options,
                    compile_cache, eval_tasks)
@@ -247,6 +261,8 @@ def open_data(start: StartUp):
         write_text_atomic(os.path.join(cfg.run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         write_text_atomic(os.path.join(cfg.run_dir, "precision_table.txt"), start.table + "\n")
         _say(f"run directory {cfg.run_dir}")
+        for note in data.notes:
+            _say(note)
         _say("precision policy:\n" + start.table)
         _say(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)")
         _say(f"compilation cache {start.compile_cache or 'off'}; {determinism_summary(start.xla_options)}")
@@ -310,21 +326,22 @@ def make_metrics(start: StartUp, stream, eval_losses: dict[int, float], straggle
     cfg, mesh = start.cfg, start.mesh
     peaks = device_peaks(mesh.devices.flat[0])
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-    logger = MetricsLogger(cfg.run_dir, total_steps=cfg.train.steps, enabled=jax.process_index() == 0, stream=stream)
+    logger = MetricsLogger(cfg.run_dir, total_steps=cfg.train.steps, enabled=jax.process_index() == 0, stream=stream,
+                           trackers=cfg.run.trackers, config=cfg.to_dict())
     return MetricsHook(logger, tokens_per_step=tokens_per_step, n_devices=mesh.devices.size, peaks=peaks,
                        flops_per_step=flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step,
                        policy_peak=policy_peak_tflops(cfg.model, cfg.data.seq_len, start.policy, peaks) if peaks else None,
                        log_every=cfg.train.log_every, eval_losses=eval_losses, stragglers=stragglers)
 
 
-def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Checkpointer, data,
-               eval_batches: list, state_sh, stream) -> tuple[list[Hook | tuple[Hook, Every]], MetricsHook]:
+def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Checkpointer, data, eval_batches: list,
+               state_sh, stream, goodput: Goodput) -> tuple[list[Hook | tuple[Hook, Every]], MetricsHook]:
     """The hooks in the order they act at each point of the loop (maxfp4.loop): the watchdog and
     stragglers see a finished step before it is logged; the metrics start timing a step as soon as
     it is dispatched, before an evaluation holds the host; the checkpoint comes after evaluation and
     metrics (a save first settles the loop, writing the step's whole record); the rollback acts on
-    a step last; the periodic ones with their cadence (maxfp4.loop.every). Also returns the
-    metrics hook, whose records the run returns."""
+    a step last; the periodic ones with their cadence (maxfp4.loop.every); evaluation, saves and
+    rollbacks timed for goodput.json. Also returns the metrics hook, whose records the run returns."""
     cfg, mesh, res = start.cfg, start.mesh, start.cfg.resilience
     is_writer = jax.process_index() == 0
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -346,23 +363,33 @@ def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Check
         watchdog, stragglers and every(stragglers, res.straggler_every), FaultHook(res.fault, jax.process_index()),
         PreemptionHook(watch, checkpoints=cfg.checkpoint.enabled, say=_say),
         StepProfiler(cfg.train.profile_steps, os.path.join(cfg.run_dir, "profile"), enabled=is_writer),
-        metrics, every(evaluation, cfg.train.eval_every, last=True),
-        tasks and every(tasks, cfg.train.eval_every, last=True),
-        (checkpoints, checkpoints.cadence()),
+        metrics, GoodputHook(goodput),
+        goodput.timed(every(evaluation, cfg.train.eval_every, last=True), "evaluation_s"),
+        tasks and goodput.timed(every(tasks, cfg.train.eval_every, last=True), "evaluation_s"),
+        goodput.timed((checkpoints, checkpoints.cadence()), "checkpoint_save_s"),
         rerun_hook(res, mesh, _say, is_writer=is_writer),
-        RollbackHook(rollbacks, checkpointer, _say),
+        goodput.timed(RollbackHook(rollbacks, checkpointer, _say), "lost_s"),
     ]
     return [hook for hook in hooks if hook is not None], metrics
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m maxfp4.train", description="Train a language model from a YAML config.")
+        prog="python -m maxfp4.train", description="Train a language model from a YAML config.",
+        epilog="example: python -m maxfp4.train configs/quickstart.yaml train.steps=50")
     add_config_arguments(parser)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # argparse would name the missing arguments; a first try wants the usage
+        _parser().print_help(sys.stderr)
+        return 2
     args = parse_args(argv)
     distributed.set_gpu_environment_defaults()  # before anything starts the GPU backend
 

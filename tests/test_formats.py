@@ -2,7 +2,7 @@
 
 The references never call the code under test: number grids are enumerated from sign/exponent/
 mantissa bits, rounding searches the grid (ties to the even code, i.e. even mantissa), and scale
-arithmetic follows DESIGN.md section 3 step by step in float32 (the spec's scales are FP32, so
+arithmetic follows docs/PRECISION.md step by step in float32 (the spec's scales are FP32, so
 float32 is part of the definition; everything exact is done in float64). Comparisons are bitwise
 unless a test states a tolerance and why.
 """
@@ -101,7 +101,7 @@ def bits32(a) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference NVFP4 (DESIGN.md section 3)
+# Reference NVFP4 (docs/PRECISION.md)
 # ---------------------------------------------------------------------------------------------
 
 

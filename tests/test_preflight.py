@@ -26,7 +26,7 @@ def test_checks_pass_for_a_tiny_config_and_estimates_scale(tiny_cfg):
     cfg = tiny_cfg("mesh.data=8")
     checks = run_checks(cfg, jax.devices())
     assert [c.name for c in checks] == ["devices", "gemm", "allreduce", "data", "output", "memory"]
-    assert [c.ok for c in checks] == [True, None, True, True, True, None]  # no GEMM, no memory limit on CPU
+    assert [c.ok for c in checks] == [True, None, True, True, True, True]  # no GEMM off GPU; memory against the host's
     assert "psum over 8 device(s) correct" in format_table(checks)
     n_params, prec = state_sizes(cfg)
     assert checkpoint_bytes(n_params, prec) == 12 * n_params + prec

@@ -244,7 +244,7 @@ def test_nvfp4_matches_float64_of_quantized_operands():
 
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "mxfp8", "mxfp4", "fp8_block"])
 def test_weight_gradient_leaves_every_recipe_in_fp32(recipe):
-    """Weight-gradient accumulation is FP32 (DESIGN.md): dW leaves each recipe in FP32, and has
+    """Weight-gradient accumulation is FP32 (docs/PRECISION.md): dW leaves each recipe in FP32, and has
     more than BF16's 8 significant bits (some element differs from its BF16 rounding)."""
     from maxfp4.precision.registry import RECIPES
     fn, defaults = RECIPES[recipe].dot, RECIPES[recipe].spec.defaults

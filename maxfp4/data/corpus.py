@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from maxfp4.config import Config
+from maxfp4.data.holdout import hold_out_sequences, too_few_documents
 from maxfp4.data.records import MANIFEST, open_prepared, sha256_of
 from maxfp4.data.sources import source_documents
 from maxfp4.data.tokenizer import Tokenizer, load_checked, load_or_train_tokenizer
@@ -43,6 +44,7 @@ class Part:
     documents: Any
     lengths_N: np.ndarray
     weight: float = 1.0
+    held_N: np.ndarray | None = None  # held-out documents fixed by the data (maxfp4.data.holdout), else drawn
 
 
 def tokenize_documents(documents: Sequence[str], tokenizer: Tokenizer) -> list[np.ndarray]:
@@ -115,6 +117,9 @@ def load_corpus(cfg: Config, run_dir: str) -> tuple[Tokenizer, list[Part]]:
         tokenizer = load_or_train_tokenizer(cfg, [doc for docs in texts.values() for doc in docs], run_dir)
     parts = [prepared[i][0] if i in prepared else _text_part(f"{i}:{specs[i][0]}", texts[i], tokenizer, specs[i][2])
              for i in range(len(specs))]
+    # A part with too few documents for the fraction (one text file) holds out whole sequences.
+    parts = [hold_out_sequences(part, d.eval_fraction, cfg.run.seed, i, d.seq_len, rng)
+             if too_few_documents(len(part.lengths_N), d.eval_fraction) else part for i, part in enumerate(parts)]
     return tokenizer, parts
 
 
@@ -131,8 +136,13 @@ def load_eval_paths(cfg: Config, tokenizer: Tokenizer) -> Part:
 
 def split_documents(part: Part, fraction: float, seed: int, index: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, held-out) document indices: a seeded choice of round(fraction x N) documents, at
-    least one when fraction > 0; both sorted, so the split is a function of the data and seed only."""
+    least one when fraction > 0; both sorted, so the split is a function of the data and seed only.
+    A part cut by :func:`maxfp4.data.holdout.hold_out_sequences` names its held-out documents."""
     n = len(part.lengths_N)
+    if part.held_N is not None:
+        keep = np.ones(n, bool)
+        keep[part.held_N] = False
+        return np.flatnonzero(keep).astype(np.int64), part.held_N
     n_eval = max(1, round(fraction * n)) if fraction > 0 else 0
     if fraction > 0 and n_eval >= n:
         raise DataError(f"data.eval_fraction={fraction}: the data ({part.name}) has {n} document(s), too few "

@@ -29,6 +29,7 @@ from maxfp4.config import Config
 from maxfp4.data.corpus import (STREAM_DOCUMENTS, STREAM_EPOCH, STREAM_MIXTURE, STREAM_SYNTHETIC, Part,
                                 grain_seed, load_corpus, load_eval_paths, rng, split_documents,
                                 tokenize_documents)
+from maxfp4.data.holdout import sequences_note
 from maxfp4.data.packing import EmptyRows, PackedRows, PackedRowSource, chunk_document, pack_chunks
 from maxfp4.data.tokenizer import Tokenizer
 from maxfp4.errors import DataError
@@ -105,6 +106,9 @@ class BatchIterator:
         self.tokenizer = tokenizer
         # The loaded corpus (None for synthetic data), so make_eval_batches need not load it again.
         self.corpus = (tokenizer, parts) if parts is not None else None
+        # Start-up lines about how the data was split (a part held out as sequences).
+        self.notes = [sequences_note(part, cfg.data.eval_fraction, cfg.data.seq_len)
+                      for part in parts or [] if part.held_N is not None]
         self.num_tokens = num_tokens
         self.num_rows = num_rows
         self.max_runs_per_row = max_runs_per_row

@@ -1,4 +1,4 @@
-"""``python -m maxfp4.export RUN_DIR --out DIR [--format hf|native] [--dtype bf16|fp32] [--step N]
+"""``python -m maxfp4.export RUN_DIR [--out DIR] [--format hf|native] [--dtype bf16|fp32] [--step N]
 [--shard-size 5GB] [--force]``.
 
 Writes a checkpoint's parameters for use outside maxfp4.
@@ -66,7 +66,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m maxfp4.export",
                                      description="Export a run's parameters (Hugging Face or maxfp4 layout).")
     parser.add_argument("run_dir", help="run directory (<output_dir>/<run name>)")
-    parser.add_argument("--out", required=True, help="directory to write (must not exist, unless --force)")
+    parser.add_argument("--out", help="directory to write (must not exist, unless --force; default: beside the run, "
+                                      "<run dir>-step<N>-<format>)")
     parser.add_argument("--format", default="hf", choices=FORMATS,
                         help="hf: a directory transformers loads (default); native: maxfp4's names and layout")
     parser.add_argument("--dtype", default="bf16", choices=DTYPES, help="tensor dtype (default bf16)")
@@ -85,10 +86,10 @@ def flat_params(params: Any) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(x) for path, x in leaves}
 
 
-def export(run_dir: str, out: str, *, fmt: str = "hf", dtype: str = "bf16", step: int | None = None,
+def export(run_dir: str, out: str | None = None, *, fmt: str = "hf", dtype: str = "bf16", step: int | None = None,
            force: bool = False, shard_size: int = 5 * 10**9) -> str:
     """Export ``run_dir``'s checkpoint (newest, or ``step``) into ``out``; returns the path of
-    the written config (hf) or safetensors file (native)."""
+    the written config (hf) or safetensors file (native). ``out`` None: ``<run dir>-step<N>-<fmt>``."""
     import jax
 
     from maxfp4.checkpoint import checkpoint_dir, finalized_steps, one_line_reason, read_params, saved_config
@@ -100,10 +101,6 @@ def export(run_dir: str, out: str, *, fmt: str = "hf", dtype: str = "bf16", step
         raise ExportError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
     if not os.path.isdir(run_dir):
         raise ExportError(f"run directory {run_dir}: not found; expected <output_dir>/<run name> of a run")
-    if os.path.exists(out) and not force:
-        raise ExportError(f"--out {out}: already exists; expected a new directory (or --force to write into it)")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ExportError(f"--out {out}: is a file; expected a directory")
     checkpoints = checkpoint_dir(run_dir)
     steps = finalized_steps(run_dir)
     if not steps:
@@ -113,6 +110,11 @@ def export(run_dir: str, out: str, *, fmt: str = "hf", dtype: str = "bf16", step
     elif step not in steps:
         raise ExportError(f"--step {step}: no such checkpoint in {checkpoints}; expected one of "
                           f"{', '.join(map(str, steps))}")
+    out = out or f"{os.path.normpath(run_dir)}-step{step}-{fmt}"
+    if os.path.exists(out) and not force:
+        raise ExportError(f"--out {out}: already exists; expected a new directory (or --force to write into it)")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(f"--out {out}: is a file; expected a directory")
     saved = saved_config(run_dir, step=step)
     if saved is None:
         raise ExportError(f"run directory {run_dir}: no saved config (checkpoint config item or config.yaml)")
@@ -134,7 +136,9 @@ def export(run_dir: str, out: str, *, fmt: str = "hf", dtype: str = "bf16", step
         return _export_native(run_dir, out, model_cfg, params, step, dtype)
     seq_len = int((saved[0].get("data") or {}).get("seq_len") or 0) or 2048
     # The model section and seq_len too, so maxfp4's own tools (python -m maxfp4.sample) read the export.
-    provenance = {"run_dir": os.path.abspath(run_dir), "checkpoint": os.path.join(checkpoints, str(step)),
+    # Names, not this machine's paths: the export is copied to other machines and shared.
+    provenance = {"run": os.path.basename(os.path.normpath(run_dir)),
+                  "checkpoint": os.path.relpath(os.path.join(checkpoints, str(step)), run_dir),
                   "step": step, "dtype": dtype, "model": _plain_model(model_cfg), "seq_len": seq_len}
     return _export_hf(out, model_cfg, params, abstract, tokenizer, dtype=dtype, shard_size=shard_size,
                       max_positions=seq_len, provenance=provenance)

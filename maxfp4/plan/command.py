@@ -66,14 +66,29 @@ def format_table(rows: list[dict]) -> str:
         f"{OVERLAP:.0%} hidden, tensor comm exposed; days and GPU-hours at goodput {r0['goodput']:.0%} (failures, restarts, "
         f"checkpoints: --goodput)",
         "",
-        f"{'precision':<10}{'mem GB':>9}{'other remat':>12}{'fits':>6}{'compute s':>11}{'comm s':>9}"
+        f"{'precision':<17}{'mem GB':>9}{'other remat':>12}{'fits':>6}{'compute s':>11}{'comm s':>9}"
         f"{'step s':>9}{'MFU':>6}{'days':>10}{'GPU-hours':>13}",
     ]
     for r in rows:
-        lines.append(f"{r['precision']:<10}{r['memory_per_device_gb']:>9.1f}{r['memory_other_remat_gb']:>12.1f}"
+        label = r["precision"] + (" (emulated)" if _emulated(r["precision"], r["gpu"]) else "")
+        lines.append(f"{label:<17}{r['memory_per_device_gb']:>9.1f}{r['memory_other_remat_gb']:>12.1f}"
                      f"{'yes' if r['fits'] else 'NO':>6}{r['compute_s']:>11.3f}{r['comm_s']:>9.3f}"
                      f"{r['step_time_s']:>9.3f}{r['mfu']:>6.0%}{r['days']:>10.2f}{r['gpu_hours']:>13,.0f}")
+    other = "full" if r0["remat"] == "none" else "none"
+    lines += ["", f"mem GB: memory per device with train.remat={r0['remat']}; other remat: the same with "
+                  f"train.remat={other}; fits: within the usable memory;",
+              "compute s, comm s (exposed), step s: one step; MFU: model FLOPs over the BF16 peak;",
+              "(emulated): the GPU has no tensor cores of that format: BF16 GEMMs plus the quantization passes"]
     return "\n".join(lines)
+
+
+def _emulated(precision: str, gpu: str) -> bool:
+    """A precision whose peak class the GPU lacks (NVFP4 on Hopper) runs emulated."""
+    from maxfp4.metrics import DEVICE_PEAKS_TFLOPS
+    from maxfp4.plan.cost import PLAN_RECIPES
+    from maxfp4.precision.catalog import SPECS
+
+    return SPECS[PLAN_RECIPES[precision]].peak not in DEVICE_PEAKS_TFLOPS[gpu.upper()]
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -86,6 +101,20 @@ def _number(text: str, flag: str) -> float:
         return float(text.replace("_", ""))
     except ValueError:
         raise UserError(f"{flag} {text}: expected a number") from None
+
+
+def _goodput(text: str) -> float:
+    """``--goodput``: a fraction, or a run directory (or its goodput.json) whose measured one is used."""
+    import os
+
+    if not os.path.exists(text):
+        return _number(text, "--goodput")
+    from maxfp4.goodput import read_goodput
+
+    measured = read_goodput(text).get("goodput")
+    if not measured:
+        raise UserError(f"--goodput {text}: no measured goodput there (goodput.json is written by a training run)")
+    return measured
 
 
 def _count(text: str, flag: str) -> int:
@@ -115,7 +144,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "then ~4.2M)")
     parser.add_argument("--gpus-per-node", default=str(GPUS_PER_NODE), help="GPUs a node (default 8)")
     parser.add_argument("--goodput", default=str(GOODPUT),
-                        help=f"share of wall-clock time that trains (default {GOODPUT})")
+                        help=f"share of wall-clock time that trains (default {GOODPUT}), or a run directory "
+                             "whose measured goodput.json gives it")
     parser.add_argument("--what-if", nargs="?", const="default", metavar="N,N,...",
                         help="days and GPU-hours for these GPU counts x precisions (default grid "
                              "8..16384)")
@@ -132,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens = _number(args.tokens, "--tokens")
         batch_tokens = _number(args.batch_tokens, "--batch-tokens") if args.batch_tokens is not None else None
         gpus_per_node = _count(args.gpus_per_node, "--gpus-per-node")
-        goodput = _number(args.goodput, "--goodput")
+        goodput = _goodput(args.goodput)
         if args.what_if is None:
             if args.gpus is None:
                 raise UserError("--gpus: expected a number of GPUs (or --what-if for a grid)")

@@ -15,6 +15,8 @@ only rules without ``layers`` apply to it.
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import math
 from fractions import Fraction
@@ -88,7 +90,20 @@ def is_recipe(value: Any) -> bool:
 
 
 def _unknown_recipe(key: str, value: Any) -> ConfigError:
-    return ConfigError(f"{key}={describe(value)}: unknown recipe; expected one of {', '.join(RECIPE_NAMES)}")
+    return ConfigError(f"{key}={describe(value)}: unknown recipe; expected one of {', '.join(RECIPE_NAMES)}"
+                       f"{_recipe_hint(value)}")
+
+
+def _recipe_hint(value) -> str:
+    """" (did you mean ...?)": recipes that start with or resemble ``value``, and the preset of that name."""
+    import difflib
+
+    text = str(value)
+    close = [n for n in RECIPE_NAMES if n.startswith(text)] or difflib.get_close_matches(text, RECIPE_NAMES, n=2, cutoff=0.6)
+    preset = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                          "configs", "precision", f"{text}.yaml")
+    options = [repr(n) for n in close] + ([f"the preset configs/precision/{text}.yaml"] if os.path.isfile(preset) else [])
+    return f" (did you mean {' or '.join(options)}?)" if options else ""
 
 
 # ----------------------------------------------------------------------------- rules

@@ -17,7 +17,8 @@ Checks, each one line when it fails (exit code 2), a short table when all pass:
   + the precision state;
 - memory: a rough per-device estimate (weights, gradients and Adam moments over the
   model-parallel axes, plus saved activations and logits) against the device's memory limit;
-  skipped with a note where the device reports no memory statistics (CPU).
+  devices without memory statistics (CPU) share the host's memory: their estimate is compared
+  with the machine's physical memory.
 """
 
 from __future__ import annotations
@@ -240,8 +241,7 @@ def check_memory(cfg: Config, devices: Sequence[jax.Device], n_params: int, mesh
     stats = local[0].memory_stats() if hasattr(local[0], "memory_stats") else None
     limit = (stats or {}).get("bytes_limit")
     if not limit:
-        return Check("memory", None, f"~{need / 2**30:.2f} GiB per device estimated; "
-                                     f"{local[0].platform} reports no memory limit, not compared")
+        return check_host_memory(cfg, need * len(local), local[0].platform)
     if need > MEMORY_HEADROOM * limit:
         remat = "" if cfg.train.remat == "full" else ", or set train.remat=full"
         return Check("memory", False, f"about {need / 2**30:.1f} GiB per device estimated, over "
@@ -249,6 +249,30 @@ def check_memory(cfg: Config, devices: Sequence[jax.Device], n_params: int, mesh
                                       f"(mesh.fsdp), lower data.global_batch or raise train.microbatches{remat} "
                                       f"(the estimate is rough: resilience.preflight=false runs anyway)")
     return Check("memory", True, f"~{need / 2**30:.1f} of {limit / 2**30:.1f} GiB per device")
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(cfg: Config, need: int | float, platform: str) -> Check:
+    """Devices without a memory limit of their own (CPU) share the host's memory: this process's
+    devices' estimate against the machine's physical memory, so a GPU-sized config is refused in
+    one line instead of swapping for minutes before its first step."""
+    host = host_memory_bytes()
+    if not host:
+        return Check("memory", None, f"~{need / 2**30:.2f} GiB estimated; {platform} reports no memory limit and "
+                                     "the host's memory is unknown, not compared")
+    if need > MEMORY_HEADROOM * host:
+        return Check("memory", False, f"about {need / 2**30:.1f} GiB estimated for this process's {platform} devices, "
+                                      f"over {MEMORY_HEADROOM:.0%} of the host's {host / 2**30:.1f} GiB; this config "
+                                      "is sized for GPUs (try configs/quickstart.yaml on a CPU; "
+                                      "resilience.preflight=false runs anyway)")
+    return Check("memory", True, f"~{need / 2**30:.2f} of the host's {host / 2**30:.1f} GiB ({platform})")
 
 
 # ----------------------------------------------------------------------------- running them

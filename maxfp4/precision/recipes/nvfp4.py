@@ -2,7 +2,7 @@
 
 E2M1 elements in blocks of 16 along the contraction dimension with an E4M3 scale each and an
 FP32 scale per tensor; 16x16 weight tiles, a 16-point Hadamard transform on the wgrad operands,
-stochastic rounding of dY (DESIGN.md section 3). Emulated exactly on Hopper and CPU.
+stochastic rounding of dY (docs/PRECISION.md). Emulated exactly on Hopper and CPU.
 
 Dimension letters: M tokens (batch x sequence), K input features, N output features.
 """
@@ -104,7 +104,7 @@ def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | N
     of 16 tokens; ``key`` rounds dY stochastically. With ``rht`` the 16-point Hadamard transform
     along M spreads outliers first (H^T H = I, so the product is unchanged); ``rht_bf16`` rounds
     the transform to BF16 before it is quantized, as Transformer Engine's kernel does.
-    The FP32 accumulation leaves unrounded: the weight gradient is FP32 (DESIGN.md).
+    The FP32 accumulation leaves unrounded: the weight gradient is FP32 (docs/PRECISION.md).
 
     Blackwell's FP4 GEMM needs both operands K-major, so they are quantized as [K, M] and
     [N, M]. Emulated, the same values (bit for bit) are formed in the activations' own [M, K]
