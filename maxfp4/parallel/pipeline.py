@@ -50,6 +50,8 @@ from maxfp4.model_spec import model_spec
 from maxfp4.precision import PrecisionPolicy
 
 AXIS = "pipeline"
+# The start-up check and the bubble live beside the cuts and the schedule; callers import them here.
+__all__ = ["AXIS", "bubble_fraction", "check_stages", "make_pipelined_loss"]
 
 
 @jax.custom_vjp
