@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
 
 from train_throughput import run_child  # benchmarks/ is the script's directory
 
-sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from maxfp4.parallel.pipeline_schedule import bubble_fraction  # noqa: E402
 
 

@@ -167,7 +167,8 @@ def test_balanced_cuts_are_the_least_largest_stage_of_every_cut():
     spec = model_spec(cfg.model)
     assert sum(costs) == pytest.approx(spec.flops_per_token(cfg.data.seq_len) - 6.0 * spec.lm_head.params, rel=1e-12)
     for n_stages in (2, 3, 4):
-        best = min(max(stage_costs(costs, (0, *cut))) for cut in itertools.combinations(range(1, len(costs)), n_stages - 1))
+        cuts = itertools.combinations(range(1, len(costs)), n_stages - 1)
+        best = min(max(stage_costs(costs, (0, *cut))) for cut in cuts)
         starts = balanced_cuts(costs, n_stages)
         assert len(starts) == n_stages and starts[0] == 0 and list(starts) == sorted(set(starts))
         assert max(stage_costs(costs, starts)) == pytest.approx(best, rel=1e-12)
@@ -188,6 +189,9 @@ def test_stage_layouts_that_cannot_run_are_one_line():
     assert refused(*PIPELINED, "mesh.pipeline_repeats=3") == (
         "mesh.pipeline_repeats=3: cannot cut the 4 blocks into mesh.pipeline=2 x 3 stages of the same block "
         "types; expected mesh.pipeline_repeats one of 1, 2")
+    assert refused(*HYBRID[:1], "model.pattern=M*-MM-", *HYBRID[2:], *CIRCULAR) == (
+        "mesh.pipeline=2 mesh.pipeline_repeats=2: cannot cut model.pattern=M*-MM- into 4 stages of the same block "
+        "types; expected mesh.pipeline one of 1 with mesh.pipeline_repeats=1")
     assert refused(*CIRCULAR, "train.microbatches=3", "data.global_batch=24") == (
         "train.microbatches=3: expected a multiple of mesh.pipeline=2 with mesh.pipeline_repeats=2 (the "
         "microbatches go round the stages in groups of 2), e.g. train.microbatches=4")

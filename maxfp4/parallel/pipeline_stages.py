@@ -91,11 +91,13 @@ def stage_model(model: ModelConfig, stages: int, repeats: int = 1) -> ModelConfi
     n, n_stages = len(types), stages * repeats
     if not _alike(types, n_stages):
         what = f"model.pattern={model.pattern}" if model.kind == "hybrid" else f"the {n} blocks"
-        if repeats == 1:
+        works = _working(n // stages, lambda v: _alike(types, stages * v))
+        if repeats == 1 or not works:  # no repeats help: another pipeline degree does
             works = _working(n, lambda p: _alike(types, p))
-            raise ConfigError(f"mesh.pipeline={stages}: cannot cut {what} into {stages} stages of the same block "
-                              f"types; expected mesh.pipeline one of {works}")
-        works = _working(n, lambda v: _alike(types, stages * v))
+            keys = f"mesh.pipeline={stages}" + (f" mesh.pipeline_repeats={repeats}" if repeats > 1 else "")
+            with_one = " with mesh.pipeline_repeats=1" if repeats > 1 else ""
+            raise ConfigError(f"{keys}: cannot cut {what} into {n_stages} stages of the same block types; "
+                              f"expected mesh.pipeline one of {works}{with_one}")
         raise ConfigError(f"mesh.pipeline_repeats={repeats}: cannot cut {what} into mesh.pipeline={stages} x "
                           f"{repeats} stages of the same block types; expected mesh.pipeline_repeats one of {works}")
     part = n // n_stages
