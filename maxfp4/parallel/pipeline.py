@@ -129,8 +129,10 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
             # table's gradient (XLA's CPU compiler fails on a BF16 cotangent summed over stages).
             first = (p == 0) & (v == 0)
             x_BTD = jnp.where(first, embed_tokens(others["embed"], micro["inputs"][i]), received_BTD)
-            stage_blocks = jax.tree.map(lambda a: a[v], blocks_V)
-            stage_scales = jax.tree.map(lambda a: a[v], scales["blocks"])
+            # GPipe's one stage a device is a static index: its program stays the one it was
+            held = 0 if repeats == 1 else v
+            stage_blocks = jax.tree.map(lambda a: a[held], blocks_V)
+            stage_scales = jax.tree.map(lambda a: a[held], scales["blocks"])
             mb_key = jax.random.fold_in(key, i)
             y_BTD = stage_forward({**others, **stage_blocks}, x_BTD, micro["positions"][i],
                                   micro["segment_ids"][i], scales={"blocks": stage_scales},
