@@ -19,8 +19,9 @@ their one layout (stacked over all blocks in block order, the stack split into P
 over ``pipeline`` by the ``layers`` rule of :mod:`maxfp4.parallel.mesh`): checkpoints and exports
 do not depend on P or V. With V > 1 a device's stages are not its contiguous part, so each step
 starts with an all-to-all over ``pipeline`` that hands every device its V stages' weights (and
-the gradients go back the same way): (V - 1) / V of the blocks' weights cross the pipeline axis
-twice a step, once for all M microbatches. That is the price of the layout staying the checkpoint's.
+the gradients go back the same way): most of the blocks' weights (half at P = V = 2, three
+quarters at P = 4, V = 2) cross the pipeline axis twice a step, once for all M microbatches.
+That is the price of the layout staying the checkpoint's.
 
 FP8 delayed scaling: each tick hands the stage a copy of the scales whose cotangent (the amax)
 counts only where the tick ran a real microbatch (:func:`_fan_out_max`), and the copies combine

@@ -1,7 +1,7 @@
 """The pipeline's schedule as a table, without JAX: which microbatch and which repeat each device
 runs at each tick, and where each device's stages come from in the stacked blocks.
 
-Circular schedule (MaxText's "circular pipeline", the interleaved 1F1B's forward order): the
+Circular schedule (MaxText's "circular pipeline"; the forward order of Megatron's interleaved one): the
 block stack is cut into S = P x V stages (P = ``mesh.pipeline`` devices, V =
 ``mesh.pipeline_repeats``), stage s on device s mod P, so each device holds V stages that are
 P stages apart and a microbatch goes round the devices V times. The microbatches go in groups
