@@ -291,6 +291,9 @@ class MeshConfig:
     # pipeline stages: each keeps 1/pipeline of the blocks, and train.microbatches (at least
     # this many) stream through them (maxfp4.parallel.pipeline)
     pipeline: int = 1
+    # stages a pipeline device holds: the stack is cut into pipeline x pipeline_repeats stages,
+    # stage s on device s mod pipeline (the circular schedule; 1: GPipe's)
+    pipeline_repeats: int = 1
     fsdp: int = 1
     # splits each sequence across devices (long contexts)
     context: int = 1
@@ -303,6 +306,8 @@ class MeshConfig:
                 "expert": self.expert, "tensor": self.tensor}
         for name, v in axes.items():
             _require(v == -1 or v >= 1, f"mesh.{name}", v, "a positive integer or -1 (the remaining devices)")
+        _require(self.pipeline_repeats >= 1, "mesh.pipeline_repeats", self.pipeline_repeats,
+                 "a positive integer (1: each device one stage)")
         remaining = {name: v for name, v in axes.items() if v == -1}
         _require(len(remaining) <= 1, "mesh", remaining, "at most one axis of size -1")
         for name in ("context", "expert"):

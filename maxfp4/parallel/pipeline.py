@@ -1,31 +1,38 @@
-"""Pipeline parallelism (``mesh.pipeline``): the block stack split into stages of consecutive
-blocks, each stage's blocks resident on its devices, microbatches streamed through the stages.
+"""Pipeline parallelism (``mesh.pipeline``, ``mesh.pipeline_repeats``): the block stack cut into
+stages of consecutive blocks, each stage's blocks resident on its device, microbatches streamed
+through the stages.
 
-Schedule: GPipe's, written as one scan over ``M + P - 1`` ticks (M = ``train.microbatches``, P
-stages). At tick t stage p runs microbatch t - p through its blocks and hands its output to stage
-p + 1 (``ppermute``); stage 0 reads the embedded microbatch, the last stage applies the final norm,
-the LM head and the loss. Autodiff runs the ticks backwards, so the backward pass is pipelined the
-same way. Each stage idles for P - 1 of the M + P - 1 ticks of each pass: the bubble fraction is
-``(P - 1) / (M + P - 1)``, which shrinks as the microbatches grow (M = 4 P: 11% at P = 2).
+Schedule (:mod:`maxfp4.parallel.pipeline_schedule`): P devices, V repeats, S = P x V stages,
+stage s on device s mod P; V = 1 is GPipe's, V > 1 the circular (interleaved) one. It runs as one
+scan over the ticks of :func:`~maxfp4.parallel.pipeline_schedule.schedule_table`: at each tick a
+device reads which microbatch and which of its V stages to run, runs it and hands the output to
+the next device round the ring (``ppermute``); device 0's first stage reads the embedded
+microbatch, the last stage applies the final norm, the LM head and the loss. Autodiff runs the
+ticks backwards, so the backward pass is pipelined the same way. Bubble fraction:
+(P - 1) / (V x M + P - 1) for M = ``train.microbatches`` (a multiple of P when V > 1).
 
 The stages are one program (``shard_map`` over ``pipeline``, the other axes left to XLA, so data,
-fsdp and tensor compose as without stages): every stage runs the blocks of the stage model
-(:func:`stage_model`), a model of ``n_layers / P`` blocks whose parameters are that stage's slice
-of the stacked blocks. So the stages must be alike: the same block types in the same order (a
-hybrid pattern made of P equal parts) and the same recipes (:func:`check_stages`). The
-parameters keep their one layout (stacked over all blocks, the stack split over ``pipeline`` by
-the ``layers`` rule of :mod:`maxfp4.parallel.mesh`): checkpoints and exports do not depend on P.
+fsdp and tensor compose as without stages): every stage runs the stage model
+(:func:`~maxfp4.parallel.pipeline_stages.stage_model`) on its slice of the stacked blocks, so the
+stages must be alike (:func:`~maxfp4.parallel.pipeline_stages.check_stages`). The parameters keep
+their one layout (stacked over all blocks in block order, the stack split into P contiguous parts
+over ``pipeline`` by the ``layers`` rule of :mod:`maxfp4.parallel.mesh`): checkpoints and exports
+do not depend on P or V. With V > 1 a device's stages are not its contiguous part, so each step
+starts with an all-to-all over ``pipeline`` that hands every device its V stages' weights (and
+the gradients go back the same way): most of the blocks' weights (half at P = V = 2, three
+quarters at P = 4, V = 2) cross the pipeline axis twice a step, once for all M microbatches.
+That is the price of the layout staying the checkpoint's.
 
 FP8 delayed scaling: each tick hands the stage a copy of the scales whose cotangent (the amax)
 counts only where the tick ran a real microbatch (:func:`_fan_out_max`), and the copies combine
 by max, as the microbatches of the unpipelined step do; a bubble tick's values never reach them.
 
-Dimension letters: M microbatches, B rows of a microbatch, T sequence, D d_model.
+Dimension letters: M microbatches, B rows of a microbatch, T sequence, D d_model, N ticks,
+V repeats (a device's stages), K chunks a device sends another, P devices on the pipeline axis.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -33,8 +40,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from maxfp4.config import Config, ConfigError, ModelConfig
+from maxfp4.config import Config
 from maxfp4.parallel.mesh import split_microbatches
+from maxfp4.parallel.pipeline_schedule import bubble_fraction, circular_chunks, schedule_table
+from maxfp4.parallel.pipeline_stages import check_stages, stage_model, stage_policy
 from maxfp4.model import get_model
 from maxfp4.model.layers import ACT_DTYPE, embed_tokens, output_logits
 from maxfp4.model.loss import chunked_loss_sum, token_losses
@@ -42,70 +51,8 @@ from maxfp4.model_spec import model_spec
 from maxfp4.precision import PrecisionPolicy
 
 AXIS = "pipeline"
-
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """The share of a pass each stage idles: (P - 1) / (M + P - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
-
-
-def _working_degrees(n_blocks: int, alike) -> list[int]:
-    return [p for p in range(1, n_blocks + 1) if n_blocks % p == 0 and alike(p)]
-
-
-def stage_model(model: ModelConfig, stages: int) -> ModelConfig:
-    """The model one stage runs: ``n_layers / stages`` blocks (a hybrid: one of ``stages`` equal
-    parts of the pattern). One line naming the keys when the stack does not split so."""
-    n = model.n_layers
-    spec = model_spec(model)
-    types = tuple(b.type for b in spec.blocks)
-
-    def alike(p: int) -> bool:
-        part = n // p
-        return all(types[i] == types[i % part] for i in range(n))
-
-    if n % stages or not alike(stages):
-        works = ", ".join(str(p) for p in _working_degrees(n, alike))
-        what = "model.pattern into equal parts" if model.kind == "hybrid" else f"the {n} blocks"
-        raise ConfigError(f"mesh.pipeline={stages}: cannot split {what}, one a stage; expected one of {works}")
-    part = n // stages
-    # cuDNN's fused attention does not compile inside the stages' shard_map (XLA segfaults, H200,
-    # jax 0.11.2, 2026-11-28): the stages take XLA's attention (check_stages refuses cudnn).
-    model = dataclasses.replace(model, attention="xla")
-    if model.kind == "hybrid":
-        return dataclasses.replace(model, pattern=model.pattern[:part], n_layers=part)
-    return dataclasses.replace(model, n_layers=part)
-
-
-def stage_policy(policy: PrecisionPolicy, stages: int) -> PrecisionPolicy:
-    """The policy of one stage's blocks: every stage's rows must be the first stage's (the stages
-    are one program); one line naming the first block that differs."""
-    part = policy.n_layers // stages
-    rows = policy.block_table[:part]
-    for i, row in enumerate(policy.block_table):
-        if row != rows[i % part]:
-            raise ConfigError(
-                f"mesh.pipeline={stages}: precision gives block {i} the recipes {'/'.join(sorted(set(row)))} "
-                f"and block {i % part} (the same place in the first stage) {'/'.join(sorted(set(rows[i % part])))}; "
-                f"expected the same recipes at the same place of every stage (precision.rules without "
-                f"'layers', or layers that repeat every {part} blocks)")
-    return dataclasses.replace(policy, n_layers=part, block_table=rows)
-
-
-def check_stages(cfg: Config, policy: PrecisionPolicy) -> None:
-    """Every start-up check of ``mesh.pipeline``: blocks, recipes and microbatches."""
-    stages = cfg.mesh.pipeline
-    if stages == 1:
-        return
-    stage_model(cfg.model, stages)
-    stage_policy(policy, stages)
-    if cfg.model.attention.startswith("cudnn"):
-        raise ConfigError(f"model.attention={cfg.model.attention}: cuDNN's attention does not compile inside pipeline "
-                          f"stages (mesh.pipeline={stages}); expected auto or xla (the stages run XLA's attention)")
-    if cfg.train.microbatches < stages:
-        raise ConfigError(f"train.microbatches={cfg.train.microbatches}: expected at least mesh.pipeline={stages} "
-                          f"microbatches to fill the stages (e.g. train.microbatches={4 * stages}: bubble "
-                          f"{bubble_fraction(stages, 4 * stages):.0%})")
+# The start-up check and the bubble live beside the cuts and the schedule; callers import them here.
+__all__ = ["AXIS", "bubble_fraction", "check_stages", "make_pipelined_loss"]
 
 
 @jax.custom_vjp
@@ -129,18 +76,35 @@ def _fan_out_max_bwd(valid_N, ct):
 _fan_out_max.defvjp(_fan_out_max_fwd, _fan_out_max_bwd)
 
 
+def _own_stages(local: jax.Array, stages: int, repeats: int, p: jax.Array) -> jax.Array:
+    """[V x C, ...] (this device's contiguous part of a stack, C rows a stage) -> [V, C, ...]:
+    this device's V stages (stage v x P + p as the v-th). One all-to-all over the pipeline axis;
+    its transpose hands the gradients back to the checkpoint's layout."""
+    chunks_VC = local.reshape(repeats, local.shape[0] // repeats, *local.shape[1:])
+    if repeats == 1:
+        return chunks_VC
+    send_PPK, recv_PV, k = circular_chunks(stages, repeats)
+    out_PK = jnp.take(chunks_VC, jnp.asarray(send_PPK)[p], axis=0)  # [P(destination), K, C, ...]
+    in_PK = jax.lax.all_to_all(out_PK, AXIS, 0, 0)  # [P(source), K, C, ...]
+    in_flat = in_PK.reshape(stages * k, *in_PK.shape[2:])
+    return jnp.take(in_flat, jnp.asarray(recv_PV)[p], axis=0)
+
+
 def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int | None, mesh) -> Callable:
     """``loss_fn(params, scales, batch, key, denom)`` as :func:`maxfp4.step.make_loss_fn` gives
     it, computed over ``train.microbatches`` microbatches streamed through the stages of ``mesh``
     (the concrete mesh: cuDNN attention's partitioning rule inside the stages needs its devices)."""
-    stages, m = cfg.mesh.pipeline, cfg.train.microbatches
-    model_cfg = stage_model(cfg.model, stages)
-    s_policy = stage_policy(policy, stages)
+    stages, repeats, m = cfg.mesh.pipeline, cfg.mesh.pipeline_repeats, cfg.train.microbatches
+    model_cfg = stage_model(cfg.model, stages, repeats)
+    s_policy = stage_policy(policy, stages * repeats)
     stage_forward = functools.partial(
         get_model(model_cfg).forward_embedded, cfg=model_cfg, policy=s_policy, remat=cfg.train.remat,
         scan_layers=cfg.train.scan_layers, logits=False, runs_per_row=runs_per_row)
     groups = tuple(dict.fromkeys(b.group for b in model_spec(cfg.model).blocks))
-    chunks, ticks = cfg.train.loss_chunks, m + stages - 1
+    chunks = cfg.train.loss_chunks
+    table_NP2 = schedule_table(stages, repeats, m)  # the ticks this loss runs, and the bubble's count
+    # GPipe hands the last stage's output to nobody; the circular schedule back to device 0
+    ring = [(s, (s + 1) % stages) for s in range(stages if repeats > 1 else stages - 1)]
 
     def head_loss(params, y_BTD, targets_BT, mask_BT, scales, key):
         """Summed token loss of one microbatch on the last stage (the full model's head)."""
@@ -152,31 +116,38 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
 
     def per_stage(blocks, others, block_scales, head_scales, micro, key):
         p = jax.lax.axis_index(AXIS)
-        params = {**others, **blocks}
-        t_N = jnp.arange(ticks)
-        valid_N = (t_N >= p) & (t_N - p < m)  # this stage's ticks that run a real microbatch
-        scales_N = _fan_out_max({"blocks": block_scales, "head": head_scales}, valid_N)
+        own = functools.partial(_own_stages, stages=stages, repeats=repeats, p=p)
+        blocks_V = jax.tree.map(own, blocks)
+        microbatch_N, repeat_N = (jnp.asarray(table_NP2[..., j])[:, p] for j in (0, 1))
+        valid_N = microbatch_N >= 0  # this device's ticks that run a real microbatch
+        scales_N = _fan_out_max({"blocks": jax.tree.map(own, block_scales), "head": head_scales}, valid_N)
 
         def tick(carry, xs):
             received_BTD, total = carry
-            t, scales = xs
-            i = jnp.clip(t - p, 0, m - 1)  # the microbatch this stage runs now
+            microbatch, repeat, scales = xs
+            i, v = jnp.maximum(microbatch, 0), jnp.maximum(repeat, 0)
             # Stage 0 embeds here, so what crosses the stage boundary backwards is the FP32
             # table's gradient (XLA's CPU compiler fails on a BF16 cotangent summed over stages).
-            x_BTD = jnp.where(p == 0, embed_tokens(params["embed"], micro["inputs"][i]), received_BTD)
+            first = (p == 0) & (v == 0)
+            x_BTD = jnp.where(first, embed_tokens(others["embed"], micro["inputs"][i]), received_BTD)
+            # GPipe's one stage a device is a static index: its program stays the one it was
+            held = 0 if repeats == 1 else v
+            stage_blocks = jax.tree.map(lambda a: a[held], blocks_V)
+            stage_scales = jax.tree.map(lambda a: a[held], scales["blocks"])
             mb_key = jax.random.fold_in(key, i)
-            y_BTD = stage_forward(params, x_BTD, micro["positions"][i], micro["segment_ids"][i],
-                                  scales={"blocks": scales["blocks"]}, key=jax.random.fold_in(mb_key, p))
-            last = (p == stages - 1) & (t - p >= 0) & (t - p < m)
-            loss = jax.lax.cond(last, lambda: head_loss(params, y_BTD, micro["targets"][i], micro["loss_mask"][i],
+            y_BTD = stage_forward({**others, **stage_blocks}, x_BTD, micro["positions"][i],
+                                  micro["segment_ids"][i], scales={"blocks": stage_scales},
+                                  key=jax.random.fold_in(mb_key, v * stages + p))
+            last = (p == stages - 1) & (v == repeats - 1) & (microbatch >= 0)
+            loss = jax.lax.cond(last, lambda: head_loss(others, y_BTD, micro["targets"][i], micro["loss_mask"][i],
                                                         scales["head"], mb_key),
                                 lambda: jnp.zeros((), jnp.float32))
-            handed = jax.lax.ppermute(y_BTD, AXIS, [(s, s + 1) for s in range(stages - 1)])
+            handed = jax.lax.ppermute(y_BTD, AXIS, ring)
             return (handed, total + loss), None
 
         b, t = micro["inputs"].shape[1:]
         init = (jnp.zeros((b, t, cfg.model.d_model), ACT_DTYPE), jnp.zeros((), jnp.float32))
-        (_, total), _ = jax.lax.scan(tick, init, (t_N, scales_N))
+        (_, total), _ = jax.lax.scan(tick, init, (microbatch_N, repeat_N, scales_N))
         return jax.lax.psum(total, AXIS)
 
     def loss_fn(params, scales, batch, key, denom):

@@ -50,7 +50,7 @@ class Layout:
 
 def pipeline_repeats(cfg: Config) -> int:
     """``mesh.pipeline_repeats`` (1, GPipe, where the config has no such key)."""
-    return getattr(cfg.mesh, "pipeline_repeats", 1)
+    return cfg.mesh.pipeline_repeats
 
 
 def _with(cfg: Config, global_batch: int, mesh: PlanMesh, microbatches: int,

@@ -1,0 +1,94 @@
+"""The pipeline's schedule as a table, without JAX: which microbatch and which repeat each device
+runs at each tick, and where each device's stages come from in the stacked blocks.
+
+Circular schedule (MaxText's "circular pipeline"; the forward order of Megatron's interleaved one): the
+block stack is cut into S = P x V stages (P = ``mesh.pipeline`` devices, V =
+``mesh.pipeline_repeats``), stage s on device s mod P, so each device holds V stages that are
+P stages apart and a microbatch goes round the devices V times. The microbatches go in groups
+of P: device 0 runs group g's P microbatches through its first stage, then (as they come back
+from device P - 1) through its second, ..., then starts group g + 1; device p runs the same
+order p ticks later. With M a multiple of P every device is busy for V x M of the
+V x M + P - 1 ticks of a pass, so the bubble fraction is (P - 1) / (V x M + P - 1), each tick
+being a 1 / V of a GPipe stage. V = 1 is GPipe's schedule: (P - 1) / (M + P - 1). Autodiff runs
+the ticks backwards, so the backward pass has the same table reversed and the same bubble.
+
+Dimension letters: T ticks, P devices on the pipeline axis, V repeats, K chunks a device sends
+another.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+IDLE = -1
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The share of a pass each device idles: (P - 1) / (V x M + P - 1) (V = 1: GPipe's)."""
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def device_order(stages: int, repeats: int, microbatches: int) -> list[tuple[int, int]]:
+    """(microbatch, repeat) in the order every device runs them: groups of P microbatches, each
+    group through all V repeats before the next starts. A group must be P microbatches when
+    V > 1, so the first member is back at device 0 just as the group's last leaves it."""
+    if repeats > 1 and microbatches % stages:
+        raise ValueError(f"{microbatches} microbatches do not make groups of {stages} for {repeats} repeats")
+    return [(g + j, v) for g in range(0, microbatches, stages) for v in range(repeats)
+            for j in range(min(stages, microbatches - g))]
+
+
+def schedule_table(stages: int, repeats: int, microbatches: int) -> np.ndarray:
+    """[T, P, 2] int32: (microbatch, repeat) device p runs at tick t, (IDLE, IDLE) when idle.
+    The pipelined loss reads this table; the bubble is its share of idle entries."""
+    order = device_order(stages, repeats, microbatches)
+    table_TP2 = np.full((len(order) + stages - 1, stages, 2), IDLE, np.int32)
+    for p in range(stages):
+        table_TP2[p:p + len(order), p] = order
+    return table_TP2
+
+
+def idle_fraction(table_TP2: np.ndarray) -> float:
+    """The share of (tick, device) slots of a schedule table that run nothing."""
+    return float(np.mean(table_TP2[..., 0] == IDLE))
+
+
+def dependency_errors(table_TP2: np.ndarray, repeats: int) -> list[str]:
+    """Every slot whose input was not produced by the slot one tick earlier on the device before
+    it (the hand-over is one ``ppermute`` a tick round the ring); empty for a runnable table."""
+    ticks, stages, _ = table_TP2.shape
+    errors = []
+    for t in range(ticks):
+        for p in range(stages):
+            mb, v = table_TP2[t, p]
+            if mb == IDLE or (p == 0 and v == 0):
+                continue
+            want = (mb, v) if p > 0 else (mb, v - 1)
+            if t == 0 or tuple(table_TP2[t - 1, (p - 1) % stages]) != want:
+                errors.append(f"tick {t} device {p}: microbatch {mb} repeat {v} has no input")
+    return errors
+
+
+def circular_chunks(stages: int, repeats: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """How each device's V stages reach it from the stacked blocks, stored P contiguous parts
+    over the pipeline axis (the checkpoint's order; device p holds chunks p x V ... p x V + V - 1
+    of the P x V stages). Stage c belongs to device c mod P, as its (c // P)-th stage.
+
+    Returns ``send_PPK`` (device p's local chunk it sends device d, as the k-th of K; padded with
+    0, never read), ``recv_PV`` (where device p finds its v-th stage in what an all-to-all hands
+    it, [source device x K + k] flattened) and K."""
+    p_, v_ = stages, repeats
+    sends = [[[u for u in range(v_) if (p * v_ + u) % p_ == d] for d in range(p_)] for p in range(p_)]
+    k = max(1, max(len(s) for row in sends for s in row))
+    send_PPK = np.zeros((p_, p_, k), np.int32)
+    for p in range(p_):
+        for d in range(p_):
+            send_PPK[p, d, :len(sends[p][d])] = sends[p][d]
+    recv_PV = np.zeros((p_, v_), np.int32)
+    for p in range(p_):
+        for v in range(v_):
+            chunk = v * p_ + p
+            src, u = divmod(chunk, v_)
+            recv_PV[p, v] = src * k + sends[src][p].index(u)
+    return send_PPK, recv_PV, k
+
