@@ -367,10 +367,10 @@ def test_tensor_all_reduces_are_exposed_and_fsdp_traffic_hides_behind_compute():
 def test_planned_state_of_a_hybrid_under_tensor_matches_the_sharded_train_state():
     """Master weights + Adam moments one device holds on a data=1 x fsdp=2 x tensor=2 mesh of
     CPU devices, real against planned: tensor parallelism splits attention's and the MLP's
-    weights and Mamba-2's out_proj, and keeps Mamba-2's in_proj whole on each tensor device
-    (fsdp-sharded only: its columns are split after a reordering, maxfp4.model.mamba). Margin 1%:
-    norms, convolution and SSM scalars that no mesh axis divides are kept whole, and the
-    planner spreads them like the rest (at d_model 256 they are under 1% of the state)."""
+    weights and Mamba-2's out_proj and in_proj (stored group by group, its 2 groups one a tensor
+    device: maxfp4.model.mamba_layout). Margin 2%: norms, convolution and SSM scalars that no
+    mesh axis divides are kept whole, and the planner spreads them like the rest (at d_model 256
+    they are 1.3% of the state)."""
     cfg = load_config("configs/hybrid-tiny.yaml", ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2",
                                                    "model.d_model=256", "model.d_ff=512"])
     mesh = make_mesh(cfg.mesh, jax.devices()[:4])
@@ -380,9 +380,9 @@ def test_planned_state_of_a_hybrid_under_tensor_matches_the_sharded_train_state(
                for s in x.addressable_shards if s.device == device)
     params = plan_model.param_count(cfg.model)
     mem = plan_model.memory_per_device(cfg, (1, 2, 2), params, "bf16", "none")
-    assert mem["master"] + mem["adam"] == pytest.approx(held, rel=0.01)
+    assert mem["master"] + mem["adam"] == pytest.approx(held, rel=0.02)
     split_evenly = plan_model.memory_per_device(cfg, (1, 4, 1), params, "bf16", "none")
-    assert mem["master"] > 1.1 * split_evenly["master"]  # in_proj is not split over tensor
+    assert mem["master"] == pytest.approx(split_evenly["master"], rel=1e-6)  # in_proj is split over tensor too
 
 
 def test_tensor_axis_splits_mamba_only_with_whole_groups_on_each_device():
