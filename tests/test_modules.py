@@ -14,6 +14,7 @@ from maxfp4.model import get_model, lm
 from maxfp4.model.decoder import DenseLM
 from maxfp4.model.hybrid import HybridLM
 from maxfp4.model.layers import Linear, RMSNorm, normal_init
+from maxfp4.model.mamba_layout import grouped, in_proj_parts
 from maxfp4.precision import LayerPrecision, resolve_policy
 
 HYBRID = ["model.kind=hybrid", "model.pattern=M*-M", "model.mlp=relu2", "model.mamba.d_state=16",
@@ -51,8 +52,8 @@ def _legacy_mamba_init(cfg, key, n):
     dt = jnp.exp(jax.random.uniform(k[2], (n, h), minval=math.log(1e-3), maxval=math.log(1e-1)))
     return {
         # Stored group by group, [D, G, I/G] (maxfp4.model.mamba_layout): the same draws.
-        "in_proj": normal_init(k[0], (n, cfg.d_model, conv + e + h), cfg.init_std).reshape(
-            n, cfg.d_model, mb.n_groups, -1),
+        "in_proj": grouped(normal_init(k[0], (n, cfg.d_model, conv + e + h), cfg.init_std), in_proj_parts(cfg),
+                           mb.n_groups),
         "conv_w": normal_init(k[1], (n, mb.conv_kernel, conv), 1.0 / math.sqrt(mb.conv_kernel)),
         "conv_b": jnp.zeros((n, conv), jnp.float32),
         "A_log": jnp.log(jax.random.uniform(k[3], (n, h), minval=1.0, maxval=16.0)),

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxfp4.config import ModelConfig
 from maxfp4.parallel.mesh import constrain, per_batch_row, per_row_and_tensor_rank, splits_batch, tensor_ranks
 from maxfp4.model.layers import ACT_DTYPE, Linear, normal_init, param
-from maxfp4.model.mamba_layout import columns as in_proj_columns, in_proj_parts
+from maxfp4.model.mamba_layout import columns as in_proj_columns, grouped as in_proj_grouped, in_proj_parts
 from maxfp4.model.ssd import ssd_chunked
 from maxfp4.model_spec import mamba_dims as dims, mamba_splits_over_tensor as splits_over_tensor, mixer_linears
 from maxfp4.kernels import conv as conv_kernel
@@ -60,12 +60,14 @@ def init_mamba(cfg: ModelConfig, key: jax.Array, n: int | None) -> Params:
     """``n`` stacked mixers' arrays (None: one mixer's). dt starts log-uniform in [1e-3, 1e-1]
     (through the inverse of softplus in dt_bias) and A uniform in [1, 16], as in the Mamba-2 paper."""
     d = dims(cfg)
-    in_proj, out_proj = mixer_linears(cfg, "mamba")
+    _, out_proj = mixer_linears(cfg, "mamba")
     lead = () if n is None else (n,)
     k = jax.random.split(key, 5)
     dt = jnp.exp(jax.random.uniform(k[2], (*lead, d["H"]), minval=math.log(1e-3), maxval=math.log(1e-1)))
     return {
-        "in_proj": normal_init(k[0], (*lead, *in_proj.shape), cfg.init_std),
+        # Drawn as the former [D, I] layout was and stored group by group: the same model as then.
+        "in_proj": in_proj_grouped(normal_init(k[0], (*lead, cfg.d_model, d["in"]), cfg.init_std),
+                                   in_proj_parts(cfg), d["G"]),
         "conv_w": normal_init(k[1], (*lead, d["W"], d["conv"]), 1.0 / math.sqrt(d["W"])),
         "conv_b": jnp.zeros((*lead, d["conv"]), jnp.float32),
         "A_log": jnp.log(jax.random.uniform(k[3], (*lead, d["H"]), minval=1.0, maxval=16.0)),
