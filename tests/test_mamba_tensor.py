@@ -16,15 +16,18 @@ from maxfp4.interop import hf
 from maxfp4.model import abstract_params
 from maxfp4.model_spec import mamba_dims
 from maxfp4.optim import make_optimizer
-from maxfp4.parallel.mesh import make_mesh
+from maxfp4.parallel.mesh import batch_sharding, make_mesh
+from maxfp4.precision import resolve_policy
+from maxfp4.step import make_loss_fn
 from maxfp4.train import init_state, train
 from tests.conftest import TINY
-from tests.test_step import _loss_and_gradients, _rel
+from tests.test_step import _batch
 
-# 4 groups of 4 heads (head dim 8, E = 128), so tensor=2 gives each rank two groups (reordered in
-# place) and tensor=4 one; an MLP block beside the mixer (kv heads would not split 4 ways).
+# 4 groups of 6 heads (head dim 8, E = 3 x 64, apart from every other width of the model), so
+# tensor=2 gives each rank two groups (reordered in place) and tensor=4 one; an MLP block beside
+# the mixer (kv heads would not split 4 ways).
 HYBRID = ["model.kind=hybrid", "model.pattern=M-", "model.mamba.n_groups=4", "model.mamba.head_dim=8",
-          "model.mamba.d_state=8", "model.mamba.chunk_size=8"]
+          "model.mamba.expand=3", "model.mamba.d_state=8", "model.mamba.chunk_size=8"]
 
 
 def _former_columns(w_DGP, cfg):
@@ -44,15 +47,19 @@ def _former_columns(w_DGP, cfg):
 
 @pytest.fixture(scope="module")
 def split_runs(tmp_path_factory):
-    """Loss, gradients and initial state of the tiny hybrid at fsdp=2 with tensor 1, 2 and 4."""
+    """Config, initial state and loss of the tiny hybrid at fsdp=2 with tensor 1, 2 and 4 (the
+    forward only: compiling the gradient three times would triple the cost; the backward through
+    the split is compared in tests/test_step.py)."""
     out = {}
     for t in (1, 2, 4):
         cfg = load_config(None, TINY + HYBRID + [f"run.output_dir={tmp_path_factory.mktemp(f't{t}')}",
                                                  "mesh.data=1", "mesh.fsdp=2", f"mesh.tensor={t}"])
-        devices = jax.devices()[:2 * t]
-        state, _ = init_state(cfg, make_mesh(cfg.mesh, devices), make_optimizer(cfg))
-        _, _, loss, grads = _loss_and_gradients(cfg, devices, state.params)
-        out[t] = cfg, state, loss, grads
+        mesh = make_mesh(cfg.mesh, jax.devices()[:2 * t])
+        state, _ = init_state(cfg, mesh, make_optimizer(cfg))
+        loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), mesh)
+        batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in _batch(cfg).items()}
+        compiled = jax.jit(lambda p, b: loss_fn(p, {}, b, jax.random.key(0), 1.0)).lower(state.params, batch).compile()
+        out[t] = cfg, state, float(compiled(state.params, batch)), compiled.as_text()
     return out
 
 
@@ -60,10 +67,12 @@ def split_runs(tmp_path_factory):
 def test_in_proj_splits_over_tensor_and_the_loss_is_unchanged(split_runs, t):
     """in_proj [L, D, G, P]: D over fsdp=2, G over tensor, so each device holds 1 / (2 t) of it
     (and of its Adam moments), t times less than at tensor=1. Loss equal to tensor=1 to 1e-5
-    relative, each gradient leaf to 1e-2 relative L2: only out_proj's sum over tensor and the
-    BF16 GEMMs' reduction order move (measured: loss 0, gradients below 2e-3)."""
-    cfg1, state1, loss1, grads1 = split_runs[1]
-    cfg, state, loss, grads = split_runs[t]
+    relative: only out_proj's sum over tensor and the BF16 GEMMs' reduction order move. The compiled mixer holds its [B, T, E] arrays as half the batch and 1 / t of the
+    channels, never all of them (the core really runs split)."""
+    _, state1, loss1, _ = split_runs[1]
+    cfg, state, loss, hlo = split_runs[t]
+    e, b, seq = cfg.model.mamba.expand * cfg.model.d_model, cfg.data.global_batch, cfg.data.seq_len
+    assert f"[{b // 2},{seq},{e // t}]" in hlo and f"[{b // 2},{seq},{e}]" not in hlo
     w = state.params["mamba"]["in_proj"]
     L, D, G, P = w.shape
     assert (G, P) == (4, mamba_dims(cfg.model)["in"] // 4)
@@ -81,8 +90,6 @@ def test_in_proj_splits_over_tensor_and_the_loss_is_unchanged(split_runs, t):
         assert s.index[2] == slice(G // t * rank, G // t * (rank + 1))
         assert np.array_equal(np.asarray(s.data), host[s.index])
     assert abs(loss - loss1) <= 1e-5 * abs(loss1), (loss, loss1)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads1)):
-        assert np.abs(b).max() > 0 and _rel(a, b) <= 1e-2, (jax.tree_util.keystr(path), _rel(a, b))
 
 
 def test_hugging_face_in_proj_is_the_former_layout_and_reads_back(split_runs):
@@ -118,15 +125,15 @@ def _losses(run_dir):
 
 
 def test_checkpoint_of_the_former_layout_resumes_on_the_same_curve(tmp_path, capsys):
-    """A run saved at step 2, its checkpoint rewritten with in_proj (and its Adam moments) in the
-    former [L, D, I] layout, resumes to step 4: one start-up line says it was converted, the
-    config comparison lets it through, and steps 3 and 4 have the losses of the same run resumed
-    from its own checkpoint (same program, same state after the conversion: to 1e-6), and
-    export-side reads (checkpoint.read_params) convert it too."""
+    """A run's step-2 checkpoint rewritten with in_proj (and its Adam moments) in the former
+    [L, D, I] layout resumes to step 4: one start-up line says it was converted, the config
+    comparison lets it through, and steps 3 and 4 have the losses of the run that wrote it (same
+    program, same state after the conversion: to 1e-6, as tests/test_checkpoint.py resumes);
+    the reads of export and sample (checkpoint.read_params) convert it too, bit for bit."""
     base = TINY + HYBRID + [f"run.output_dir={tmp_path}", "mesh.data=1", "optim.schedule_steps=4",
                             "checkpoint.every=2"]
     dev = jax.devices()[:1]
-    first = load_config(None, base + ["run.name=now", "train.steps=2"])
+    first = load_config(None, base + ["run.name=now", "train.steps=4"])
     train(first, devices=dev, stream=io.StringIO())
     mesh = make_mesh(first.mesh, dev)
     like, _ = init_state(first, mesh, make_optimizer(first))
@@ -146,11 +153,10 @@ def test_checkpoint_of_the_former_layout_resumes_on_the_same_curve(tmp_path, cap
     read = read_params(former.run_dir, 2, shapes)
     assert np.array_equal(np.asarray(read["mamba"]["in_proj"]), np.asarray(state.params["mamba"]["in_proj"]))
 
-    capsys.readouterr()
-    for name in ("now", "former"):
-        train(load_config(None, base + [f"run.name={name}", "train.steps=4"]), devices=dev, stream=io.StringIO())
-        said = capsys.readouterr().out
-        assert ("converted to [D, G, P]" in said) == (name == "former"), said
+    assert "converted" not in capsys.readouterr().out  # today's layout restores as it is
+    train(load_config(None, base + ["run.name=former", "train.steps=4"]), devices=dev, stream=io.StringIO())
+    said = [line for line in capsys.readouterr().out.splitlines() if "converted to [D, G, P]" in line]
+    assert len(said) == 1 and "former/checkpoints/2/state" in said[0] and "3 arrays" in said[0], said
     now, resumed = _losses(tmp_path / "now"), _losses(tmp_path / "former")
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
