@@ -68,11 +68,15 @@ def test_in_proj_splits_over_tensor_and_the_loss_is_unchanged(split_runs, t):
     """in_proj [L, D, G, P]: D over fsdp=2, G over tensor, so each device holds 1 / (2 t) of it
     (and of its Adam moments), t times less than at tensor=1. Loss equal to tensor=1 to 1e-5
     relative: only out_proj's sum over tensor and the BF16 GEMMs' reduction order move. The compiled mixer holds its [B, T, E] arrays as half the batch and 1 / t of the
-    channels, never all of them (the core really runs split)."""
+    channels, never all of them (the core really runs split), and in_proj's weight reaches its
+    GEMM as [D, I / t]: each device reorders the columns it holds, FSDP gathers the rows, and no
+    device ever holds all I columns."""
     _, state1, loss1, _ = split_runs[1]
     cfg, state, loss, hlo = split_runs[t]
     e, b, seq = cfg.model.mamba.expand * cfg.model.d_model, cfg.data.global_batch, cfg.data.seq_len
     assert f"[{b // 2},{seq},{e // t}]" in hlo and f"[{b // 2},{seq},{e}]" not in hlo
+    d, i = cfg.model.d_model, mamba_dims(cfg.model)["in"]
+    assert f"f32[{d},{i // t}]" in hlo and f"[{d},{i}]" not in hlo and f"[{d // 2},{i}]" not in hlo
     w = state.params["mamba"]["in_proj"]
     L, D, G, P = w.shape
     assert (G, P) == (4, mamba_dims(cfg.model)["in"] // 4)
