@@ -66,6 +66,20 @@ def _stored_sharding(sharding, ndim: int):
     return NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], None))
 
 
+def is_former_in_proj(path: Path, stored_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether an array stored at ``path`` with ``stored_shape`` is an in_proj of the former layout
+    of a parameter now of ``shape``."""
+    return path[-1:] == (IN_PROJ,) and len(shape) >= 3 and tuple(stored_shape) == _columns_shape(tuple(shape))
+
+
+def from_former_layout(path: Path, array, shape: tuple[int, ...], model_cfg: Any):
+    """``array`` (NumPy, a file's tensor at ``path``) in the layout of a parameter of ``shape``:
+    converted if it is a former-layout in_proj, as it is otherwise (a native export's reader)."""
+    if not is_former_in_proj(path, array.shape, shape):
+        return array
+    return grouped(array, in_proj_parts(model_cfg), shape[-2])
+
+
 def conversion(item_dir: str, target: Any, model_cfg_of: Callable[[], Any]) -> Conversion | None:
     """How to restore ``target`` (ShapeDtypeStructs with shardings) from the item at ``item_dir``
     when some in_proj array there has the former [.., D, I] layout; None when none has.
@@ -73,8 +87,7 @@ def conversion(item_dir: str, target: Any, model_cfg_of: Callable[[], Any]) -> C
     stored = stored_shapes(item_dir)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     old = {i for i, (keys, leaf) in enumerate(flat)
-           if _path(keys)[-1:] == (IN_PROJ,) and len(leaf.shape) >= 3
-           and stored.get(_path(keys)) == _columns_shape(leaf.shape)}
+           if _path(keys) in stored and is_former_in_proj(_path(keys), stored[_path(keys)], leaf.shape)}
     if not old:
         return None
     parts = in_proj_parts(model_cfg_of())

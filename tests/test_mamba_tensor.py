@@ -7,10 +7,12 @@ import json
 import os
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
 from maxfp4.checkpoint import Checkpointer, saved_config
+from maxfp4.checkpoint_layout import from_former_layout
 from maxfp4.config import load_config
 from maxfp4.interop import hf
 from maxfp4.model import abstract_params
@@ -98,8 +100,9 @@ def test_in_proj_splits_over_tensor_and_the_loss_is_unchanged(split_runs, t):
 
 def test_hugging_face_in_proj_is_the_former_layout_and_reads_back(split_runs):
     """The exported mixer.in_proj.weight of every Mamba-2 layer is [I, D] with the former column
-    order (z, x, B, C, dt, each group-major), computed here from the sizes alone, bit for bit; and
-    reading it back (model.init_from) gives the stored [D, G, P] slab for slab."""
+    order (z, x, B, C, dt, each group-major), computed here from the sizes alone, bit for bit;
+    reading it back (model.init_from) gives the stored [D, G, P] slab for slab; and a native
+    export's in_proj of the former layout reads back as the stored one."""
     cfg, state, _, _ = split_runs[1]
     params = jax.device_get(state.params)
     exported = dict(hf.hf_tensors(cfg.model, params))
@@ -111,6 +114,12 @@ def test_hugging_face_in_proj_is_the_former_layout_and_reads_back(split_runs):
         assert np.array_equal(exported[name].view(np.uint32), _former_columns(w_DGP, cfg.model).T.view(np.uint32))
         back = hf.from_hf(leaf.kind, [exported[name]], w_DGP.shape, leaf.parts)
         assert np.array_equal(back.view(np.uint32), w_DGP.view(np.uint32))
+    # A native export of the former layout, as maxfp4.sample reads it: converted, BF16 included.
+    stacked = params["mamba"]["in_proj"].astype(ml_dtypes.bfloat16)
+    former = _former_columns(stacked, cfg.model)
+    read = from_former_layout(("mamba", "in_proj"), former, stacked.shape, cfg.model)
+    assert read.dtype == stacked.dtype and np.array_equal(read.view(np.uint16), stacked.view(np.uint16))
+    assert from_former_layout(("mamba", "out_proj"), former, stacked.shape, cfg.model) is former
 
 
 def _former_layout(state, cfg):
