@@ -84,7 +84,10 @@ def conversion(item_dir: str, target: Any, model_cfg_of: Callable[[], Any]) -> C
     """How to restore ``target`` (ShapeDtypeStructs with shardings) from the item at ``item_dir``
     when some in_proj array there has the former [.., D, I] layout; None when none has.
     ``model_cfg_of()`` gives the model config the checkpoint was written with (read only then)."""
-    stored = stored_shapes(item_dir)
+    try:
+        stored = stored_shapes(item_dir)
+    except Exception:  # noqa: BLE001 - an unreadable item: the restore itself says what is wrong
+        return None
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     old = {i for i, (keys, leaf) in enumerate(flat)
            if _path(keys) in stored and is_former_in_proj(_path(keys), stored[_path(keys)], leaf.shape)}
