@@ -34,7 +34,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from maxfp4 import checksums
-from maxfp4.config import CheckpointConfig
+from maxfp4.checkpoint_layout import conversion
+from maxfp4.config import CheckpointConfig, saved_model_config
 from maxfp4.errors import UserError
 from maxfp4.loop import Every, Hook
 from maxfp4.state import TrainState
@@ -161,7 +162,12 @@ class Checkpointer:
         """Restore onto the shardings of ``like`` (a state of the current run's mesh, which may
         differ from the mesh that saved it: Orbax reads each device's slice of the arrays)."""
         path = self.step_path(step)
-        items = {"state": ocp.args.StandardRestore(_abstract(_to_saveable(like))), "data": ocp.args.JsonRestore()}
+        target = _abstract(_to_saveable(like))
+        # An earlier layout of some arrays (maxfp4.checkpoint_layout) is read as stored, then converted.
+        converting = conversion(os.path.join(path, "state"), target,
+                                lambda: _saved_model(os.path.dirname(self.directory), step))
+        items = {"state": ocp.args.StandardRestore(target if converting is None else converting.abstract),
+                 "data": ocp.args.JsonRestore()}
         has = {name: os.path.isdir(os.path.join(path, name)) for name in ("integrity", "config")}
         if has["integrity"]:
             items["integrity"] = ocp.args.JsonRestore()
@@ -175,7 +181,12 @@ class Checkpointer:
         data = dict(out["data"])
         if has["integrity"]:
             _check_integrity(step, dict(out["integrity"]), data, out.get("config") if has["config"] else None)
-        return _from_saved(out["state"], jax.random.key_impl(like.rng)), data
+        state = out["state"]
+        if converting is not None:
+            state = converting.convert(state)
+            if jax.process_index() == 0:
+                print(converting.note, flush=True)
+        return _from_saved(state, jax.random.key_impl(like.rng)), data
 
     def _no_integrity_record(self, step: int) -> None:
         """Checkpoints saved before the ``integrity`` item existed have none; one that lost it
@@ -369,13 +380,24 @@ def read_params(run_dir: str, step: int, abstract_params: Any) -> Any:
     """Only the parameters of checkpoint ``step`` (the optimizer state, twice their size, is not
     read): ``abstract_params`` gives their shapes, dtypes and shardings."""
     path = os.path.join(checkpoint_dir(run_dir), str(step), "state")
+    target = {"params": abstract_params}
+    converting = conversion(path, target, lambda: _saved_model(run_dir, step))
+    if converting is not None:
+        target = converting.abstract
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
         out = reader.restore(path, args=ocp.args.PyTreeRestore(
-            item={"params": abstract_params},
-            restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
-                                      {"params": abstract_params}),
+            item=target,
+            restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), target),
             partial_restore=True))
-    return out["params"]
+    return (out if converting is None else converting.convert(out))["params"]
+
+
+def _saved_model(run_dir: str, step: int):
+    """The model config checkpoint ``step`` was written with (its config item, or config.yaml)."""
+    saved = saved_config(run_dir, step=step)
+    if saved is None:
+        raise CheckpointCorrupt(f"step {step}: no saved config to convert its layout by")
+    return saved_model_config(saved[0].get("model", {}), saved[1])
 
 
 def saved_config(run_dir: str, step: int | None = None, require_integrity: bool = False) -> tuple[dict, str] | None:

@@ -39,9 +39,9 @@ LAYOUT: dict[str, tuple[tuple[str, str, tuple[str | None, ...], str], ...]] = {
     # w_up [D, F, gates]: SwiGLU's gate and up side by side per hidden unit.
     "mlp": (("w_up", "mlp_up", ("embed", "mlp", None), "column"),
             ("w_down", "mlp_down", ("mlp", "embed"), "row")),
-    # in_proj's outputs interleave z, x, B, C and dt: its columns are split over tensor only
-    # after a reordering (maxfp4.model.mamba), so the stored weight stays whole along them.
-    "mamba": (("in_proj", "mamba_in", ("embed", None), "column"),
+    # in_proj [D, G, P]: per Mamba group its z, x, B, C and dt columns (maxfp4.model.mamba_layout),
+    # so splitting G over tensor gives each rank whole groups, as the mixer's tensor split needs.
+    "mamba": (("in_proj", "mamba_in", ("embed", "ssm_groups", None), "column"),
               ("out_proj", "mamba_out", ("inner", "embed"), "row")),
 }
 MIXERS: dict[str, tuple[str, ...]] = {m: tuple(c for _, c, _, _ in rows) for m, rows in LAYOUT.items()}
@@ -144,7 +144,7 @@ def _shapes(cfg: Any, mixer: str) -> tuple[tuple[int, ...], ...]:
     if mixer == "mlp":
         return (d, cfg.d_ff, _mlp_gates(cfg)), (cfg.d_ff, d)
     md = mamba_dims(cfg)
-    return (d, md["in"]), (md["E"], d)
+    return (d, md["G"], md["in"] // md["G"]), (md["E"], d)
 
 
 def mixer_linears(cfg: Any, mixer: str) -> tuple[LinearSpec, ...]:

@@ -83,7 +83,8 @@ def test_weight_axes_table_matches_the_models_linear_parameters(tiny_cfg, kind):
     from maxfp4.model.layers import Linear
 
     extra = ["model.kind=hybrid", "model.pattern=M*-M", "model.mlp=relu2", "model.mamba.d_state=16",
-             "model.mamba.head_dim=8", "model.mamba.chunk_size=16"] if kind == "hybrid" else []
+             "model.mamba.head_dim=8", "model.mamba.chunk_size=16",
+             "model.mamba.n_groups=2"] if kind == "hybrid" else []  # whole groups per tensor rank
     cfg = tiny_cfg("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *extra)
     mesh = make_mesh(cfg.mesh)
     model = nnx.eval_shape(lambda: get_model(cfg.model).module(cfg.model, jax.random.key(0)))

@@ -14,6 +14,7 @@ from maxfp4.model import get_model, lm
 from maxfp4.model.decoder import DenseLM
 from maxfp4.model.hybrid import HybridLM
 from maxfp4.model.layers import Linear, RMSNorm, normal_init
+from maxfp4.model.mamba_layout import grouped, in_proj_parts
 from maxfp4.precision import LayerPrecision, resolve_policy
 
 HYBRID = ["model.kind=hybrid", "model.pattern=M*-M", "model.mlp=relu2", "model.mamba.d_state=16",
@@ -50,7 +51,9 @@ def _legacy_mamba_init(cfg, key, n):
     k = jax.random.split(key, 5)
     dt = jnp.exp(jax.random.uniform(k[2], (n, h), minval=math.log(1e-3), maxval=math.log(1e-1)))
     return {
-        "in_proj": normal_init(k[0], (n, cfg.d_model, conv + e + h), cfg.init_std),
+        # Stored group by group, [D, G, I/G] (maxfp4.model.mamba_layout): the same draws.
+        "in_proj": grouped(normal_init(k[0], (n, cfg.d_model, conv + e + h), cfg.init_std), in_proj_parts(cfg),
+                           mb.n_groups),
         "conv_w": normal_init(k[1], (n, mb.conv_kernel, conv), 1.0 / math.sqrt(mb.conv_kernel)),
         "conv_b": jnp.zeros((n, conv), jnp.float32),
         "A_log": jnp.log(jax.random.uniform(k[3], (n, h), minval=1.0, maxval=16.0)),
@@ -88,7 +91,7 @@ _LEGACY_AXES = {
     "blocks": {"attn_norm": ("layers", "norm"), "w_qkv": ("layers", "embed", "kv_heads", None, "head_dim"),
                "w_o": ("layers", "heads", "embed"), "mlp_norm": ("layers", "norm"),
                "w_up": ("layers", "embed", "mlp", None), "w_down": ("layers", "mlp", "embed")},
-    "mamba": {"in_proj": ("layers", "embed", None), "conv_w": ("layers", None, None), "conv_b": ("layers", None),
+    "mamba": {"in_proj": ("layers", "embed", "ssm_groups", None), "conv_w": ("layers", None, None), "conv_b": ("layers", None),
               "A_log": ("layers", None), "D_skip": ("layers", None), "dt_bias": ("layers", None),
               "norm": ("layers", "norm"), "out_proj": ("layers", "inner", "embed"), "pre_norm": ("layers", "norm")},
     "attention": {"pre_norm": ("layers", "norm"), "w_qkv": ("layers", "embed", "kv_heads", None, "head_dim"),

@@ -383,7 +383,7 @@ def test_planned_state_of_a_hybrid_under_tensor_matches_the_sharded_train_state(
                for s in x.addressable_shards if s.device == device)
     params = plan_model.param_count(cfg.model)
     mem = plan_model.memory_per_device(cfg, (1, 2, 2), params, "bf16", "none")
-    assert mem["master"] + mem["adam"] == pytest.approx(held, rel=0.01)
+    assert mem["master"] + mem["adam"] == pytest.approx(held, rel=0.02)
     split_evenly = plan_model.memory_per_device(cfg, (1, 4, 1), params, "bf16", "none")
     assert mem["master"] > 1.1 * split_evenly["master"]  # in_proj is not split over tensor
     grouped = load_config("configs/hybrid-tiny.yaml", ["model.d_model=256", "model.d_ff=512", "model.mamba.n_groups=2"])

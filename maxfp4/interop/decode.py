@@ -27,6 +27,7 @@ from maxfp4.model.attention import split_heads
 from maxfp4.model.layers import ACT_DTYPE, mlp_block, output_logits, rms_norm
 from maxfp4.model_spec import mamba_dims, model_spec
 from maxfp4.model.mamba import gated_group_norm
+from maxfp4.model.mamba_layout import columns as in_proj_columns, in_proj_parts
 from maxfp4.precision import LayerPrecision, PrecisionPolicy, resolve_policy
 
 Cache = dict[str, Any]
@@ -86,7 +87,7 @@ def mamba_step(x_B1D: jax.Array, p: dict, conv_BWC: jax.Array, ssm_BRPZ: jax.Arr
     d = mamba_dims(cfg)
     e, c, r, pd, g, z = d["E"], d["conv"], d["H"], d["P"], d["G"], d["N"]
     b = x_B1D.shape[0]
-    zxbcdt_BI = lp.dot(x_B1D, p["in_proj"], "mamba_in")[:, 0]
+    zxbcdt_BI = lp.dot(x_B1D, in_proj_columns(p["in_proj"], in_proj_parts(cfg)), "mamba_in")[:, 0]
     z_B1E = zxbcdt_BI[:, None, :e]
     window_BWC = jnp.concatenate([conv_BWC, zxbcdt_BI[:, None, e:e + c]], axis=1)
     width = window_BWC.shape[1]

@@ -11,7 +11,9 @@ Layout facts the table encodes:
   ``k*G + g`` uses KV head k, which is Hugging Face's ``repeat_kv`` order, so q/k/v_proj are
   plain slices. RoPE rotates halves (pairs (i, i + H/2)) in both, so no row permutation.
 - ``w_up`` [D, F, 2] is (gate, up) per hidden unit: gate_proj and up_proj.
-- Mamba-2: ``in_proj``'s columns are z, x, B, C, dt in both; ``conv_w`` [W, C] is conv1d's
+- Mamba-2: ``in_proj`` [D, G, P] holds each group's z, x, B, C, dt columns side by side
+  (:mod:`maxfp4.model.mamba_layout`); Hugging Face's in_proj has z, x, B, C, dt one after the
+  other (each group-major), which ``mamba_layout.columns`` makes; ``conv_w`` [W, C] is conv1d's
   [C, 1, W] (tap w multiplies x[t - W + 1 + w] in both); ``D_skip`` is ``D``.
 
 Dimension letters: D d_model, K kv heads, G query heads per kv head, H head dim, F MLP hidden,
@@ -28,6 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from maxfp4.errors import UserError
+from maxfp4.model.mamba_layout import columns, grouped, in_proj_parts
 from maxfp4.model_spec import BlockSpec, ModelSpec, mamba_dims, model_spec
 
 LLAMA, NEMOTRON_H = "LlamaForCausalLM", "NemotronHForCausalLM"
@@ -42,12 +45,14 @@ class HFError(UserError):
 class Leaf:
     """One parameter of the pytree. ``layers``: for a stacked parameter, the Hugging Face layer
     index of each slice along its first axis (None: not stacked); ``names``: the Hugging Face
-    tensors of one slice, ``{i}`` standing for the layer index; ``kind``: how a slice converts."""
+    tensors of one slice, ``{i}`` standing for the layer index; ``kind``: how a slice converts;
+    ``parts``: for Mamba-2's in_proj (kind ``in_proj``), one group's column widths."""
 
     path: tuple[str, ...]
     kind: str
     names: tuple[str, ...]
     layers: tuple[int, ...] | None = None
+    parts: tuple[int, ...] = ()
 
     def hf_names(self, layer: int | None) -> tuple[str, ...]:
         return tuple(n.format(i=layer) for n in self.names)
@@ -55,12 +60,14 @@ class Leaf:
 
 # ----------------------------------------------------------------------------- one slice, both ways
 
-def to_hf(kind: str, a: np.ndarray) -> list[np.ndarray]:
+def to_hf(kind: str, a: np.ndarray, parts: tuple[int, ...] = ()) -> list[np.ndarray]:
     """One maxfp4 slice -> its Hugging Face tensors (in ``Leaf.names`` order)."""
     if kind == "same":
         return [a]
     if kind == "linear":
         return [a.T]
+    if kind == "in_proj":
+        return [columns(a, parts).T]
     if kind == "qkv":
         d, k, g2, h = a.shape
         g = g2 - 2
@@ -74,12 +81,14 @@ def to_hf(kind: str, a: np.ndarray) -> list[np.ndarray]:
     raise AssertionError(kind)
 
 
-def from_hf(kind: str, tensors: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+def from_hf(kind: str, tensors: list[np.ndarray], shape: tuple[int, ...], parts: tuple[int, ...] = ()) -> np.ndarray:
     """Hugging Face tensors (already checked against :func:`hf_shapes`) -> one maxfp4 slice."""
     if kind == "same":
         return tensors[0]
     if kind == "linear":
         return tensors[0].T
+    if kind == "in_proj":
+        return grouped(tensors[0].T, parts, shape[1])
     if kind == "qkv":
         d, k, g2, h = shape
         q, kk, v = (t.T.reshape(d, k, -1, h) for t in tensors)
@@ -99,6 +108,9 @@ def hf_shapes(kind: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         return [tuple(shape)]
     if kind == "linear":
         return [tuple(shape[::-1])]
+    if kind == "in_proj":
+        d, g, p = shape
+        return [(g * p, d)]
     if kind == "qkv":
         d, k, g2, h = shape
         return [(k * (g2 - 2) * h, d), (k * h, d), (k * h, d)]
@@ -143,7 +155,7 @@ LLAMA_LAYER = (
     ("mlp_down", "linear", ("mlp.down_proj.weight",)),
 )
 NEMOTRON_H_LAYERS = {
-    "mamba": (("pre_norm", "same", ("norm.weight",)), ("mamba_in", "linear", ("mixer.in_proj.weight",)),
+    "mamba": (("pre_norm", "same", ("norm.weight",)), ("mamba_in", "in_proj", ("mixer.in_proj.weight",)),
               ("conv_w", "conv", ("mixer.conv1d.weight",)), ("conv_b", "same", ("mixer.conv1d.bias",)),
               ("A_log", "same", ("mixer.A_log",)), ("D_skip", "same", ("mixer.D",)),
               ("dt_bias", "same", ("mixer.dt_bias",)), ("norm", "same", ("mixer.norm.weight",)),
@@ -156,9 +168,11 @@ NEMOTRON_H_LAYERS = {
 }
 
 
-def _block_leaves(block: BlockSpec, rows, prefix: str, layers: tuple[int, ...]) -> list[Leaf]:
+def _block_leaves(block: BlockSpec, rows, prefix: str, layers: tuple[int, ...], parts: tuple[int, ...] = ()
+                  ) -> list[Leaf]:
     names = {lin.layer_class: lin.name for lin in block.linears}
-    return [Leaf((block.group, names.get(name, name)), kind, tuple(prefix + t for t in tensors), layers)
+    return [Leaf((block.group, names.get(name, name)), kind, tuple(prefix + t for t in tensors), layers,
+                 parts if kind == "in_proj" else ())
             for name, kind, tensors in rows]
 
 
@@ -166,7 +180,7 @@ def leaves(model_cfg) -> list[Leaf]:
     """Every parameter of ``model_cfg``'s pytree with its Hugging Face tensors."""
     spec = model_spec(model_cfg)
     if model_cfg.kind == "hybrid":
-        return _nemotron_h_leaves(spec)
+        return _nemotron_h_leaves(spec, in_proj_parts(model_cfg))
     return [Leaf(("embed",), "same", ("model.embed_tokens.weight",)),
             *_block_leaves(spec.blocks[0], LLAMA_LAYER, "model.layers.{i}.", tuple(range(len(spec.blocks)))),
             Leaf(("final_norm",), "same", ("model.norm.weight",)),
@@ -178,12 +192,13 @@ def leaves(model_cfg) -> list[Leaf]:
 NEMOTRON_PREFIX = "backbone."
 
 
-def _nemotron_h_leaves(spec: ModelSpec) -> list[Leaf]:
+def _nemotron_h_leaves(spec: ModelSpec, mamba_in_parts: tuple[int, ...]) -> list[Leaf]:
     out = [Leaf(("embed",), "same", (NEMOTRON_PREFIX + "embeddings.weight",))]
     for mixer in ("mamba", "attention", "mlp"):
         at = spec.blocks_with(mixer)
         if at:
-            out += _block_leaves(spec.blocks[at[0]], NEMOTRON_H_LAYERS[mixer], NEMOTRON_PREFIX + "layers.{i}.", at)
+            out += _block_leaves(spec.blocks[at[0]], NEMOTRON_H_LAYERS[mixer], NEMOTRON_PREFIX + "layers.{i}.", at,
+                                 mamba_in_parts)
     return out + [Leaf(("final_norm",), "same", (NEMOTRON_PREFIX + "norm_f.weight",)),
                   Leaf(("lm_head",), "linear", ("lm_head.weight",))]
 
@@ -225,7 +240,7 @@ def hf_tensors(model_cfg, params: Any) -> Iterator[tuple[str, np.ndarray]]:
     converted at a time."""
     for leaf, j, layer in ordered_slices(model_cfg):
         a = np.asarray(leaf_of(params, leaf.path))
-        yield from zip(leaf.hf_names(layer), to_hf(leaf.kind, a if j is None else a[j]))
+        yield from zip(leaf.hf_names(layer), to_hf(leaf.kind, a if j is None else a[j], leaf.parts))
 
 
 def hf_tensor_shapes(model_cfg, param_shapes: Any) -> list[tuple[str, tuple[int, ...]]]:
@@ -424,7 +439,7 @@ def _check_scalars(model_cfg, hf_cfg: dict, where: str) -> None:
 def read_slice(model_dir: ModelDir, leaf: Leaf, layer: int | None, slice_shape: tuple[int, ...]) -> np.ndarray:
     """One maxfp4 slice (float32) read from the directory."""
     tensors = [model_dir.read(_source_of(model_dir, name)) for name in leaf.hf_names(layer)]
-    return np.ascontiguousarray(from_hf(leaf.kind, tensors, slice_shape), np.float32)
+    return np.ascontiguousarray(from_hf(leaf.kind, tensors, slice_shape, leaf.parts), np.float32)
 
 
 def read_params(model_cfg, path: str, shardings: Any, param_shapes: Any, *, replacing: bool = False) -> Any:

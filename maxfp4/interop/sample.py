@@ -117,6 +117,7 @@ def load_export(export_dir: str, device) -> LoadedModel:
     import yaml
     from safetensors.numpy import load_file
 
+    from maxfp4.checkpoint_layout import from_former_layout
     from maxfp4.data.tokenizer import TOKENIZER_FILENAME
 
     config_path = os.path.join(export_dir, "config.yaml")
@@ -135,6 +136,8 @@ def load_export(export_dir: str, device) -> LoadedModel:
     arrays = []
     for path, spec in leaves:
         name = jax.tree_util.keystr(path, simple=True, separator=".")
+        if name in tensors:  # an export of an earlier layout (maxfp4.checkpoint_layout)
+            tensors[name] = from_former_layout(tuple(name.split(".")), tensors[name], spec.shape, model_cfg)
         if name not in tensors or tensors[name].shape != spec.shape:
             found = tensors[name].shape if name in tensors else "missing"
             raise SampleError(f"{weights}: tensor {name} is {found}; expected shape {spec.shape} "

@@ -9,7 +9,8 @@ convolution, the SSD with the D skip, and the gated norm run as Pallas kernels
 the chunked form of ``ssd``), by ``model.mamba.kernels``.
 
 Dimension letters: B batch, T sequence, D d_model, E inner width (expand x D), H Mamba heads,
-P head dim (E = H x P), G groups, N state size, W conv kernel width.
+P head dim (E = H x P), G groups, N state size, W conv kernel width, I in_proj's columns; the
+stored in_proj is [D, G, I/G] (``maxfp4.model.mamba_layout``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.config import ModelConfig
-from maxfp4.parallel.mesh import per_batch_row, per_row_and_tensor_rank, splits_batch, tensor_ranks
+from maxfp4.parallel.mesh import constrain, per_batch_row, per_row_and_tensor_rank, splits_batch, tensor_ranks
 from maxfp4.model.layers import ACT_DTYPE, Linear, normal_init, param
+from maxfp4.model.mamba_layout import columns as in_proj_columns, grouped as in_proj_grouped, in_proj_parts
 from maxfp4.model.ssd import ssd_chunked
 from maxfp4.model_spec import mamba_dims as dims, mamba_splits_over_tensor as splits_over_tensor, mixer_linears
 from maxfp4.kernels import conv as conv_kernel
@@ -58,12 +60,14 @@ def init_mamba(cfg: ModelConfig, key: jax.Array, n: int | None) -> Params:
     """``n`` stacked mixers' arrays (None: one mixer's). dt starts log-uniform in [1e-3, 1e-1]
     (through the inverse of softplus in dt_bias) and A uniform in [1, 16], as in the Mamba-2 paper."""
     d = dims(cfg)
-    in_proj, out_proj = mixer_linears(cfg, "mamba")
+    _, out_proj = mixer_linears(cfg, "mamba")
     lead = () if n is None else (n,)
     k = jax.random.split(key, 5)
     dt = jnp.exp(jax.random.uniform(k[2], (*lead, d["H"]), minval=math.log(1e-3), maxval=math.log(1e-1)))
     return {
-        "in_proj": normal_init(k[0], (*lead, *in_proj.shape), cfg.init_std),
+        # Drawn as the former [D, I] layout was and stored group by group: the same model as then.
+        "in_proj": in_proj_grouped(normal_init(k[0], (*lead, cfg.d_model, d["in"]), cfg.init_std),
+                                   in_proj_parts(cfg), d["G"]),
         "conv_w": normal_init(k[1], (*lead, d["W"], d["conv"]), 1.0 / math.sqrt(d["W"])),
         "conv_b": jnp.zeros((*lead, d["conv"]), jnp.float32),
         "A_log": jnp.log(jax.random.uniform(k[3], (*lead, d["H"]), minval=1.0, maxval=16.0)),
@@ -151,11 +155,12 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     t = tensor_ranks()
     if t > 1 and splits_over_tensor(cfg, t):
         return _tensor_parallel_mixer(x_BTD, p, core_params, segment_ids_BT, cfg, lp, t)
+    w_in_DI = in_proj_columns(p["in_proj"], in_proj_parts(cfg))
     if _fp8_in_kernels(x_BTD, cfg, lp):
-        return _fused_mixer(x_BTD, p["in_proj"], lp.scales["mamba_in"], core_params, p["out_proj"],
+        return _fused_mixer(x_BTD, w_in_DI, lp.scales["mamba_in"], core_params, p["out_proj"],
                             lp.scales["mamba_out"], segment_ids_BT, cfg, lp.options("mamba_in"), lp.options("mamba_out"),
                             lp.fused("mamba_in"))
-    zxbcdt_BTI = lp.dot(x_BTD, p["in_proj"], "mamba_in")
+    zxbcdt_BTI = lp.dot(x_BTD, w_in_DI, "mamba_in")
     core = functools.partial(_mixer_core, cfg=cfg)
     y_BTE = per_batch_row(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
@@ -163,14 +168,14 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
 
 # Tensor parallelism (Megatron's split of Mamba-2): tensor rank r holds heads [r H/t, (r+1) H/t)
 # and, with them, groups [r G/t, (r+1) G/t) and the same blocks of z, x, B, C, dt, the
-# convolution's channels and the norm. in_proj's output interleaves those five parts, so its
-# columns are taken in rank-major order ([z_0 x_0 B_0 C_0 dt_0 | z_1 ...]) and the output split
-# over tensor: each rank gets the in_proj output of a mixer t times narrower, runs the core on
-# it, and out_proj is row-parallel (its input split over tensor, its output summed). The
-# parameters keep their one layout (checkpoints and exports do not depend on the mesh);
-# in_proj's weight stays whole along its columns on every tensor rank, so the reordering is a
-# local copy. Without whole groups per rank (``splits_over_tensor``) the mixer runs whole on each
-# tensor rank instead, as the mixer of a mesh without a tensor axis does.
+# convolution's channels and the norm. in_proj is stored group by group ([D, G, P], G split over
+# tensor: maxfp4.model.mamba_layout), so rank r already holds its groups' columns; it orders them
+# z, x, B, C, dt in place (nothing when it holds one group) and the GEMM's output is split over
+# tensor: each rank gets the in_proj output of a mixer t times narrower, runs the core on it, and
+# out_proj is row-parallel (its input split over tensor, its output summed). The layout does not
+# depend on the mesh (checkpoints and exports neither). Without whole groups per rank
+# (``splits_over_tensor``) in_proj stays whole on each tensor rank and the mixer runs whole there,
+# as the mixer of a mesh without a tensor axis does.
 
 def tensor_note(cfg: ModelConfig, t: int) -> str | None:
     """One line for start-up when a tensor axis of ``t`` leaves a model's Mamba-2 mixers whole."""
@@ -179,19 +184,6 @@ def tensor_note(cfg: ModelConfig, t: int) -> str | None:
     return (f"note: mesh.tensor={t} does not split the Mamba-2 mixers (model.mamba.n_groups="
             f"{cfg.mamba.n_groups} and model.d_model={cfg.d_model} must be multiples of {t}): each tensor "
             f"device runs their in_proj, convolution and SSD whole on its rows")
-
-
-def _rank_major_columns(w_DI: jax.Array, cfg: ModelConfig, t: int) -> jax.Array:
-    """in_proj's weight with its columns in tensor-rank-major order (see above). Static slices,
-    reshapes and one concatenation, so XLA copies the weight once and the gradient comes back the
-    same way (a gather's would be a scatter-add)."""
-    d = dims(cfg)
-    e, gn, h = d["E"], d["G"] * d["N"], d["H"]
-    parts, start = [], 0
-    for n in (e, e, gn, gn, h):  # z, x, B, C, dt
-        parts.append(w_DI[..., start:start + n].reshape(*w_DI.shape[:-1], t, n // t))
-        start += n
-    return jnp.concatenate(parts, axis=-1).reshape(w_DI.shape)
 
 
 def _rank_config(cfg: ModelConfig, t: int) -> ModelConfig:
@@ -218,7 +210,10 @@ def _rank_core_params(p: Params, cfg: ModelConfig, t: int, r) -> Params:
 
 def _tensor_parallel_mixer(x_BTD, p: Params, core_params: Params, segment_ids_BT, cfg: ModelConfig,
                            lp: LayerPrecision, t: int) -> jax.Array:
-    zxbcdt_BTI = lp.dot(x_BTD, _rank_major_columns(p["in_proj"], cfg, t), "mamba_in")
+    # Pinned to in_proj's own split (fsdp rows, tensor columns), so each device reorders the
+    # columns it holds and FSDP gathers rows for the GEMM as for any column-parallel weight.
+    w_in_DI = constrain(in_proj_columns(p["in_proj"], in_proj_parts(cfg), t), ("embed", "ssm_groups"))
+    zxbcdt_BTI = lp.dot(x_BTD, w_in_DI, "mamba_in")
 
     def core(zxbcdt_local, segment_ids, params):
         rank = jax.lax.axis_index("tensor")

@@ -41,6 +41,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "mlp": ("tensor", "fsdp"),
     "inner": ("tensor", "fsdp"),  # Mamba-2's heads x head_dim: out_proj is row-parallel
+    "ssm_groups": ("tensor",),  # Mamba-2's in_proj [D, G, P]: each tensor rank holds whole groups
     "vocab": ("tensor",),
     # Stacked blocks' leading dim: each pipeline stage keeps its own consecutive blocks
     # (maxfp4.parallel.pipeline); with mesh.pipeline=1 every device holds every block.

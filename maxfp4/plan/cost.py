@@ -114,11 +114,13 @@ def _row_parallel_layers(m: ModelConfig) -> int:
 
 def _whole_on_tensor(lin: LinearSpec, m: ModelConfig, tensor: int) -> bool:
     """Whether each of ``tensor`` devices keeps the whole weight: Mamba-2's in_proj where the
-    tensor axis cannot split the mixer (its z, x, B, C and dt parts split with their groups
-    whenever ``splits_over_tensor``; maxfp4.model.mamba)."""
-    if tensor == 1 or _sharded_over_tensor(lin):
+    tensor axis cannot split the mixer (stored group by group, its z, x, B, C and dt parts split
+    with their groups whenever ``splits_over_tensor``; maxfp4.model.mamba_layout)."""
+    if tensor == 1:
         return False
-    return not (lin.layer_class == "mamba_in" and splits_over_tensor(m, tensor))
+    if lin.layer_class == "mamba_in":
+        return not splits_over_tensor(m, tensor)
+    return not _sharded_over_tensor(lin)
 
 
 @functools.lru_cache(maxsize=256)
