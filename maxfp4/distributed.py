@@ -56,6 +56,15 @@ def set_gpu_memory_fraction(fraction: float, env=os.environ) -> str:
     return env["XLA_PYTHON_CLIENT_MEM_FRACTION"]
 
 
+def memory_note(device, fraction: str) -> str:
+    """``; X GiB each for JAX (XLA_PYTHON_CLIENT_MEM_FRACTION=f)`` where the device reports its
+    allocator's limit (a GPU), else nothing."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return ""
+    return f"; {stats['bytes_limit'] / 2**30:.1f} GiB each for JAX (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction})"
+
+
 def in_slurm_step(env: Mapping[str, str] = os.environ) -> bool:
     return all(v in env for v in SLURM_VARS)
 

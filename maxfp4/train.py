@@ -399,9 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def run() -> None:
         cfg = config_from_arguments(args)
-        distributed.set_gpu_memory_fraction(cfg.run.gpu_memory_fraction)  # still before the backend starts
+        fraction = distributed.set_gpu_memory_fraction(cfg.run.gpu_memory_fraction)  # before the backend starts
         how = distributed.initialize(cfg.distributed)
-        _say(f"{how}; {jax.local_device_count()} local of {jax.device_count()} devices")
+        _say(f"{how}; {jax.local_device_count()} local of {jax.device_count()} devices"
+             + distributed.memory_note(jax.local_devices()[0], fraction))
         train(cfg, watch=watch)
 
     try:

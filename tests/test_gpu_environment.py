@@ -35,8 +35,8 @@ def test_a_memory_fraction_out_of_range_is_one_line():
 
 @pytest.mark.gpu
 def test_the_trainer_reserves_its_configured_share_of_the_gpu(tmp_path):
-    """The trainer sets the fraction before JAX starts the GPU backend: its preflight reads the
-    allocator's limit back as that share of the card (nvidia-smi's total), to 2%."""
+    """The trainer sets the fraction before JAX starts the GPU backend: its start-up line reads
+    the allocator's limit back as that share of the card (nvidia-smi's total), to 2%."""
     total_mib = float(subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
                                       "-i", "0"], capture_output=True, text=True, check=True).stdout.split()[0])
     env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
@@ -46,5 +46,6 @@ def test_the_trainer_reserves_its_configured_share_of_the_gpu(tmp_path):
                           "optim.warmup_steps=0"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    limit_gib = float(re.search(r"of ([0-9.]+) GiB per device", out.stdout + out.stderr).group(1))
+    limit_gib = float(re.search(r"([0-9.]+) GiB each for JAX \(XLA_PYTHON_CLIENT_MEM_FRACTION=0.5\)",
+                                out.stdout + out.stderr).group(1))
     assert abs(limit_gib * 1024 / total_mib - 0.5) <= 0.02, (limit_gib, total_mib)
