@@ -135,14 +135,15 @@ def test_grouped_nvfp4_matches_float64_of_the_quantized_operands():
 
 def test_routing_is_deterministic_dropless_and_counts_what_capacity_drops():
     logits = jax.random.normal(jax.random.key(0), (64, 8)) + jnp.array([2.0, 0, 0, 0, 0, 0, 0, 0])
-    a = choose_experts(logits, None, 2, "sigmoid", 0.0)
-    b = choose_experts(logits, None, 2, "sigmoid", 0.0)
+    route = jax.jit(choose_experts, static_argnums=(1, 2, 3, 4))
+    a = route(logits, None, 2, "sigmoid", 0.0)
+    b = route(logits, None, 2, "sigmoid", 0.0)
     np.testing.assert_array_equal(a.experts_Nk, b.experts_Nk)
     counts = np.asarray(a.stats_S[:8])
     assert counts.sum() == 64 * 2 and a.stats_S[8] == 0  # every token reached its 2 experts
     np.testing.assert_allclose(np.asarray(a.weights_Nk).sum(-1), 1.0, rtol=1e-6)
-    capped = choose_experts(logits, None, 2, "softmax", 1.0)  # 16 assignments an expert
-    counts_sm = np.bincount(np.asarray(choose_experts(logits, None, 2, "softmax", 0.0).experts_Nk).ravel(), minlength=8)
+    capped = route(logits, None, 2, "softmax", 1.0)  # 16 assignments an expert
+    counts_sm = np.bincount(np.asarray(route(logits, None, 2, "softmax", 0.0).experts_Nk).ravel(), minlength=8)
     assert capped.stats_S[8] == np.maximum(counts_sm - 16, 0).sum() > 0
     assert np.asarray(capped.stats_S[:8]).max() <= 16
     dropped = np.asarray(capped.experts_Nk) == 8
@@ -234,20 +235,70 @@ def _equal_runs(tmp_path, pattern, steps, extra=()):
     return split, whole
 
 
-def test_attention_moe_with_experts_split_over_4_devices_equals_one_group(tmp_path):
-    """``*E*E``, 8 experts top-2, 6 steps (3 at mesh.expert=4, 3 resumed at mesh.expert=1)."""
-    _equal_runs(tmp_path, "*E*E", 6, ["model.moe.aux_loss_coef=0.01"])
+# The whole trainer at 30 steps takes minutes on two cores (a compile per mesh and pattern):
+# these run on request (-m slow); the suite checks the same exchange on one block below.
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", ["*E*E", "M*EM*E"])
+def test_moe_with_experts_split_over_4_devices_equals_one_group_30_steps(tmp_path, pattern):
+    """8 experts top-2 over the issue's 30 steps: 15 at mesh.expert=4, 15 resumed from that
+    checkpoint at mesh.expert=1, against mesh.expert=1 throughout."""
+    _equal_runs(tmp_path, pattern, 30, ["model.moe.aux_loss_coef=0.01"])
 
 
 @pytest.mark.slow
-def test_hybrid_moe_with_experts_split_over_4_devices_equals_one_group_30_steps(tmp_path):
-    """``M*EM*E`` over the issue's 30 steps (15 split, 15 resumed whole)."""
-    _equal_runs(tmp_path, "M*EM*E", 30)
+def test_fp8_experts_train_split_and_whole(tmp_path):
+    """``M*EM*E`` with FP8 delayed scaling on the expert class: the split run matches, the loss falls."""
+    _equal_runs(tmp_path, "M*EM*E", 10, ["precision.rules=[{classes: [expert], recipe: fp8_delayed}]"])
 
 
-def test_hybrid_moe_split_equals_one_group_and_fp8_experts_train(tmp_path):
-    """``M*EM*E`` with FP8 (delayed scaling) experts, 4 steps split then whole: the split run
-    matches, and the FP8 run's loss falls."""
-    split, whole = _equal_runs(tmp_path, "M*EM*E", 4, ["precision.rules=[{classes: [expert], recipe: fp8_delayed}]",
-                                                       "optim.lr=1e-2"])
-    assert np.isfinite([r["loss"] for r in whole]).all()
+def _block_grads(expert):
+    """Loss, gradients and scale cotangents (FP8 amaxes, router statistics) of a one-block ``E``
+    model on 4 devices, the experts split over ``expert`` of them."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from maxfp4.model import get_model
+    from maxfp4.model.router_state import init_router_state, with_aux_weight
+    from maxfp4.parallel.mesh import make_mesh, traced_in_mesh
+    from maxfp4.precision import resolve_policy
+    from maxfp4.precision.state import init_precision_state, scales_of
+
+    cfg = load_config("configs/tiny-moe.yaml", TRAIN + ["model.pattern=E", f"mesh.expert={expert}",
+                                                        f"mesh.data={4 // expert}", "model.moe.shared_experts=1",
+                                                        "precision.rules=[{classes: [expert_up], recipe: fp8_delayed}]"])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:4])
+    model = get_model(cfg.model)
+    policy = resolve_policy(cfg.precision, 1)
+    params = model.init_params(cfg.model, jax.random.key(0))
+    scales = with_aux_weight(scales_of(init_precision_state(policy, model.block_layer_classes,
+                                                            init_router_state(cfg.model))), 0.01)
+    scales["blocks"]["router_bias"] = jnp.linspace(-0.1, 0.1, 8)[None]
+    tokens = jax.random.randint(jax.random.key(1), (8, 32), 0, 256)
+    positions, segments = jnp.broadcast_to(jnp.arange(32), (8, 32)), jnp.ones((8, 32), jnp.int32)
+    params, scales = jax.device_put((params, scales), NamedSharding(mesh, P()))
+
+    def loss(p, s):
+        logits = model.forward(p, tokens, positions, segments, cfg=cfg.model, policy=policy, scales=s,
+                               key=jax.random.key(2))
+        return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+
+    return jax.jit(traced_in_mesh(jax.value_and_grad(loss, argnums=(0, 1)), mesh))(params, scales)
+
+
+def test_experts_split_over_4_devices_give_the_gradients_of_one_group():
+    """One E block with a shared expert, FP8 delayed scaling on expert_up and BF16 on
+    expert_down: all-to-all over mesh.expert=4 against mesh.expert=1 (both 4 devices): the same
+    loss, parameter gradients (to 1e-5 of their largest), router statistics (exactly) and FP8
+    amaxes (the max over the devices, exactly)."""
+    loss_1, (grads_1, cot_1) = _block_grads(1)
+    loss_4, (grads_4, cot_4) = _block_grads(4)
+    assert abs(float(loss_1) - float(loss_4)) <= 1e-6 * abs(float(loss_1))
+    for name in ("w_up", "w_down", "router", "shared_up"):
+        a, b = np.asarray(grads_1["moe"][name]), np.asarray(grads_4["moe"][name])
+        assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a)) and np.max(np.abs(a)) > 0, name
+    stats = np.asarray(cot_1["blocks"][PROBE])
+    np.testing.assert_array_equal(stats, np.asarray(cot_4["blocks"][PROBE]))
+    assert stats[0, :8].sum() == 8 * 32 * 2 and stats[0, 8] == 0  # every token to its 2 experts
+    amax_1, amax_4 = np.asarray(cot_1["blocks"]["expert_up"]), np.asarray(cot_4["blocks"]["expert_up"])
+    np.testing.assert_array_equal(amax_1, amax_4)
+    assert np.all(amax_1 > 0) and "expert_down" not in cot_1["blocks"]
