@@ -49,19 +49,31 @@ class MoE(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x_BTD: jax.Array, lp: LayerPrecision) -> jax.Array:
-        cfg, moe = self.cfg, self.cfg.moe
-        b, t, d = x_BTD.shape
-        x_ND = x_BTD.reshape(b * t, d)
-        scales = lp.scales or {}
-        route = choose_experts(self.router(x_ND, lp), scales.get(BIAS), moe.top_k, moe.score, moe.capacity_factor)
-        y_ND = run_experts(x_ND, route.experts_Nk, route.weights_Nk, self.w_up[...], self.w_down[...], lp,
-                           expert_ffn, cfg.mlp)
-        if moe.shared_experts:
-            y_ND = y_ND + mlp_block(x_ND[None], self.shared_up[...], self.shared_down[...], lp, kind=cfg.mlp)[0]
-        if PROBE in scales:
-            y_ND = report(y_ND, scales[PROBE], route.stats_S, route.aux_loss,
-                          scales.get(AUX_WEIGHT, jnp.zeros((), jnp.float32)))
-        return y_ND.astype(ACT_DTYPE).reshape(b, t, d)
+        weights = {name: getattr(self, name)[...] for name in WEIGHTS if hasattr(self, name)}
+        return apply_moe(weights, x_BTD, lp, self.cfg)
+
+
+WEIGHTS = ("router", "w_up", "w_down", "shared_up", "shared_down")
+
+
+def apply_moe(weights: dict[str, jax.Array], x_BTD: jax.Array, lp: LayerPrecision, cfg: ModelConfig) -> jax.Array:
+    """The block's output from its weights (:data:`WEIGHTS`, one block's slices): what the module
+    computes, and what one-token decoding (maxfp4.interop.decode) calls on the parameter pytree.
+    ``lp.scales`` may carry the router's bias and statistics probe (maxfp4.model.router_state)."""
+    moe = cfg.moe
+    b, t, d = x_BTD.shape
+    x_ND = x_BTD.reshape(b * t, d)
+    scales = lp.scales or {}
+    logits_NX = lp.dot(x_ND, weights["router"], "router")
+    route = choose_experts(logits_NX, scales.get(BIAS), moe.top_k, moe.score, moe.capacity_factor)
+    y_ND = run_experts(x_ND, route.experts_Nk, route.weights_Nk, weights["w_up"], weights["w_down"], lp,
+                       expert_ffn, cfg.mlp)
+    if moe.shared_experts:
+        y_ND = y_ND + mlp_block(x_ND[None], weights["shared_up"], weights["shared_down"], lp, kind=cfg.mlp)[0]
+    if PROBE in scales:
+        y_ND = report(y_ND, scales[PROBE], route.stats_S, route.aux_loss,
+                      scales.get(AUX_WEIGHT, jnp.zeros((), jnp.float32)))
+    return y_ND.astype(ACT_DTYPE).reshape(b, t, d)
 
 
 class Routing(NamedTuple):
