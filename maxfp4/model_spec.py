@@ -311,10 +311,11 @@ class ModelSpec:
             return ACT_BYTES_NO_REMAT * self.d_model
         total = ACT_BYTES_FULL_REMAT * self.d_model
         if remat in ("save_gemm", "save_gemm_io"):
-            total += GEMM_OUT_BYTES * sum(lin.n + self.d_model * (lin.layer_class == "attn_qkv")
+            # an expert layer's rows: each token's top_k copies (lin.active)
+            total += GEMM_OUT_BYTES * sum(lin.n * (lin.active or 1) + self.d_model * (lin.layer_class == "attn_qkv")
                                           for lin in block.linears)
         if remat == "save_gemm_io":
-            total += operand_bytes * sum(lin.k for lin in block.linears)
+            total += operand_bytes * sum(lin.k * (lin.active or 1) for lin in block.linears)
         return total
 
 

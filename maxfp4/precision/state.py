@@ -9,6 +9,8 @@ max). The recipe's record makes and updates each slot (``Recipe.init_state`` and
     {"blocks": {layer_class: {"scale": f32[L, 3], ...}}, "lm_head": {"scale": f32[3], ...}}
 
 with only the classes that use the stateful recipe somewhere present. Slot order: x, w, dY.
+A model with mixture-of-experts blocks also keeps its routers' bias here (``"router"``,
+maxfp4.model.router_state), outside the optimizer for the same reasons; the step updates it.
 """
 
 from __future__ import annotations
