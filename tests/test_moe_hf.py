@@ -65,6 +65,11 @@ def test_sample_runs_on_a_trained_moe_run(tmp_path):
         "train.steps=2", "optim.warmup_steps=1", "resilience.preflight=false", "checkpoint.async=false",
         f"run.output_dir={tmp_path}"])
     train(cfg, devices=jax.devices()[:1], stream=io.StringIO())
+    # The routers' aux-loss-free bias comes from the checkpoint's train state: two steps moved the
+    # E block's row by the rate (1e-3) each step, the attention block's row stays 0.
+    from maxfp4.interop.sample import load_run
+    bias = np.asarray(load_run(cfg.run_dir, jax.devices()[0]).params["router_bias"])
+    assert np.all(bias[0] == 0) and 0 < np.max(np.abs(bias[1])) <= 2e-3 * (1 + 1e-6)
     assert sample_main([cfg.run_dir, "--max-tokens", "4", "--prompt", "The"]) == 0
 
 
