@@ -22,7 +22,7 @@ from maxfp4.errors import ConfigError, describe  # noqa: F401 - re-exported: `fr
 # The sections, re-exported: `from maxfp4.config import ModelConfig` is how the package and users name them.
 from maxfp4.config_schema import (ATTENTION_IMPLS, CheckpointConfig, Config, DATA_SOURCES, DataConfig,
                                   DistributedConfig, FaultConfig, MAX_INIT_STD, MAX_LAYERS, MAX_LR,
-                                  MIXTURE_SOURCES, MLP_KINDS, MODEL_KINDS, MambaConfig, MeshConfig, ModelConfig,
+                                  MIXTURE_SOURCES, MLP_KINDS, MODEL_KINDS, MambaConfig, MeshConfig, ModelConfig, MoEConfig,
                                   OptimConfig, PATTERN_CHARS, PrecisionConfig, REMAT_POLICIES, ResilienceConfig,
                                   RunConfig, TrainConfig, check_text, control_character, validate, yaml_key)  # noqa: F401
 

@@ -107,6 +107,42 @@ class MambaConfig:
                  f"a divisor of the Mamba head count {inner // self.head_dim}")
 
 
+ROUTER_SCORES = ("sigmoid", "softmax")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts block (``E`` in ``model.pattern``; maxfp4.model.moe, docs/MOE.md)."""
+
+    experts: int = 8  # routed experts per block
+    top_k: int = 2  # experts each token is sent to
+    d_ff: int = 512  # hidden width of each expert (and of each shared expert)
+    shared_experts: int = 0  # experts every token passes through (one MLP of shared_experts x d_ff)
+    # Per-expert capacity as a multiple of the even share (tokens x top_k / experts); the overflow
+    # is dropped and counted. 0: dropless (every token reaches its top_k experts).
+    capacity_factor: float = 0.0
+    # sigmoid (DeepSeek-V3, Nemotron 3: independent scores, which the aux-loss-free bias needs to
+    # shift one expert without moving the others) or softmax (Mixtral, Qwen3-MoE). The top-k
+    # scores are normalised to sum to 1 either way.
+    score: str = "sigmoid"
+    aux_loss_coef: float = 0.0  # load-balancing loss (Switch: experts x sum_e f_e P_e) x this
+    # DeepSeek-V3's aux-loss-free balancing: each step bias += rate x sign(mean load - load); the
+    # bias moves the top-k choice only, never the weights (0: off)
+    bias_update_rate: float = 1e-3
+
+    def check(self) -> None:
+        _positive(self, "model.moe", "experts", "top_k", "d_ff")
+        _require(self.top_k <= self.experts, "model.moe.top_k", self.top_k,
+                 f"at most model.moe.experts={self.experts}")
+        _require(self.shared_experts >= 0, "model.moe.shared_experts", self.shared_experts, "an integer >= 0")
+        _require(self.capacity_factor == 0 or self.capacity_factor >= 1.0, "model.moe.capacity_factor",
+                 self.capacity_factor, "0 (dropless) or a factor >= 1.0, such as 1.25")
+        _require(self.score in ROUTER_SCORES, "model.moe.score", self.score, f"one of {', '.join(ROUTER_SCORES)}")
+        _require(self.aux_loss_coef >= 0, "model.moe.aux_loss_coef", self.aux_loss_coef, "a number >= 0, such as 1e-3")
+        _require(self.bias_update_rate >= 0, "model.moe.bias_update_rate", self.bias_update_rate,
+                 "a number >= 0, such as 1e-3 (0: off)")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     kind: str = "dense"
@@ -129,6 +165,7 @@ class ModelConfig:
     rope: bool = True  # rotary position embeddings in attention (Nemotron-H uses none)
     mlp: str = "swiglu"  # hybrid MLP blocks: swiglu or relu2 (squared ReLU, not gated)
     mamba: MambaConfig = field(default_factory=MambaConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # the E blocks of model.pattern
     # A Hugging Face model directory (Llama for dense, Nemotron-H for hybrid) whose weights a new
     # run starts from (maxfp4.interop.hf); empty: random initialisation. A resumed run restores its checkpoint.
     init_from: str = ""
@@ -141,10 +178,14 @@ class ModelConfig:
         _require(self.kind in MODEL_KINDS, "model.kind", self.kind, f"one of {', '.join(MODEL_KINDS)}")
         if self.kind == "hybrid":
             _require(bool(self.pattern) and set(self.pattern) <= set(PATTERN_CHARS), "model.pattern", self.pattern,
-                     "a non-empty string of M (Mamba-2), * (attention) and - (MLP)")
+                     "a non-empty string of M (Mamba-2), * (attention), - (MLP) and E (mixture of experts)")
             self.mamba.check(self.d_model)
         else:
             _require(not self.pattern, "model.pattern", self.pattern, "empty for model.kind=dense (set model.kind=hybrid)")
+        if "E" in self.pattern:
+            self.moe.check()
+        else:
+            _check_moe_unused(self.moe)
         _require(self.mlp in MLP_KINDS, "model.mlp", self.mlp, f"one of {', '.join(MLP_KINDS)}")
         _positive(self, "model", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
         _require(self.n_layers <= MAX_LAYERS, "model.n_layers", self.n_layers, f"at most {MAX_LAYERS} blocks")
@@ -310,9 +351,8 @@ class MeshConfig:
                  "a positive integer (1: each device one stage)")
         remaining = {name: v for name, v in axes.items() if v == -1}
         _require(len(remaining) <= 1, "mesh", remaining, "at most one axis of size -1")
-        for name in ("context", "expert"):
-            # built in later steps: until then an axis that splits nothing would only waste devices
-            _require(axes[name] == 1, f"mesh.{name}", axes[name], "1 (this axis is not built yet)")
+        # built in a later step: until then an axis that splits nothing would only waste devices
+        _require(self.context == 1, "mesh.context", self.context, "1 (this axis is not built yet)")
 
 
 @dataclass(frozen=True)
@@ -565,6 +605,14 @@ def _positive(section: Any, prefix: str, *names: str) -> None:
         _require(v > 0, f"{prefix}.{n}", v, "a positive integer")
 
 
+def _check_moe_unused(moe: MoEConfig) -> None:
+    """model.moe set on a model without E blocks would decide nothing: refuse the first such key."""
+    for f in dataclasses.fields(moe):
+        value, default = getattr(moe, f.name), f.default
+        _require(value == default, f"model.moe.{f.name}", value,
+                 f"the default {default!r} on a model.pattern without E blocks (add E to the pattern)")
+
+
 def _check_across_sections(cfg: Config) -> None:
     d, t, o = cfg.data, cfg.train, cfg.optim
     _require(not t.eval_every or d.eval_fraction > 0 or d.eval_paths or d.source == "synthetic",
@@ -581,9 +629,20 @@ def _check_across_sections(cfg: Config) -> None:
     _require(cfg.run.deterministic or not cfg.resilience.rerun_skipped, "resilience.rerun_skipped",
              cfg.resilience.rerun_skipped, "false unless run.deterministic=true (a re-run must give the same bits "
              "on healthy hardware)")
+    if "E" in cfg.model.pattern:
+        _check_moe_mesh(cfg)
     horizon = o.schedule_steps or t.steps
     _require(o.warmup_steps <= horizon, "optim.warmup_steps", o.warmup_steps,
              f"at most the schedule length {horizon}")
+
+
+def _check_moe_mesh(cfg: Config) -> None:
+    experts, ep = cfg.model.moe.experts, cfg.mesh.expert
+    if ep > 1:
+        fits = [d for d in range(ep, 0, -1) if experts % d == 0][0]
+        _require(experts % ep == 0, "mesh.expert", ep, f"a divisor of model.moe.experts={experts}, such as {fits}")
+    _require(cfg.mesh.pipeline == 1, "mesh.pipeline", cfg.mesh.pipeline,
+             "1 with E blocks in model.pattern (pipeline stages do not carry router statistics yet)")
 
 
 def validate(cfg: Config) -> None:

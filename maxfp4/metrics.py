@@ -327,6 +327,7 @@ class MetricsHook(Hook):
             "eta_s": (total_steps - step) * step_time if step_time else None,
             "skipped_steps": int(values["skipped_steps"]),
             **({"rerun_verdict": int(values["rerun_verdict"])} if "rerun_verdict" in values else {}),
+            **{k: v for k, v in values.items() if k.startswith("moe_")},  # router statistics (docs/MOE.md)
         }
 
     def summary(self) -> str:

@@ -19,7 +19,13 @@ class list from here, so this module reads a ``ModelConfig`` by its attributes a
 nothing of maxfp4.
 
 Dimension letters: D d_model, K kv heads, G query heads per kv head, H head dim, F MLP hidden,
-V vocabulary, E Mamba-2 inner width, T sequence.
+V vocabulary, E Mamba-2 inner width, T sequence, X routed experts.
+
+A mixture-of-experts block (``moe``, ``E`` in the pattern) holds a router [D, X] and its
+experts' weights stacked on a leading ``experts`` axis: its :class:`LinearSpec` records count
+``params`` as the weights one token passes through (top_k experts: what FLOPs and MFU charge)
+and ``params_total`` as all of them (what memory holds). Its shared experts, if any, are an MLP
+of classes ``mlp_up`` / ``mlp_down`` inside the block.
 """
 
 from __future__ import annotations
@@ -43,11 +49,20 @@ LAYOUT: dict[str, tuple[tuple[str, str, tuple[str | None, ...], str], ...]] = {
     # so splitting G over tensor gives each rank whole groups, as the mixer's tensor split needs.
     "mamba": (("in_proj", "mamba_in", ("embed", "ssm_groups", None), "column"),
               ("out_proj", "mamba_out", ("inner", "embed"), "row")),
+    # The router runs in FP32 by default (maxfp4.precision.policy); the experts' weights are
+    # [X, D, F, gates] and [X, F, D], the expert dim split over mesh.expert.
+    "moe": (("router", "router", ("embed", None), "column"),
+            ("w_up", "expert_up", ("experts", "embed", "mlp", None), "column"),
+            ("w_down", "expert_down", ("experts", "mlp", "embed"), "row")),
 }
+# A precision rule may name both expert GEMMs at once as the class ``expert``.
+CLASS_GROUPS: dict[str, tuple[str, ...]] = {"expert": ("expert_up", "expert_down")}
+# Classes a rule without ``classes`` leaves alone: the router stays FP32 unless a rule names it.
+EXPLICIT_ONLY_CLASSES = ("router",)
 MIXERS: dict[str, tuple[str, ...]] = {m: tuple(c for _, c, _, _ in rows) for m, rows in LAYOUT.items()}
 LM_HEAD_AXES = ("embed", "vocab")
 # model.pattern's characters -> the mixer of that block (the dense model's blocks are "decoder").
-PATTERN_CHARS: dict[str, str] = {"M": "mamba", "*": "attention", "-": "mlp"}
+PATTERN_CHARS: dict[str, str] = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 BLOCK_CLASSES: tuple[str, ...] = tuple(c for classes in MIXERS.values() for c in classes)
 LAYER_CLASSES: tuple[str, ...] = BLOCK_CLASSES + ("lm_head",)
 DENSE_BLOCK = "decoder"
@@ -71,24 +86,37 @@ class LinearSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     parallel: str  # "column" or "row"
+    # Experts: the leading dim of ``shape`` stacks this many copies, of which a token uses
+    # ``active`` (0: an ordinary layer, one copy)
+    experts: int = 0
+    active: int = 0
+
+    @property
+    def _lead(self) -> int:
+        return 1 if self.experts else 0
 
     @property
     def k(self) -> int:
-        return self.shape[0]
+        return self.shape[self._lead]
 
     @property
     def n(self) -> int:
-        return math.prod(self.shape[1:])
+        return math.prod(self.shape[self._lead + 1:])
 
     @property
     def params(self) -> int:
-        return self.k * self.n
+        """Parameters a token passes through (an expert layer: its top_k experts')."""
+        return self.k * self.n * (self.active if self.experts else 1)
+
+    @property
+    def params_total(self) -> int:
+        return self.k * self.n * (self.experts or 1)
 
     @property
     def weight_axes(self) -> tuple[str | None, str | None]:
         """The weight as its [K, N] GEMM takes it: K's axis, then the first of the dims flattened
         into N (the one its sharding follows)."""
-        return self.axes[0], self.axes[1]
+        return self.axes[self._lead], self.axes[self._lead + 1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +141,10 @@ class BlockSpec:
     @property
     def matmul_params(self) -> int:
         return sum(lin.params for lin in self.linears)
+
+    @property
+    def matmul_params_total(self) -> int:
+        return sum(lin.params_total for lin in self.linears)
 
 
 def mamba_dims(cfg: Any) -> dict[str, int]:
@@ -143,14 +175,27 @@ def _shapes(cfg: Any, mixer: str) -> tuple[tuple[int, ...], ...]:
         return (d, kv, heads // kv + 2, h), (heads * h, d)
     if mixer == "mlp":
         return (d, cfg.d_ff, _mlp_gates(cfg)), (cfg.d_ff, d)
+    if mixer == "moe":
+        x, f = cfg.moe.experts, cfg.moe.d_ff
+        return (d, x), (x, d, f, _mlp_gates(cfg)), (x, f, d)
     md = mamba_dims(cfg)
     return (d, md["G"], md["in"] // md["G"]), (md["E"], d)
 
 
 def mixer_linears(cfg: Any, mixer: str) -> tuple[LinearSpec, ...]:
-    """The linear layers of one ``mixer`` of ``cfg``'s model, in :data:`LAYOUT` order."""
-    return tuple(LinearSpec(name, cls, shape, axes, parallel)
-                 for (name, cls, axes, parallel), shape in zip(LAYOUT[mixer], _shapes(cfg, mixer)))
+    """The linear layers of one ``mixer`` of ``cfg``'s model, in :data:`LAYOUT` order (a
+    mixture-of-experts block's shared experts after them)."""
+    out = []
+    for (name, cls, axes, parallel), shape in zip(LAYOUT[mixer], _shapes(cfg, mixer)):
+        experted = axes[0] == "experts"
+        out.append(LinearSpec(name, cls, shape, axes, parallel, experts=shape[0] if experted else 0,
+                              active=cfg.moe.top_k if experted else 0))
+    if mixer == "moe" and cfg.moe.shared_experts:
+        f = cfg.moe.shared_experts * cfg.moe.d_ff
+        (_, _, up_axes, up_par), (_, _, down_axes, down_par) = LAYOUT["mlp"]
+        out += [LinearSpec("shared_up", "mlp_up", (d := cfg.d_model, f, _mlp_gates(cfg)), up_axes, up_par),
+                LinearSpec("shared_down", "mlp_down", (f, d), down_axes, down_par)]
+    return tuple(out)
 
 
 def lm_head_linear(cfg: Any) -> LinearSpec:
@@ -159,7 +204,8 @@ def lm_head_linear(cfg: Any) -> LinearSpec:
 
 # Each class's weight as its [K, N] GEMM takes it (mesh.WEIGHT_AXES): sizes do not matter.
 WEIGHT_AXES: dict[str, tuple[str | None, str | None]] = {
-    cls: (axes[0], axes[1]) for rows in LAYOUT.values() for _, cls, axes, _ in rows} | {"lm_head": LM_HEAD_AXES}
+    cls: (axes[lead], axes[lead + 1]) for rows in LAYOUT.values() for _, cls, axes, _ in rows
+    for lead in [int(axes[0] == "experts")]} | {"lm_head": LM_HEAD_AXES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +260,18 @@ class ModelSpec:
 
     @property
     def matmul_params(self) -> int:
+        """Active matmul parameters (a mixture-of-experts block counts the top_k experts a token uses)."""
         return self.block_matmul_params + self.lm_head.params
+
+    @property
+    def matmul_params_total(self) -> int:
+        """Every matmul parameter stored (all experts)."""
+        return sum(b.matmul_params_total for b in self.blocks) + self.lm_head.params
+
+    def moe_dispatch_bytes_per_token(self, top_k: int, operand_bytes: float = 2.0) -> float:
+        """Bytes a token sends through expert parallelism's all-to-alls in a training step, over
+        all E blocks: to its top_k experts and back, forward and backward (4 x top_k x D)."""
+        return 4.0 * top_k * self.d_model * operand_bytes * len(self.blocks_with("moe"))
 
     # ------------------------------------------------------------------------- FLOPs per token
 
@@ -236,7 +293,7 @@ class ModelSpec:
         """:meth:`flops_per_token` split by where it is spent: each mixer's GEMMs (attention's
         products with attention, the SSD's with Mamba-2) and the LM head."""
         out = {"attention": self.attention_flops_per_token(seq_len), "mlp": 0.0,
-               "mamba": self.ssd_flops_per_token(), "lm_head": 6.0 * self.lm_head.params}
+               "mamba": self.ssd_flops_per_token(), "moe": 0.0, "lm_head": 6.0 * self.lm_head.params}
         mixer_of = {c: m for m, classes in MIXERS.items() for c in classes}
         for b in self.blocks:
             for lin in b.linears:
@@ -254,10 +311,11 @@ class ModelSpec:
             return ACT_BYTES_NO_REMAT * self.d_model
         total = ACT_BYTES_FULL_REMAT * self.d_model
         if remat in ("save_gemm", "save_gemm_io"):
-            total += GEMM_OUT_BYTES * sum(lin.n + self.d_model * (lin.layer_class == "attn_qkv")
+            # an expert layer's rows: each token's top_k copies (lin.active)
+            total += GEMM_OUT_BYTES * sum(lin.n * (lin.active or 1) + self.d_model * (lin.layer_class == "attn_qkv")
                                           for lin in block.linears)
         if remat == "save_gemm_io":
-            total += operand_bytes * sum(lin.k for lin in block.linears)
+            total += operand_bytes * sum(lin.k * (lin.active or 1) for lin in block.linears)
         return total
 
 

@@ -29,6 +29,8 @@ from maxfp4.optim import global_norm
 from maxfp4.precision import PrecisionPolicy
 from maxfp4.precision.catalog import SPECS
 from maxfp4.precision.state import scales_of, update_precision_state
+from maxfp4.model.router_state import combine_cotangents, router_metrics, update_router_state, with_aux_weight
+from maxfp4.model_spec import model_spec
 from maxfp4.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -84,6 +86,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
     nan_steps = tuple(res.fault.nonfinite_at_steps)
     first_evaluation_nan_steps = tuple(res.fault.transient_nonfinite_at_steps)
     scale_from, scale = res.fault.loss_scale_at_step, res.fault.loss_scale
+    moe_blocks = model_spec(cfg.model).blocks_with("moe")
 
     def loss_and_grads(state: TrainState, batch: Batch, scales: Any, step_key: jax.Array, denom: jax.Array,
                        evaluation: jax.Array | int = 0):
@@ -98,7 +101,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
                 loss, (grads, amaxes) = grad_fn(state.params, scales, micro,
                                                 jax.random.fold_in(step_key, i), denom)
                 return (loss_acc + loss, jax.tree.map(jnp.add, grads_acc, grads),
-                        jax.tree.map(jnp.maximum, amax_acc, amaxes)), None
+                        combine_cotangents(amax_acc, amaxes)), None
 
             init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params),
                     jax.tree.map(jnp.zeros_like, scales))
@@ -116,7 +119,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
         denom = jnp.maximum(n_tokens, 1.0)
         if scale_from:
             denom = denom / loss_scale(state.step + 1, scale_from, scale)
-        scales = scales_of(state.precision)
+        scales = with_aux_weight(scales_of(state.precision), cfg.model.moe.aux_loss_coef / m)
         step_key = jax.random.fold_in(state.rng, state.step)
         rerun = {}
         if res.guard and res.rerun_skipped:  # a bad step is evaluated once more (maxfp4.reliability.rerun)
@@ -134,6 +137,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         precision = update_precision_state(state.precision, amaxes, policy)
+        precision = update_router_state(precision, amaxes, cfg.model.moe.bias_update_rate)
         guard = state.guard
         ok = jnp.array(True)
         if res.guard:
@@ -157,6 +161,7 @@ def make_train_step(cfg: Config, policy: PrecisionPolicy, optimizer: optax.Gradi
             "tokens": n_tokens,
             **guard_metrics(guard, ok),
             **rerun,
+            **router_metrics(amaxes, moe_blocks, m),
         }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                                   precision=precision, guard=guard)

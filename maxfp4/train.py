@@ -54,6 +54,7 @@ from maxfp4.parallel.pipeline import check_stages
 from maxfp4.precision import PrecisionPolicy, resolve_policy
 from maxfp4.precision.policy import check_block_divisibility, unmatched_rules
 from maxfp4.precision.state import init_precision_state
+from maxfp4.model.router_state import init_router_state
 from maxfp4.profiling import StepProfiler
 from maxfp4.reliability.crash import RunFailed, crash_error, quiet_disk_full_logs
 from maxfp4.reliability.faults import FaultHook
@@ -103,7 +104,7 @@ def state_maker(cfg: Config, mesh, optimizer: optax.GradientTransformation, poli
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_sh,
                                    transform_non_params=lambda _: replicated)
     prec_sh = jax.tree.map(lambda _: replicated,
-                           jax.eval_shape(lambda: init_precision_state(policy, model.block_layer_classes)))
+                           jax.eval_shape(lambda: init_precision_state(policy, model.block_layer_classes, init_router_state(cfg.model))))
     guard_sh = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: init_guard_state(cfg.resilience.spike_window)))
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
                           precision=prec_sh, guard=guard_sh)
@@ -112,7 +113,7 @@ def state_maker(cfg: Config, mesh, optimizer: optax.GradientTransformation, poli
         params = model.init_params(cfg.model, k)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=optimizer.init(params), rng=jax.random.fold_in(k, 1),
-                          precision=init_precision_state(policy, model.block_layer_classes),
+                          precision=init_precision_state(policy, model.block_layer_classes, init_router_state(cfg.model)),
                           guard=init_guard_state(cfg.resilience.spike_window))
 
     return make, state_sh

@@ -38,7 +38,7 @@ def test_catalog_block_sizes_are_the_formats_blocks():
     assert catalog.NVFP4.block == F.NVFP4_BLOCK
     assert catalog.MXFP8.block == catalog.MXFP4.block == F.MX_BLOCK
     assert catalog.FP8_BLOCK.block == FP8_BLOCK_TILE
-    assert [n for n, s in catalog.SPECS.items() if not s.block] == ["bf16", "fp8_delayed", "fp8_current"]
+    assert [n for n, s in catalog.SPECS.items() if not s.block] == ["bf16", "fp32", "fp8_delayed", "fp8_current"]
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp8", "mxfp4", "fp8_block"])

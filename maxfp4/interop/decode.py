@@ -28,6 +28,8 @@ from maxfp4.model.layers import ACT_DTYPE, mlp_block, output_logits, rms_norm
 from maxfp4.model_spec import mamba_dims, model_spec
 from maxfp4.model.mamba import gated_group_norm
 from maxfp4.model.mamba_layout import columns as in_proj_columns, in_proj_parts
+from maxfp4.model.moe import apply_moe
+from maxfp4.model.router_state import BIAS  # the run's router bias, when the sampler read it
 from maxfp4.precision import LayerPrecision, PrecisionPolicy, resolve_policy
 
 Cache = dict[str, Any]
@@ -136,7 +138,7 @@ def _hybrid_blocks(params: dict, cache: Cache, x_B1D: jax.Array, position: jax.A
     lp = LayerPrecision(policy, 0)
     seen = {t: 0 for t in model_spec(cfg).types}
     new = {"k": [], "v": [], "conv": [], "ssm": []}
-    for block in model_spec(cfg).blocks:
+    for index, block in enumerate(model_spec(cfg).blocks):
         kind = block.type
         i = seen[kind]
         seen[kind] += 1
@@ -153,6 +155,9 @@ def _hybrid_blocks(params: dict, cache: Cache, x_B1D: jax.Array, position: jax.A
             y, conv_BWC, ssm_BRPZ = mamba_step(h, p, state["conv"][i], state["ssm"][i], cfg, lp)
             new["conv"].append(conv_BWC)
             new["ssm"].append(ssm_BRPZ)
+        elif kind == "moe":  # with the run's aux-loss-free bias when the sampler read it
+            bias = {BIAS: params[BIAS][index]} if BIAS in params else None
+            y = apply_moe(p, h, LayerPrecision(policy, 0, bias), cfg)
         else:
             y = mlp_block(h, p["w_up"], p["w_down"], lp, kind=cfg.mlp, smooth=cfg.smooth_swiglu)
         x_B1D = x_B1D + y.astype(x_B1D.dtype)

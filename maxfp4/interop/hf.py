@@ -1,5 +1,7 @@
 """maxfp4's parameters in Hugging Face layouts, both directions: dense models as
-``LlamaForCausalLM``, hybrid models as ``NemotronHForCausalLM``.
+``LlamaForCausalLM``, hybrid models as ``NemotronHForCausalLM`` (its ``E`` layers are
+mixture-of-experts blocks: Nemotron 3), and attention + mixture-of-experts stacks whose pattern
+is ``*E`` repeated with softmax routing and SwiGLU experts as ``MixtralForCausalLM``.
 
 One table (:func:`leaves`) says, for every parameter of the pytree, which Hugging Face tensors
 hold it and how a slice converts. Export writes through it (``maxfp4.export``) and
@@ -11,6 +13,11 @@ Layout facts the table encodes:
   ``k*G + g`` uses KV head k, which is Hugging Face's ``repeat_kv`` order, so q/k/v_proj are
   plain slices. RoPE rotates halves (pairs (i, i + H/2)) in both, so no row permutation.
 - ``w_up`` [D, F, 2] is (gate, up) per hidden unit: gate_proj and up_proj.
+- Experts: ``w_up`` [X, D, F, gates] and ``w_down`` [X, F, D] are one tensor per expert in the
+  published checkpoints' layout (``experts.{j}.up_proj`` / Mixtral's ``w1``, ``w3``, ``w2``),
+  which transformers 5 merges while loading. The router [D, X] is ``gate.weight`` [X, D].
+  The aux-loss-free bias lives in the train state, not the parameters: it is not exported
+  (NemotronH's ``e_score_correction_bias`` loads as zeros).
 - Mamba-2: ``in_proj`` [D, G, P] holds each group's z, x, B, C, dt columns side by side
   (:mod:`maxfp4.model.mamba_layout`); Hugging Face's in_proj has z, x, B, C, dt one after the
   other (each group-major), which ``mamba_layout.columns`` makes; ``conv_w`` [W, C] is conv1d's
@@ -33,7 +40,7 @@ from maxfp4.errors import UserError
 from maxfp4.model.mamba_layout import columns, grouped, in_proj_parts
 from maxfp4.model_spec import BlockSpec, ModelSpec, mamba_dims, model_spec
 
-LLAMA, NEMOTRON_H = "LlamaForCausalLM", "NemotronHForCausalLM"
+LLAMA, NEMOTRON_H, MIXTRAL = "LlamaForCausalLM", "NemotronHForCausalLM", "MixtralForCausalLM"
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
 
 
@@ -78,6 +85,12 @@ def to_hf(kind: str, a: np.ndarray, parts: tuple[int, ...] = ()) -> list[np.ndar
         return [a[:, :, 0].T]
     if kind == "conv":
         return [a.T[:, None, :]]
+    if kind == "experts":  # [X, K, N] -> X tensors [N, K]
+        return [e.T for e in a]
+    if kind == "experts_up":  # [X, D, F, 1]
+        return [e[:, :, 0].T for e in a]
+    if kind == "experts_gate_up":  # [X, D, F, 2] -> X gates, then X ups
+        return [e[:, :, 0].T for e in a] + [e[:, :, 1].T for e in a]
     raise AssertionError(kind)
 
 
@@ -99,6 +112,13 @@ def from_hf(kind: str, tensors: list[np.ndarray], shape: tuple[int, ...], parts:
         return tensors[0].T[:, :, None]
     if kind == "conv":
         return tensors[0][:, 0, :].T
+    if kind == "experts":
+        return np.stack([t.T for t in tensors])
+    if kind == "experts_up":
+        return np.stack([t.T for t in tensors])[..., None]
+    if kind == "experts_gate_up":
+        x = shape[0]
+        return np.stack([np.stack([g.T, u.T], axis=-1) for g, u in zip(tensors[:x], tensors[x:])])
     raise AssertionError(kind)
 
 
@@ -120,20 +140,49 @@ def hf_shapes(kind: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     if kind == "conv":
         w, c = shape
         return [(c, 1, w)]
+    if kind == "experts":
+        x, k, n = shape
+        return [(n, k)] * x
+    if kind in ("experts_up", "experts_gate_up"):
+        x, d, f, gates = shape
+        return [(f, d)] * (x * gates)
     raise AssertionError(kind)
 
 
 # ----------------------------------------------------------------------------- the tables
 
+def _mixtral_pattern(pattern: str) -> bool:
+    return len(pattern) % 2 == 0 and pattern == "*E" * (len(pattern) // 2)
+
+
 def architecture(model_cfg) -> str:
-    return NEMOTRON_H if model_cfg.kind == "hybrid" else LLAMA
+    if model_cfg.kind != "hybrid":
+        return LLAMA
+    return MIXTRAL if _mixtral_pattern(model_cfg.pattern) and model_cfg.moe.score == "softmax" else NEMOTRON_H
 
 
 def check_maps(model_cfg) -> None:
     """Refuse, in one line naming the feature, a model the Hugging Face architecture cannot hold."""
     if model_cfg.kind != "hybrid":
         return  # every dense config is a Llama: RoPE, GQA, SwiGLU, RMSNorm, untied head
+    moe = model_cfg.moe
+    if architecture(model_cfg) == MIXTRAL:
+        for ok, what in ((model_cfg.mlp == "swiglu", f"model.mlp={model_cfg.mlp}: Mixtral's experts are SwiGLU"),
+                         (moe.shared_experts == 0, f"model.moe.shared_experts={moe.shared_experts}: Mixtral has none"),
+                         (model_cfg.rope, "model.rope=false: Mixtral's attention rotates (RoPE)")):
+            if not ok:
+                raise HFError(f"{what}; export with --format native")
+        return
     present = set(model_cfg.pattern)
+    if "E" in present:
+        for ok, what in ((moe.score == "sigmoid", f"model.moe.score={moe.score}: NemotronH routes by sigmoid scores "
+                                                  f"(a *E-repeated softmax model exports as Mixtral)"),
+                         (moe.shared_experts >= 1, "model.moe.shared_experts=0: NemotronH's MoE layers have a "
+                                                   "shared expert"),
+                         (model_cfg.mlp == "relu2", f"model.mlp={model_cfg.mlp}: NemotronH's experts are "
+                                                    f"squared-ReLU (relu2)")):
+            if not ok:
+                raise HFError(f"{what}; export with --format native")
     if "*" in present and model_cfg.rope:
         raise HFError("model.rope=true: NemotronHForCausalLM's attention has no rotary position embedding; "
                       "export with --format native")
@@ -168,6 +217,26 @@ NEMOTRON_H_LAYERS = {
 }
 
 
+def _nemotron_h_moe(experts: int) -> tuple:
+    return (("pre_norm", "same", ("norm.weight",)), ("router", "linear", ("mixer.gate.weight",)),
+            ("expert_up", "experts_up", tuple(f"mixer.experts.{j}.up_proj.weight" for j in range(experts))),
+            ("expert_down", "experts", tuple(f"mixer.experts.{j}.down_proj.weight" for j in range(experts))),
+            ("mlp_up", "up", ("mixer.shared_experts.up_proj.weight",)),
+            ("mlp_down", "linear", ("mixer.shared_experts.down_proj.weight",)))
+
+
+# Mixtral: a layer is an attention block and the mixture-of-experts block after it.
+MIXTRAL_ATTENTION = (("pre_norm", "same", ("input_layernorm.weight",)),) + LLAMA_LAYER[1:3]
+
+
+def _mixtral_moe(experts: int) -> tuple:
+    return (("pre_norm", "same", ("post_attention_layernorm.weight",)),
+            ("router", "linear", ("block_sparse_moe.gate.weight",)),
+            ("expert_up", "experts_gate_up", tuple(f"block_sparse_moe.experts.{j}.w{n}.weight"
+                                                    for n in (1, 3) for j in range(experts))),
+            ("expert_down", "experts", tuple(f"block_sparse_moe.experts.{j}.w2.weight" for j in range(experts))))
+
+
 def _block_leaves(block: BlockSpec, rows, prefix: str, layers: tuple[int, ...], parts: tuple[int, ...] = ()
                   ) -> list[Leaf]:
     names = {lin.layer_class: lin.name for lin in block.linears}
@@ -179,8 +248,15 @@ def _block_leaves(block: BlockSpec, rows, prefix: str, layers: tuple[int, ...], 
 def leaves(model_cfg) -> list[Leaf]:
     """Every parameter of ``model_cfg``'s pytree with its Hugging Face tensors."""
     spec = model_spec(model_cfg)
+    if architecture(model_cfg) == MIXTRAL:
+        pairs = tuple(range(len(spec.blocks) // 2))
+        return [Leaf(("embed",), "same", ("model.embed_tokens.weight",)),
+                *_block_leaves(spec.blocks[0], MIXTRAL_ATTENTION, "model.layers.{i}.", pairs),
+                *_block_leaves(spec.blocks[1], _mixtral_moe(model_cfg.moe.experts), "model.layers.{i}.", pairs),
+                Leaf(("final_norm",), "same", ("model.norm.weight",)),
+                Leaf(("lm_head",), "linear", ("lm_head.weight",))]
     if model_cfg.kind == "hybrid":
-        return _nemotron_h_leaves(spec, in_proj_parts(model_cfg))
+        return _nemotron_h_leaves(spec, in_proj_parts(model_cfg), model_cfg.moe.experts)
     return [Leaf(("embed",), "same", ("model.embed_tokens.weight",)),
             *_block_leaves(spec.blocks[0], LLAMA_LAYER, "model.layers.{i}.", tuple(range(len(spec.blocks)))),
             Leaf(("final_norm",), "same", ("model.norm.weight",)),
@@ -192,12 +268,13 @@ def leaves(model_cfg) -> list[Leaf]:
 NEMOTRON_PREFIX = "backbone."
 
 
-def _nemotron_h_leaves(spec: ModelSpec, mamba_in_parts: tuple[int, ...]) -> list[Leaf]:
+def _nemotron_h_leaves(spec: ModelSpec, mamba_in_parts: tuple[int, ...], experts: int) -> list[Leaf]:
     out = [Leaf(("embed",), "same", (NEMOTRON_PREFIX + "embeddings.weight",))]
-    for mixer in ("mamba", "attention", "mlp"):
+    layers = {**NEMOTRON_H_LAYERS, "moe": _nemotron_h_moe(experts)}
+    for mixer in ("mamba", "attention", "mlp", "moe"):
         at = spec.blocks_with(mixer)
         if at:
-            out += _block_leaves(spec.blocks[at[0]], NEMOTRON_H_LAYERS[mixer], NEMOTRON_PREFIX + "layers.{i}.", at,
+            out += _block_leaves(spec.blocks[at[0]], layers[mixer], NEMOTRON_PREFIX + "layers.{i}.", at,
                                  mamba_in_parts)
     return out + [Leaf(("final_norm",), "same", (NEMOTRON_PREFIX + "norm_f.weight",)),
                   Leaf(("lm_head",), "linear", ("lm_head.weight",))]
@@ -273,6 +350,15 @@ def hf_config(model_cfg, *, max_positions: int, dtype: str, bos_id: int, eos_id:
         "dtype": dtype, "torch_dtype": dtype,
         "maxfp4": provenance,
     }
+    moe = model_cfg.moe
+    if architecture(model_cfg) == MIXTRAL:
+        theta = model_cfg.rope_theta
+        return {"model_type": "mixtral", **common, "num_hidden_layers": len(model_cfg.pattern) // 2,
+                "intermediate_size": moe.d_ff, "num_local_experts": moe.experts,
+                "num_experts_per_tok": moe.top_k, "hidden_act": "silu", "rms_norm_eps": model_cfg.norm_eps,
+                "router_aux_loss_coef": moe.aux_loss_coef, "output_router_logits": False,
+                "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+                "sliding_window": None}
     if model_cfg.kind != "hybrid":
         theta = model_cfg.rope_theta
         return {"model_type": "llama", **common, "num_hidden_layers": model_cfg.n_layers, "hidden_act": "silu",
@@ -297,6 +383,11 @@ def hf_config(model_cfg, *, max_positions: int, dtype: str, bos_id: int, eos_id:
         "use_conv_bias": True, "mamba_conv_bias": True,
         # transformers 5 clamps dt from below at time_step_min; maxfp4 does not clamp.
         "time_step_min": 0.0, "mamba_dt_min": 0.0,
+        # Mixture-of-experts layers (E): sigmoid scores, top-k normalised, no scaling, one group;
+        # the shared expert is one MLP of shared_experts x d_ff.
+        "n_routed_experts": moe.experts, "num_experts_per_tok": moe.top_k, "moe_intermediate_size": moe.d_ff,
+        "n_shared_experts": 1, "moe_shared_expert_intermediate_size": max(moe.shared_experts, 1) * moe.d_ff,
+        "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
     }
 
 
@@ -414,7 +505,7 @@ def _check_scalars(model_cfg, hf_cfg: dict, where: str) -> None:
             raise HFError(f"model.init_from={where}: {name}={got} in {CONFIG_FILE}; expected {key}={want} "
                           f"(set {key}={got} to use this model)")
 
-    if model_cfg.kind != "hybrid":
+    if model_cfg.kind != "hybrid" or architecture(model_cfg) == MIXTRAL:
         rope = dict(hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {})
         kind = rope.get("rope_type") or rope.get("type") or "default"
         if kind != "default":

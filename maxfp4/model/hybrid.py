@@ -1,5 +1,6 @@
-"""Hybrid Mamba-2 / attention / MLP stack (Nemotron-H style) from a one-character-a-block pattern:
-``M`` Mamba-2, ``*`` attention, ``-`` MLP; each block is RMSNorm -> mixer -> residual.
+"""Hybrid Mamba-2 / attention / MLP / mixture-of-experts stack (Nemotron-H and Nemotron 3 style)
+from a one-character-a-block pattern: ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``E`` mixture of
+experts; each block is RMSNorm -> mixer -> residual.
 
 Parameters are stacked per block type ([n_type, ...]), so their layout depends only on the
 pattern. The forward pass covers the pattern with as few scans as it can: a scan repeats a unit
@@ -29,6 +30,7 @@ from maxfp4.model.layers import norm_scale, stacked
 from maxfp4.model.layer_loop import run_layers
 from maxfp4.model.mamba import Mamba2Mixer
 from maxfp4.model.mlp import MLP
+from maxfp4.model.moe import MoE
 from maxfp4.model.remat import remat_body
 from maxfp4.precision import LayerPrecision, PrecisionPolicy
 
@@ -86,6 +88,19 @@ class MLPBlock(MLP):
         return x_BTD + y.astype(x_BTD.dtype)
 
 
+class MoEBlock(MoE):
+    """RMSNorm -> mixture of experts (maxfp4.model.moe) -> residual."""
+
+    def __init__(self, cfg: ModelConfig, key: jax.Array, n: int | None):
+        super().__init__(cfg, key, n, std=cfg.init_std, out_std=_out_std(cfg))
+        self.pre_norm = norm_scale(*stacked(n, (cfg.d_model,), ("norm",)))
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, lp: LayerPrecision, attn_impl: str,
+                 runs_per_row: int | None):
+        y = super().__call__(self.pre_norm(x_BTD, self.cfg.norm_eps), lp)
+        return x_BTD + y.astype(x_BTD.dtype)
+
+
 def _out_std(cfg: ModelConfig) -> float:
     """Residual-branch outputs start smaller by 1/sqrt(2L) (GPT-2 practice)."""
     return cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -106,6 +121,8 @@ class HybridLM(lm.LanguageModel):
             self.attention = AttentionBlock(cfg, keys[3], keys[4], counts["attention"])
         if counts["mlp"]:
             self.mlp = MLPBlock(cfg, keys[5], keys[6], counts["mlp"])
+        if counts["moe"]:
+            self.moe = MoEBlock(cfg, keys[7], counts["moe"])
 
     def from_embedded(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
                       *, policy: PrecisionPolicy, scales: dict | None = None, key: jax.Array | None = None,
@@ -125,7 +142,7 @@ class HybridLM(lm.LanguageModel):
                 defs[t], state = nnx.split(getattr(self, t))
                 stacks[t] = nnx.to_pure_dict(state)
         offsets = {t: 0 for t in TYPES.values()}
-        for start, unit, reps in scan_groups(cfg.pattern, policy.block_table):
+        for start, unit, reps in scan_groups(cfg.pattern, policy.recipe_rows):
             u = len(unit)
             xs: dict[str, Any] = {}
             # In the unit's order: a set's order follows the process's string hash seed, and so

@@ -28,7 +28,9 @@ from maxfp4.model_spec import WEIGHT_AXES  # each layer class's weight as its [K
 MESH_AXES = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
 
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    # Outside mixture-of-experts blocks the expert axis is one more data axis (each of its
+    # devices takes its own tokens), so an E block's all-to-all exchanges distinct tokens.
+    "batch": ("data", "fsdp", "expert"),
     "seq": (),
     "embed": ("fsdp",),
     # A weight whose first feature dim is "heads", "mlp" or "inner" (w_o, w_down, Mamba's out_proj)
@@ -47,6 +49,8 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     # (maxfp4.parallel.pipeline); with mesh.pipeline=1 every device holds every block.
     "layers": ("pipeline",),
     "norm": (),
+    # A mixture-of-experts block's experts: each device on the expert axis holds X / expert of them.
+    "experts": ("expert",),
 }
 
 
@@ -69,7 +73,10 @@ def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, 
     """(data, fsdp, tensor, pipeline): the axes the planner models (maxfp4.plan), pipeline last so
     that the first three read as they always have; context and expert are refused in one line."""
     data, pipeline, fsdp, context, expert, tensor = resolve_axes(cfg, n_devices)
-    for name, size in (("context", context), ("expert", expert)):
+    # Outside the experts the expert axis splits the batch like data: modelled as data, with the
+    # all-to-all bytes charged apart (maxfp4.plan.cost).
+    data *= expert
+    for name, size in (("context", context),):
         if size != 1:
             raise ConfigError(f"mesh.{name}={size}: the planner models the data, pipeline, fsdp and tensor axes "
                               f"only; expected mesh.{name}=1")

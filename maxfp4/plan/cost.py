@@ -249,7 +249,8 @@ def memory_per_device(cfg: Config, mesh, params: int, precision: str,
     spec = model_spec(m)
     blocks = [spec.blocks[b] for b in _held_blocks(cfg, mesh)]
     share = [_tensor_share(b, m, tensor) for b in blocks]  # of each block's activations, on one device
-    weights = [sum(lin.params / (1 if _whole_on_tensor(lin, m, tensor) else tensor) for lin in b.linears)
+    # every expert's weights are held (params_total), though a token passes through top_k of them
+    weights = [sum(lin.params_total / (1 if _whole_on_tensor(lin, m, tensor) else tensor) for lin in b.linears)
                for b in blocks]
     working = max(max(weights) * WORKING_BYTES[precision], spec.lm_head.params * 2 / tensor)
     if remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers:
@@ -341,6 +342,11 @@ def comm_seconds(cfg: Config, mesh, params: int, precision: str, gpu: str,
         other = (params - _block_matmul_params(m)) / (fsdp * tensor) * GRAD_BYTES
         overlappable += 2 * (stages - 1) / stages * other / (
             _link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
+    experts = cfg.mesh.expert
+    if experts > 1 and "E" in m.pattern:  # the E blocks' token all-to-alls, which the experts wait for
+        per_token = model_spec(m).moe_dispatch_bytes_per_token(m.moe.top_k)
+        a2a = (experts - 1) / experts * _tokens_per_device(cfg, mesh) * per_token
+        exposed += a2a / (_link_gbs(gpu, experts * tensor, gpus_per_node) * 1e9)
     if data > 1:  # all-reduce of each device's FP32 gradient shard
         shard = state * GRAD_BYTES
         overlappable += 2 * (data - 1) / data * shard / (_link_gbs(gpu, mesh.devices, gpus_per_node) * 1e9)

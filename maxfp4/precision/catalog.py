@@ -23,7 +23,8 @@ from fractions import Fraction
 from typing import Any, Mapping
 
 from maxfp4.errors import ConfigError, describe
-from maxfp4.model_spec import BLOCK_CLASSES, LAYER_CLASSES  # the model's anatomy names the classes
+from maxfp4.model_spec import (BLOCK_CLASSES, CLASS_GROUPS, EXPLICIT_ONLY_CLASSES,  # the model's anatomy names the classes
+                               LAYER_CLASSES)
 
 # The option naming the layer class a recipe's call serves: not a config option, added to the
 # policy's options when a layer calls its recipe (maxfp4.precision.layer.call_options).
@@ -60,6 +61,9 @@ class RecipeSpec:
 FAST_ACCUMULATION_DEFAULT = {"forward": True, "backward": False}
 
 BF16 = RecipeSpec("bf16", {}, peak="bf16", weight_bytes=2.0, operand_bytes=2.0, token_local=True)
+# FP32 operands at full precision: the mixture-of-experts router's default (its top-k choice
+# flips on small score differences); charged at the BF16 peak, its FLOPs are a rounding error.
+FP32 = RecipeSpec("fp32", {}, peak="bf16", weight_bytes=4.0, operand_bytes=4.0, token_local=True)
 # power_2_scale: scales rounded down to powers of two (Transformer Engine's QParams.power_2_scale),
 # which lets the FP8 GEMMs write BF16 outputs exactly (recipes.fp8.fp8_gemm_tn).
 FP8_DELAYED = RecipeSpec(
@@ -80,8 +84,10 @@ MXFP4 = RecipeSpec("mxfp4", {}, peak="fp4", weight_bytes=0.5 + 1 / 32, operand_b
 # DeepSeek-V3's block FP8: an FP32 scale per 128x128 weight tile.
 FP8_BLOCK = RecipeSpec("fp8_block", {}, peak="fp8", weight_bytes=1.0 + 4 / 128**2, operand_bytes=2.0, block=128)
 
-SPECS: dict[str, RecipeSpec] = {s.name: s for s in (BF16, FP8_DELAYED, FP8_CURRENT, NVFP4, MXFP8, MXFP4, FP8_BLOCK)}
+SPECS: dict[str, RecipeSpec] = {s.name: s for s in (BF16, FP32, FP8_DELAYED, FP8_CURRENT, NVFP4, MXFP8, MXFP4, FP8_BLOCK)}
 RECIPE_NAMES = tuple(SPECS)
+# The recipe of a class in EXPLICIT_ONLY_CLASSES (the router) that no rule names by class.
+EXPLICIT_ONLY_DEFAULT = FP32.name
 
 
 def is_recipe(value: Any) -> bool:
@@ -176,14 +182,16 @@ def parse_rule(raw: Any, i: int, n_layers: int) -> Rule:
         raise ConfigError(f"{key}: missing recipe; expected one of {', '.join(RECIPE_NAMES)}")
     if not is_recipe(raw["recipe"]):
         raise _unknown_recipe(f"{key}.recipe", raw["recipe"])
-    classes = raw.get("classes", list(LAYER_CLASSES))
+    classes = raw.get("classes", [c for c in LAYER_CLASSES if c not in EXPLICIT_ONLY_CLASSES])
     if isinstance(classes, str):
         classes = [classes]
     if not isinstance(classes, list):
         raise ConfigError(f"{key}.classes={describe(classes)}: expected a layer class or a list of them")
+    known = LAYER_CLASSES + tuple(CLASS_GROUPS)
     for c in classes:
-        if not isinstance(c, str) or c not in LAYER_CLASSES:
-            raise ConfigError(f"{key}.classes: unknown layer class {describe(c)}; expected one of {', '.join(LAYER_CLASSES)}")
+        if not isinstance(c, str) or c not in known:
+            raise ConfigError(f"{key}.classes: unknown layer class {describe(c)}; expected one of {', '.join(known)}")
+    classes = [member for c in classes for member in CLASS_GROUPS.get(c, (c,))]
     layers = _parse_layers(raw["layers"], n_layers, key + ".layers") if "layers" in raw else None
     return Rule(frozenset(classes), layers, raw["recipe"])
 

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from maxfp4.errors import ConfigError
 from maxfp4.precision.catalog import LAYER_CLASS_OPTION, LAYER_CLASSES
 from maxfp4.precision.fused import FusedOperands
 from maxfp4.precision.policy import PrecisionPolicy
@@ -35,6 +36,11 @@ def call_options(policy: PrecisionPolicy, recipe: str, layer_class: str) -> tupl
     return policy.options_tuple(recipe) + ((LAYER_CLASS_OPTION, layer_class),)
 
 
+def grouped_recipes() -> tuple[str, ...]:
+    """The recipes with a grouped GEMM (those an expert class may use)."""
+    return tuple(name for name, r in RECIPES.items() if r.grouped is not None)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPrecision:
     """What a block needs to run its linear layers: the policy, its index (the first block of
@@ -57,6 +63,19 @@ class LayerPrecision:
     def options(self, layer_class: str) -> tuple:
         """The hashable options of ``layer_class``'s recipe (a static argument of its VJPs)."""
         return call_options(self.policy, self.policy.recipe_for(layer_class, self.layer_index), layer_class)
+
+    def grouped_dot(self, x_MK: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array, layer_class: str) -> jax.Array:
+        """``x[m] @ w[g(m)]`` over rows sorted by group (``sizes_G`` rows each), with the grouped
+        form of ``layer_class``'s recipe (maxfp4.precision.recipes.grouped)."""
+        recipe = self.policy.recipe_for(layer_class, self.layer_index)
+        grouped = RECIPES[recipe].grouped
+        if grouped is None:
+            raise ConfigError(f"precision: recipe {recipe} on {layer_class} has no grouped GEMM; expected one of "
+                              f"{', '.join(grouped_recipes())} for the expert classes")
+        scales = None if self.scales is None else self.scales.get(layer_class)
+        key = None if self.key is None else jax.random.fold_in(self.key, LAYER_CLASSES.index(layer_class))
+        y = grouped(x_MK, w_GKN, sizes_G, call_options(self.policy, recipe, layer_class), scales, key)
+        return checkpoint_name(y, GEMM_OUT)
 
     def dot(self, x: jax.Array, w: jax.Array, layer_class: str) -> jax.Array:
         scales = None if self.scales is None else self.scales.get(layer_class)

@@ -8,10 +8,15 @@ the catalog it reads: the table is hashable, a static argument of the jitted ste
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Collection, Sequence
 
 from maxfp4.errors import ConfigError, describe
-from maxfp4.precision.catalog import BLOCK_CLASSES, LAYER_CLASSES, SPECS, Rule, read_section, with_defaults
+from maxfp4.precision.catalog import (BLOCK_CLASSES, EXPLICIT_ONLY_CLASSES, EXPLICIT_ONLY_DEFAULT, LAYER_CLASSES, SPECS,
+                                      Rule, read_section, with_defaults)
+
+# The classes of the block table; the router's recipes are a column of their own (router_table).
+TABLE_CLASSES = tuple(c for c in BLOCK_CLASSES if c not in EXPLICIT_ONLY_CLASSES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,14 +24,19 @@ class PrecisionPolicy:
     """The resolved table. Hashable, so it can be a static argument of jitted functions."""
 
     n_layers: int
-    block_table: tuple[tuple[str, ...], ...]  # [block][class index in BLOCK_CLASSES] -> recipe
+    block_table: tuple[tuple[str, ...], ...]  # [block][class index in TABLE_CLASSES] -> recipe
     lm_head: str
     options: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+    # [block] -> the router's recipe: apart from the table, which holds what the blocks'
+    # recipes (their scans, their state) depend on (empty: FP32 everywhere)
+    router_table: tuple[str, ...] = ()
 
     def recipe_for(self, layer_class: str, layer_index: int | None) -> str:
         if layer_class == "lm_head" or layer_index is None:
             return self.lm_head
-        return self.block_table[layer_index][BLOCK_CLASSES.index(layer_class)]
+        if layer_class in EXPLICIT_ONLY_CLASSES:
+            return self.router_table[layer_index] if self.router_table else EXPLICIT_ONLY_DEFAULT
+        return self.block_table[layer_index][TABLE_CLASSES.index(layer_class)]
 
     def options_for(self, recipe: str) -> dict:
         return dict(dict(self.options).get(recipe, ()))
@@ -40,10 +50,16 @@ class PrecisionPolicy:
         groups: list[tuple[int, int]] = []
         start = 0
         for i in range(1, self.n_layers + 1):
-            if i == self.n_layers or self.block_table[i] != self.block_table[start]:
+            if i == self.n_layers or self.recipe_rows[i] != self.recipe_rows[start]:
                 groups.append((start, i))
                 start = i
         return groups
+
+    @functools.cached_property
+    def recipe_rows(self) -> tuple[tuple[str, ...], ...]:
+        """Each block's recipes, the router's included: blocks with equal rows share a scan."""
+        return tuple(row + ((self.router_table[i],) if self.router_table else ())
+                     for i, row in enumerate(self.block_table))
 
     def format_table(self, classes: Sequence[str] = BLOCK_CLASSES) -> str:
         width = max(len(c) for c in classes)
@@ -53,7 +69,7 @@ class PrecisionPolicy:
             row = self.block_table[start]
             label = f"{start}" if end - start == 1 else f"{start}-{end - 1}"
             lines.append(label.ljust(7) + "  ".join(
-                row[BLOCK_CLASSES.index(c)].ljust(max(width, 11)) for c in classes))
+                self.recipe_for(c, start).ljust(max(width, 11)) for c in classes))
         lines.append(f"lm_head: {self.lm_head}")
         return "\n".join(lines)
 
@@ -67,13 +83,16 @@ def resolve_policy(cfg: Any, n_layers: int) -> PrecisionPolicy:
     rules, options = read_section(cfg, n_layers)
 
     def pick(layer_class: str, index: int | None) -> str:
-        return next((rule.recipe for rule in rules if _matches(rule, layer_class, index)), cfg.default)
+        # precision.default is not the router's: it keeps FP32 unless a rule names its class
+        default = EXPLICIT_ONLY_DEFAULT if layer_class in EXPLICIT_ONLY_CLASSES else cfg.default
+        return next((rule.recipe for rule in rules if _matches(rule, layer_class, index)), default)
 
-    table = tuple(tuple(pick(c, i) for c in BLOCK_CLASSES) for i in range(n_layers))
-    used = {r for row in table for r in row} | {pick("lm_head", None)}
+    table = tuple(tuple(pick(c, i) for c in TABLE_CLASSES) for i in range(n_layers))
+    router = tuple(pick(EXPLICIT_ONLY_CLASSES[0], i) for i in range(n_layers))
+    used = {r for row in table for r in row} | {pick("lm_head", None)} | set(router)
     all_options = {name: options.get(name) or with_defaults(SPECS[name].defaults, {}) for name in used}
     frozen = tuple(sorted((n, tuple(sorted(o.items()))) for n, o in all_options.items()))
-    return PrecisionPolicy(n_layers, table, pick("lm_head", None), frozen)
+    return PrecisionPolicy(n_layers, table, pick("lm_head", None), frozen, router)
 
 
 def check_block_divisibility(policy: PrecisionPolicy, shapes: dict[str, tuple[int, int]]) -> None:

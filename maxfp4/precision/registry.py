@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from maxfp4.precision.recipes import Recipe, bf16, fp8, fp8_block, mx, nvfp4
+from maxfp4.precision.recipes import Recipe, bf16, fp32, fp8, fp8_block, mx, nvfp4
 
 RECIPES: dict[str, Recipe] = {
     "bf16": bf16.BF16,
+    "fp32": fp32.FP32,
     "fp8_delayed": fp8.FP8_DELAYED,
     "fp8_current": fp8.FP8_CURRENT,
     "nvfp4": nvfp4.NVFP4,

@@ -9,6 +9,8 @@ max). The recipe's record makes and updates each slot (``Recipe.init_state`` and
     {"blocks": {layer_class: {"scale": f32[L, 3], ...}}, "lm_head": {"scale": f32[3], ...}}
 
 with only the classes that use the stateful recipe somewhere present. Slot order: x, w, dY.
+A model with mixture-of-experts blocks also keeps its routers' bias here (``"router"``,
+maxfp4.model.router_state), outside the optimizer for the same reasons; the step updates it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Sequence
 from maxfp4.errors import ConfigError
 from maxfp4.precision.policy import BLOCK_CLASSES, PrecisionPolicy
 from maxfp4.precision.recipes import Recipe
+from maxfp4.model.router_state import STATE_KEY as ROUTER_KEY, router_inputs
 from maxfp4.precision.registry import RECIPES
 
 
@@ -42,10 +45,13 @@ def state_recipe(policy: PrecisionPolicy) -> Recipe | None:
     return RECIPES[stateful[0]] if stateful else None
 
 
-def init_precision_state(policy: PrecisionPolicy, model_classes: Sequence[str] = BLOCK_CLASSES) -> dict[str, Any]:
-    """``model_classes``: the block layer classes the model has (a dense model has no Mamba)."""
+def init_precision_state(policy: PrecisionPolicy, model_classes: Sequence[str] = BLOCK_CLASSES,
+                         router: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``model_classes``: the block layer classes the model has (a dense model has no Mamba);
+    ``router``: the mixture-of-experts routers' state (maxfp4.model.router_state), kept here
+    beside the scaling state, outside the optimizer."""
     classes, head = stateful_classes(policy, model_classes)
-    state: dict[str, Any] = {}
+    state: dict[str, Any] = {} if router is None else {ROUTER_KEY: router}
     if not classes and not head:
         return state
     recipe = state_recipe(policy)
@@ -64,6 +70,8 @@ def scales_of(state: dict[str, Any]) -> dict[str, Any]:
         out["blocks"] = {c: s["scale"] for c, s in state["blocks"].items()}
     if "lm_head" in state:
         out["lm_head"] = state["lm_head"]["scale"]
+    if ROUTER_KEY in state:
+        out["blocks"] = {**out.get("blocks", {}), **router_inputs(state[ROUTER_KEY])}
     return out
 
 
@@ -72,9 +80,11 @@ def update_precision_state(state: dict[str, Any], amaxes: dict[str, Any],
     """``amaxes`` has the layout of :func:`scales_of` (the scales' cotangents)."""
     if not state:
         return state
+    new: dict[str, Any] = {k: v for k, v in state.items() if k == ROUTER_KEY}  # updated by the step
     recipe = state_recipe(policy)
+    if recipe is None:
+        return new
     options = policy.options_tuple(recipe.name)
-    new: dict[str, Any] = {}
     if "blocks" in state:
         new["blocks"] = {c: recipe.update_state(s, amaxes["blocks"][c], options) for c, s in state["blocks"].items()}
     if "lm_head" in state:

@@ -54,6 +54,10 @@ class Recipe:
     # amax, options) -> slot`` from this step's amaxes f32[*lead, 3] (the scales' cotangents).
     init_state: Callable | None = None
     update_state: Callable | None = None
+    # The grouped GEMM of mixture-of-experts layers (maxfp4.precision.recipes.grouped):
+    # ``grouped(x[M, K], w[G, K, N], sizes[G], options, scales, key) -> y[M, N]``; None: the
+    # recipe cannot run expert layers.
+    grouped: Callable | None = None
 
     def __post_init__(self):
         if self.spec.stateful != (self.init_state is not None and self.update_state is not None):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.precision import catalog
+from maxfp4.precision.recipes.grouped import bf16_grouped
 from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, dtype_token, flat
 
 
@@ -41,4 +42,4 @@ def bf16_dot(x, w, options=(), scales=None, key=None):
     return _bf16(x, w)
 
 
-BF16 = Recipe(catalog.BF16, bf16_dot)
+BF16 = Recipe(catalog.BF16, bf16_dot, grouped=bf16_grouped)

@@ -24,6 +24,7 @@ from maxfp4.precision import catalog
 from maxfp4.precision import formats as F
 from maxfp4.precision.catalog import FAST_ACCUMULATION_DEFAULT, LAYER_CLASS_OPTION
 from maxfp4.precision.fused import FusedOperands
+from maxfp4.precision.recipes.grouped import fp8_current_grouped, fp8_delayed_grouped
 from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, amax, dtype_token, flat
 
 
@@ -324,5 +325,5 @@ FP8_DELAYED_FUSED = FusedOperands(
     backward_quantized=fp8_delayed_backward_quantized, dgrad=fp8_delayed_dgrad, wgrad=fp8_delayed_wgrad)
 
 FP8_DELAYED = Recipe(catalog.FP8_DELAYED, fp8_delayed_dot, fused=FP8_DELAYED_FUSED, init_state=init_slot,
-                     update_state=update_slot)
-FP8_CURRENT = Recipe(catalog.FP8_CURRENT, fp8_current_dot)
+                     update_state=update_slot, grouped=fp8_delayed_grouped)
+FP8_CURRENT = Recipe(catalog.FP8_CURRENT, fp8_current_dot, grouped=fp8_current_grouped)

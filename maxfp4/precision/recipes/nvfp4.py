@@ -20,6 +20,7 @@ from maxfp4.kernels.rht import hadamard_block_dequantize_nvfp4_columns, rht_colu
 from maxfp4.parallel.mesh import batch_split, split_size, splits_only
 from maxfp4.precision import catalog
 from maxfp4.precision import formats as F
+from maxfp4.precision.recipes.grouped import nvfp4_grouped
 from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, flat
 
 NVFP4_DEFAULTS = catalog.NVFP4.defaults
@@ -161,4 +162,4 @@ def nvfp4_dot(x, w, options=(), scales=None, key=None):
     return _nvfp4(x, w, options, key)
 
 
-NVFP4 = Recipe(catalog.NVFP4, nvfp4_dot)
+NVFP4 = Recipe(catalog.NVFP4, nvfp4_dot, grouped=nvfp4_grouped)
