@@ -294,8 +294,9 @@ def _link_gbs(gpu: str, span: int, gpus_per_node: int = GPUS_PER_NODE) -> float:
 
 def stage_factor(cfg: Config, mesh, precision: str, gpu: str) -> float:
     """A device's block time with stages over the time of all blocks on its rows: (V M + P - 1)
-    ticks, each as long as the costliest chunk on one microbatch (maxfp4.parallel.pipeline_stages); 1 without
-    stages. The chunks are cut by FLOPs and timed by :func:`block_seconds_per_token`."""
+    ticks, each as long as the costliest chunk on one microbatch
+    (:meth:`maxfp4.parallel.pipeline_stages.StageSplit.step_factor`); 1 without stages. The
+    chunks are cut by FLOPs and timed by :func:`block_seconds_per_token`."""
     mesh = PlanMesh(*mesh)
     if mesh.pipeline == 1:
         return 1.0
