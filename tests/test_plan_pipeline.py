@@ -169,6 +169,9 @@ def test_a_config_with_stages_is_planned_as_written_and_prints_its_bubble(capsys
     out = capsys.readouterr().out
     assert "mesh data=4 x pipeline=4 x fsdp=8 x tensor=1" in out
     assert f"(bubble {bubble_fraction(4, 8):.1%})" in out and "layout: the config's" in out
+    # the nvfp4 row's preset keeps BF16 ends, which stages cannot repeat: said with the trainer's line
+    assert "note: the nvfp4 row prices the NVFP4 preset (configs/precision/nvfp4.yaml), which these stages " \
+           "cannot run: mesh.pipeline x mesh.pipeline_repeats=4: precision gives block 20" in out
     rows = _plan(args[:-4] + ["--gpus", "128", "--tokens", "1e12"], capsys)
     assert rows["bf16"]["pipeline_bubble"] == pytest.approx(3 / 11)
     assert rows["bf16"]["mesh"] == {"data": 4, "fsdp": 8, "tensor": 1, "pipeline": 4, "repeats": 1}

@@ -22,6 +22,7 @@ from maxfp4.parallel.pipeline_schedule import bubble_fraction, ticks
 from maxfp4.parallel.pipeline_stages import StageSplit, block_flop_parts, block_flops, split_stages
 from maxfp4.plan.stages import PlanMesh
 from maxfp4.precision.catalog import SPECS
+from maxfp4.precision.policy import PrecisionPolicy, resolve_policy
 
 # Emulated NVFP4's quantize passes (RHT, stochastic rounding, scales, the FP32 output's cast),
 # bytes moved per element of each GEMM operand (x and dY per token, the weight once a
@@ -183,10 +184,15 @@ def runs_xla_attention(cfg: Config) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
+def nvfp4_preset_policy(cfg: ModelConfig) -> PrecisionPolicy:
+    """The NVFP4 preset's recipes for each of the model's blocks (the nvfp4 row prices them)."""
+    return resolve_policy(PrecisionConfig(default="nvfp4", rules=NVFP4_PRESET_RULES), cfg.n_layers)
+
+
+@functools.lru_cache(maxsize=64)
 def nvfp4_bf16_share(cfg: ModelConfig) -> float:
     """Share of the blocks' GEMM parameters that the NVFP4 preset keeps in BF16."""
-    from maxfp4.precision import resolve_policy
-    policy = resolve_policy(PrecisionConfig(default="nvfp4", rules=NVFP4_PRESET_RULES), cfg.n_layers)
+    policy = nvfp4_preset_policy(cfg)
     spec = model_spec(cfg)
     kept = sum(lin.params for i, block in enumerate(spec.blocks) for lin in block.linears
                if policy.recipe_for(lin.layer_class, i) == "bf16")
