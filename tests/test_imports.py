@@ -1,6 +1,7 @@
 """Every module of the package imports first in a fresh interpreter (an import cycle shows only
-when a module of the cycle is the first one imported), and the config with the JAX-free part of
-the precision package imports without JAX."""
+when a module of the cycle is the first one imported), and the config, the JAX-free part of
+the precision package and the pipeline's schedule and stage rules (which the planner reads)
+import without JAX."""
 
 import os
 import pathlib
@@ -10,7 +11,8 @@ import sys
 import maxfp4
 
 ROOT = pathlib.Path(maxfp4.__file__).parent
-JAX_FREE = ("maxfp4.config", "maxfp4.precision.catalog", "maxfp4.precision.policy")
+JAX_FREE = ("maxfp4.config", "maxfp4.precision.catalog", "maxfp4.precision.policy",
+            "maxfp4.parallel.pipeline_schedule", "maxfp4.parallel.pipeline_stages", "maxfp4.plan.stages")
 
 # One interpreter for all modules, keeping JAX loaded between them (starting it is most of the
 # cost): before each module every maxfp4 module is dropped, so each is imported first.

@@ -20,8 +20,8 @@ from maxfp4.parallel.mesh import batch_sharding, make_mesh, resolve_mesh_shape
 from maxfp4.model_spec import model_spec
 from maxfp4.optim import make_optimizer
 from maxfp4.parallel.pipeline import bubble_fraction, check_stages
-from maxfp4.parallel.pipeline_schedule import dependency_errors, idle_fraction, schedule_table
-from maxfp4.parallel.pipeline_stages import balanced_cuts, block_flops, stage_costs
+from maxfp4.parallel.pipeline_schedule import dependency_errors, idle_fraction, schedule_table, ticks
+from maxfp4.parallel.pipeline_stages import balanced_cut, block_flops
 from maxfp4.precision import resolve_policy
 from maxfp4.precision.state import scales_of
 from maxfp4.step import make_loss_fn
@@ -157,21 +157,29 @@ def test_the_schedule_the_loss_runs_idles_its_bubble_formula(stages, repeats, mi
     assert all(d == sorted((mb, v) for mb in range(microbatches) for v in range(repeats)) for d in per_device)
     # counted idle slots against (P - 1) / (V M + P - 1), exact in binary fractions of ints
     assert idle_fraction(table) == pytest.approx(bubble_fraction(stages, microbatches, repeats), abs=1e-12)
-    assert table.shape[0] == repeats * microbatches + stages - 1
+    assert table.shape[0] == repeats * microbatches + stages - 1 == ticks(stages, microbatches, repeats)
 
 
-def test_balanced_cuts_are_the_least_largest_stage_of_every_cut():
+def _largest_stage(costs, bounds):
+    return max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+
+def test_balanced_cut_is_the_least_largest_stage_of_every_cut():
+    """Against every cut enumerated, on a hybrid whose Mamba-2, MLP and attention blocks cost
+    differently."""
     cfg = load_config(None, BASE + HYBRID[:1] + ["model.pattern=MM*-M-*-MM"] + HYBRID[2:])
     costs = block_flops(cfg.model, cfg.data.seq_len)
+    assert len(set(costs)) == 3
     # the blocks' FLOPs add up to the model's, less the LM head
     spec = model_spec(cfg.model)
     assert sum(costs) == pytest.approx(spec.flops_per_token(cfg.data.seq_len) - 6.0 * spec.lm_head.params, rel=1e-12)
-    for n_stages in (2, 3, 4):
+    for n_stages in (2, 3, 4, 5):
         cuts = itertools.combinations(range(1, len(costs)), n_stages - 1)
-        best = min(max(stage_costs(costs, (0, *cut))) for cut in cuts)
-        starts = balanced_cuts(costs, n_stages)
-        assert len(starts) == n_stages and starts[0] == 0 and list(starts) == sorted(set(starts))
-        assert max(stage_costs(costs, starts)) == pytest.approx(best, rel=1e-12)
+        best = min(_largest_stage(costs, (0, *cut, len(costs))) for cut in cuts)
+        bounds = balanced_cut(costs, n_stages)
+        assert len(bounds) == n_stages + 1 and (bounds[0], bounds[-1]) == (0, len(costs))
+        assert list(bounds) == sorted(set(bounds))  # every stage at least one block
+        assert _largest_stage(costs, bounds) == pytest.approx(best, rel=1e-12)
 
 
 def test_stage_layouts_that_cannot_run_are_one_line():

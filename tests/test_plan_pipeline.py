@@ -1,9 +1,8 @@
-"""The planner's pipeline stages: the schedule's bubble against a count of its idle slots, stages
-of an unequal hybrid balanced by cost, the measured pipeline step, the cluster-scale plans of
-docs/PLANNING.md, and the refusals."""
+"""The planner's pipeline stages: the trainer's schedule and cut, priced; exactly the stage
+layouts the trainer runs offered, and the config's own refused with the trainer's line; the
+measured pipeline step, the cluster-scale plans of docs/PLANNING.md, and the refusals."""
 
 import importlib.util
-import itertools
 import json
 from types import SimpleNamespace
 
@@ -11,69 +10,85 @@ import pytest
 
 from maxfp4.config import ConfigError, load_config
 from maxfp4.parallel.mesh import resolve_mesh_shape
-from maxfp4.plan import command as plan, cost as plan_model
+from maxfp4.parallel.pipeline_schedule import bubble_fraction, schedule_table
+from maxfp4.parallel.pipeline_stages import check_stages, stage_model
+from maxfp4.plan import command as plan, cost as plan_model, layout
 from maxfp4.plan.layout import _with
 from maxfp4.model_spec import model_spec
-from maxfp4.plan.stages import PlanMesh, balanced_cut, block_flops, bubble_fraction, schedule, split_stages, ticks
+from maxfp4.plan.stages import PlanMesh
+from maxfp4.precision import resolve_policy
+
+WIDE_HYBRID = ["model.d_model=512", "model.d_ff=8192", "data.seq_len=2048", "data.global_batch=16",
+               "train.microbatches=8", "mesh.data=1"]
 
 
-@pytest.mark.parametrize("stages, repeats", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (3, 4), (5, 3)])
-def test_bubble_formula_is_the_share_of_idle_slots_in_the_schedule(stages, repeats):
-    """The schedule (device p runs repeat (t-p)//M of microbatch (t-p) mod M at tick t) run as a
-    table: every chunk of every microbatch runs once, after the chunk before it, and the idle
-    slots counted in the table are (P-1)/(V M + P-1) of them, exactly."""
-    for micro in range(stages, 3 * stages + 2):
-        table = schedule(stages, micro, repeats)
-        assert len(table) == ticks(stages, micro, repeats)
-        idle = sum(slot is None for row in table for slot in row)
-        assert idle / (len(table) * stages) == pytest.approx(bubble_fraction(stages, micro, repeats), abs=1e-15)
-        when = {}  # (microbatch, chunk) -> tick; chunk r * P + p runs on device p
-        for t, row in enumerate(table):
-            for p, slot in enumerate(row):
-                if slot is not None:
-                    i, r = slot
-                    assert (i, r * stages + p) not in when
-                    when[i, r * stages + p] = t
-        assert len(when) == micro * stages * repeats
-        assert all(when[i, c - 1] < t for (i, c), t in when.items() if c > 0)
-    if stages > 1 and repeats > 1:  # fewer microbatches than stages: a microbatch re-enters too early
-        table = schedule(stages, stages - 1, repeats)
-        when = {(s[0], s[1] * stages + p): t for t, row in enumerate(table) for p, s in enumerate(row) if s}
-        assert any(when[i, c - 1] >= t for (i, c), t in when.items() if c > 0)
-
-
-def _best_cut_by_enumeration(costs, parts):
-    n = len(costs)
-    best = None
-    for cuts in itertools.combinations(range(1, n), parts - 1):
-        bounds = (0, *cuts, n)
-        worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
-        best = worst if best is None else min(best, worst)
-    return best
-
-
-def test_stages_of_an_unequal_hybrid_are_balanced_by_cost_and_the_costliest_sets_the_step():
-    """A hybrid whose pattern has no equal parts: the cut's costliest stage equals the best of
-    every possible cut (enumerated), and the planner's block time with stages is ticks x that
-    stage's time on one microbatch; an equal count of blocks a stage would be slower."""
-    cfg = load_config("configs/hybrid-tiny.yaml", ["model.pattern=-*-MMMMMM", "model.d_model=512",
-                                                   "model.d_ff=8192", "data.seq_len=2048", "data.global_batch=16",
-                                                   "train.microbatches=8", "mesh.data=1", "mesh.pipeline=3"])
-    flops = block_flops(model_spec(cfg.model), cfg.data.seq_len)
-    assert len(set(flops)) == 3  # Mamba-2, MLP and attention blocks cost differently
-    for parts in (2, 3, 4, 5):
-        bounds = balanced_cut(tuple(flops), parts)
-        worst = max(sum(flops[a:b]) for a, b in zip(bounds, bounds[1:]))
-        assert worst == pytest.approx(_best_cut_by_enumeration(flops, parts), rel=1e-9)
-    mesh = PlanMesh(1, 1, 1, 3)
+def test_stages_are_the_trainers_cut_and_its_ticks_set_the_step():
+    """A hybrid of Mamba-2, MLP and attention blocks (each costing differently), in the stages
+    the trainer runs: the FLOP-balanced cut is the trainer's equal cut (each stage the stage
+    model's blocks, in order); the planner's block time with stages is the rows of the schedule
+    table the loss runs x the costliest stage's time on one microbatch, and it holds every
+    tick's activations."""
+    cfg = load_config("configs/hybrid-tiny.yaml", [*WIDE_HYBRID, "model.pattern=-*M-*M-*M-*M"])
+    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     times = plan_model.block_seconds_per_token(cfg, 1, "bf16", "h200")
-    split = split_stages(flops, 3)
-    slowest = max(sum(times[b] for b in chunk) for chunk in split.chunks)
-    want = ticks(3, 8) * slowest / sum(times) / 8
-    assert plan_model.stage_factor(cfg, mesh, "bf16", "h200") == pytest.approx(want, rel=1e-12)
-    equal_count = max(sum(times[b] for b in range(a, a + 3)) for a in (0, 3, 6))
-    assert slowest < equal_count
-    assert want > 1 / 3  # the bubble and the imbalance: never better than a third of the work
+    assert len(set(times)) == 3
+    for stages, repeats in [(2, 1), (4, 1), (2, 2)]:
+        mesh = PlanMesh(1, 1, 1, stages, repeats)
+        c = _with(cfg, 16, mesh, 8)
+        check_stages(c, policy)  # the trainer runs it
+        part = stage_model(cfg.model, stages, repeats).n_layers
+        split = plan_model.stage_split(c, mesh)
+        assert split.chunks == tuple(tuple(range(a, a + part)) for a in range(0, 12, part))
+        table = schedule_table(stages, repeats, 8)
+        slowest = max(sum(times[b] for b in chunk) for chunk in split.chunks)
+        want = len(table) * slowest / sum(times) / 8
+        assert plan_model.stage_factor(c, mesh, "bf16", "h200") == pytest.approx(want, rel=1e-12)
+        assert plan_model.in_flight_share(c, mesh) == len(table) / (repeats * 8)
+
+
+def test_the_planner_offers_exactly_the_stage_layouts_the_trainer_runs():
+    """Every mesh and microbatch count of the layout search on 24 GPUs, against the trainer's
+    start-up check of the config the planner hands over: offered if and only if it passes. The
+    pattern cuts into 1, 2, 3 or 6 alike stages; with recipes that change every 4 blocks only 1
+    or 3 (stages of 4 blocks) keep them alike; with repeats the microbatches go in groups of P."""
+    seen = {}
+    for rules in ("[]", "[{layers: '::4', recipe: fp8_current}]"):
+        cfg = load_config("configs/hybrid-tiny.yaml", ["model.pattern=M*M*M*M*M*M*", f"precision.rules={rules}"])
+        policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+        for across in (False, True):
+            for mesh in layout.candidate_meshes(cfg.model, 24, 8, across):
+                offered = layout.microbatch_options(cfg.model, policy, mesh, 12) or []
+                for micro in (1, 2, 3, 4, 6, 12):
+                    try:
+                        check_stages(_with(cfg, 12 * mesh.batch_shards, mesh, micro), policy)
+                        runs = True
+                    except ConfigError:
+                        runs = False
+                    assert (micro in offered) == runs, (rules, mesh, micro)
+                    seen.setdefault((rules, mesh.pipeline, mesh.repeats, micro), runs)
+    assert seen["[]", 3, 2, 6] and not seen["[]", 3, 2, 4]  # repeats: groups of 3
+    assert seen["[]", 2, 1, 2] and not seen["[]", 2, 1, 1]  # at least one a stage
+    assert not seen["[]", 4, 1, 4]  # 12 blocks of M* do not cut into 4 alike stages
+    rules = "[{layers: '::4', recipe: fp8_current}]"
+    assert seen[rules, 3, 1, 3] and not seen[rules, 2, 1, 2] and not seen[rules, 3, 2, 6]
+
+
+def test_a_config_whose_stages_the_trainer_refuses_is_refused_or_replaced(capsys):
+    """Stages that cannot be cut alike: the planner exits with the trainer's own line. Microbatches
+    that do not go round the repeats in groups: the layout is replaced, by one the trainer runs."""
+    overrides = ["model.pattern=-*-MMMMMM", "mesh.data=1", "mesh.pipeline=3", "train.microbatches=3",
+                 "data.global_batch=12"]
+    cfg = load_config("configs/hybrid-tiny.yaml", overrides)
+    with pytest.raises(ConfigError) as trainer:
+        check_stages(cfg, resolve_policy(cfg.precision, cfg.model.n_layers))
+    assert plan.main(["configs/hybrid-tiny.yaml", *overrides, "--gpus", "3", "--gpu", "h100", "--tokens", "1e9"]) == 2
+    assert capsys.readouterr().err == f"error: {trainer.value}\n"
+    cfg = load_config("configs/quickstart.yaml", ["mesh.data=1", "mesh.pipeline=2", "mesh.pipeline_repeats=2",
+                                                  "train.microbatches=3", "data.global_batch=12"])
+    chosen = layout.layout_for(cfg, 2, "h100")
+    assert chosen.chosen and chosen.reasons[0].startswith(
+        "layout chosen because train.microbatches=3: expected a multiple of mesh.pipeline=2")
+    check_stages(chosen.cfg, resolve_policy(cfg.precision, cfg.model.n_layers))
 
 
 def test_the_measured_pipeline_step_is_within_15_percent():
@@ -154,6 +169,9 @@ def test_a_config_with_stages_is_planned_as_written_and_prints_its_bubble(capsys
     out = capsys.readouterr().out
     assert "mesh data=4 x pipeline=4 x fsdp=8 x tensor=1" in out
     assert f"(bubble {bubble_fraction(4, 8):.1%})" in out and "layout: the config's" in out
+    # the nvfp4 row's preset keeps BF16 ends, which stages cannot repeat: said with the trainer's line
+    assert "note: the nvfp4 row prices the NVFP4 preset (configs/precision/nvfp4.yaml), which these stages " \
+           "cannot run: mesh.pipeline x mesh.pipeline_repeats=4: precision gives block 20" in out
     rows = _plan(args[:-4] + ["--gpus", "128", "--tokens", "1e12"], capsys)
     assert rows["bf16"]["pipeline_bubble"] == pytest.approx(3 / 11)
     assert rows["bf16"]["mesh"] == {"data": 4, "fsdp": 8, "tensor": 1, "pipeline": 4, "repeats": 1}
@@ -163,9 +181,11 @@ def test_refusals_are_one_line(capsys):
     tiny = ["configs/quickstart.yaml", "--gpu", "h100", "--tokens", "1e9"]
     assert plan.main([*tiny, "mesh.data=1", "mesh.pipeline=16", "--gpus", "16"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "mesh.pipeline=16:" in err and "expected mesh.pipeline=4 or fewer" in err
+    assert err.count("\n") == 1 and err.startswith("error: mesh.pipeline=16: cannot cut the 4 blocks")
+    assert err.rstrip().endswith("expected mesh.pipeline one of 1, 2, 4")
     with pytest.raises(ConfigError, match=r"^mesh.context=2: .*expected mesh.context=1$"):
         resolve_mesh_shape(SimpleNamespace(data=-1, pipeline=1, fsdp=1, context=2, expert=1, tensor=1), 8)
     # microbatches that cannot fill the stages: the config's layout is replaced, and the reason printed
     assert plan.main([*tiny, "mesh.data=1", "mesh.pipeline=2", "train.microbatches=1", "--gpus", "2"]) == 0
-    assert capsys.readouterr().out.startswith("layout chosen because train.microbatches=1 cannot fill mesh.pipeline=2")
+    assert capsys.readouterr().out.startswith(
+        "layout chosen because train.microbatches=1: expected at least mesh.pipeline=2 microbatches")

@@ -1,5 +1,7 @@
-"""The pipeline's schedule as a table, without JAX: which microbatch and which repeat each device
-runs at each tick, and where each device's stages come from in the stacked blocks.
+"""The pipeline's schedule, without JAX: its ticks and bubble, the table of which microbatch and
+which repeat each device runs at each tick, and where each device's stages come from in the
+stacked blocks. The trainer runs the table (:mod:`maxfp4.parallel.pipeline`); the planner prices
+its ticks and bubble (:mod:`maxfp4.plan.cost`).
 
 Circular schedule (MaxText's "circular pipeline"; the forward order of Megatron's interleaved one): the
 block stack is cut into S = P x V stages (P = ``mesh.pipeline`` devices, V =
@@ -23,9 +25,14 @@ import numpy as np
 IDLE = -1
 
 
+def ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """Ticks of a pass: V x M + P - 1 (each device works V x M of them)."""
+    return repeats * microbatches + stages - 1
+
+
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     """The share of a pass each device idles: (P - 1) / (V x M + P - 1) (V = 1: GPipe's)."""
-    return (stages - 1) / (repeats * microbatches + stages - 1)
+    return (stages - 1) / ticks(stages, microbatches, repeats)
 
 
 def device_order(stages: int, repeats: int, microbatches: int) -> list[tuple[int, int]]:
@@ -42,7 +49,7 @@ def schedule_table(stages: int, repeats: int, microbatches: int) -> np.ndarray:
     """[T, P, 2] int32: (microbatch, repeat) device p runs at tick t, (IDLE, IDLE) when idle.
     The pipelined loss reads this table; the bubble is its share of idle entries."""
     order = device_order(stages, repeats, microbatches)
-    table_TP2 = np.full((len(order) + stages - 1, stages, 2), IDLE, np.int32)
+    table_TP2 = np.full((ticks(stages, microbatches, repeats), stages, 2), IDLE, np.int32)
     for p in range(stages):
         table_TP2[p:p + len(order), p] = order
     return table_TP2

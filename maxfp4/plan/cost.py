@@ -18,8 +18,11 @@ from maxfp4.model import abstract_params
 from maxfp4.model_spec import (BlockSpec, LinearSpec, model_spec,
                                mamba_splits_over_tensor as splits_over_tensor)
 from maxfp4.plan.rates import GPUS, PLAN_RECIPES, PRECISIONS, attention_tflops, datasheet_tflops, gemm_tflops, ssd_tflops
-from maxfp4.plan.stages import PlanMesh, StageSplit, block_flops, bubble_fraction, split_stages, ticks
+from maxfp4.parallel.pipeline_schedule import bubble_fraction, ticks
+from maxfp4.parallel.pipeline_stages import StageSplit, block_flop_parts, block_flops, split_stages
+from maxfp4.plan.stages import PlanMesh
 from maxfp4.precision.catalog import SPECS
+from maxfp4.precision.policy import PrecisionPolicy, resolve_policy
 
 # Emulated NVFP4's quantize passes (RHT, stochastic rounding, scales, the FP32 output's cast),
 # bytes moved per element of each GEMM operand (x and dY per token, the weight once a
@@ -130,39 +133,37 @@ def _block_matmul_params(m: ModelConfig) -> int:
 
 def stage_split(cfg: Config, mesh: PlanMesh) -> StageSplit:
     """The blocks of each pipeline stage: the stack cut into pipeline x repeats chunks balanced by
-    each block's training FLOPs (maxfp4.parallel.pipeline cuts by the same count)."""
+    each block's training FLOPs (on the layouts the trainer runs, its own equal cut)."""
     return _stage_split(cfg.model, cfg.data.seq_len, mesh.pipeline, mesh.repeats)
 
 
 @functools.lru_cache(maxsize=1024)  # the layout search asks again for every microbatch count
 def _stage_split(m: ModelConfig, seq_len: int, stages: int, repeats: int) -> StageSplit:
-    return split_stages(block_flops(model_spec(m), seq_len), stages, repeats)
+    return split_stages(block_flops(m, seq_len), stages, repeats)
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(m: ModelConfig, seq_len: int, stages: int, repeats: int) -> tuple[int, ...]:
+    """The blocks of the device that keeps the most block parameters (all blocks without stages)."""
+    blocks = model_spec(m).blocks
+    if stages == 1:
+        return tuple(range(len(blocks)))
+    split = _stage_split(m, seq_len, stages, repeats)
+    return max((split.device_blocks(p) for p in range(stages)),
+               key=lambda device: sum(blocks[b].matmul_params for b in device))
+
+
+def _held_blocks(cfg: Config, mesh: PlanMesh) -> tuple[int, ...]:
+    return _held(cfg.model, cfg.data.seq_len, mesh.pipeline, mesh.repeats)
 
 
 @functools.lru_cache(maxsize=4096)
 def _held_block_params(m: ModelConfig, seq_len: int, stages: int, repeats: int, tensor: int) -> tuple[int, int]:
-    """(matmul parameters, those kept whole on every tensor device) of the blocks of the device
-    that keeps the most block parameters (all blocks without stages)."""
+    """(matmul parameters, those kept whole on every tensor device) of :func:`_held`'s blocks."""
     blocks = model_spec(m).blocks
-    if stages == 1:
-        held = range(len(blocks))
-    else:
-        split = _stage_split(m, seq_len, stages, repeats)
-        held = max((split.device_blocks(p) for p in range(stages)),
-                   key=lambda device: sum(blocks[b].matmul_params for b in device))
-    linears = [lin for b in held for lin in blocks[b].linears]
+    linears = [lin for b in _held(m, seq_len, stages, repeats) for lin in blocks[b].linears]
     return (sum(lin.params for lin in linears),
             sum(lin.params for lin in linears if _whole_on_tensor(lin, m, tensor)))
-
-
-def _held_blocks(cfg: Config, mesh: PlanMesh) -> tuple[int, ...]:
-    """The blocks of the device that keeps the most block parameters (all blocks without stages)."""
-    spec = model_spec(cfg.model)
-    if mesh.pipeline == 1:
-        return tuple(range(len(spec.blocks)))
-    split = stage_split(cfg, mesh)
-    return max((split.device_blocks(p) for p in range(mesh.pipeline)),
-               key=lambda held: sum(spec.blocks[b].matmul_params for b in held))
 
 
 def state_params_per_device(cfg: Config, params: int, mesh) -> float:
@@ -185,10 +186,15 @@ def runs_xla_attention(cfg: Config) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
+def nvfp4_preset_policy(cfg: ModelConfig) -> PrecisionPolicy:
+    """The NVFP4 preset's recipes for each of the model's blocks (the nvfp4 row prices them)."""
+    return resolve_policy(PrecisionConfig(default="nvfp4", rules=NVFP4_PRESET_RULES), cfg.n_layers)
+
+
+@functools.lru_cache(maxsize=64)
 def nvfp4_bf16_share(cfg: ModelConfig) -> float:
     """Share of the blocks' GEMM parameters that the NVFP4 preset keeps in BF16."""
-    from maxfp4.precision import resolve_policy
-    policy = resolve_policy(PrecisionConfig(default="nvfp4", rules=NVFP4_PRESET_RULES), cfg.n_layers)
+    policy = nvfp4_preset_policy(cfg)
     spec = model_spec(cfg)
     kept = sum(lin.params for i, block in enumerate(spec.blocks) for lin in block.linears
                if policy.recipe_for(lin.layer_class, i) == "bf16")
@@ -297,8 +303,9 @@ def _link_gbs(gpu: str, span: int, gpus_per_node: int = GPUS_PER_NODE) -> float:
 
 def stage_factor(cfg: Config, mesh, precision: str, gpu: str) -> float:
     """A device's block time with stages over the time of all blocks on its rows: (V M + P - 1)
-    ticks, each as long as the costliest chunk on one microbatch (maxfp4.plan.stages); 1 without
-    stages. The chunks are cut by FLOPs and timed by :func:`block_seconds_per_token`."""
+    ticks, each as long as the costliest chunk on one microbatch
+    (:meth:`maxfp4.parallel.pipeline_stages.StageSplit.step_factor`); 1 without stages. The
+    chunks are cut by FLOPs and timed by :func:`block_seconds_per_token`."""
     mesh = PlanMesh(*mesh)
     if mesh.pipeline == 1:
         return 1.0
@@ -365,14 +372,11 @@ def block_seconds_per_token(cfg: Config, tensor: int, precision: str, gpu: str) 
 def _block_seconds(m: ModelConfig, seq_len: int, tensor: int, precision: str, gpu: str,
                    xla: bool) -> tuple[float, ...]:
     spec = model_spec(m)
-    scores = 6.0 * seq_len * spec.n_heads * spec.head_dim
-    ssd = 3.0 * spec.ssd_forward_flops
     rate = gemm_tflops(gpu, "bf16" if precision == "nvfp4" else precision) * 1e12
     out = []
-    for b in spec.blocks:
+    for b, (gemm, scores, ssd) in zip(spec.blocks, block_flop_parts(spec, seq_len)):
         wide = max(lin.params for lin in b.linears) / m.d_model
-        t = (6.0 * b.matmul_params / rate + scores * ("attention" in b.mixers) / (attention_tflops(gpu, xla) * 1e12)
-             + ssd * ("mamba" in b.mixers) / (ssd_tflops(gpu) * 1e12)
+        t = (gemm / rate + scores / (attention_tflops(gpu, xla) * 1e12) + ssd / (ssd_tflops(gpu) * 1e12)
              + 6 * (10 * m.d_model + 3 * wide) / (GPUS[gpu]["hbm_tbs"] * 1e12))
         out.append(t * _tensor_share(b, m, tensor))
     return tuple(out)

@@ -12,6 +12,11 @@ over the mesh, or starves the GPUs) the planner picks:
 - train.microbatches: without stages the fewest that fit memory; with P stages the fastest of
   those from P up (more shrink the bubble, and gather FSDP's weights more often), and the
   stages' repeats (``mesh.pipeline_repeats``) with them.
+
+Stage layouts are offered only where the trainer runs them: the rules of
+:mod:`maxfp4.parallel.pipeline_stages` (alike stages of the blocks and of the config's recipes,
+microbatches that fill the schedule) decide both, so a chosen plan passes the trainer's start-up
+check; a config whose own stages break them is refused with the trainer's line.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ from typing import Iterator
 from maxfp4.config import Config, ModelConfig
 from maxfp4.errors import ConfigError, UserError
 from maxfp4.parallel.mesh import resolve_mesh_shape
+from maxfp4.parallel.pipeline_schedule import bubble_fraction
+from maxfp4.parallel.pipeline_stages import microbatches_problem, stages_problem
 from maxfp4.plan import cost as model
-from maxfp4.plan.stages import PlanMesh, bubble_fraction
+from maxfp4.plan.stages import PlanMesh
+from maxfp4.precision.policy import PrecisionPolicy, resolve_policy
 from maxfp4.plot import save_figure
 
 DEFAULT_BATCH_TOKENS = 4 * 2**20
@@ -48,16 +56,10 @@ class Layout:
     reasons: tuple[str, ...]  # what was chosen and why, one line each
 
 
-def pipeline_repeats(cfg: Config) -> int:
-    """``mesh.pipeline_repeats`` (1, GPipe, where the config has no such key)."""
-    return cfg.mesh.pipeline_repeats
-
-
 def _with(cfg: Config, global_batch: int, mesh: PlanMesh, microbatches: int,
           remat: str | None = None) -> Config:
-    axes = dict(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor, pipeline=mesh.pipeline)
-    if hasattr(cfg.mesh, "pipeline_repeats"):
-        axes["pipeline_repeats"] = mesh.repeats
+    axes = dict(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor, pipeline=mesh.pipeline,
+                pipeline_repeats=mesh.repeats)
     return dataclasses.replace(
         cfg, data=dataclasses.replace(cfg.data, global_batch=global_batch),
         mesh=dataclasses.replace(cfg.mesh, **axes),
@@ -71,6 +73,11 @@ def usable_gb(gpu: str) -> float:
 def memory_gb(cfg: Config, mesh: PlanMesh, precision: str = "bf16") -> float:
     params = model.param_count(cfg.model)
     return sum(model.memory_per_device(cfg, mesh, params, precision, cfg.train.remat).values()) / 1e9
+
+
+def _policy(cfg: Config) -> PrecisionPolicy:
+    """The config's recipes, block by block: the stages must repeat them (the trainer's rule)."""
+    return resolve_policy(cfg.precision, cfg.model.n_layers)
 
 
 def candidate_meshes(m: ModelConfig, gpus: int, gpus_per_node: int,
@@ -98,14 +105,11 @@ def _divisors(n: int) -> list[int]:
 
 def config_mesh(cfg: Config, gpus: int) -> PlanMesh:
     """The config's own mesh on ``gpus`` (an explicit mesh that cannot be built, or stages the
-    blocks cannot fill, is an error)."""
-    mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), repeats=pipeline_repeats(cfg))
-    blocks = cfg.model.n_layers
-    if mesh.pipeline * mesh.repeats > blocks:
-        most = max(p for p in _divisors(blocks) if p * mesh.repeats <= blocks)
-        raise ConfigError(f"mesh.pipeline={mesh.pipeline}: {mesh.pipeline} stages x mesh.pipeline_repeats="
-                          f"{mesh.repeats} need at least one block each, the model has {blocks}; expected "
-                          f"mesh.pipeline={most} or fewer")
+    trainer refuses to run the model and its recipes in, is an error: the trainer's line)."""
+    mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), repeats=cfg.mesh.pipeline_repeats)
+    problem = stages_problem(cfg.model, _policy(cfg), mesh.pipeline, mesh.repeats)
+    if problem:
+        raise ConfigError(problem)
     return mesh
 
 
@@ -117,9 +121,9 @@ def _config_layout_problem(cfg: Config, gpus: int, gpu: str) -> str | None:
     if g % (micro * shards):
         return (f"data.global_batch={g} does not split over train.microbatches x data x fsdp = "
                 f"{micro} x {shards} (the config's mesh on {gpus:,} GPUs)")
-    if micro < mesh.pipeline:
-        return (f"train.microbatches={micro} cannot fill mesh.pipeline={mesh.pipeline} stages (the config's "
-                f"mesh on {gpus:,} GPUs)")
+    problem = microbatches_problem(mesh.pipeline, mesh.repeats, micro)
+    if problem:
+        return f"{problem} (the config's mesh on {gpus:,} GPUs)"
     tokens_per_shard = g * cfg.data.seq_len // shards
     if tokens_per_shard < STARVED_TOKENS_PER_SHARD:
         return (f"data.global_batch={g} leaves {tokens_per_shard:,} tokens a step on each of {shards:,} "
@@ -132,6 +136,16 @@ def describe(mesh: PlanMesh) -> str:
     stages = "" if mesh.pipeline == 1 else f"pipeline={mesh.pipeline} " + (
         f"(repeats {mesh.repeats}) " if mesh.repeats > 1 else "") + "x "
     return f"data={mesh.data:,} x {stages}fsdp={mesh.fsdp} x tensor={mesh.tensor}"
+
+
+def _preset_note(cfg: Config, mesh: PlanMesh) -> tuple[str, ...]:
+    """A note where the nvfp4 row's recipes (the NVFP4 preset's, BF16 at both ends of the stack)
+    differ between the mesh's stages, which the trainer refuses: that row is then a what-if."""
+    problem = stages_problem(cfg.model, model.nvfp4_preset_policy(cfg.model), mesh.pipeline, mesh.repeats)
+    if not problem:
+        return ()
+    return (f"note: the nvfp4 row prices the NVFP4 preset (configs/precision/nvfp4.yaml), which these stages "
+            f"cannot run: {problem}",)
 
 
 def overrides(mesh: PlanMesh) -> str:
@@ -158,33 +172,42 @@ def layout_for(cfg: Config, gpus: int, gpu: str, batch_tokens: float | None = No
                 reasons.append(f"note: the model estimates {need:.1f} GB a GPU, over the {usable_gb(gpu):.0f} GB "
                                f"usable on {gpu.upper()}; it runs high, so try it, or pass --batch-tokens "
                                f"to have a layout chosen that fits the estimate")
-            return Layout(cfg, mesh, False, tuple(reasons))
+            return Layout(cfg, mesh, False, tuple(reasons) + _preset_note(cfg, mesh))
         why = f"layout chosen because {problem}"
     else:
         why = f"layout chosen for --batch-tokens {batch_tokens:,.0f}"
     return choose_layout(cfg, gpus, gpu, batch_tokens or DEFAULT_BATCH_TOKENS, gpus_per_node, why)
 
 
-def _microbatch_options(per_shard: int, stages: int) -> list[int]:
-    """Microbatch counts to try: each divides the shard's rows; from ``stages`` up with stages."""
-    return [d for d in _divisors(per_shard) if d >= stages]
+def microbatch_options(m: ModelConfig, policy: PrecisionPolicy, mesh: PlanMesh, per_shard: int) -> list[int] | None:
+    """Microbatch counts to try on ``mesh`` with ``per_shard`` rows a batch shard: each divides the
+    rows and fills the stages (from ``pipeline`` up; with repeats, whole groups of ``pipeline``).
+    None where the trainer refuses the mesh's stages for the model and its recipes."""
+    if stages_problem(m, policy, mesh.pipeline, mesh.repeats):
+        return None
+    return [d for d in _divisors(per_shard) if microbatches_problem(mesh.pipeline, mesh.repeats, d) is None]
 
 
 def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_per_node: int,
                   why: str = "layout chosen") -> Layout:
     usable = usable_gb(gpu)
     seq = cfg.data.seq_len
-    fitting, tried = [], 0
+    policy = _policy(cfg)
+    fitting, tried, refused = [], 0, 0
     # FSDP across nodes only if no node-sized model group without stages fits; full remat only if
     # nothing without stages fits without it. Meshes with stages compete at every step on speed.
     for remat, across in [(r, a) for a in (False, True) for r in dict.fromkeys((cfg.train.remat, "full"))]:
         for mesh in candidate_meshes(cfg.model, gpus, gpus_per_node, across):
-            tried += 1
             shards = mesh.batch_shards
             # with stages, at least one row a stage on every shard: microbatches >= stages
             rows = max(mesh.pipeline, round(batch_tokens / seq / shards)) * shards
+            options = microbatch_options(cfg.model, policy, mesh, rows // shards)
+            if options is None:
+                refused += 1
+                continue
+            tried += 1
             best = None
-            for micro in _microbatch_options(rows // shards, mesh.pipeline):
+            for micro in options:
                 c = _with(cfg, rows, mesh, micro, remat)
                 need = memory_gb(c, mesh)
                 if need <= usable:
@@ -237,7 +260,8 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
         + ("the smallest such group, then " if inner > gpus_per_node else "")
         + f"the fastest per token of the {len(near)} meshes that fit {usable:.0f} GB with a batch under {ceiling * seq:,.0f} tokens "
         f"({BATCH_TOLERANCE}x the asked or the smallest the GPUs can split); BF16 needs {need:.1f} GB "
-        f"({tried - len(fitting)} of {tried} meshes did not fit)",
+        f"({tried - len(fitting)} of {tried} meshes did not fit"
+        + (f"; {refused} more have stages the trainer refuses" if refused else "") + ")",
     ]
     if mesh.pipeline > 1:
         reasons.append(f"  stages: {c.train.microbatches} microbatches through {mesh.pipeline} stages x "
@@ -247,7 +271,7 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
     reasons.append(f"  to train with it: data.global_batch={rows} {overrides(mesh)} "
                    f"train.microbatches={c.train.microbatches}"
                    + (f" train.remat={c.train.remat}" if c.train.remat != cfg.train.remat else ""))
-    return Layout(c, mesh, True, tuple(reasons))
+    return Layout(c, mesh, True, tuple(reasons) + _preset_note(c, mesh))
 
 
 # ----------------------------------------------------------------------------- what-if
