@@ -277,9 +277,8 @@ class MeshConfig:
             _require(v == -1 or v >= 1, f"mesh.{name}", v, "a positive integer or -1 (the remaining devices)")
         remaining = {name: v for name, v in axes.items() if v == -1}
         _require(len(remaining) <= 1, "mesh", remaining, "at most one axis of size -1")
-        for name in ("context", "expert"):
-            # built in later steps: until then an axis that splits nothing would only waste devices
-            _require(axes[name] == 1, f"mesh.{name}", axes[name], "1 (this axis is not built yet)")
+        # built in a later step: until then an axis that splits nothing would only waste devices
+        _require(self.expert == 1, "mesh.expert", self.expert, "1 (this axis is not built yet)")
 
 
 @dataclass(frozen=True)
@@ -544,9 +543,33 @@ def _check_across_sections(cfg: Config) -> None:
     _require(cfg.run.deterministic or not cfg.resilience.rerun_skipped, "resilience.rerun_skipped",
              cfg.resilience.rerun_skipped, "false unless run.deterministic=true (a re-run must give the same bits "
              "on healthy hardware)")
+    _check_context(cfg)
     horizon = o.schedule_steps or t.steps
     _require(o.warmup_steps <= horizon, "optim.warmup_steps", o.warmup_steps,
              f"at most the schedule length {horizon}")
+
+
+def _check_context(cfg: Config) -> None:
+    """mesh.context > 1 cuts each sequence into 2 x context chunks (maxfp4.parallel.context): they
+    must be whole, hold whole SSD chunks, and hold the convolution's window."""
+    c, seq_len, m = cfg.mesh.context, cfg.data.seq_len, cfg.model
+    if c == 1:
+        return
+    _require(c >= 1, "mesh.context", c, "a positive integer (-1 is not taken for context)")
+    unit = 2 * c
+    if m.kind == "hybrid" and "M" in m.pattern:
+        unit = 2 * c * m.mamba.chunk_size
+        _require(m.mamba.conv_kernel - 1 <= seq_len // (2 * c), "mesh.context", c,
+                 f"at most {max(seq_len // (2 * (m.mamba.conv_kernel - 1)), 1)} (each of the 2 x mesh.context "
+                 f"chunks of data.seq_len={seq_len} must hold model.mamba.conv_kernel - 1 tokens)")
+    _require(seq_len % unit == 0, "data.seq_len", seq_len,
+             f"a multiple of {unit} (2 x mesh.context={c}" + (f" x model.mamba.chunk_size={m.mamba.chunk_size}"
+                                                               if unit != 2 * c else "")
+             + f"), e.g. {max(unit, seq_len // unit * unit)}")
+    _require(m.attention != "cudnn", "model.attention", m.attention,
+             f"auto, xla or cudnn_mask with mesh.context={c} (cuDNN's packed layout takes no split sequence)")
+    _require(cfg.mesh.pipeline == 1, "mesh.pipeline", cfg.mesh.pipeline,
+             f"1 with mesh.context={c} (the pipeline's stages do not split sequences yet)")
 
 
 def validate(cfg: Config) -> None:

@@ -29,7 +29,9 @@ MESH_AXES = ("data", "pipeline", "fsdp", "context", "expert", "tensor")
 
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
-    "seq": (),
+    # Context parallelism splits each sequence (maxfp4.parallel.context: the batch is in its
+    # zigzag order by then, so each rank's block of T/C tokens carries balanced causal work).
+    "seq": ("context",),
     "embed": ("fsdp",),
     # A weight whose first feature dim is "heads", "mlp" or "inner" (w_o, w_down, Mamba's out_proj)
     # shards that dim over fsdp too, so its "embed" stays whole: FSDP then gathers the weight

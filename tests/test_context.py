@@ -1,0 +1,112 @@
+"""Context parallelism (mesh.context): a sequence split over 4 devices trains as on one device,
+for a dense model and a Mamba-2 hybrid, with packed documents crossing the split; the causal
+work is the same on every rank; bad input fails in one line."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxfp4.config import ConfigError, load_config
+from maxfp4.optim import make_optimizer
+from maxfp4.parallel.context import rank_attention_mask, rank_token_index, zigzag_order
+from maxfp4.parallel.mesh import batch_sharding, make_mesh
+from maxfp4.precision import resolve_policy
+from maxfp4.step import make_loss_fn
+from maxfp4.train import init_state
+from tests.conftest import TINY
+
+T, C, STEPS, LR = 512, 4, 8, 1.0
+DENSE = TINY + ["model.n_layers=2", f"data.seq_len={T}", "data.global_batch=2"]
+# Chunks of S = T / 2C = 64 tokens hold 2 SSD chunks of 32.
+HYBRID = DENSE + ["model.kind=hybrid", "model.pattern=M*M-", "model.mlp=relu2", "model.rope=false",
+                  "model.mamba.d_state=16", "model.mamba.head_dim=8", "model.mamba.n_groups=2",
+                  "model.mamba.chunk_size=32", "model.mamba.kernels=xla", "optim.lr=3e-3"]
+
+
+def packed_batches(cfg, steps, seed=0):
+    """Rows of documents of random lengths (boundaries anywhere, most crossing the chunks of the
+    split), positions restarting in each, and a padding tail in some rows (segment 0, no loss)."""
+    rng = np.random.default_rng(seed)
+    b, v = cfg.data.global_batch, cfg.model.vocab_size
+    for _ in range(steps):
+        seg, pos = np.zeros((b, T), np.int32), np.zeros((b, T), np.int32)
+        for row in range(b):
+            used, doc = 0, 1
+            end = T - int(rng.integers(0, 40)) * (row % 2)
+            while used < end:
+                n = min(int(rng.integers(20, 200)), end - used)
+                seg[row, used:used + n], pos[row, used:used + n] = doc, np.arange(n)
+                used, doc = used + n, doc + 1
+        # Each row counts up from a random token: learnable within a few steps.
+        toks = ((rng.integers(0, v - 4, size=(b, 1)) + np.arange(T + 1)) % (v - 4) + 4).astype(np.int32)
+        yield {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos,
+               "loss_mask": (seg > 0).astype(np.float32)}
+
+
+def sgd_losses_and_first_grads(overrides, mesh_overrides, devices):
+    """Losses of STEPS plain SGD steps through the real loss (one compiled value-and-gradient,
+    the program whose result the context split must not change) and the first step's gradient."""
+    cfg = load_config(None, overrides + mesh_overrides)
+    mesh = make_mesh(cfg.mesh, devices)
+    params = init_state(cfg, mesh, make_optimizer(cfg))[0].params
+    b_sh = batch_sharding(mesh)
+    loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), mesh)
+
+    @jax.jit
+    def sgd_step(params, batch):
+        denom = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, {}, batch, jax.random.key(0), denom))(params)
+        return loss, grads, jax.tree.map(lambda p, g: p - LR * g, params, grads)
+
+    losses, first_grads = [], None
+    for batch in packed_batches(cfg, STEPS):
+        loss, grads, params = sgd_step(params, {k: jax.device_put(v, b_sh) for k, v in batch.items()})
+        losses.append(float(loss))
+        first_grads = jax.device_get(grads) if first_grads is None else first_grads
+    return losses, first_grads
+
+
+@pytest.mark.parametrize("overrides", [DENSE, HYBRID], ids=["dense", "hybrid"])
+def test_context_split_trains_as_one_device(overrides):
+    ref_losses, ref_grads = sgd_losses_and_first_grads(overrides, ["mesh.data=1"], jax.devices()[:1])
+    losses, grads = sgd_losses_and_first_grads(overrides, ["mesh.data=1", f"mesh.context={C}"], jax.devices()[:C])
+    # BF16 GEMMs, attention and SSD sums in another order on each rank: 2e-3 relative, 8 steps.
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-3)
+    assert losses[-1] < 0.9 * losses[0]  # it learns the documents' counting pattern
+    # Every leaf's gradient to BF16 rounding: 2e-2 in relative L2 norm (tests/test_step.py's bound).
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        err = np.linalg.norm(a64 - b64) / max(np.linalg.norm(a64), 1e-30)
+        assert err <= 2e-2, (jax.tree_util.keystr(path), err)
+
+
+def test_each_rank_does_the_same_causal_work():
+    t, c = 64, 4
+    order = zigzag_order(t, c)
+    assert sorted(order.tolist()) == list(range(t))
+    seg = np.ones((1, t), np.int32)
+    unmasked = []
+    for r in range(c):
+        q_index = rank_token_index(r, t // c, c)
+        np.testing.assert_array_equal(q_index, order[r * t // c:(r + 1) * t // c])
+        mask = rank_attention_mask(q_index, order, seg[:, order[r * t // c:(r + 1) * t // c]], seg[:, order])
+        unmasked.append(int(np.asarray(mask).sum()))
+    # Causal entries of the whole row, t(t+1)/2, split evenly: S = t/2C, rank r's two chunks
+    # see (r + 2C-1-r) S^2 + S(S+1) keys.
+    s = t // (2 * c)
+    assert unmasked == [(2 * c - 1) * s * s + s * (s + 1)] * c
+    assert sum(unmasked) == t * (t + 1) // 2
+
+
+@pytest.mark.parametrize("overrides, key, working", [
+    ([f"data.seq_len=500", f"mesh.context={C}"], "data.seq_len", "e.g. 496"),
+    (HYBRID[len(DENSE):] + ["data.seq_len=448", f"mesh.context={C}"], "data.seq_len", "e.g. 256"),
+    (["model.attention=cudnn", f"mesh.context={C}"], "model.attention", "auto, xla or cudnn_mask"),
+    ([f"mesh.context={C}", "mesh.pipeline=2", "train.microbatches=2"], "mesh.pipeline", "1 with mesh.context"),
+])
+def test_bad_context_input_is_one_line(overrides, key, working):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, DENSE + overrides)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(key) and working in message, message
