@@ -19,7 +19,7 @@ from tests.conftest import TINY
 T, C, STEPS, LR = 512, 4, 8, 1.0
 DENSE = TINY + ["model.n_layers=2", f"data.seq_len={T}", "data.global_batch=2"]
 # Chunks of S = T / 2C = 64 tokens hold 2 SSD chunks of 32.
-HYBRID = DENSE + ["model.kind=hybrid", "model.pattern=M*M-", "model.mlp=relu2", "model.rope=false",
+HYBRID = DENSE + ["model.kind=hybrid", "model.pattern=M*", "model.mlp=relu2", "model.rope=false",
                   "model.mamba.d_state=16", "model.mamba.head_dim=8", "model.mamba.n_groups=2",
                   "model.mamba.chunk_size=32", "model.mamba.kernels=xla", "optim.lr=3e-3"]
 
