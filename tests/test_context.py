@@ -2,6 +2,8 @@
 for a dense model and a Mamba-2 hybrid, with packed documents crossing the split; the causal
 work is the same on every rank; bad input fails in one line."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,11 +15,14 @@ from maxfp4.optim import make_optimizer
 from maxfp4.model.attention import attend
 from maxfp4.parallel.context import context_attention, rank_attention_mask, rank_token_index, zigzag_order
 from maxfp4.parallel.mesh import batch_sharding, make_mesh, traced_in_mesh
+from maxfp4.plan.command import plan
+from maxfp4.plan.context import causal_work_per_rank, imbalance
 from maxfp4.precision import resolve_policy
 from maxfp4.step import make_loss_fn
 from maxfp4.train import init_state
 from tests.conftest import TINY
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T, C, STEPS, LR = 512, 4, 8, 1.0
 DENSE = TINY + ["model.n_layers=2", f"data.seq_len={T}", "data.global_batch=2"]
 # Chunks of S = T / 2C = 64 tokens hold 2 SSD chunks of 32.
@@ -138,3 +143,16 @@ def test_bad_context_input_is_one_line(overrides, key, working):
         load_config(None, DENSE + overrides)
     message = str(e.value)
     assert "\n" not in message and message.startswith(key) and working in message, message
+
+
+def test_planner_picks_context_when_a_sequence_does_not_fit():
+    # Nemotron-H-8B's shapes at 262,144 tokens, one KV head and one group: no tensor split, and
+    # one GPU cannot hold a sequence.
+    cfg = load_config(os.path.join(REPO, "configs", "nemotron-h-8b.yaml"),
+                      ["data.seq_len=262144", "data.global_batch=1", "model.n_kv_heads=1", "model.mamba.n_groups=1"])
+    rows = plan(cfg, 4, "h200", 1e9)
+    assert rows[0]["notes"][0].startswith("context: a 262,144-token sequence does not fit one GPU; mesh.context=4")
+    assert all(r["fits"] and r["gpus"] == 4 and r["tokens_per_step"] == 262144 for r in rows)
+    # zigzag: every rank 1/C of the causal work; contiguous chunks: the last rank (2C-1)/C of the mean
+    assert causal_work_per_rank(4) == [0.25] * 4
+    assert imbalance(4, zigzag=False) == 7 / 4

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from maxfp4.config import Config
+from maxfp4.config import Config, ConfigError
 from maxfp4.errors import UserError
 from maxfp4.model_spec import mamba_dims, model_spec
 from maxfp4.plan import cost, layout
@@ -97,12 +97,20 @@ def rows_with_context(cfg: Config, rows: list[dict], c: int, gpus: int, tokens: 
         flops = sum(cost.flops_by_block_type(m, t).values())
         steps = math.ceil(tokens / tokens_per_step)
         wall = steps * step / row["goodput"]
-        out.append(dict(row, gpus=gpus, tokens_per_step=tokens_per_step, steps=steps, step_time_s=step,
+        # the parameters' state is sharded over context too (maxfp4.parallel.mesh): 1/C of the proxy's
+        state = {k: v / c for k, v in row["memory_breakdown_gb"].items() if k in ("master", "adam", "grads")}
+        saved = sum(row["memory_breakdown_gb"][k] for k in state) - sum(state.values())
+        memory = row["memory_per_device_gb"] - saved
+        fits = memory <= cost.USABLE_MEMORY * cost.GPUS[gpu]["memory_gb"]
+        notes = [n for n in row["notes"] if not (fits and n.startswith("note: the model estimates"))]
+        out.append(dict(row, gpus=gpus, memory_per_device_gb=memory, fits=fits,
+                        memory_breakdown_gb=dict(row["memory_breakdown_gb"], **state),
+                        memory_other_remat_gb=row["memory_other_remat_gb"] - saved, tokens_per_step=tokens_per_step, steps=steps, step_time_s=step,
                         compute_s=row["compute_s"] + extra, comm_s=row["comm_s"] + comm, flops_per_token=flops,
                         flops_per_token_by_block=cost.flops_by_block_type(m, t),
                         mfu=flops * tokens_per_step / step / gpus / (cost.datasheet_tflops(gpu, "bf16") * 1e12),
                         days=wall / 86400, gpu_hours=wall * gpus / 3600,
-                        notes=list(row["notes"]) + [context_note(cfg, c, rows_per_device, comm)]))
+                        notes=notes + [context_note(cfg, c, rows_per_device, comm)]))
     return out
 
 
@@ -114,28 +122,39 @@ def context_note(cfg: Config, c: int, rows_per_device: float, comm_s: float) -> 
             f"{b['mamba_state'] / 1e9:.3f} GB a GPU, {comm_s * 1e3:.0f} ms exposed")
 
 
-def _fitting_layout(cfg: Config, gpus: int, gpu: str, batch_tokens, gpus_per_node: int):
-    """The layout of ``cfg`` on ``gpus`` if its memory estimate fits the GPU, else None."""
+def _fitting_layout(cfg: Config, gpus: int, gpu: str, batch_tokens, gpus_per_node: int, c: int = 1):
+    """The layout of ``cfg`` (a proxy of context ``c``) on ``gpus`` if its memory estimate fits the
+    GPU, its parameters' state divided by ``c`` (sharded over context too), else None."""
     try:
         lay = layout.layout_for(cfg, gpus, gpu, batch_tokens, gpus_per_node)
-    except UserError:
+    except UserError:  # ConfigError included: a fixed mesh axis the proxy's GPUs cannot hold
         return None
-    return lay if layout.memory_gb(lay.cfg, lay.mesh) <= layout.usable_gb(gpu) else None
+    mem = cost.memory_per_device(lay.cfg, lay.mesh, cost.param_count(cfg.model), "bf16", lay.cfg.train.remat)
+    need = sum(mem.values()) - (mem["master"] + mem["adam"] + mem["grads"]) * (1 - 1 / c)
+    return lay if need / 1e9 <= layout.usable_gb(gpu) else None
 
 
 def plan_rows(cfg: Config, gpus: int, gpu: str, tokens: float, utilisation, batch_tokens, gpus_per_node: int,
               goodput: float) -> list[dict] | None:
     """The plan rows with context parallelism: the config's mesh.context when it is > 1, else
-    the smallest degree that fits a sequence when the config's layout does not (None: it fits
-    without). A degree must divide the GPUs and cut the sequence into whole chunks."""
+    the smallest degree that fits a sequence when no layout without one does (None: one does).
+    A degree must divide the GPUs and cut the sequence into whole chunks."""
     given = cfg.mesh.context
-    if given == 1 and _fitting_layout(cfg, gpus, gpu, batch_tokens, gpus_per_node) is not None:
-        return None
+    if given == 1:
+        # Only when no layout fits: a config's own layout is kept over the memory estimate
+        # (maxfp4.plan.layout), and a config error (a mesh the GPUs cannot hold) is the user's to fix.
+        try:
+            layout.layout_for(cfg, gpus, gpu, batch_tokens, gpus_per_node)
+            return None
+        except ConfigError:
+            raise
+        except UserError as e:
+            unsplit = e
     for c in (given,) if given > 1 else CONTEXT_SIZES:
         if gpus % c or cfg.data.seq_len % (2 * c):
             continue
         proxy = proxy_config(cfg, c)
-        lay = _fitting_layout(proxy, gpus // c, gpu, batch_tokens, gpus_per_node)
+        lay = _fitting_layout(proxy, gpus // c, gpu, batch_tokens, gpus_per_node, c)
         if lay is None and given > 1:  # the config's own choice: planned, its memory note kept
             lay = layout.layout_for(proxy, gpus // c, gpu, batch_tokens, gpus_per_node)
         if lay is not None:
@@ -144,6 +163,8 @@ def plan_rows(cfg: Config, gpus: int, gpu: str, tokens: float, utilisation, batc
                                            f"mesh.context={c} is the smallest degree that fits"]
             return rows_with_context(cfg, [dict(r, notes=chosen + r["notes"]) for r in rows], c, gpus, tokens, gpu,
                                      gpus_per_node)
+    if given == 1:  # no degree helps either: the error without one says why
+        raise unsplit
     raise UserError(f"--gpus {gpus}: no context degree in {CONTEXT_SIZES} dividing the GPUs fits a "
                     f"{cfg.data.seq_len:,}-token sequence of this model on {gpu.upper()}; expected more GPUs or "
                     f"a shorter data.seq_len")
