@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from maxfp4.config import ConfigError, load_config
 from maxfp4.optim import make_optimizer
 from maxfp4.model.attention import attend
+from maxfp4.model.ssd import chunk_exit, entry_output, pass_states, ssd_chunked, ssd_reference
 from maxfp4.parallel.context import context_attention, rank_attention_mask, rank_token_index, zigzag_order
 from maxfp4.parallel.mesh import batch_sharding, make_mesh, traced_in_mesh
 from maxfp4.plan.command import plan
@@ -156,3 +157,37 @@ def test_planner_picks_context_when_a_sequence_does_not_fit():
     # zigzag: every rank 1/C of the causal work; contiguous chunks: the last rank (2C-1)/C of the mean
     assert causal_work_per_rank(4) == [0.25] * 4
     assert imbalance(4, zigzag=False) == 7 / 4
+
+
+def test_ssd_chunks_with_passed_states_equal_the_sequential_scan(x64):
+    """The SSD of 2C chunks each from a zero state, plus the entry state carried over the earlier
+    chunks (chunk_exit, pass_states, entry_output), against the O(T) recurrence of the whole row
+    in float64 (1e-10): documents start inside chunks and exactly at a chunk's first token."""
+    b, t, h, p, g, n, chunks = 2, 96, 4, 3, 2, 5, 8
+    s = t // chunks
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((b, t, h, p))
+    dt = rng.uniform(0.01, 0.5, (b, t, h))
+    a = -rng.uniform(0.5, 2.0, h)
+    bm, cm = rng.standard_normal((b, t, g, n)), rng.standard_normal((b, t, g, n))
+    seg = np.ones((b, t), np.int32)
+    seg[0, 2 * s:] = 2  # a document starting at a chunk's first token
+    seg[0, 5 * s + 3:] = 3
+    seg[1, s // 2 + 7 * s:] = 4  # one long document crossing six chunks, then another
+    want = jax.jit(ssd_reference)(x, dt, a, bm, cm, seg)
+
+    def rows(v):  # [B, T, ...] -> [2C * B, S, ...], chunk-major
+        return jnp.moveaxis(v.reshape(b, chunks, s, *v.shape[2:]), 1, 0).reshape(chunks * b, s, *v.shape[2:])
+
+    @jax.jit
+    def split(x, dt, a, bm, cm, seg):
+        y = ssd_chunked(rows(x), rows(dt), a, rows(bm), rows(cm), rows(seg), chunk_size=4)
+        previous = jnp.concatenate([jnp.full((b, 1), -1), seg[:, :-1]], axis=1)
+        start = rows(seg != previous)
+        state, decay = chunk_exit(rows(x), rows(dt), a, rows(bm), start)
+        entry = pass_states(state.reshape(chunks, b, *state.shape[1:]), decay.reshape(chunks, b, *decay.shape[1:]))
+        y = y + entry_output(rows(cm), rows(dt), a, start, entry.reshape(chunks * b, *entry.shape[2:]))
+        return jnp.moveaxis(y.reshape(chunks, b, s, h, p), 0, 1).reshape(b, t, h, p)
+
+    got = split(x, dt, a, bm, cm, seg)
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-10, atol=1e-10)
