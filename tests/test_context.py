@@ -15,7 +15,7 @@ from maxfp4.optim import make_optimizer
 from maxfp4.model.attention import attend
 from maxfp4.model.ssd import chunk_exit, entry_output, pass_states, ssd_chunked, ssd_reference
 from maxfp4.parallel.context import context_attention, rank_attention_mask, rank_token_index, zigzag_order
-from maxfp4.parallel.mesh import batch_sharding, make_mesh, traced_in_mesh
+from maxfp4.parallel.mesh import batch_reader, batch_sharding, make_mesh, traced_in_mesh
 from maxfp4.plan.command import plan
 from maxfp4.plan.context import causal_work_per_rank, imbalance
 from maxfp4.precision import resolve_policy
@@ -113,6 +113,17 @@ def test_context_attention_in_query_blocks_matches_the_whole_row():
     want = jax.jit(jax.value_and_grad(whole, argnums=(0, 1, 2)))(q, k, v)
     for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+def test_every_context_rank_loads_the_same_rows():
+    # The loader never sees the split: the rows a process loads depend on data x fsdp alone, so
+    # the data position does not depend on mesh.context.
+    for mesh_overrides, reader in ((["mesh.data=1", f"mesh.context={C}"], (0, 1)),
+                                   (["mesh.data=2", "mesh.context=2"], (0, 1))):
+        mesh = make_mesh(load_config(None, DENSE + mesh_overrides).mesh, jax.devices()[:C])
+        assert batch_reader(mesh, 4) == reader
+        # the batch's sequences whole on every context rank, its rows split over data only
+        assert batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp"), None)
 
 
 def test_each_rank_does_the_same_causal_work():
