@@ -20,10 +20,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from maxfp4.plan import command as plan, cost as plan_model  # noqa: E402
 from maxfp4.config import load_config  # noqa: E402
 from maxfp4.parallel.mesh import resolve_mesh_shape  # noqa: E402
+from maxfp4.plan.stages import PlanMesh  # noqa: E402
 
 GOAL = 0.15
 LLAMA = "configs/llama3-8b.yaml"
 NO_PREFLIGHT = ["resilience.preflight=false"]
+# docs/PERFORMANCE.md, "Pipeline stages": the same batch at pipeline=2 and at fsdp=2
+PIPELINE_PAIR = ["model.attention=xla", "data.seq_len=1024", "train.remat=full", "mesh.data=1",
+                 "data.global_batch=16"]
 # (label, config, overrides, GPUs, GPU, precision recipe, measured step ms, measured peak GiB or None, stale)
 MEASURED = [
     # One H200, configs as committed (unrolled, no remat, 8 x 2048)
@@ -94,30 +98,30 @@ MEASURED = [
     ("llama widths 12 blocks V=48128 nvfp4", LLAMA, ["model.n_layers=12", "model.vocab_size=48128", "data.global_batch=1"], 1, "h200", "nvfp4", 350.5, None, False),
     ("nemotron-h-8b 7 blocks 2 x 8192 full bf16", "configs/nemotron-h-8b.yaml",
      ["model.pattern=M-M-M*-", "data.global_batch=2"], 1, "h200", "bf16", 338.3, 50.1, False),
+    # Pipeline stages, one process a GPU, 2026-11-28: XLA's attention, 16 x 1024, full remat
+    ("dense-1p3b fsdp=2 B=16 T=1024 full xla-attention bf16", "configs/dense-1p3b.yaml",
+     PIPELINE_PAIR + ["mesh.fsdp=2"], 2, "h200", "bf16", 303.1, None, False),
+    ("dense-1p3b pipeline=2 x8 B=16 T=1024 full xla-attention bf16", "configs/dense-1p3b.yaml",
+     PIPELINE_PAIR + ["mesh.pipeline=2", "train.microbatches=8"], 2, "h200", "bf16", 442.4, None, False),
 ]
 GIB = 2**30
 
-B70 = ["model.d_model=8192", "model.n_layers=80", "model.n_heads=64", "model.n_kv_heads=8", "model.d_ff=28672"]
+LLAMA70 = "configs/llama3-70b.yaml"
+# Llama 3 405B: the 70B config with the 405B's widths (Meta 2024, table 3).
 B405 = ["model.d_model=16384", "model.n_layers=126", "model.n_heads=128", "model.n_kv_heads=8", "model.d_ff=53248"]
-# Nemotron-H-56B: 54 Mamba-2, 54 MLP and 10 attention blocks (their order does not change the
-# counts), d_model 8192, MLP 32768 (relu2), 64 query / 8 KV heads, Mamba-2 256 heads of 64, state
-# 128 x 8 groups; seq 8192, vocabulary 131072.
-NEMOTRON_56B = ["model.pattern=" + "".join("M-" * n + "*" for n in (6, 5, 6, 5, 6, 5, 6, 5, 5, 5)),
-                "model.d_model=8192", "model.d_ff=32768", "model.n_heads=64", "model.n_kv_heads=8",
-                "model.head_dim=128", "model.mamba.d_state=128", "model.mamba.n_groups=8"]
 # 3.4e24 model FLOPs of the 70B shape at 449.2 GFLOP a token (seq 8192): 7.57e12 tokens.
 TALK_TOKENS = 7.57e12
 # (run, config, overrides, GPUs, precision, tokens, published days or None, published GPU-hours or None, source)
 PUBLISHED = [
     ("Llama 3 8B", LLAMA, [], 1024, "bf16", 15e12, None, 1.46e6, "Meta 2024: 1.46M H100-hours"),
-    ("Llama 3 70B", LLAMA, B70, 4096, "bf16", 15e12, None, 7.0e6, "Meta 2024: 7.0M H100-hours"),
-    ("Llama 3 405B", LLAMA, B405, 16384, "bf16", 15.6e12, None, 30.84e6,
+    ("Llama 3 70B", LLAMA70, [], 4096, "bf16", 15e12, None, 7.0e6, "Meta 2024: 7.0M H100-hours"),
+    ("Llama 3 405B", LLAMA70, B405, 16384, "bf16", 15.6e12, None, 30.84e6,
      "Meta 2024: 30.84M H100-hours on up to 16,384 H100s, 38-43% MFU"),
-    ("Nemotron-H 56B, FP8", "configs/nemotron-h-8b.yaml", NEMOTRON_56B, 6144, "fp8", 20e12, None, None,
+    ("Nemotron-H 56B, FP8", "configs/nemotron-h-56b.yaml", [], 6144, "fp8", 20e12, None, None,
      "NVIDIA 2025: 20T tokens in FP8 on 6,144 H100s; duration not published"),
-    ("70B shape, 3.4e24 FLOPs, FP8", LLAMA, B70, 1024, "fp8", TALK_TOKENS, 97, None, "FP8 at 10k GPUs talk: 97 days"),
-    ("70B shape, 3.4e24 FLOPs, FP8", LLAMA, B70, 5120, "fp8", TALK_TOKENS, 22, None, "the talk: 22 days"),
-    ("70B shape, 3.4e24 FLOPs, FP8", LLAMA, B70, 10240, "fp8", TALK_TOKENS, 13, None, "the talk: 13 days"),
+    ("70B shape, 3.4e24 FLOPs, FP8", LLAMA70, [], 1024, "fp8", TALK_TOKENS, 97, None, "FP8 at 10k GPUs talk: 97 days"),
+    ("70B shape, 3.4e24 FLOPs, FP8", LLAMA70, [], 5120, "fp8", TALK_TOKENS, 22, None, "the talk: 22 days"),
+    ("70B shape, 3.4e24 FLOPs, FP8", LLAMA70, [], 10240, "fp8", TALK_TOKENS, 13, None, "the talk: 13 days"),
 ]
 
 
@@ -125,7 +129,7 @@ def calibration_rows() -> list[dict]:
     rows = []
     for label, path, overrides, gpus, gpu, precision, step_ms, peak_gib, stale in MEASURED:
         cfg = load_config(path, overrides)
-        row = plan_model.project(cfg, resolve_mesh_shape(cfg.mesh, gpus), gpu, precision)
+        row = plan_model.project(cfg, PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus)), gpu, precision)
         predicted = row["step_time_s"] * 1e3
         rows.append({"run": label, "gpus": f"{gpus} x {gpu.upper()}", "precision": precision,
                      "measured_ms": step_ms, "predicted_ms": predicted, "error": predicted / step_ms - 1,
@@ -169,14 +173,15 @@ def published_rows() -> list[dict]:
 
 
 def format_published(rows: list[dict]) -> str:
-    lines = ["| run | H100s | mesh (d x f x t), batch | planner MFU | planner days | planner GPU-hours | "
+    lines = ["| run | H100s | mesh (d x f x t, x p stages), batch | planner MFU | planner days | planner GPU-hours | "
              "published | published / planner | published MFU |",
              "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
     for r in rows:
         m = r["mesh"]
         ratio = f"{r['published_gpu_hours'] / r['gpu_hours']:.2f}x" if r["published_gpu_hours"] else ""
         mfu = f"{r['published_mfu']:.0%}" if r["published_mfu"] else ""
-        lines.append(f"| {r['run']} | {r['gpus']:,} | {m['data']} x {m['fsdp']} x {m['tensor']}, {r['global_batch']:,} "
+        stages = f" x p{m['pipeline']}" if m["pipeline"] > 1 else ""
+        lines.append(f"| {r['run']} | {r['gpus']:,} | {m['data']} x {m['fsdp']} x {m['tensor']}{stages}, {r['global_batch']:,} "
                      f"| {r['mfu']:.0%} | {r['days']:.1f} | {r['gpu_hours'] / 1e6:.2f}M | {r['source']} | {ratio} | {mfu} |")
     return "\n".join(lines)
 

@@ -71,6 +71,9 @@ def measure_one(args: list[str], steps: int, warmup: int) -> dict:
                             if timed[0]["mfu_policy_peak"] is not None else None),
         "peak_memory_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None,
         "final_loss": records[-1]["loss"],
+        # the first step of the process: tracing, compiling (or loading from the persistent
+        # cache, run.compile_cache_dir) and running it
+        "first_step_s": records[0].get("first_step_s"),
     }
 
 
@@ -91,7 +94,7 @@ def run_child(label: str, args: list[str], steps: int, warmup: int, timeout: flo
 
 def format_table(results: list[dict]) -> str:
     head = (f"{'run':<28}{'dev':>4}{'recipes':>22}{'remat':>10}{'step ms':>9}{'tok/s':>10}"
-            f"{'tok/s/dev':>10}{'TFLOP/s':>9}{'MFU':>7}{'MFU pol':>8}{'peak GiB':>9}")
+            f"{'tok/s/dev':>10}{'TFLOP/s':>9}{'MFU':>7}{'MFU pol':>8}{'peak GiB':>9}{'1st s':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         if "error" in r:
@@ -102,7 +105,7 @@ def format_table(results: list[dict]) -> str:
             f"{r['label']:<28}{r['devices']:>4}{','.join(r['recipes']):>22}{r['remat']:>10}"
             f"{1e3 * r['step_time_s']:>9.1f}{r['tokens_per_s']:>10.0f}{r['tokens_per_s_per_device']:>10.0f}"
             f"{r['tflops_per_device']:>9.1f}{pct(r['mfu']):>7}{pct(r['mfu_policy_peak']):>8}"
-            f"{(r['peak_memory_gib'] or 0):>9.1f}")
+            f"{(r['peak_memory_gib'] or 0):>9.1f}{(r.get('first_step_s') or 0):>7.1f}")
     return "\n".join(lines)
 
 

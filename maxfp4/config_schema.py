@@ -41,6 +41,10 @@ class RunConfig:
     # min(60, lock_stale_s / 5) s) is older than this is taken over: a job requeued on another
     # node after its node was lost is not stranded. Longer than any stall of a live holder.
     lock_stale_s: float = 300.0
+    # Share of each GPU's memory JAX's allocator reserves (XLA_PYTHON_CLIENT_MEM_FRACTION, which
+    # wins when set; JAX's own default is 0.75). The rest holds the CUDA context, cuBLAS/cuDNN
+    # workspaces and NCCL's buffers: 0.92 leaves 6.4 GB of an 80 GB H100.
+    gpu_memory_fraction: float = 0.92
 
     def check(self) -> None:
         _require(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name", self.name,
@@ -48,6 +52,8 @@ class RunConfig:
         _require(bool(self.output_dir), "run.output_dir", self.output_dir, "a directory path")
         _require(math.isfinite(self.lock_stale_s) and self.lock_stale_s >= 10, "run.lock_stale_s", self.lock_stale_s,
                  "a number of seconds >= 10")
+        _require(0.1 <= self.gpu_memory_fraction <= 0.99, "run.gpu_memory_fraction", self.gpu_memory_fraction,
+                 "a fraction in [0.1, 0.99]")
 
 
 @dataclass(frozen=True)
@@ -210,10 +216,17 @@ class TrainConfig:
     compiler_options: dict = field(default_factory=dict)  # XLA options, e.g. {xla_gpu_enable_triton_gemm: true}
     profile_steps: tuple[int, ...] = ()  # [first, last]: JAX profiler trace of these steps in <run>/profile
     eval_every: int = 0  # held-out loss every this many steps and at the end; 0 = off
+    # lm-evaluation-harness tasks (names or task YAML files) scored every eval_every steps and at
+    # the end, logged beside eval_loss (maxfp4.lm_eval_hook)
+    eval_tasks: tuple[str, ...] = ()
 
     def check(self) -> None:
         _require(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0 (0: no evaluation)")
         _require(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
+        _require(all(isinstance(t, str) and t.strip() for t in self.eval_tasks), "train.eval_tasks",
+                 list(self.eval_tasks), "a list of lm-eval task names or task YAML files, e.g. [hellaswag]")
+        _require(not self.eval_tasks or self.eval_every > 0, "train.eval_tasks", list(self.eval_tasks),
+                 "[] unless train.eval_every > 0 (the steps the tasks are scored at), e.g. train.eval_every=1000")
         _require(self.log_every >= 1, "train.log_every", self.log_every, "an integer >= 1")
         _require(self.microbatches >= 1, "train.microbatches", self.microbatches, "an integer >= 1")
         _require(self.remat in REMAT_POLICIES, "train.remat", self.remat, f"one of {', '.join(REMAT_POLICIES)}")
@@ -535,6 +548,10 @@ def _check_across_sections(cfg: Config) -> None:
     d, t, o = cfg.data, cfg.train, cfg.optim
     _require(not t.eval_every or d.eval_fraction > 0 or d.eval_paths or d.source == "synthetic",
              "train.eval_every", t.eval_every, "0 unless data.eval_fraction > 0 or data.eval_paths is set")
+    _require(not t.eval_tasks or d.source != "synthetic", "train.eval_tasks", list(t.eval_tasks),
+             "[] with data.source=synthetic (no tokenizer to read the tasks' text)")
+    _require(not t.eval_tasks or cfg.mesh.pipeline == 1, "train.eval_tasks", list(t.eval_tasks),
+             "[] with mesh.pipeline > 1 (tasks are scored by the unstaged forward pass)")
     _require(d.global_batch % t.microbatches == 0, "train.microbatches", t.microbatches,
              f"a divisor of data.global_batch={d.global_batch}")
     _require(t.loss_chunks >= 1 and d.seq_len % t.loss_chunks == 0, "train.loss_chunks", t.loss_chunks,

@@ -1,5 +1,8 @@
 """Held-out loss: a loss-only step over the eval batches, and the mean over all of them.
 
+As a command, ``python -m maxfp4.evaluate RUN_OR_EXPORT --tasks ...`` scores downstream tasks
+through lm-evaluation-harness instead (:mod:`maxfp4.lm_eval_cli`).
+
 The eval step returns the summed token loss and the token count of one global batch rather than
 their ratio, so the mean over several batches weighs every held-out token equally (the last eval
 batch is partly padding). It runs the model exactly as training does (same precision policy and
@@ -55,3 +58,11 @@ class EvalHook(Hook):
     def on_due(self, loop, step: int) -> None:
         if self.batches:
             self.losses[step] = mean_eval_loss(self.eval_step, loop.state, self.batches)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from maxfp4.lm_eval_cli import main
+
+    sys.exit(main())

@@ -23,6 +23,7 @@ from maxfp4.loop import Hook
 from maxfp4.model_spec import model_spec
 from maxfp4.precision.catalog import SPECS
 from maxfp4.precision.policy import PrecisionPolicy
+from maxfp4.step_clock import StepClock
 
 # Dense datasheet peaks in TFLOP/s per device, by peak class (maxfp4.precision.catalog.PEAK_CLASSES).
 DEVICE_PEAKS_TFLOPS: dict[str, dict[str, float]] = {
@@ -198,8 +199,9 @@ class MetricsHook(Hook):
 
     def __init__(self, logger: MetricsLogger, *, tokens_per_step: int, flops_per_step: float, n_devices: int,
                  peaks: dict[str, float] | None, policy_peak: float | None, log_every: int,
-                 eval_losses: dict[int, float], stragglers=None):
+                 eval_losses: dict[int, float], stragglers=None, task_scores: dict[int, dict[str, float]] | None = None):
         self.logger = logger
+        self.task_scores = task_scores if task_scores is not None else {}  # lm-eval metrics by step
         self.tokens_per_step, self.flops_per_step, self.n_devices = tokens_per_step, flops_per_step, n_devices
         self.peaks, self.policy_peak, self.log_every = peaks, policy_peak, log_every
         self.eval_losses, self.stragglers = eval_losses, stragglers
@@ -211,21 +213,28 @@ class MetricsHook(Hook):
         self._measured_steps, self._measured_s = 0, 0.0
         self._last: tuple[int, float] | None = None  # (step, time) the previous step finished
         self._untimed_through = 0  # steps up to this one finished before a host pause ended
+        # A step's time runs from the previous step's end to its own, as the devices finished them
+        # (maxfp4.step_clock), not from one read of the metrics to the next.
+        self.clock = StepClock()
+        self._tickets: dict[int, int] = {}  # step -> its StepClock ticket, until its metrics are read
+        self._ends: dict[int, float] = {}  # step -> end time already waited for (the first step)
 
     def before_step(self, loop, step: int) -> None:
         if self._first_step is None and step == loop.start_step + 1:
             self.logger.resume_at(loop.start_step)
 
     def after_dispatch(self, loop, step: int, metrics) -> None:
+        self._tickets[step] = self.clock.watch(metrics)
         if self._first_step is None:
             self._first_step = step
             dispatched = time.perf_counter()
-            jax.block_until_ready(metrics)
-            done = time.perf_counter()
+            done = self._ends[step] = self.clock.ended_at(self._tickets.pop(step))
             self._first = {"compile_s": loop.dispatch_s, "first_step_s": loop.dispatch_s + done - dispatched}
             self._mark = (step, done)
 
     def on_rewind(self, loop, step: int) -> None:
+        self.clock.abandon(self._tickets.values())
+        self._tickets.clear()
         self._losses.clear()
         self._last = None
         self._mark = None  # restarts at the next finished step
@@ -233,8 +242,14 @@ class MetricsHook(Hook):
     def on_host_pause(self, loop, step: int) -> None:
         self._untimed_through = max(self._untimed_through, step)
 
+    def _end_of(self, step: int) -> float:
+        if step in self._ends:
+            return self._ends.pop(step)
+        ticket = self._tickets.pop(step, None)
+        return self.clock.ended_at(ticket) if ticket is not None else time.perf_counter()
+
     def after_step(self, loop, step: int, values: dict[str, float], final: bool) -> None:
-        now = time.perf_counter()
+        now = self._end_of(step)
         if step <= self._untimed_through:  # fetched after a host pause: no step time, a new window
             self._last = self._mark = None
         previous, self._last = self._last, (step, now)
@@ -243,8 +258,9 @@ class MetricsHook(Hook):
             self._mark = (step, now)
         # Every step goes to metrics.jsonl and TensorBoard with its own loss (the plot's curves);
         # the terminal line, and the records the run returns, come every train.log_every steps.
-        if not (step % self.log_every == 0 or final or step == loop.start_step + 1 or step in self.eval_losses):
-            # Timed since the previous step finished, so never the compile.
+        if not (step % self.log_every == 0 or final or step == loop.start_step + 1 or step in self.eval_losses
+                or step in self.task_scores):
+            # Timed from the previous step's end, so never the compile.
             step_time = now - previous[1] if previous is not None and previous[0] == step - 1 else None
             self.logger.write(self._fields(step, values["loss"], values, step_time, loop.total_steps))
             return
@@ -272,6 +288,7 @@ class MetricsHook(Hook):
             self._first = None
         if step in self.eval_losses:
             record["eval_loss"] = self.eval_losses.pop(step)
+        record.update(self.task_scores.pop(step, {}))
         report = self.stragglers.take_report(step) if self.stragglers is not None else None
         if report is not None:
             record["straggler_processes"] = report["slow"]
@@ -303,4 +320,5 @@ class MetricsHook(Hook):
                 f"(the first step, compilation included, not counted)")
 
     def close(self) -> None:
+        self.clock.close()
         self.logger.close()

@@ -1,6 +1,7 @@
 """``python -m maxfp4.plot RUN_DIR... [--out FILE]``: every curve of one or several runs in one
 picture, the runs overlaid with a legend: training loss (each step faint, smoothed solid),
-held-out loss, learning rate, gradient norm, tokens/s and skipped steps (docs/METRICS.md).
+held-out loss (with the lm-eval scores of ``train.eval_tasks`` on a second axis), learning rate,
+gradient norm, tokens/s and skipped steps (docs/METRICS.md).
 
 Reads each run's ``metrics.jsonl`` (one record per step); a curve a run did not log (held-out
 loss without ``train.eval_every``, say) is left out for that run and its panel says so.
@@ -26,6 +27,7 @@ PANELS = (
     ("tokens_per_s", "Throughput", "tokens/s (all devices)"),
     ("skipped_steps", "Skipped steps (guard)", "steps skipped so far"),
 )
+TASK_PREFIX = "lm_eval/"
 NOT_LOGGED = {"eval_loss": "no held-out loss logged (train.eval_every=0)",
               "skipped_steps": "no skipped steps logged"}
 
@@ -75,6 +77,9 @@ def curves(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
 
     out = {key: series(key) for key in ("loss", "eval_loss", "lr", "grad_norm", "skipped_steps")}
     out["tokens_per_s"] = series("tokens_per_s", lambda r: r.get("step_time_s") is not None)
+    # Downstream task scores (train.eval_tasks: "lm_eval/<task>/<metric>"), drawn beside the held-out loss.
+    for key in sorted({k for r in records for k in r if k.startswith(TASK_PREFIX)}):
+        out[key] = series(key)
     skipped_at, previous = set(), 0
     for r in records:
         if r.get("skipped_steps", previous) > previous:
@@ -114,6 +119,8 @@ def draw(run_dirs: Sequence[str]):
                 kwargs = {"where": "post"} if key == "skipped_steps" else {}
                 draw_fn(*run[key], color=color, label=label, gid=f"{label}:{key}", **style, **kwargs)
                 drawn = True
+        if key == "eval_loss":
+            _draw_task_scores(ax, runs, colors)
         if key == "grad_norm" and drawn:
             ax.set_yscale("log")
         if key == "skipped_steps":  # a count: whole numbers from 0, also when nothing was skipped
@@ -129,6 +136,20 @@ def draw(run_dirs: Sequence[str]):
     fig.suptitle("training loss: each step faint, smoothed solid", fontsize="small", color="gray")
     fig.tight_layout()
     return fig
+
+
+def _draw_task_scores(ax, runs, colors) -> None:
+    """lm-eval scores on a second y axis of the held-out loss panel, dashed, one line a metric."""
+    scores = [(i, label, key, run[key]) for i, (label, run) in enumerate(runs) for key in run
+              if key.startswith(TASK_PREFIX)]
+    if not scores:
+        return
+    twin = ax.twinx()
+    for i, label, key, points in scores:
+        twin.plot(*points, color=colors[i % len(colors)], linestyle="--", marker="s", markersize=3,
+                  label=f"{label}: {key.removeprefix(TASK_PREFIX)}", gid=f"{label}:{key}")
+    twin.set_ylabel("lm-eval score (dashed)")
+    twin.legend(fontsize="x-small", loc="upper right")
 
 
 def save_figure(fig, path: str, flag: str, dpi: int = 100) -> str:

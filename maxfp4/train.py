@@ -38,6 +38,7 @@ from maxfp4.errors import exit_code_of
 from maxfp4.evaluate import EvalHook, make_eval_step
 from maxfp4.files import write_text_atomic
 from maxfp4.kernels.support import check_mamba_kernels
+from maxfp4.lm_eval_hook import check_eval_tasks, lm_eval_hook
 from maxfp4.loop import Every, Hook, Loop, close_hooks, every
 from maxfp4.interop.hf import check_init_from, read_params as read_hf_params
 from maxfp4.parallel.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_mesh, tree_shardings
@@ -191,6 +192,7 @@ class StartUp:
     mesh: Mesh
     xla_options: dict
     compile_cache: str | None
+    eval_tasks: Any = None  # train.eval_tasks as lm-eval loaded them (maxfp4.lm_eval_hook)
 
 
 def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
@@ -223,8 +225,9 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     check_deterministic_attention(cfg, platform)
     refuse_changed_run(cfg)
     check_init_from(cfg)
+    eval_tasks = check_eval_tasks(cfg)
     return StartUp(cfg, policy, table, mesh, xla_options,
-                   compile_cache)
+                   compile_cache, eval_tasks)
 
 
 def open_data(start: StartUp):
@@ -317,7 +320,8 @@ def make_metrics(start: StartUp, stream, eval_losses: dict[int, float], straggle
 def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Checkpointer, data,
                eval_batches: list, state_sh, stream) -> tuple[list[Hook | tuple[Hook, Every]], MetricsHook]:
     """The hooks in the order they act at each point of the loop (maxfp4.loop): the watchdog and
-    stragglers see a finished step before it is logged; the checkpoint comes after evaluation and
+    stragglers see a finished step before it is logged; the metrics start timing a step as soon as
+    it is dispatched, before an evaluation holds the host; the checkpoint comes after evaluation and
     metrics (a save first settles the loop, writing the step's whole record); the rollback acts on
     a step last; the periodic ones with their cadence (maxfp4.loop.every). Also returns the
     metrics hook, whose records the run returns."""
@@ -329,7 +333,9 @@ def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Check
     evaluation = EvalHook(eval_step, eval_batches)
     stragglers = (StragglerHook(StragglerMonitor(res.straggler_threshold), _say, is_writer=is_writer)
                   if res.straggler_every else None)
+    tasks = lm_eval_hook(cfg, start.eval_tasks, data.tokenizer, start.policy, mesh, say=_say)
     metrics = make_metrics(start, stream, evaluation.losses, stragglers)
+    metrics.task_scores = tasks.scores if tasks else {}
     watchdog = HangWatchdog(cfg.run_dir, res.hang_timeout_s, jax.process_index(),
                             on_exit=lock.release if lock is not None else lambda: None)
     rollbacks = Rollbacks(res.max_consecutive_skips, res.max_rollbacks, suspend_steps=res.spike_window,
@@ -340,7 +346,8 @@ def make_hooks(start: StartUp, watch: PreemptionWatch, lock, checkpointer: Check
         watchdog, stragglers and every(stragglers, res.straggler_every), FaultHook(res.fault, jax.process_index()),
         PreemptionHook(watch, checkpoints=cfg.checkpoint.enabled, say=_say),
         StepProfiler(cfg.train.profile_steps, os.path.join(cfg.run_dir, "profile"), enabled=is_writer),
-        every(evaluation, cfg.train.eval_every, last=True), metrics,
+        metrics, every(evaluation, cfg.train.eval_every, last=True),
+        tasks and every(tasks, cfg.train.eval_every, last=True),
         (checkpoints, checkpoints.cadence()),
         rerun_hook(res, mesh, _say, is_writer=is_writer),
         RollbackHook(rollbacks, checkpointer, _say),
@@ -365,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def run() -> None:
         cfg = config_from_arguments(args)
+        distributed.set_gpu_memory_fraction(cfg.run.gpu_memory_fraction)  # still before the backend starts
         how = distributed.initialize(cfg.distributed)
         _say(f"{how}; {jax.local_device_count()} local of {jax.device_count()} devices")
         train(cfg, watch=watch)

@@ -164,7 +164,8 @@ def test_planner_picks_context_when_a_sequence_does_not_fit():
                       ["data.seq_len=262144", "data.global_batch=1", "model.n_kv_heads=1", "model.mamba.n_groups=1"])
     rows = plan(cfg, 4, "h200", 1e9)
     assert rows[0]["notes"][0].startswith("context: a 262,144-token sequence does not fit one GPU; mesh.context=4")
-    assert all(r["fits"] and r["gpus"] == 4 and r["tokens_per_step"] == 262144 for r in rows)
+    assert all(r["fits"] and r["gpus"] == 4 and r["context"] == 4 and r["tokens_per_step"] == 262144
+               for r in rows)
     # zigzag: every rank 1/C of the causal work; contiguous chunks: the last rank (2C-1)/C of the mean
     assert causal_work_per_rank(4) == [0.25] * 4
     assert imbalance(4, zigzag=False) == 7 / 4

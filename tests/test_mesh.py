@@ -63,7 +63,7 @@ def test_impossible_meshes_fail_clearly(tiny_cfg):
         resolve_mesh_shape(tiny_cfg("mesh.data=3", "mesh.fsdp=1").mesh, 8)
     with pytest.raises(ConfigError, match="do not divide the 8 devices"):
         resolve_mesh_shape(tiny_cfg("mesh.data=-1", "mesh.fsdp=3").mesh, 8)
-    assert resolve_mesh_shape(tiny_cfg("mesh.data=-1", "mesh.tensor=2").mesh, 8) == (4, 1, 2)
+    assert resolve_mesh_shape(tiny_cfg("mesh.data=-1", "mesh.tensor=2").mesh, 8) == (4, 1, 2, 1)
     with pytest.raises(ConfigError, match="model.n_kv_heads=2: expected a multiple of mesh.tensor=4"):
         train(tiny_cfg("mesh.data=2", "mesh.tensor=4"), stream=io.StringIO())
     with pytest.raises(ConfigError, match="data.global_batch=8: expected a multiple"):

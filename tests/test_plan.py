@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from maxfp4.plan import command as plan, cost as plan_model
+from maxfp4.plan.utilisation import read_utilisation
 from maxfp4.config import load_config
 from maxfp4.parallel.mesh import make_mesh
 from maxfp4.metrics import flops_per_token
@@ -150,7 +151,7 @@ def test_json_output(capsys):
         for key in ("precision", "params", "flops_per_token", "memory_per_device_gb", "step_time_s", "days"):
             assert key in r
         assert 7.9e9 < r["params"] < 8.1e9  # Llama-3-8B
-        assert r["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1}
+        assert r["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1, "pipeline": 1, "repeats": 1}
         assert r["days"] == pytest.approx(r["steps"] * r["step_time_s"] / 86400 / plan_model.GOODPUT)
         assert r["layout_chosen"] is False and "the config's data.global_batch=16" in r["notes"][0]
     assert rows[1]["step_time_s"] < rows[0]["step_time_s"]  # FP8 GEMMs are faster on H100
@@ -172,7 +173,7 @@ def test_more_gpus_train_faster():
 def test_mfu_from_results_file(tmp_path):
     results = tmp_path / "metrics.jsonl"
     results.write_text('{"step": 10, "mfu": 0.2}\n{"step": 20, "mfu": 0.4}\n')
-    assert plan_model.read_utilisation(str(results), "h200") == pytest.approx(0.4)
+    assert read_utilisation(str(results), "h200") == pytest.approx(0.4)
     cfg = load_config("configs/dense-1p3b.yaml")
     bf16 = plan.plan(cfg, 1, "h200", 1e9, utilisation=0.4)[0]
     # one device: no communication, so the step is exactly the FLOPs at 40% of the BF16 peak
@@ -244,7 +245,7 @@ def test_1024_gpus_llama3_8b_choose_a_batch_and_mesh_and_land_in_the_published_b
     bf16 = rows[0]
     mesh = bf16["mesh"]
     assert bf16["layout_chosen"] and "data.global_batch=8 does not split" in bf16["notes"][0]
-    assert mesh["data"] * mesh["fsdp"] * mesh["tensor"] == 1024
+    assert mesh["data"] * mesh["fsdp"] * mesh["tensor"] * mesh["pipeline"] == 1024
     assert mesh["fsdp"] * mesh["tensor"] <= 8 and mesh["data"] >= 128  # model groups inside a node
     assert bf16["global_batch"] % (mesh["data"] * mesh["fsdp"]) == 0
     assert 2**21 <= bf16["tokens_per_step"] <= 1.5 * 2**22
@@ -318,7 +319,7 @@ def test_what_if_grid_has_a_row_per_gpu_count_and_every_precision(capsys, tmp_pa
     grid = json.loads(capsys.readouterr().out)
     assert [r["gpus"] for r in grid] == [64, 1024, 8192]
     for r in grid:
-        assert r["mesh"]["data"] * r["mesh"]["fsdp"] * r["mesh"]["tensor"] == r["gpus"]
+        assert r["mesh"]["data"] * r["mesh"]["fsdp"] * r["mesh"]["tensor"] * r["mesh"]["pipeline"] == r["gpus"]
         for p in plan_model.PRECISIONS:
             assert r[f"{p}_days"] > 0 and r[f"{p}_gpu_hours"] == pytest.approx(r[f"{p}_days"] * 24 * r["gpus"])
     days = [r["bf16_days"] for r in grid]
@@ -335,7 +336,7 @@ def test_what_if_marks_counts_too_small_for_the_model_and_goes_on(capsys):
                       "--json"]) == 0
     small, large = json.loads(capsys.readouterr().out)
     assert small["mesh"] is None and small["bf16_days"] is None
-    assert large["mesh"]["data"] * large["mesh"]["fsdp"] * large["mesh"]["tensor"] == 256 and large["bf16_days"] > 0
+    assert math.prod(large["mesh"][a] for a in ("data", "fsdp", "tensor", "pipeline")) == 256 and large["bf16_days"] > 0
 
 
 def test_calibration_against_every_measured_step_is_within_15_percent():
@@ -367,12 +368,14 @@ def test_tensor_all_reduces_are_exposed_and_fsdp_traffic_hides_behind_compute():
 def test_planned_state_of_a_hybrid_under_tensor_matches_the_sharded_train_state():
     """Master weights + Adam moments one device holds on a data=1 x fsdp=2 x tensor=2 mesh of
     CPU devices, real against planned: tensor parallelism splits attention's and the MLP's
-    weights and Mamba-2's out_proj, and keeps Mamba-2's in_proj whole on each tensor device
-    (fsdp-sharded only: its columns are split after a reordering, maxfp4.model.mamba). Margin 1%:
-    norms, convolution and SSM scalars that no mesh axis divides are kept whole, and the
-    planner spreads them like the rest (at d_model 256 they are under 1% of the state)."""
+    weights and Mamba-2's out_proj, and with one group (which two tensor ranks cannot split) keeps
+    Mamba-2's in_proj whole on each tensor device (fsdp-sharded only). Margin 1%: norms,
+    convolution and SSM scalars that no mesh axis divides are kept whole, and the planner spreads
+    them like the rest (at d_model 256 they are under 1% of the state). With groups the tensor
+    axis divides, in_proj splits with them (model_spec.mamba_splits_over_tensor): the planned
+    state is then the same on fsdp=2 x tensor=2 as on fsdp=4."""
     cfg = load_config("configs/hybrid-tiny.yaml", ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2",
-                                                   "model.d_model=256", "model.d_ff=512"])
+                                                   "model.d_model=256", "model.d_ff=512", "model.mamba.n_groups=1"])
     mesh = make_mesh(cfg.mesh, jax.devices()[:4])
     state, _ = init_state(cfg, mesh, make_optimizer(cfg))
     device = mesh.devices.flat[0]
@@ -383,6 +386,10 @@ def test_planned_state_of_a_hybrid_under_tensor_matches_the_sharded_train_state(
     assert mem["master"] + mem["adam"] == pytest.approx(held, rel=0.01)
     split_evenly = plan_model.memory_per_device(cfg, (1, 4, 1), params, "bf16", "none")
     assert mem["master"] > 1.1 * split_evenly["master"]  # in_proj is not split over tensor
+    grouped = load_config("configs/hybrid-tiny.yaml", ["model.d_model=256", "model.d_ff=512", "model.mamba.n_groups=2"])
+    params = plan_model.param_count(grouped.model)
+    assert (plan_model.memory_per_device(grouped, (1, 2, 2), params, "bf16", "none")["master"]
+            == pytest.approx(plan_model.memory_per_device(grouped, (1, 4, 1), params, "bf16", "none")["master"]))
 
 
 def test_tensor_axis_splits_mamba_only_with_whole_groups_on_each_device():

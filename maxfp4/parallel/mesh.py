@@ -69,18 +69,15 @@ def resolve_axes(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor): the axes the planner models (maxfp4.plan); it does not model pipeline
-    stages yet, and says so in one line."""
+def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
+    """(data, fsdp, tensor, pipeline): the axes the planner models (maxfp4.plan), pipeline last so
+    that the first three read as they always have; context and expert are refused in one line."""
     data, pipeline, fsdp, context, expert, tensor = resolve_axes(cfg, n_devices)
     for name, size in (("context", context), ("expert", expert)):
         if size != 1:
-            raise ConfigError(f"mesh.{name}={size}: the planner models the data, fsdp and tensor axes only; "
-                              f"expected mesh.{name}=1")
-    if pipeline != 1:
-        raise ConfigError(f"mesh.pipeline={pipeline}: the planner models the data, fsdp and tensor axes only; "
-                          f"expected mesh.pipeline=1")
-    return data, fsdp, tensor
+            raise ConfigError(f"mesh.{name}={size}: the planner models the data, pipeline, fsdp and tensor axes "
+                              f"only; expected mesh.{name}=1")
+    return data, fsdp, tensor, pipeline
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -18,8 +18,10 @@ from typing import Sequence
 from maxfp4.config import Config, add_config_arguments, config_from_arguments
 from maxfp4.errors import UserError, exit_code_of
 from maxfp4.plan.context import plan_rows
-from maxfp4.plan.layout import DEFAULT_WHAT_IF_GPUS, format_what_if, layout_for, plot_what_if, what_if
-from maxfp4.plan.cost import (GOODPUT, GPUS, GPUS_PER_NODE, OVERLAP, USABLE_MEMORY, read_utilisation, rows_for)
+from maxfp4.plan.layout import DEFAULT_WHAT_IF_GPUS, describe, format_what_if, layout_for, plot_what_if, what_if
+from maxfp4.plan.stages import PlanMesh
+from maxfp4.plan.cost import GOODPUT, GPUS, GPUS_PER_NODE, OVERLAP, USABLE_MEMORY, rows_for
+from maxfp4.plan.utilisation import read_utilisation
 
 
 def _check_inputs(gpus: int, gpu: str, tokens: float, batch_tokens: float | None = None,
@@ -54,11 +56,12 @@ def plan(cfg: Config, gpus: int, gpu: str, tokens: float, utilisation: float | N
 def format_table(rows: list[dict]) -> str:
     r0 = rows[0]
     f = r0["flops_per_token_by_block"]
-    mesh = r0["mesh"]
+    mesh = PlanMesh(**r0["mesh"])
+    bubble = f" (bubble {r0['pipeline_bubble']:.1%})" if mesh.pipeline > 1 else ""
     lines = list(r0["notes"]) + [
         "",
-        f"{r0['gpus']:,} x {r0['gpu'].upper()}, mesh data={mesh['data']:,} x fsdp={mesh['fsdp']} x "
-        f"tensor={mesh['tensor']}, remat {r0['remat']}, {r0['microbatches']} microbatch(es), "
+        f"{r0['gpus']:,} x {r0['gpu'].upper()}, mesh {describe(mesh)}, remat {r0['remat']}, "
+        f"{r0['microbatches']} microbatch(es){bubble}, "
         f"{r0['tokens_per_step']:,} tokens/step, {r0['steps']:,} steps",
         f"params {r0['params'] / 1e9:.3f} B (matmul {r0['matmul_params'] / 1e9:.3f} B); "
         f"FLOPs/token {r0['flops_per_token'] / 1e9:.2f} G = "

@@ -24,7 +24,7 @@ import math
 from maxfp4.config import Config, ConfigError
 from maxfp4.errors import UserError
 from maxfp4.model_spec import mamba_dims, model_spec
-from maxfp4.plan import cost, layout
+from maxfp4.plan import cost, layout, rates
 
 CONTEXT_SIZES = (2, 4, 8)
 ACT_BYTES = 2  # K and V in BF16
@@ -83,16 +83,20 @@ def rows_with_context(cfg: Config, rows: list[dict], c: int, gpus: int, tokens: 
     m = cfg.model
     t = cfg.data.seq_len
     spec = model_spec(m)
-    link = cost.GPUS[gpu]["nvlink_gbs"] if c <= gpus_per_node else cost.IB_GBS
+    link = rates.GPUS[gpu]["nvlink_gbs"] if c <= gpus_per_node else cost.IB_GBS
     out = []
     for row in rows:
         tokens_per_step = row["tokens_per_step"] * c
         # a context group shares its rows: each GPU gathers K and V for every row of its group
         rows_per_device = row["global_batch"] / (row["mesh"]["data"] * row["mesh"]["fsdp"])
         comm = sum(comm_bytes_per_device(cfg, c, rows_per_device).values()) / (link * 1e9)
-        # attention at the whole length on T/C tokens a GPU (the proxy charged T/C)
-        extra_flops = (spec.attention_flops_per_token(t) - spec.attention_flops_per_token(t // c))
-        extra = extra_flops * row["tokens_per_step"] / (gpus / c) / (cost.attention_tflops(gpu) * 1e12)
+        # attention at the whole length on T/C tokens a GPU, in XLA's attention unless cuDNN's
+        # masked kernel is asked for (maxfp4.parallel.context); the proxy charged T/C at its own rate
+        tokens_per_gpu = row["tokens_per_step"] / (gpus / c)
+        split_rate = rates.attention_tflops(gpu, xla=m.attention != "cudnn_mask") * 1e12
+        proxy_rate = rates.attention_tflops(gpu, xla=cost.runs_xla_attention(proxy_config(cfg, c))) * 1e12
+        extra = tokens_per_gpu * (spec.attention_flops_per_token(t) / split_rate
+                                  - spec.attention_flops_per_token(t // c) / proxy_rate)
         step = row["step_time_s"] + extra * imbalance(c) + comm
         flops = sum(cost.flops_by_block_type(m, t).values())
         steps = math.ceil(tokens / tokens_per_step)
@@ -101,14 +105,14 @@ def rows_with_context(cfg: Config, rows: list[dict], c: int, gpus: int, tokens: 
         state = {k: v / c for k, v in row["memory_breakdown_gb"].items() if k in ("master", "adam", "grads")}
         saved = sum(row["memory_breakdown_gb"][k] for k in state) - sum(state.values())
         memory = row["memory_per_device_gb"] - saved
-        fits = memory <= cost.USABLE_MEMORY * cost.GPUS[gpu]["memory_gb"]
+        fits = memory <= cost.USABLE_MEMORY * rates.GPUS[gpu]["memory_gb"]
         notes = [n for n in row["notes"] if not (fits and n.startswith("note: the model estimates"))]
-        out.append(dict(row, gpus=gpus, memory_per_device_gb=memory, fits=fits,
+        out.append(dict(row, gpus=gpus, memory_per_device_gb=memory, fits=fits, context=c,
                         memory_breakdown_gb=dict(row["memory_breakdown_gb"], **state),
                         memory_other_remat_gb=row["memory_other_remat_gb"] - saved, tokens_per_step=tokens_per_step, steps=steps, step_time_s=step,
                         compute_s=row["compute_s"] + extra, comm_s=row["comm_s"] + comm, flops_per_token=flops,
                         flops_per_token_by_block=cost.flops_by_block_type(m, t),
-                        mfu=flops * tokens_per_step / step / gpus / (cost.datasheet_tflops(gpu, "bf16") * 1e12),
+                        mfu=flops * tokens_per_step / step / gpus / (rates.datasheet_tflops(gpu, "bf16") * 1e12),
                         days=wall / 86400, gpu_hours=wall * gpus / 3600,
                         notes=notes + [context_note(cfg, c, rows_per_device, comm)]))
     return out

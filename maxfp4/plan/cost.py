@@ -1,63 +1,37 @@
 """The planner's cost model: parameters, FLOPs, memory per device, communication, compute and
 step time of a run on a mesh of GPUs, for each precision column (``python -m maxfp4.plan`` and
 maxfp4.plan.layout read it). Every formula and constant is stated in docs/PLANNING.md; the
-constants below carry the same names.
+constants below and in maxfp4.plan.rates carry the same names.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
-from typing import Any
 
 import jax
 
 from maxfp4.config import Config, ModelConfig, PrecisionConfig
-from maxfp4.errors import UserError
 from maxfp4.parallel.mesh import LOGICAL_RULES
 from maxfp4.metrics import DEVICE_PEAKS_TFLOPS
 from maxfp4.model import abstract_params
 from maxfp4.model_spec import (BlockSpec, LinearSpec, model_spec,
                                mamba_splits_over_tensor as splits_over_tensor)
+from maxfp4.plan.rates import GPUS, PLAN_RECIPES, PRECISIONS, attention_tflops, datasheet_tflops, gemm_tflops, ssd_tflops
+from maxfp4.plan.stages import PlanMesh, StageSplit, block_flops, bubble_fraction, split_stages, ticks
 from maxfp4.precision.catalog import SPECS
 
-# The recipe each column of the plan stands for; bytes and peak classes come from its catalog
-# entry. The memory functions also take any recipe's name (``mxfp8``).
-PLAN_RECIPES = {"bf16": "bf16", "fp8": "fp8_delayed", "nvfp4": "nvfp4"}
-PRECISIONS = tuple(PLAN_RECIPES)
-
-# Effective GEMM rates in TFLOP/s on one H200 (docs/PERFORMANCE.md, one linear layer at
-# M = K = N = 8192, forward + both gradients, quantization passes included): bf16 recipe and
-# fp8_delayed as measured; emulated nvfp4 runs BF16 GEMMs, its quantization passes are charged
-# as memory traffic (NVFP4_QUANT_BYTES).
-MEASURED_H200_TFLOPS = {"bf16": 666.0, "fp8": 1079.0, "nvfp4": 666.0}
 # Emulated NVFP4's quantize passes (RHT, stochastic rounding, scales, the FP32 output's cast),
 # bytes moved per element of each GEMM operand (x and dY per token, the weight once a
 # microbatch): fitted to the whole-model NVFP4 steps of 2026-11-25/27 (docs/PLANNING.md); the
 # passes run below HBM bandwidth (one layer's ~2.7 GB took ~1.7 ms on an H100).
 NVFP4_QUANT_BYTES = 36.0
-# Native FP4 GEMMs (B200) run at the datasheet FP4 peak times the efficiency FP8 reached on H200.
-FP4_EFFICIENCY = MEASURED_H200_TFLOPS["fp8"] / DEVICE_PEAKS_TFLOPS["H200"]["fp8"]
-# cuDNN flash attention, model FLOPs (causal half) per second on one H200: the Llama-3-8B BF16
-# profile spends 283 ms on 1.06e14 attention FLOPs a GPU (docs/PERFORMANCE.md, "What bounds each").
-ATTENTION_H200_TFLOPS = 370.0
-# Mamba-2's SSD and convolution kernels, charged per SSD matmul FLOP: ~1.8 ms a layer at
-# mamba2-1p3b's shapes on one H200 (the profile's kernel times), i.e. ~70 TFLOP/s; they are
-# bound by memory traffic and occupancy, so other GPUs scale it by HBM bandwidth.
-SSD_H200_TFLOPS = 70.0
 # Scanned blocks (train.scan_layers=true) zero and fill stacked residual buffers: dense-1p3b BF16
 # 350.9 vs 292.2 ms unrolled (2026-11-23), 329.8 vs 275.0 (2026-11-27) on one H200. Under full
 # remat the stack holds only each block's input, and the factor does not apply: the scanned
 # nemotron-h-8b steps on 2 and 4 H200s (2026-11-27) were 15-18% faster than the factor made them.
 SCANNED_BLOCKS_FACTOR = 1.20
 
-GPUS: dict[str, dict[str, float]] = {
-    # memory GB (1e9 bytes), HBM bandwidth TB/s, NVLink GB/s per GPU (one direction)
-    "h100": {"memory_gb": 80.0, "hbm_tbs": 3.35, "nvlink_gbs": 450.0},
-    "h200": {"memory_gb": 141.0, "hbm_tbs": 4.8, "nvlink_gbs": 450.0},
-    "b200": {"memory_gb": 180.0, "hbm_tbs": 8.0, "nvlink_gbs": 900.0},
-}
 GPUS_PER_NODE = 8  # default of --gpus-per-node
 IB_GBS = 50.0  # one 400 Gb/s InfiniBand NIC per GPU
 USABLE_MEMORY = 0.90  # the rest goes to the CUDA context, XLA workspace and fragmentation
@@ -74,6 +48,12 @@ WORKING_BYTES = {name: spec.weight_bytes for name, spec in SPECS.items()} | {
     column: SPECS[recipe].weight_bytes for column, recipe in PLAN_RECIPES.items()}
 # Adam update traffic per parameter: read master, grad, two moments; write master, two moments.
 OPTIMIZER_TRAFFIC_BYTES = 4 * 4 + 3 * 4
+# Gradient accumulation per parameter each time a microbatch's (or a pipeline tick's) gradient is
+# added: read the FP32 accumulator and the new gradient, write the sum. The pipeline's ticks are
+# one scan that autodiff reverses, and a scan's transpose adds the cotangent of every parameter
+# it closes over into its carry each iteration: every tick, on every stage, for the stage's
+# blocks and for the embedding and LM head each stage holds.
+ACCUMULATE_BYTES = 3 * 4
 # Activations kept for the backward pass: maxfp4.model_spec (ACT_BYTES_*, GEMM_OUT_BYTES).
 # Per input feature: train.remat=save_gemm_io also keeps each linear layer's activation operand as
 # its recipe's backward reads it (FP8 bytes; BF16 for BF16 and for NVFP4, whose wgrad quantizes it
@@ -132,46 +112,74 @@ def _row_parallel_layers(m: ModelConfig) -> int:
     return sum(_tensor_split(lin)[0] for b in model_spec(m).blocks for lin in b.linears)
 
 
-def _tensor_replicated_params(m: ModelConfig) -> int:
-    """Matmul parameters kept whole on every tensor device (Mamba-2's in_proj)."""
-    return sum(lin.params for b in model_spec(m).blocks for lin in b.linears if not _sharded_over_tensor(lin))
+def _whole_on_tensor(lin: LinearSpec, m: ModelConfig, tensor: int) -> bool:
+    """Whether each of ``tensor`` devices keeps the whole weight: Mamba-2's in_proj where the
+    tensor axis cannot split the mixer (its z, x, B, C and dt parts split with their groups
+    whenever ``splits_over_tensor``; maxfp4.model.mamba)."""
+    if tensor == 1 or _sharded_over_tensor(lin):
+        return False
+    return not (lin.layer_class == "mamba_in" and splits_over_tensor(m, tensor))
 
 
-def state_params_per_device(m: ModelConfig, params: int, fsdp: int, tensor: int) -> float:
-    """Parameters one device keeps master weights, moments and gradients for: sharded over
-    fsdp x tensor, except those kept whole on every tensor device (over fsdp only)."""
-    whole = _tensor_replicated_params(m) if tensor > 1 else 0
-    return (params - whole) / (fsdp * tensor) + whole / fsdp
+@functools.lru_cache(maxsize=256)
+def _block_matmul_params(m: ModelConfig) -> int:
+    return model_spec(m).block_matmul_params
+
+
+def stage_split(cfg: Config, mesh: PlanMesh) -> StageSplit:
+    """The blocks of each pipeline stage: the stack cut into pipeline x repeats chunks balanced by
+    each block's training FLOPs (maxfp4.parallel.pipeline cuts by the same count)."""
+    return _stage_split(cfg.model, cfg.data.seq_len, mesh.pipeline, mesh.repeats)
+
+
+@functools.lru_cache(maxsize=1024)  # the layout search asks again for every microbatch count
+def _stage_split(m: ModelConfig, seq_len: int, stages: int, repeats: int) -> StageSplit:
+    return split_stages(block_flops(model_spec(m), seq_len), stages, repeats)
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_block_params(m: ModelConfig, seq_len: int, stages: int, repeats: int, tensor: int) -> tuple[int, int]:
+    """(matmul parameters, those kept whole on every tensor device) of the blocks of the device
+    that keeps the most block parameters (all blocks without stages)."""
+    blocks = model_spec(m).blocks
+    if stages == 1:
+        held = range(len(blocks))
+    else:
+        split = _stage_split(m, seq_len, stages, repeats)
+        held = max((split.device_blocks(p) for p in range(stages)),
+                   key=lambda device: sum(blocks[b].matmul_params for b in device))
+    linears = [lin for b in held for lin in blocks[b].linears]
+    return (sum(lin.params for lin in linears),
+            sum(lin.params for lin in linears if _whole_on_tensor(lin, m, tensor)))
+
+
+def _held_blocks(cfg: Config, mesh: PlanMesh) -> tuple[int, ...]:
+    """The blocks of the device that keeps the most block parameters (all blocks without stages)."""
+    spec = model_spec(cfg.model)
+    if mesh.pipeline == 1:
+        return tuple(range(len(spec.blocks)))
+    split = stage_split(cfg, mesh)
+    return max((split.device_blocks(p) for p in range(mesh.pipeline)),
+               key=lambda held: sum(spec.blocks[b].matmul_params for b in held))
+
+
+def state_params_per_device(cfg: Config, params: int, mesh) -> float:
+    """Parameters one device keeps master weights, moments and gradients for: its stage's block
+    weights sharded over fsdp x tensor, except those kept whole on every tensor device (over fsdp
+    only); the embedding, the LM head, norms and SSM scalars on every stage (the stages hold them
+    whole over ``pipeline``, maxfp4.parallel.pipeline) over fsdp x tensor."""
+    m, mesh = cfg.model, PlanMesh(*mesh)
+    held, whole = _held_block_params(m, cfg.data.seq_len, mesh.pipeline, mesh.repeats, mesh.tensor)
+    other = params - _block_matmul_params(m)
+    return (held - whole + other) / (mesh.fsdp * mesh.tensor) + whole / mesh.fsdp
 
 
 # ----------------------------------------------------------------------------- device rates
 
 
-def gemm_tflops(gpu: str, precision: str) -> float:
-    """Effective GEMM rate: the H200 measurement scaled by the datasheet peak of ``gpu``."""
-    peaks = DEVICE_PEAKS_TFLOPS[gpu.upper()]
-    peak_class = SPECS[PLAN_RECIPES[precision]].peak
-    if peak_class == "fp4" and "fp4" in peaks:
-        return peaks["fp4"] * FP4_EFFICIENCY
-    peak_key = "bf16" if peak_class == "fp4" else peak_class  # emulated FP4 runs BF16 GEMMs
-    return MEASURED_H200_TFLOPS[precision] * peaks[peak_key] / DEVICE_PEAKS_TFLOPS["H200"][peak_key]
-
-
-def _bf16_peak_ratio(gpu: str) -> float:
-    return DEVICE_PEAKS_TFLOPS[gpu.upper()]["bf16"] / DEVICE_PEAKS_TFLOPS["H200"]["bf16"]
-
-
-def attention_tflops(gpu: str) -> float:
-    return ATTENTION_H200_TFLOPS * _bf16_peak_ratio(gpu)
-
-
-def ssd_tflops(gpu: str) -> float:
-    return SSD_H200_TFLOPS * GPUS[gpu]["hbm_tbs"] / GPUS["h200"]["hbm_tbs"]
-
-
-def datasheet_tflops(gpu: str, precision: str) -> float:
-    peaks = DEVICE_PEAKS_TFLOPS[gpu.upper()]
-    return peaks.get(SPECS[PLAN_RECIPES[precision]].peak, peaks["bf16"])
+def runs_xla_attention(cfg: Config) -> bool:
+    """Whether the step runs XLA's attention: asked for, or inside pipeline stages."""
+    return cfg.model.attention == "xla" or cfg.mesh.pipeline > 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -210,37 +218,54 @@ def _split_gemm_flops(cfg: ModelConfig, flops: dict[str, float], seq_len: int,
 # ----------------------------------------------------------------------------- memory
 
 
-def _tokens_per_device(cfg: Config, mesh: tuple[int, int, int]) -> float:
-    data, fsdp, _ = mesh
-    return cfg.data.global_batch * cfg.data.seq_len / (data * fsdp)
+def _tokens_per_device(cfg: Config, mesh) -> float:
+    """Tokens of the rows one device holds a step: the batch over data x fsdp (every pipeline
+    stage and tensor rank of a batch shard sees all of its rows)."""
+    return cfg.data.global_batch * cfg.data.seq_len / PlanMesh(*mesh).batch_shards
 
 
-def memory_per_device(cfg: Config, mesh: tuple[int, int, int], params: int, precision: str,
+def in_flight_share(cfg: Config, mesh) -> float:
+    """Share of a device's rows whose activations are held at once: one microbatch's without
+    stages (the step accumulates them one by one); with stages, every microbatch's and the fill
+    and drain ticks' (V M + P - 1 ticks of 1/(V M) each): the schedules run as one scan over the
+    ticks that autodiff reverses, so nothing is freed before the backward pass (a 1F1B order
+    would hold ~P microbatches; it is not what the trainer runs)."""
+    mesh, micro = PlanMesh(*mesh), cfg.train.microbatches
+    if mesh.pipeline == 1:
+        return 1 / micro
+    return ticks(mesh.pipeline, micro, mesh.repeats) / (mesh.repeats * micro)
+
+
+def memory_per_device(cfg: Config, mesh, params: int, precision: str,
                       remat: str) -> dict[str, float]:
-    """Bytes per device. State (master, Adam, gradients) is sharded over fsdp x tensor; one
-    block's working copy (or the BF16 LM head, whichever is larger) is live at a time, and with
-    unrolled blocks under save_gemm every block's cast weight shard too."""
-    m = cfg.model
-    _, fsdp, tensor = mesh
+    """Bytes per device. State (master, Adam, gradients) is sharded over fsdp x tensor, and a
+    pipeline stage keeps its own blocks' (:func:`state_params_per_device`); one block's working
+    copy (or the BF16 LM head, whichever is larger) is live at a time, and with unrolled blocks
+    under save_gemm every block's cast weight shard too."""
+    m, mesh = cfg.model, PlanMesh(*mesh)
+    fsdp, tensor = mesh.fsdp, mesh.tensor
     spec = model_spec(m)
-    blocks = spec.blocks
+    blocks = [spec.blocks[b] for b in _held_blocks(cfg, mesh)]
     share = [_tensor_share(b, m, tensor) for b in blocks]  # of each block's activations, on one device
-    weights = [sum(lin.params / (tensor if _sharded_over_tensor(lin) else 1) for lin in b.linears) for b in blocks]
+    weights = [sum(lin.params / (1 if _whole_on_tensor(lin, m, tensor) else tensor) for lin in b.linears)
+               for b in blocks]
     working = max(max(weights) * WORKING_BYTES[precision], spec.lm_head.params * 2 / tensor)
     if remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers:
         # Unrolled blocks keep every block's cast weight shard for the backward pass (maxfp4.model.remat).
         working += sum(weights) * WORKING_BYTES[precision] / fsdp
-    tokens = _tokens_per_device(cfg, mesh) / cfg.train.microbatches
+    rows = _tokens_per_device(cfg, mesh)
+    tokens = rows / cfg.train.microbatches  # one microbatch
     per_token = sum(s * spec.activation_bytes_per_token(b, remat, GEMM_IN_BYTES[precision])
                     for b, s in zip(blocks, share))
+    acts = rows * in_flight_share(cfg, mesh) * per_token
     if remat != "none":  # the block being recomputed holds its activations
-        per_token += spec.activation_bytes_per_token(blocks[0], "none") * max(share)
-    acts = tokens * per_token
+        acts += tokens * spec.activation_bytes_per_token(blocks[0], "none") * max(share)
     logits = tokens * m.vocab_size * LOGIT_MEMORY_BYTES / tensor / cfg.train.loss_chunks
-    state = state_params_per_device(m, params, fsdp, tensor)
+    state = state_params_per_device(cfg, params, mesh)
     return {"master": state * MASTER_BYTES, "adam": state * ADAM_BYTES,
-            # with microbatches, the FP32 accumulator and one microbatch's gradients (maxfp4.step)
-            "grads": state * GRAD_BYTES * (2 if cfg.train.microbatches > 1 else 1),
+            # with microbatches, the FP32 accumulator and one microbatch's gradients (maxfp4.step);
+            # stages take every microbatch's gradient in one backward pass, into one buffer
+            "grads": state * GRAD_BYTES * (2 if cfg.train.microbatches > 1 and mesh.pipeline == 1 else 1),
             "working_copy": working,
             "activations": acts, "logits": logits}
 
@@ -267,41 +292,104 @@ def _link_gbs(gpu: str, span: int, gpus_per_node: int = GPUS_PER_NODE) -> float:
     return GPUS[gpu]["nvlink_gbs"] if span <= gpus_per_node else IB_GBS
 
 
-def comm_seconds(cfg: Config, mesh: tuple[int, int, int], params: int, precision: str, gpu: str,
+def stage_factor(cfg: Config, mesh, precision: str, gpu: str) -> float:
+    """A device's block time with stages over the time of all blocks on its rows: (V M + P - 1)
+    ticks, each as long as the costliest chunk on one microbatch (maxfp4.plan.stages); 1 without
+    stages. The chunks are cut by FLOPs and timed by :func:`block_seconds_per_token`."""
+    mesh = PlanMesh(*mesh)
+    if mesh.pipeline == 1:
+        return 1.0
+    costs = block_seconds_per_token(cfg, mesh.tensor, precision, gpu)
+    return stage_split(cfg, mesh).step_factor(costs, cfg.train.microbatches)
+
+
+def comm_seconds(cfg: Config, mesh, params: int, precision: str, gpu: str,
                  gpus_per_node: int = GPUS_PER_NODE) -> tuple[float, float]:
     """Ring collectives per step, bytes per device / link bandwidth, as (exposed, overlappable)
-    seconds. Axes are laid out tensor innermost, then fsdp, then data (maxfp4.parallel.mesh), so an axis
-    crosses nodes once the product of it and the axes inside it exceeds a node.
+    seconds. Axes are laid out tensor innermost, then fsdp, then pipeline, then data
+    (maxfp4.parallel.mesh), so an axis crosses nodes once the product of it and the axes inside
+    it exceeds a node.
 
     Tensor parallelism's activation all-reduces are exposed: each sums a GEMM's output that the
     next operation (a norm, the residual) needs at once, so there is no independent work to hide
-    them behind. FSDP's weight gathers (fetched ahead of the layer that needs them) and the
-    gradient reduce-scatters and all-reduces (of finished layers) overlap with compute; FSDP
-    gathers and reduce-scatters once a microbatch."""
-    data, fsdp, tensor = mesh
-    m = cfg.model
+    them behind. So are the pipeline's hand-overs: a stage sends its output when the tick ends
+    and the next stage waits for it. FSDP's weight gathers (fetched ahead of the layer that needs
+    them) and the gradient reduce-scatters and all-reduces (of finished layers) overlap with
+    compute; FSDP gathers and reduce-scatters once a microbatch (with stages, once a tick)."""
+    m, mesh = cfg.model, PlanMesh(*mesh)
+    data, fsdp, tensor, stages = mesh.data, mesh.fsdp, mesh.tensor, mesh.pipeline
+    micro = cfg.train.microbatches
     exposed = overlappable = 0.0
-    state = state_params_per_device(m, params, fsdp, tensor)  # the shard each device keeps
+    state = state_params_per_device(cfg, params, mesh)  # the shard each device keeps
+    rows = _tokens_per_device(cfg, mesh)
     if tensor > 1:  # per row-parallel layer: its output forward, its sublayer input's gradient backward
-        ar = 2 * (tensor - 1) / tensor * _tokens_per_device(cfg, mesh) * m.d_model * 2
-        exposed += 2 * _row_parallel_layers(m) * ar / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9)
+        ar = 2 * (tensor - 1) / tensor * rows * m.d_model * 2
+        exposed += (2 * _row_parallel_layers(m) * ar * stage_factor(cfg, mesh, precision, gpu)
+                    / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9))
+    if stages > 1:  # each tick hands a microbatch's BF16 activations on, and its gradient back
+        handed = 2 * ticks(stages, micro, mesh.repeats) * rows / micro * m.d_model * 2
+        exposed += handed / (_link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
     if fsdp > 1:  # weights gathered forward and again backward, FP32 gradients reduce-scattered
-        per_device = state * (fsdp - 1) * cfg.train.microbatches
+        other = (params - _block_matmul_params(m)) / (fsdp * tensor)
+        gathers = micro if stages == 1 else ticks(stages, micro, mesh.repeats) / mesh.repeats
+        per_device = ((state - other) * gathers + other * micro) * (fsdp - 1)
         overlappable += per_device * (2 * WORKING_BYTES[precision] + GRAD_BYTES) / (
             _link_gbs(gpu, tensor * fsdp, gpus_per_node) * 1e9)
+    if stages > 1:  # the embedding's and LM head's gradients summed over the stages that hold them
+        other = (params - _block_matmul_params(m)) / (fsdp * tensor) * GRAD_BYTES
+        overlappable += 2 * (stages - 1) / stages * other / (
+            _link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
     if data > 1:  # all-reduce of each device's FP32 gradient shard
         shard = state * GRAD_BYTES
-        overlappable += 2 * (data - 1) / data * shard / (_link_gbs(gpu, data * fsdp * tensor, gpus_per_node) * 1e9)
+        overlappable += 2 * (data - 1) / data * shard / (_link_gbs(gpu, mesh.devices, gpus_per_node) * 1e9)
     return exposed, overlappable
 
 
-def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, float], params: int,
-                    precision: str, gpu: str, utilisation: float | None) -> float:
-    """GEMMs at the precision's effective rate (the LM head at BF16), attention at cuDNN's rate,
-    Mamba-2's SSD at its kernels' rate, elementwise work at HBM bandwidth; or, given a measured
-    utilisation, all FLOPs at that fraction of the peak."""
-    m = cfg.model
-    tensor = mesh[2]
+def block_seconds_per_token(cfg: Config, tensor: int, precision: str, gpu: str) -> tuple[float, ...]:
+    """Seconds each block takes a token on one of ``tensor`` devices, training: its GEMMs at the
+    precision's rate, attention's products at the rate of the attention the step runs, the SSD's
+    at its kernels', its element-wise traffic at HBM bandwidth (the weights that time the
+    pipeline's chunks)."""
+    return _block_seconds(cfg.model, cfg.data.seq_len, tensor, precision, gpu, runs_xla_attention(cfg))
+
+
+@functools.lru_cache(maxsize=1024)  # the layout search asks again for every mesh
+def _block_seconds(m: ModelConfig, seq_len: int, tensor: int, precision: str, gpu: str,
+                   xla: bool) -> tuple[float, ...]:
+    spec = model_spec(m)
+    scores = 6.0 * seq_len * spec.n_heads * spec.head_dim
+    ssd = 3.0 * spec.ssd_forward_flops
+    rate = gemm_tflops(gpu, "bf16" if precision == "nvfp4" else precision) * 1e12
+    out = []
+    for b in spec.blocks:
+        wide = max(lin.params for lin in b.linears) / m.d_model
+        t = (6.0 * b.matmul_params / rate + scores * ("attention" in b.mixers) / (attention_tflops(gpu, xla) * 1e12)
+             + ssd * ("mamba" in b.mixers) / (ssd_tflops(gpu) * 1e12)
+             + 6 * (10 * m.d_model + 3 * wide) / (GPUS[gpu]["hbm_tbs"] * 1e12))
+        out.append(t * _tensor_share(b, m, tensor))
+    return tuple(out)
+
+
+def accumulated_params(cfg: Config, mesh, params: int, state: float) -> float:
+    """Parameters whose FP32 gradient a device adds into an accumulator a step: its shard once a
+    microbatch (none with one microbatch); with stages, once a tick, the blocks of one chunk."""
+    mesh, micro = PlanMesh(*mesh), cfg.train.microbatches
+    if mesh.pipeline == 1:
+        return state * micro if micro > 1 else 0.0
+    other = (params - _block_matmul_params(cfg.model)) / (mesh.fsdp * mesh.tensor)
+    n = ticks(mesh.pipeline, micro, mesh.repeats)
+    return (state - other) * n / mesh.repeats + other * n
+
+
+def compute_parts(cfg: Config, mesh, flops: dict[str, float], params: int,
+                  precision: str, gpu: str, utilisation: float | None) -> dict[str, float]:
+    """Seconds a step of one device spends in the blocks, the LM head and loss, and the optimizer,
+    for all blocks on its rows (:func:`stage_factor` turns the blocks' into a stage's). GEMMs at
+    the precision's effective rate (the LM head at BF16), attention at cuDNN's rate, Mamba-2's SSD
+    at its kernels' rate, elementwise work at HBM bandwidth; or, given a measured utilisation, all
+    FLOPs at that fraction of the peak."""
+    m, mesh = cfg.model, PlanMesh(*mesh)
+    tensor = mesh.tensor
     rows = _tokens_per_device(cfg, mesh)  # tokens of the rows a device holds
     tokens = rows / tensor  # tensor parallelism splits each token's work over its devices,
     ssd = model_spec(m).ssd_flops_per_token()
@@ -310,30 +398,43 @@ def compute_seconds(cfg: Config, mesh: tuple[int, int, int], flops: dict[str, fl
         ssd *= tensor
     fast, slow = _split_gemm_flops(m, flops, cfg.data.seq_len, precision, ssd)
     scores = model_spec(m).attention_flops_per_token(cfg.data.seq_len)
+    lm_head = flops["lm_head"]
+    hbm = GPUS[gpu]["hbm_tbs"] * 1e12
+    state = state_params_per_device(cfg, params, mesh)
+    optimizer = (state * OPTIMIZER_TRAFFIC_BYTES + accumulated_params(cfg, mesh, params, state) * ACCUMULATE_BYTES) / hbm
     if utilisation is not None:
         peak = datasheet_tflops(gpu, precision) * 1e12
-        slow += scores + ssd
-        return tokens * (fast / (utilisation * peak) + slow / (utilisation * datasheet_tflops(gpu, "bf16") * 1e12))
-    lm_head = flops["lm_head"]
+        bf16 = utilisation * datasheet_tflops(gpu, "bf16") * 1e12
+        return {"blocks": tokens * (fast / (utilisation * peak) + (slow - lm_head + scores + ssd) / bf16),
+                "head": tokens * lm_head / bf16, "optimizer": 0.0}
     recompute = 4 / 3  # one more forward pass: a third of a layer's training FLOPs
     if cfg.train.remat == "full":  # the blocks' forward runs again
         fast, slow = fast * recompute, lm_head + (slow - lm_head) * recompute
         scores, ssd = scores * recompute, ssd * recompute
     elif cfg.train.remat != "none":  # save_gemm keeps the GEMM outputs; the Mamba-2 kernels run again
         ssd *= recompute
-    if cfg.train.loss_chunks > 1:  # each slice's LM head runs again in the backward pass
-        slow += lm_head / 3
-    gemm = tokens * (fast / (gemm_tflops(gpu, precision) * 1e12) + slow / (gemm_tflops(gpu, "bf16") * 1e12))
+    head = lm_head * (4 / 3 if cfg.train.loss_chunks > 1 else 1)  # chunks re-run each slice's head
+    bf16_rate = gemm_tflops(gpu, "bf16") * 1e12
+    gemm = tokens * (fast / (gemm_tflops(gpu, precision) * 1e12) + (slow - lm_head) / bf16_rate)
     if precision == "nvfp4" and "fp4" not in DEVICE_PEAKS_TFLOPS[gpu.upper()]:
-        gemm += nvfp4_quant_bytes(cfg, tokens) / (GPUS[gpu]["hbm_tbs"] * 1e12)
-    kernels = tokens * (scores / (attention_tflops(gpu) * 1e12) + ssd / (ssd_tflops(gpu) * 1e12))
-    hbm = GPUS[gpu]["hbm_tbs"] * 1e12
-    elementwise = rows * _non_gemm_bytes_per_token(m, cfg.train.remat != "none", tensor) / hbm
-    optimizer = state_params_per_device(m, params, mesh[1], tensor) * OPTIMIZER_TRAFFIC_BYTES / hbm
-    blocks = gemm + kernels + elementwise
+        gemm += nvfp4_quant_bytes(cfg, tokens) / hbm
+    kernels = tokens * (scores / (attention_tflops(gpu, runs_xla_attention(cfg)) * 1e12)
+                        + ssd / (ssd_tflops(gpu) * 1e12))
+    logits = 4 * LOGIT_BYTES * m.vocab_size / tensor  # bytes a token: the loss's passes over the FP32 logits
+    elementwise = rows * (_non_gemm_bytes_per_token(m, cfg.train.remat != "none", tensor) - logits) / hbm
+    parts = {"blocks": gemm + kernels + elementwise, "head": tokens * head / bf16_rate + rows * logits / hbm}
     if cfg.train.scan_layers and cfg.train.remat != "full":
-        blocks *= SCANNED_BLOCKS_FACTOR
-    return blocks + optimizer
+        parts = {k: v * SCANNED_BLOCKS_FACTOR for k, v in parts.items()}
+    return parts | {"optimizer": optimizer}
+
+
+def compute_seconds(cfg: Config, mesh, flops: dict[str, float], params: int,
+                    precision: str, gpu: str, utilisation: float | None) -> float:
+    """A device's compute a step: its stage's blocks (all blocks without stages, :func:`stage_factor`
+    with them: ticks as long as the costliest chunk), then the LM head and loss (the last stage's,
+    outside the bubble: they run in M of the ticks) and the optimizer on its state."""
+    parts = compute_parts(cfg, mesh, flops, params, precision, gpu, utilisation)
+    return parts["blocks"] * stage_factor(cfg, mesh, precision, gpu) + parts["head"] + parts["optimizer"]
 
 
 def step_seconds(compute: float, exposed_comm: float, overlappable_comm: float) -> float:
@@ -344,49 +445,11 @@ def step_seconds(compute: float, exposed_comm: float, overlappable_comm: float) 
 # ----------------------------------------------------------------------------- the plan
 
 
-def read_utilisation(path: str, gpu: str) -> float:
-    """Utilisation from a results file: the last record with ``mfu``, or ``tflops_per_device``
-    over the BF16 peak; a JSON document, a JSON list, or JSON lines (metrics.jsonl)."""
-    try:
-        text = open(path, encoding="utf-8").read()
-    except OSError as e:
-        raise UserError(f"--mfu-from {path}: {e.strerror}") from None
-    try:
-        records = [json.loads(text)]
-    except json.JSONDecodeError:
-        try:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError:
-            raise UserError(f"--mfu-from {path}: not JSON or JSON lines") from None
-    found = _find_fields(records)
-    if found is None:
-        raise UserError(f"--mfu-from {path}: no 'mfu' or 'tflops_per_device' field")
-    key, value = found
-    u = value if key == "mfu" else value / DEVICE_PEAKS_TFLOPS[gpu.upper()]["bf16"]
-    if not 0 < u <= 1:
-        raise UserError(f"--mfu-from {path}: utilisation {u:.3f} from {key!r} is not in (0, 1]")
-    return u
-
-
-def _find_fields(node: Any) -> tuple[str, float] | None:
-    """The last numeric ``mfu`` (preferred) or ``tflops_per_device`` found depth-first."""
-    found = None
-    if isinstance(node, list):
-        for item in node:
-            found = _find_fields(item) or found
-    elif isinstance(node, dict):
-        for key in ("mfu", "tflops_per_device"):
-            if isinstance(node.get(key), (int, float)) and not isinstance(node.get(key), bool):
-                return key, float(node[key])
-        for value in node.values():
-            found = _find_fields(value) or found
-    return found
-
-
-def project(cfg: Config, mesh: tuple[int, int, int], gpu: str, precision: str,
+def project(cfg: Config, mesh, gpu: str, precision: str,
             utilisation: float | None = None, gpus_per_node: int = GPUS_PER_NODE) -> dict:
-    """One precision's memory and step time for ``cfg`` (its batch, remat, microbatches) on ``mesh``."""
-    m = cfg.model
+    """One precision's memory and step time for ``cfg`` (its batch, remat, microbatches) on ``mesh``
+    (a :class:`PlanMesh`, or a (data, fsdp, tensor) triple)."""
+    m, mesh = cfg.model, PlanMesh(*mesh)
     params = param_count(m)
     flops = flops_by_block_type(m, cfg.data.seq_len)
     mem = memory_per_device(cfg, mesh, params, precision, cfg.train.remat)
@@ -397,20 +460,20 @@ def project(cfg: Config, mesh: tuple[int, int, int], gpu: str, precision: str,
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     other_remat = "full" if cfg.train.remat == "none" else "none"
     return {
-        "precision": precision, "gpu": gpu, "gpus": math.prod(mesh),
-        "mesh": dict(zip(("data", "fsdp", "tensor"), mesh)),
+        "precision": precision, "gpu": gpu, "gpus": mesh.devices, "mesh": mesh.as_dict(),
         "params": params, "matmul_params": model_spec(m).matmul_params,
         "flops_per_token": sum(flops.values()), "flops_per_token_by_block": flops,
         "memory_per_device_gb": sum(mem.values()) / 1e9,
         "memory_breakdown_gb": {k: v / 1e9 for k, v in mem.items()},
         "memory_other_remat_gb": sum(memory_per_device(cfg, mesh, params, precision, other_remat).values()) / 1e9,
         "remat": cfg.train.remat, "microbatches": cfg.train.microbatches,
+        "pipeline_bubble": bubble_fraction(mesh.pipeline, cfg.train.microbatches, mesh.repeats),
         "global_batch": cfg.data.global_batch,
         "fits": sum(mem.values()) / 1e9 <= USABLE_MEMORY * GPUS[gpu]["memory_gb"],
         "tokens_per_step": tokens_per_step,
         "compute_s": compute, "comm_s": comm, "step_time_s": step,
         # model FLOPs over the BF16 peak while training (goodput not included), as metrics.py reports MFU
-        "mfu": sum(flops.values()) * tokens_per_step / step / math.prod(mesh) / (datasheet_tflops(gpu, "bf16") * 1e12),
+        "mfu": sum(flops.values()) * tokens_per_step / step / mesh.devices / (datasheet_tflops(gpu, "bf16") * 1e12),
     }
 
 

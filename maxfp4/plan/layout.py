@@ -7,9 +7,11 @@ over the mesh, or starves the GPUs) the planner picks:
 - batch: ``--batch-tokens`` (default ~4M tokens, the size Llama 3 started its 8B and 70B runs
   at) rounded to a whole number of sequences on every data x fsdp shard;
 - mesh: tensor x fsdp inside a node (or whole nodes, when a node cannot hold the model state),
-  data parallelism across nodes: of the meshes whose memory fits, the fastest per token among
-  those whose rounded batch stays within BATCH_TOLERANCE of the target;
-- train.microbatches: the fewest that fit memory.
+  pipeline stages and data parallelism across nodes: of the meshes whose memory fits, the fastest
+  per token among those whose rounded batch stays within BATCH_TOLERANCE of the target;
+- train.microbatches: without stages the fewest that fit memory; with P stages the fastest of
+  those from P up (more shrink the bubble, and gather FSDP's weights more often), and the
+  stages' repeats (``mesh.pipeline_repeats``) with them.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import dataclasses
 from typing import Iterator
 
 from maxfp4.config import Config, ModelConfig
-from maxfp4.errors import UserError
+from maxfp4.errors import ConfigError, UserError
 from maxfp4.parallel.mesh import resolve_mesh_shape
 from maxfp4.plan import cost as model
+from maxfp4.plan.stages import PlanMesh, bubble_fraction
 from maxfp4.plot import save_figure
 
 DEFAULT_BATCH_TOKENS = 4 * 2**20
@@ -30,23 +33,34 @@ BATCH_TOLERANCE = 1.5
 # optimizer passes, collectives): the config's batch is then called starved and replaced.
 STARVED_TOKENS_PER_SHARD = 4096
 TENSOR_SIZES = (1, 2, 4, 8)
+PIPELINE_REPEATS = (1, 2, 4, 8)  # mesh.pipeline_repeats the search tries
+# Stages of one block or two leave each tick too little work to hide a hand-over behind and are
+# not searched: a stage keeps at least this many blocks a repeat.
+MIN_BLOCKS_PER_CHUNK = 2
 DEFAULT_WHAT_IF_GPUS = (8, 64, 256, 1024, 4096, 8192, 16384)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     cfg: Config  # the config with the chosen data.global_batch, mesh and train.microbatches
-    mesh: tuple[int, int, int]
+    mesh: PlanMesh  # with the pipeline's repeats, which a config may not carry
     chosen: bool  # False: the config's own batch and mesh
     reasons: tuple[str, ...]  # what was chosen and why, one line each
 
 
-def _with(cfg: Config, global_batch: int, mesh: tuple[int, int, int], microbatches: int,
+def pipeline_repeats(cfg: Config) -> int:
+    """``mesh.pipeline_repeats`` (1, GPipe, where the config has no such key)."""
+    return getattr(cfg.mesh, "pipeline_repeats", 1)
+
+
+def _with(cfg: Config, global_batch: int, mesh: PlanMesh, microbatches: int,
           remat: str | None = None) -> Config:
-    data, fsdp, tensor = mesh
+    axes = dict(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor, pipeline=mesh.pipeline)
+    if hasattr(cfg.mesh, "pipeline_repeats"):
+        axes["pipeline_repeats"] = mesh.repeats
     return dataclasses.replace(
         cfg, data=dataclasses.replace(cfg.data, global_batch=global_batch),
-        mesh=dataclasses.replace(cfg.mesh, data=data, fsdp=fsdp, tensor=tensor),
+        mesh=dataclasses.replace(cfg.mesh, **axes),
         train=dataclasses.replace(cfg.train, microbatches=microbatches, remat=remat or cfg.train.remat))
 
 
@@ -54,16 +68,16 @@ def usable_gb(gpu: str) -> float:
     return model.USABLE_MEMORY * model.GPUS[gpu]["memory_gb"]
 
 
-def memory_gb(cfg: Config, mesh: tuple[int, int, int], precision: str = "bf16") -> float:
+def memory_gb(cfg: Config, mesh: PlanMesh, precision: str = "bf16") -> float:
     params = model.param_count(cfg.model)
     return sum(model.memory_per_device(cfg, mesh, params, precision, cfg.train.remat).values()) / 1e9
 
 
 def candidate_meshes(m: ModelConfig, gpus: int, gpus_per_node: int,
-                     across_nodes: bool = False) -> Iterator[tuple[int, int, int]]:
-    """(data, fsdp, tensor) with tensor inside a node and dividing the KV heads and MLP width,
-    and fsdp x tensor inside a node (``across_nodes``: whole nodes), so data parallelism spans
-    the nodes."""
+                     across_nodes: bool = False) -> Iterator[PlanMesh]:
+    """Meshes with tensor inside a node and dividing the KV heads and MLP width, fsdp x tensor
+    inside a node (``across_nodes``: whole nodes), and pipeline stages (with their repeats, each
+    chunk at least MIN_BLOCKS_PER_CHUNK blocks) and data parallelism over the rest."""
     for tensor in TENSOR_SIZES:
         if tensor > gpus_per_node or gpus % tensor or m.n_kv_heads % tensor or m.d_ff % tensor:
             continue
@@ -72,26 +86,58 @@ def candidate_meshes(m: ModelConfig, gpus: int, gpus_per_node: int,
             if gpus % inner:
                 continue
             if (inner > gpus_per_node and inner % gpus_per_node == 0) if across_nodes else inner <= gpus_per_node:
-                yield gpus // inner, fsdp, tensor
+                for stages in _divisors(gpus // inner):
+                    for repeats in PIPELINE_REPEATS if stages > 1 else (1,):
+                        if stages * repeats * MIN_BLOCKS_PER_CHUNK <= m.n_layers:
+                            yield PlanMesh(gpus // inner // stages, fsdp, tensor, stages, repeats)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def config_mesh(cfg: Config, gpus: int) -> PlanMesh:
+    """The config's own mesh on ``gpus`` (an explicit mesh that cannot be built, or stages the
+    blocks cannot fill, is an error)."""
+    mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), repeats=pipeline_repeats(cfg))
+    blocks = cfg.model.n_layers
+    if mesh.pipeline * mesh.repeats > blocks:
+        most = max(p for p in _divisors(blocks) if p * mesh.repeats <= blocks)
+        raise ConfigError(f"mesh.pipeline={mesh.pipeline}: {mesh.pipeline} stages x mesh.pipeline_repeats="
+                          f"{mesh.repeats} need at least one block each, the model has {blocks}; expected "
+                          f"mesh.pipeline={most} or fewer")
+    return mesh
+
+
 def _config_layout_problem(cfg: Config, gpus: int, gpu: str) -> str | None:
     """Why the config's own batch and mesh are not kept, or None to keep them."""
-    mesh = resolve_mesh_shape(cfg.mesh, gpus)  # an explicit mesh that cannot be built is an error
-    shards = mesh[0] * mesh[1]
+    mesh = config_mesh(cfg, gpus)
+    shards = mesh.batch_shards
     g, micro = cfg.data.global_batch, cfg.train.microbatches
     if g % (micro * shards):
         return (f"data.global_batch={g} does not split over train.microbatches x data x fsdp = "
                 f"{micro} x {shards} (the config's mesh on {gpus:,} GPUs)")
+    if micro < mesh.pipeline:
+        return (f"train.microbatches={micro} cannot fill mesh.pipeline={mesh.pipeline} stages (the config's "
+                f"mesh on {gpus:,} GPUs)")
     tokens_per_shard = g * cfg.data.seq_len // shards
     if tokens_per_shard < STARVED_TOKENS_PER_SHARD:
         return (f"data.global_batch={g} leaves {tokens_per_shard:,} tokens a step on each of {shards:,} "
                 f"batch shards (under {STARVED_TOKENS_PER_SHARD:,}: the GPUs would wait on fixed costs)")
     return None
+
+
+def describe(mesh: PlanMesh) -> str:
+    """``data=D x pipeline=P (repeats V) x fsdp=F x tensor=T``, the pipeline only where there is one."""
+    stages = "" if mesh.pipeline == 1 else f"pipeline={mesh.pipeline} " + (
+        f"(repeats {mesh.repeats}) " if mesh.repeats > 1 else "") + "x "
+    return f"data={mesh.data:,} x {stages}fsdp={mesh.fsdp} x tensor={mesh.tensor}"
+
+
+def overrides(mesh: PlanMesh) -> str:
+    """The mesh as the config keys that train with it."""
+    keys = f"mesh.data={mesh.data} mesh.pipeline={mesh.pipeline} mesh.fsdp={mesh.fsdp} mesh.tensor={mesh.tensor}"
+    return keys + (f" mesh.pipeline_repeats={mesh.repeats}" if mesh.repeats > 1 else "")
 
 
 def layout_for(cfg: Config, gpus: int, gpu: str, batch_tokens: float | None = None,
@@ -101,9 +147,9 @@ def layout_for(cfg: Config, gpus: int, gpu: str, batch_tokens: float | None = No
     if batch_tokens is None:
         problem = _config_layout_problem(cfg, gpus, gpu)
         if problem is None:
-            mesh = resolve_mesh_shape(cfg.mesh, gpus)
+            mesh = config_mesh(cfg, gpus)
             reasons = [f"layout: the config's data.global_batch={cfg.data.global_batch}, mesh "
-                       f"data={mesh[0]} x fsdp={mesh[1]} x tensor={mesh[2]}, "
+                       f"{describe(mesh)}, "
                        f"train.microbatches={cfg.train.microbatches} (they split over the GPUs)"]
             need = memory_gb(cfg, mesh)
             if need > usable_gb(gpu):
@@ -119,28 +165,41 @@ def layout_for(cfg: Config, gpus: int, gpu: str, batch_tokens: float | None = No
     return choose_layout(cfg, gpus, gpu, batch_tokens or DEFAULT_BATCH_TOKENS, gpus_per_node, why)
 
 
+def _microbatch_options(per_shard: int, stages: int) -> list[int]:
+    """Microbatch counts to try: each divides the shard's rows; from ``stages`` up with stages."""
+    return [d for d in _divisors(per_shard) if d >= stages]
+
+
 def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_per_node: int,
                   why: str = "layout chosen") -> Layout:
     usable = usable_gb(gpu)
     seq = cfg.data.seq_len
     fitting, tried = [], 0
-    # FSDP across nodes only if no node-sized model group fits; full remat only if nothing fits without it.
+    # FSDP across nodes only if no node-sized model group without stages fits; full remat only if
+    # nothing without stages fits without it. Meshes with stages compete at every step on speed.
     for remat, across in [(r, a) for a in (False, True) for r in dict.fromkeys((cfg.train.remat, "full"))]:
         for mesh in candidate_meshes(cfg.model, gpus, gpus_per_node, across):
             tried += 1
-            shards = mesh[0] * mesh[1]
-            rows = max(1, round(batch_tokens / seq / shards)) * shards
-            for micro in _divisors(rows // shards):
+            shards = mesh.batch_shards
+            # with stages, at least one row a stage on every shard: microbatches >= stages
+            rows = max(mesh.pipeline, round(batch_tokens / seq / shards)) * shards
+            best = None
+            for micro in _microbatch_options(rows // shards, mesh.pipeline):
                 c = _with(cfg, rows, mesh, micro, remat)
                 need = memory_gb(c, mesh)
                 if need <= usable:
                     step = model.project(c, mesh, gpu, "bf16", gpus_per_node=gpus_per_node)["step_time_s"]
-                    # Across nodes, the smallest group of nodes that holds the model (data parallel
-                    # over the rest, as hybrid sharding does): FSDP over IB scales worse than the model says.
-                    group = mesh[1] * mesh[2] if across else 0
-                    fitting.append((group, step / (rows * seq), mesh[2], -mesh[0], rows, c, mesh, need))
-                    break
-        if fitting:
+                    if best is None or step < best[0]:
+                        best = (step, c, need)
+                    if mesh.pipeline == 1:  # without stages more microbatches only cost: the fewest that fit
+                        break
+            if best is not None:
+                step, c, need = best
+                # Across nodes, the smallest group of nodes that holds the model (data parallel
+                # over the rest, as hybrid sharding does): FSDP over IB scales worse than the model says.
+                group = mesh.fsdp * mesh.tensor if across else 0
+                fitting.append((group, step / (rows * seq), mesh.tensor, -mesh.data, rows, c, mesh, need))
+        if any(f[6].pipeline == 1 for f in fitting):
             break
     if not fitting:
         raise UserError(f"--gpus {gpus}: no mesh of {gpus:,} {gpu.upper()} GPUs fits {model.param_count(cfg.model) / 1e9:.1f}B "
@@ -151,33 +210,42 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
     smallest = min(f[4] for f in fitting)
     ceiling = max(batch_tokens / seq, smallest) * BATCH_TOLERANCE
     near = [f for f in fitting if f[4] <= ceiling]
-    best = min(near)
+    smallest_group = {}  # of groups of whole nodes, for each pipeline degree, the smallest
+    for f in near:
+        if f[0]:
+            smallest_group[f[6].pipeline] = min(f[0], smallest_group.get(f[6].pipeline, f[0]))
+    near = [f for f in near if f[0] in (0, smallest_group.get(f[6].pipeline))]
+    best = min(near, key=lambda f: f[1:5])
     *_, c, mesh, need = best
-    data, fsdp, tensor = mesh
     rows = c.data.global_batch
-    inner = fsdp * tensor
+    inner = mesh.fsdp * mesh.tensor
+    stages = (f"{mesh.pipeline} pipeline stages" + (f" of {mesh.repeats} repeats" if mesh.repeats > 1 else "")
+              + (" across nodes, " if inner * mesh.pipeline > gpus_per_node else ", ")) if mesh.pipeline > 1 else ""
     if inner <= gpus_per_node:
-        placement = (f"fsdp x tensor = {inner} GPUs inside a node, " + (
-            f"data parallel across {data:,} groups" + (f" ({gpus // gpus_per_node:,} nodes of {gpus_per_node})"
-                                                       if gpus >= gpus_per_node else "")
-            if data > 1 else "no data parallelism"))
+        placement = (f"fsdp x tensor = {inner} GPUs inside a node, {stages}" + (
+            f"data parallel across {mesh.data:,} groups" + (f" ({gpus // gpus_per_node:,} nodes of {gpus_per_node})"
+                                                            if gpus >= gpus_per_node else "")
+            if mesh.data > 1 else "no data parallelism"))
     else:
         placement = (f"fsdp x tensor = {inner} GPUs ({inner // gpus_per_node} nodes: one node cannot hold "
-                     f"the state), data parallel across {data:,} such groups")
+                     f"the state), {stages}data parallel across {mesh.data:,} such groups")
     reasons = [
         why,
         f"  batch: {rows:,} sequences x {c.data.seq_len:,} = {rows * c.data.seq_len:,} tokens a step "
-        f"(~{batch_tokens:,.0f} asked, rounded to whole sequences on each of {data * fsdp:,} data x fsdp shards)",
-        f"  mesh: data={data:,} x fsdp={fsdp} x tensor={tensor}: {placement}; "
+        f"(~{batch_tokens:,.0f} asked, rounded to whole sequences on each of {mesh.batch_shards:,} data x fsdp shards)",
+        f"  mesh: {describe(mesh)}: {placement}; "
         + ("the smallest such group, then " if inner > gpus_per_node else "")
         + f"the fastest per token of the {len(near)} meshes that fit {usable:.0f} GB with a batch under {ceiling * seq:,.0f} tokens "
         f"({BATCH_TOLERANCE}x the asked or the smallest the GPUs can split); BF16 needs {need:.1f} GB "
         f"({tried - len(fitting)} of {tried} meshes did not fit)",
     ]
-    if c.train.microbatches > 1 or c.train.remat != cfg.train.remat:
+    if mesh.pipeline > 1:
+        reasons.append(f"  stages: {c.train.microbatches} microbatches through {mesh.pipeline} stages x "
+                       f"{mesh.repeats} repeats, bubble {bubble_fraction(mesh.pipeline, c.train.microbatches, mesh.repeats):.1%}")
+    if (c.train.microbatches > 1 and mesh.pipeline == 1) or c.train.remat != cfg.train.remat:
         reasons.append(f"  to fit: train.microbatches={c.train.microbatches}, train.remat={c.train.remat}")
-    reasons.append(f"  to train with it: data.global_batch={rows} mesh.data={data} mesh.fsdp={fsdp} "
-                   f"mesh.tensor={tensor} train.microbatches={c.train.microbatches}"
+    reasons.append(f"  to train with it: data.global_batch={rows} {overrides(mesh)} "
+                   f"train.microbatches={c.train.microbatches}"
                    + (f" train.remat={c.train.remat}" if c.train.remat != cfg.train.remat else ""))
     return Layout(c, mesh, True, tuple(reasons))
 
@@ -213,7 +281,8 @@ def format_what_if(grid: list[dict], gpu: str, tokens: float, goodput: float) ->
         if r["mesh"] is None:
             lines.append(f"{r['gpus']:>7,}  no mesh of {r['gpus']:,} GPUs holds the model")
             continue
-        mesh = f"{r['mesh']['data']}x{r['mesh']['fsdp']}x{r['mesh']['tensor']}"
+        m = r["mesh"]
+        mesh = f"{m['data']}x{m['fsdp']}x{m['tensor']}" + (f" p{m['pipeline']}" if m["pipeline"] > 1 else "")
         lines.append(f"{r['gpus']:>7,} {mesh:>16} {r['global_batch']:>6,} "
                      + "".join(f"{r[p + '_days']:>12.1f}{r[p + '_gpu_hours']:>14,.0f}{r[p + '_mfu']:>6.0%}"
                                for p in model.PRECISIONS))
