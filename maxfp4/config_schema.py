@@ -352,7 +352,6 @@ class MeshConfig:
         remaining = {name: v for name, v in axes.items() if v == -1}
         _require(len(remaining) <= 1, "mesh", remaining, "at most one axis of size -1")
         # built in a later step: until then an axis that splits nothing would only waste devices
-        _require(self.context == 1, "mesh.context", self.context, "1 (this axis is not built yet)")
 
 
 @dataclass(frozen=True)
@@ -631,6 +630,7 @@ def _check_across_sections(cfg: Config) -> None:
              "on healthy hardware)")
     if "E" in cfg.model.pattern:
         _check_moe_mesh(cfg)
+    _check_context(cfg)
     horizon = o.schedule_steps or t.steps
     _require(o.warmup_steps <= horizon, "optim.warmup_steps", o.warmup_steps,
              f"at most the schedule length {horizon}")
@@ -643,6 +643,29 @@ def _check_moe_mesh(cfg: Config) -> None:
         _require(experts % ep == 0, "mesh.expert", ep, f"a divisor of model.moe.experts={experts}, such as {fits}")
     _require(cfg.mesh.pipeline == 1, "mesh.pipeline", cfg.mesh.pipeline,
              "1 with E blocks in model.pattern (pipeline stages do not carry router statistics yet)")
+
+
+def _check_context(cfg: Config) -> None:
+    """mesh.context > 1 cuts each sequence into 2 x context chunks (maxfp4.parallel.context): they
+    must be whole, hold whole SSD chunks, and hold the convolution's window."""
+    c, seq_len, m = cfg.mesh.context, cfg.data.seq_len, cfg.model
+    if c == 1:
+        return
+    _require(c >= 1, "mesh.context", c, "a positive integer (-1 is not taken for context)")
+    unit = 2 * c
+    if m.kind == "hybrid" and "M" in m.pattern:
+        unit = 2 * c * m.mamba.chunk_size
+        _require(m.mamba.conv_kernel - 1 <= seq_len // (2 * c), "mesh.context", c,
+                 f"at most {max(seq_len // (2 * (m.mamba.conv_kernel - 1)), 1)} (each of the 2 x mesh.context "
+                 f"chunks of data.seq_len={seq_len} must hold model.mamba.conv_kernel - 1 tokens)")
+    _require(seq_len % unit == 0, "data.seq_len", seq_len,
+             f"a multiple of {unit} (2 x mesh.context={c}" + (f" x model.mamba.chunk_size={m.mamba.chunk_size}"
+                                                               if unit != 2 * c else "")
+             + f"), e.g. {max(unit, seq_len // unit * unit)}")
+    _require(m.attention != "cudnn", "model.attention", m.attention,
+             f"auto, xla or cudnn_mask with mesh.context={c} (cuDNN's packed layout takes no split sequence)")
+    _require(cfg.mesh.pipeline == 1, "mesh.pipeline", cfg.mesh.pipeline,
+             f"1 with mesh.context={c} (the pipeline's stages do not split sequences yet)")
 
 
 def validate(cfg: Config) -> None:

@@ -18,6 +18,7 @@ import optax
 from jax.sharding import Mesh
 
 from maxfp4.config import Config, ConfigError
+from maxfp4.parallel.context import to_zigzag
 from maxfp4.parallel.mesh import split_microbatches, traced_in_mesh
 from maxfp4.reliability.faults import loss_scale, poison_first_evaluation, poison_gradients
 from maxfp4.reliability.guard import guard_metrics, judge
@@ -60,6 +61,9 @@ def make_loss_fn(cfg: Config, policy: PrecisionPolicy, mesh: Mesh | None = None,
 
     def loss_fn(params: Any, scales: Any, batch: Batch, key: jax.Array, denom: jax.Array) -> jax.Array:
         """Summed token loss of ``batch`` divided by ``denom`` (FP32)."""
+        # mesh.context > 1: every per-token array in the load-balanced order the context split
+        # needs (maxfp4.parallel.context); the summed loss does not depend on the order.
+        batch = to_zigzag(batch, cfg.mesh.context)
         out = forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
                       cfg=cfg.model, policy=policy, scales=scales, key=key, remat=cfg.train.remat,
                       scan_layers=cfg.train.scan_layers, logits=chunks == 1,

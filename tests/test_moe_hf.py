@@ -35,7 +35,8 @@ def test_moe_parameters_round_trip_through_the_hugging_face_layout(overrides, ar
     for leaf, j, layer in hf.ordered_slices(cfg):
         a = np.asarray(hf.leaf_of(params, leaf.path))
         a = a if j is None else a[j]
-        np.testing.assert_array_equal(hf.from_hf(leaf.kind, [tensors[n] for n in leaf.hf_names(layer)], a.shape), a)
+        np.testing.assert_array_equal(
+            hf.from_hf(leaf.kind, [tensors[n] for n in leaf.hf_names(layer)], a.shape, leaf.parts), a)
     c = hf.hf_config(cfg, max_positions=64, dtype="float32", bos_id=1, eos_id=2, pad_id=0, provenance={})
     read = AutoConfig.for_model(model_type, **{k: v for k, v in c.items() if k not in ("model_type", "architectures")})
     assert read.num_experts_per_tok == 2 and read.num_local_experts == 8

@@ -33,6 +33,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.config import ModelConfig
+from maxfp4.parallel.context import context_attention, context_ranks
 from maxfp4.parallel.mesh import batch_split_axes
 from maxfp4.kernels import qkv_grad as qkv_grad_kernel
 from maxfp4.kernels.epilogue import Quantize
@@ -125,6 +126,8 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, segment_ids_
     """``runs_per_row``: a bound on the runs of equal segment ids in every row of every batch
     this is traced for, when the caller knows one (see the module docstring); None decides per
     batch on the device."""
+    if context_ranks() > 1:  # the sequence is split over the context axis (maxfp4.parallel.context)
+        return context_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation)
     if implementation != "cudnn":
         kernel = "cudnn" if implementation == "cudnn_mask" else implementation
         return _masked(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kernel)

@@ -29,7 +29,9 @@ from maxfp4.config import ModelConfig
 from maxfp4.parallel.mesh import constrain, per_batch_row, per_row_and_tensor_rank, splits_batch, tensor_ranks
 from maxfp4.model.layers import ACT_DTYPE, Linear, normal_init, param
 from maxfp4.model.mamba_layout import columns as in_proj_columns, grouped as in_proj_grouped, in_proj_parts
-from maxfp4.model.ssd import ssd_chunked
+from maxfp4.model.ssd import chunk_exit, entry_output, pass_states, ssd_chunked
+from maxfp4.kernels.ssd_ops import segment_starts
+from maxfp4.parallel.context import context_ranks, from_previous_chunk, gather_chunks, own_chunks, per_context_rank
 from maxfp4.model_spec import mamba_dims as dims, mamba_splits_over_tensor as splits_over_tensor, mixer_linears
 from maxfp4.kernels import conv as conv_kernel
 from maxfp4.kernels import gated_norm as gated_norm_kernel
@@ -153,6 +155,8 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     # BF16 storage here and in the SSD (2026-11-25).
     core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
     t = tensor_ranks()
+    if context_ranks() > 1:  # the sequence is split: each rank's chunks, states passed (below)
+        t = 1  # the mixer runs whole on each tensor rank
     if t > 1 and splits_over_tensor(cfg, t):
         return _tensor_parallel_mixer(x_BTD, p, core_params, segment_ids_BT, cfg, lp, t)
     w_in_DI = in_proj_columns(p["in_proj"], in_proj_parts(cfg))
@@ -161,8 +165,12 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
                             lp.scales["mamba_out"], segment_ids_BT, cfg, lp.options("mamba_in"), lp.options("mamba_out"),
                             lp.fused("mamba_in"))
     zxbcdt_BTI = lp.dot(x_BTD, w_in_DI, "mamba_in")
-    core = functools.partial(_mixer_core, cfg=cfg)
-    y_BTE = per_batch_row(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
+    if context_ranks() > 1:
+        y_BTE = per_context_rank(functools.partial(_context_core, cfg=cfg), (zxbcdt_BTI, segment_ids_BT),
+                                 (core_params,))
+    else:
+        core = functools.partial(_mixer_core, cfg=cfg)
+        y_BTE = per_batch_row(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
 
 
@@ -232,7 +240,7 @@ def _fp8_in_kernels(x_BTD: jax.Array, cfg: ModelConfig, lp: LayerPrecision) -> b
     ops = lp.fused("mamba_in")
     if not cfg.mamba.fp8_in_kernels or ops is None or lp.fused("mamba_out") != ops:
         return False
-    if splits_batch(x_BTD.shape[0]):
+    if splits_batch(x_BTD.shape[0]) or context_ranks() > 1:
         return False
     d = dims(cfg)
     t = x_BTD.shape[1]
@@ -270,6 +278,56 @@ def _composed_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, 
         return gated_norm_fused(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps, ACT_DTYPE,
                                 not on_gpu())
     return gated_group_norm(u_BTE, z_BTE, p["norm"], d["G"], cfg.norm_eps)
+
+
+def _context_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, *, cfg: ModelConfig) -> jax.Array:
+    """The core on one context rank's tokens (inside ``per_context_rank``): two chunks of S tokens
+    that are not neighbours in the sequence (maxfp4.parallel.context). Each chunk is a row of its
+    own: its convolution window reaches into the previous chunk's last W-1 tokens, its SSD runs
+    from a zero state (the Pallas kernel where it applies), and the state entering it, carried
+    over all earlier chunks from their exit states, adds its part to the outputs."""
+    d = dims(cfg)
+    b, t, _ = zxbcdt_BTI.shape
+    s, e, c, w = t // 2, d["E"], d["conv"], d["W"]
+    h, pd, g, n = d["H"], d["P"], d["G"], d["N"]
+
+    def rows(x):  # [B, 2S, ...] -> [2B, S, ...]: each chunk a row
+        return x.reshape(b * 2, s, *x.shape[2:])
+
+    seg_B2S = segment_ids_BT.reshape(b, 2, s)
+    xbc_B2SC = zxbcdt_BTI[..., e:e + c].reshape(b, 2, s, c)
+    # The previous chunk's last W-1 tokens (segment -1 before the first chunk: never equal).
+    halo_B2WC = from_previous_chunk(xbc_B2SC[:, :, s - (w - 1):], 0)
+    halo_seg_B2W = from_previous_chunk(seg_B2S[:, :, s - (w - 1):], -1)
+    conv_in = jnp.concatenate([halo_B2WC, xbc_B2SC], axis=2).reshape(b * 2, s + w - 1, c)
+    conv_seg = jnp.concatenate([halo_seg_B2W, seg_B2S], axis=2).reshape(b * 2, s + w - 1)
+    conv_RSC = causal_conv(conv_in.astype(jnp.float32), p["conv_w"], p["conv_b"], conv_seg)[:, w - 1:]
+    xbc_RSC = jax.nn.silu(conv_RSC).astype(zxbcdt_BTI.dtype)
+    dt_RSH = _dt(rows(zxbcdt_BTI[..., e + c:]), p["dt_bias"])
+    seg_RS = rows(segment_ids_BT)
+    u_RSE = _ssd_with_skip(xbc_RSC, dt_RSH, p["A_log"], p["D_skip"], seg_RS, cfg)
+
+    # The state entering each chunk, from every chunk's exit state and decay (all-gathered:
+    # [2C, B, G, R, P, N], small next to the activations).
+    previous_seg_R = from_previous_chunk(seg_B2S[:, :, -1], -1).reshape(b * 2)
+    start_RS = segment_starts(seg_RS).at[:, 0].set(previous_seg_R != seg_RS[:, 0])
+    A_H = -jnp.exp(p["A_log"])
+    x_RSHP = xbc_RSC[..., :e].reshape(b * 2, s, h, pd)
+    B_RSGN = xbc_RSC[..., e:e + g * n].reshape(b * 2, s, g, n)
+    C_RSGN = xbc_RSC[..., e + g * n:].reshape(b * 2, s, g, n)
+    state_RGRPN, decay_RGR = chunk_exit(x_RSHP, dt_RSH, A_H, B_RSGN, start_RS)
+
+    def per_rank_chunks(x):  # [2B, ...] -> [B, 2, ...]
+        return x.reshape(b, 2, *x.shape[1:])
+
+    entry_JBGRPN = pass_states(gather_chunks(per_rank_chunks(state_RGRPN)), gather_chunks(per_rank_chunks(decay_RGR)))
+    entry_RGRPN = own_chunks(entry_JBGRPN).reshape(b * 2, *entry_JBGRPN.shape[2:])
+    y_entry_RSHP = entry_output(C_RSGN, dt_RSH, A_H, start_RS, entry_RGRPN)
+    u_RSE = (u_RSE.astype(jnp.float32) + y_entry_RSHP.reshape(b * 2, s, e)).astype(u_RSE.dtype)
+    u_BTE = u_RSE.reshape(b, t, e)
+    if use_norm_kernel(cfg, t, e):
+        return gated_norm_fused(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps, ACT_DTYPE, not on_gpu())
+    return gated_group_norm(u_BTE, zxbcdt_BTI[..., :e], p["norm"], d["G"], cfg.norm_eps)
 
 
 def _dt(dt_raw_BTH: jax.Array, dt_bias_H: jax.Array) -> jax.Array:

@@ -167,3 +167,67 @@ def ssd_chunked(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: ja
 
     y_BTHP = (y_diag_BKQGRP + y_off_BKQGRP).reshape(b, k * q, h, p)[:, :t]
     return y_BTHP.astype(x_BTHP.dtype)
+
+
+# Context parallelism (maxfp4.parallel.context) cuts the sequence into chunks held by different
+# devices. Each device runs the SSD above on its chunks with a zero entry state; the three
+# functions below then carry the states across chunks with the same recurrence as step (3):
+# a chunk's exit state is its decay times its entry state plus the state of its own tokens.
+# ``start_BS`` flags a segment start with the original sequence's previous token in view (at
+# position 0 too: a chunk can begin a document or continue one).
+
+def _sum_over_tokens(x_BS: jax.Array, before: bool) -> jax.Array:
+    """Along axis 1 (S tokens): at each token the sum of the tokens up to it (``before``, itself
+    included) or of those after it. A triangular matmul rather than ``cumsum``: XLA's CPU form of
+    a cumulative sum (an associative scan) compiled 4x slower than the rest of the mixer."""
+    s = x_BS.shape[1]
+    i_S, j_S = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+    weights_SS = (j_S <= i_S) if before else (j_S > i_S)
+    return _einsum("ij,bj...->bi...", weights_SS.astype(x_BS.dtype), x_BS)
+
+
+def chunk_exit(x_BSHP: jax.Array, dt_BSH: jax.Array, A_H: jax.Array, B_BSGN: jax.Array,
+               start_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(state [B, G, R, P, N] at the chunk's end from its own tokens, the decay [B, G, R] its
+    entry state is carried to the end by: exp(sum of a over the chunk), 0 if a segment starts
+    in it), in FP32."""
+    b, s, h, p = x_BSHP.shape
+    g, n = B_BSGN.shape[2:]
+    r = h // g
+    cdt = compute_dtype(x_BSHP, dt_BSH, A_H, B_BSGN, B_BSGN)
+    dt_BSGR = dt_BSH.astype(cdt).reshape(b, s, g, r)
+    a_BSGR = dt_BSGR * A_H.astype(cdt).reshape(g, r)
+    # sum of a over the tokens after s: a sum of its own terms, no differences.
+    after_BSGR = _sum_over_tokens(a_BSGR, before=False)
+    starts_after_BS = _sum_over_tokens(start_BS.astype(cdt), before=False)
+    to_end_BSGR = masked_exp(after_BSGR, (starts_after_BS == 0)[..., None, None])
+    x_BSGRP = x_BSHP.astype(cdt).reshape(b, s, g, r, p) * (to_end_BSGR * dt_BSGR)[..., None]
+    state_BGRPN = _einsum("bsgrp,bsgn->bgrpn", x_BSGRP, B_BSGN.astype(cdt))
+    decay_BGR = masked_exp(jnp.sum(a_BSGR, axis=1), ~jnp.any(start_BS, axis=1)[:, None, None])
+    return state_BGRPN, decay_BGR
+
+
+def pass_states(state_JBGRPN: jax.Array, decay_JBGR: jax.Array) -> jax.Array:
+    """[J, B, G, R, P, N] the state entering each of J consecutive chunks (zero for the first),
+    from each chunk's own exit state and decay (:func:`chunk_exit`). J is small (2 x context
+    ranks): a loop over chunks."""
+    entry = jnp.zeros_like(state_JBGRPN[0])
+    entries = []
+    for j in range(state_JBGRPN.shape[0]):
+        entries.append(entry)
+        entry = decay_JBGR[j][..., None, None] * entry + state_JBGRPN[j]
+    return jnp.stack(entries)
+
+
+def entry_output(C_BSGN: jax.Array, dt_BSH: jax.Array, A_H: jax.Array, start_BS: jax.Array,
+                 entry_BGRPN: jax.Array) -> jax.Array:
+    """[B, S, H, P] (FP32) what the state entering the chunk adds to its outputs:
+    exp(a_0 + ... + a_i) * C_i . entry, up to the chunk's first segment start."""
+    b, s, h = dt_BSH.shape
+    g, r = entry_BGRPN.shape[1:3]
+    cdt = entry_BGRPN.dtype
+    a_BSGR = dt_BSH.astype(cdt).reshape(b, s, g, r) * A_H.astype(cdt).reshape(g, r)
+    sees_entry_BS = _sum_over_tokens(start_BS.astype(cdt), before=True) == 0
+    from_entry_BSGR = masked_exp(_sum_over_tokens(a_BSGR, before=True), sees_entry_BS[..., None, None])
+    y_BSGRP = _einsum("bsgn,bgrpn->bsgrp", C_BSGN.astype(cdt), entry_BGRPN) * from_entry_BSGR[..., None]
+    return y_BSGRP.reshape(b, s, h, -1)

@@ -31,18 +31,23 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     # Outside mixture-of-experts blocks the expert axis is one more data axis (each of its
     # devices takes its own tokens), so an E block's all-to-all exchanges distinct tokens.
     "batch": ("data", "fsdp", "expert"),
-    "seq": (),
-    "embed": ("fsdp",),
+    # Context parallelism splits each sequence (maxfp4.parallel.context: the batch is in its
+    # zigzag order by then, so each rank's block of T/C tokens carries balanced causal work).
+    "seq": ("context",),
+    # Parameters are sharded over context too (FSDP over the devices that split a sequence, as
+    # MaxText does): context replicates no weight, so a long sequence does not cost the state's
+    # memory C times. Activations never reach it: their seq dim takes context first.
+    "embed": ("fsdp", "context"),
     # A weight whose first feature dim is "heads", "mlp" or "inner" (w_o, w_down, Mamba's out_proj)
     # shards that dim over fsdp too, so its "embed" stays whole: FSDP then gathers the weight
     # and reduce-scatters its gradient along the leading (contiguous) dim. Sharding the trailing
     # d_model dim instead made XLA transpose each such gradient after its reduce-scatter (on
     # Llama-3-8B at fsdp=2: two FP32 transposes of the stacked gradients, 33 ms a step).
-    "heads": ("tensor", "fsdp"),
+    "heads": ("tensor", "fsdp", "context"),
     "kv_heads": ("tensor",),
     "head_dim": (),
-    "mlp": ("tensor", "fsdp"),
-    "inner": ("tensor", "fsdp"),  # Mamba-2's heads x head_dim: out_proj is row-parallel
+    "mlp": ("tensor", "fsdp", "context"),
+    "inner": ("tensor", "fsdp", "context"),  # Mamba-2's heads x head_dim: out_proj is row-parallel
     "ssm_groups": ("tensor",),  # Mamba-2's in_proj [D, G, P]: each tensor rank holds whole groups
     "vocab": ("tensor",),
     # Stacked blocks' leading dim: each pipeline stage keeps its own consecutive blocks

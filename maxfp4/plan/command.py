@@ -17,6 +17,7 @@ from typing import Sequence
 
 from maxfp4.config import Config, add_config_arguments, config_from_arguments
 from maxfp4.errors import UserError, exit_code_of
+from maxfp4.plan.context import plan_rows
 from maxfp4.plan.layout import DEFAULT_WHAT_IF_GPUS, describe, format_what_if, layout_for, plot_what_if, what_if
 from maxfp4.plan.stages import PlanMesh
 from maxfp4.plan.cost import GOODPUT, GPUS, GPUS_PER_NODE, OVERLAP, USABLE_MEMORY, rows_for
@@ -45,6 +46,9 @@ def plan(cfg: Config, gpus: int, gpu: str, tokens: float, utilisation: float | N
     """One row per precision. The config's batch and mesh are used if they suit ``gpus``;
     otherwise (or with ``batch_tokens``) a layout is chosen, and each row's notes say which."""
     _check_inputs(gpus, gpu, tokens, batch_tokens, gpus_per_node, goodput)
+    with_context = plan_rows(cfg, gpus, gpu, tokens, utilisation, batch_tokens, gpus_per_node, goodput)
+    if with_context is not None:  # a sequence split over GPUs (maxfp4.plan.context)
+        return with_context
     layout = layout_for(cfg, gpus, gpu, batch_tokens, gpus_per_node)
     return rows_for(layout, gpus, gpu, tokens, utilisation, gpus_per_node, goodput)
 

@@ -1,0 +1,205 @@
+"""Context parallelism (mesh.context): a sequence split over 4 devices trains as on one device,
+for a dense model and a Mamba-2 hybrid, with packed documents crossing the split; the causal
+work is the same on every rank; bad input fails in one line."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from maxfp4.config import ConfigError, load_config
+from maxfp4.optim import make_optimizer
+from maxfp4.model.attention import attend
+from maxfp4.model.ssd import chunk_exit, entry_output, pass_states, ssd_chunked, ssd_reference
+from maxfp4.parallel.context import context_attention, rank_attention_mask, rank_token_index, zigzag_order
+from maxfp4.parallel.mesh import batch_reader, batch_sharding, make_mesh, traced_in_mesh
+from maxfp4.plan.command import plan
+from maxfp4.plan.context import causal_work_per_rank, imbalance
+from maxfp4.precision import resolve_policy
+from maxfp4.step import make_loss_fn
+from maxfp4.train import init_state
+from tests.conftest import TINY
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T, C, STEPS, LR = 512, 4, 8, 1.0
+DENSE = TINY + ["model.n_layers=2", f"data.seq_len={T}", "data.global_batch=2"]
+# Chunks of S = T / 2C = 64 tokens hold 2 SSD chunks of 32.
+HYBRID = DENSE + ["model.kind=hybrid", "model.pattern=M*", "model.mlp=relu2", "model.rope=false",
+                  "model.mamba.d_state=16", "model.mamba.head_dim=8", "model.mamba.n_groups=2",
+                  "model.mamba.chunk_size=32", "model.mamba.kernels=xla", "optim.lr=3e-3"]
+
+
+def packed_batches(cfg, steps, seed=0):
+    """Rows of documents of random lengths (boundaries anywhere, most crossing the chunks of the
+    split), positions restarting in each, and a padding tail in some rows (segment 0, no loss)."""
+    rng = np.random.default_rng(seed)
+    b, v = cfg.data.global_batch, cfg.model.vocab_size
+    for _ in range(steps):
+        seg, pos = np.zeros((b, T), np.int32), np.zeros((b, T), np.int32)
+        for row in range(b):
+            used, doc = 0, 1
+            end = T - int(rng.integers(0, 40)) * (row % 2)
+            while used < end:
+                n = min(int(rng.integers(20, 200)), end - used)
+                seg[row, used:used + n], pos[row, used:used + n] = doc, np.arange(n)
+                used, doc = used + n, doc + 1
+        # Each row counts up from a random token: learnable within a few steps.
+        toks = ((rng.integers(0, v - 4, size=(b, 1)) + np.arange(T + 1)) % (v - 4) + 4).astype(np.int32)
+        yield {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos,
+               "loss_mask": (seg > 0).astype(np.float32)}
+
+
+def sgd_losses_and_first_grads(overrides, mesh_overrides, devices):
+    """Losses of STEPS plain SGD steps through the real loss (one compiled value-and-gradient,
+    the program whose result the context split must not change) and the first step's gradient."""
+    cfg = load_config(None, overrides + mesh_overrides)
+    mesh = make_mesh(cfg.mesh, devices)
+    params = init_state(cfg, mesh, make_optimizer(cfg))[0].params
+    b_sh = batch_sharding(mesh)
+    loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), mesh)
+
+    @jax.jit
+    def sgd_step(params, batch):
+        denom = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, {}, batch, jax.random.key(0), denom))(params)
+        return loss, grads, jax.tree.map(lambda p, g: p - LR * g, params, grads)
+
+    losses, first_grads = [], None
+    for batch in packed_batches(cfg, STEPS):
+        loss, grads, params = sgd_step(params, {k: jax.device_put(v, b_sh) for k, v in batch.items()})
+        losses.append(float(loss))
+        first_grads = jax.device_get(grads) if first_grads is None else first_grads
+    return losses, first_grads
+
+
+@pytest.mark.parametrize("overrides", [DENSE, HYBRID], ids=["dense", "hybrid"])
+def test_context_split_trains_as_one_device(overrides):
+    ref_losses, ref_grads = sgd_losses_and_first_grads(overrides, ["mesh.data=1"], jax.devices()[:1])
+    losses, grads = sgd_losses_and_first_grads(overrides, ["mesh.data=1", f"mesh.context={C}"], jax.devices()[:C])
+    # BF16 GEMMs, attention and SSD sums in another order on each rank: 2e-3 relative, 8 steps.
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-3)
+    assert losses[-1] < 0.9 * losses[0]  # it learns the documents' counting pattern
+    # Every leaf's gradient to BF16 rounding: 2e-2 in relative L2 norm (tests/test_step.py's bound).
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        err = np.linalg.norm(a64 - b64) / max(np.linalg.norm(a64), 1e-30)
+        assert err <= 2e-2, (jax.tree_util.keystr(path), err)
+
+
+def test_context_attention_in_query_blocks_matches_the_whole_row():
+    """Forward and gradients of the split attention, its queries in 4 blocks a rank, against
+    the one-device XLA attention of the unsplit row (FP32: 1e-5)."""
+    t, b = 64, 2
+    mesh = make_mesh(load_config(None, DENSE + ["mesh.data=1", f"mesh.context={C}"]).mesh, jax.devices()[:C])
+    rng = np.random.default_rng(1)
+    q, w = (rng.standard_normal((b, t, 4, 8)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, t, 2, 8)).astype(np.float32) for _ in range(2))
+    seg = np.repeat(np.array([[1, 2, 2, 3], [1, 1, 1, 0]]), t // 4, axis=1)[:, np.r_[5:t, 0:5]]  # runs cross chunks
+    order = zigzag_order(t, C)
+    qb_rows = b * 4 * t * (t // C // 4)  # scores of a block of t/C/4 queries
+
+    def split(q, k, v):
+        out = context_attention(q[:, order], k[:, order], v[:, order], seg[:, order], "xla", max_scores=qb_rows)
+        return jnp.sum(out * w[:, order])
+
+    def whole(q, k, v):
+        return jnp.sum(attend(q, k, v, jnp.asarray(seg), "xla") * w)
+
+    on_mesh = [jax.device_put(x, NamedSharding(mesh, PartitionSpec())) for x in (q, k, v)]
+    got = jax.jit(traced_in_mesh(jax.value_and_grad(split, argnums=(0, 1, 2)), mesh))(*on_mesh)
+    want = jax.jit(jax.value_and_grad(whole, argnums=(0, 1, 2)))(q, k, v)
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+def test_every_context_rank_loads_the_same_rows():
+    # The loader never sees the split: the rows a process loads depend on data x fsdp alone, so
+    # the data position does not depend on mesh.context.
+    for mesh_overrides, reader in ((["mesh.data=1", f"mesh.context={C}"], (0, 1)),
+                                   (["mesh.data=2", "mesh.context=2"], (0, 1))):
+        mesh = make_mesh(load_config(None, DENSE + mesh_overrides).mesh, jax.devices()[:C])
+        assert batch_reader(mesh, 4) == reader
+        # the batch's sequences whole on every context rank, its rows split over data only
+        assert batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp"), None)
+
+
+def test_each_rank_does_the_same_causal_work():
+    t, c = 64, 4
+    order = zigzag_order(t, c)
+    assert sorted(order.tolist()) == list(range(t))
+    seg = np.ones((1, t), np.int32)
+    unmasked = []
+    for r in range(c):
+        q_index = rank_token_index(r, t // c, c)
+        np.testing.assert_array_equal(q_index, order[r * t // c:(r + 1) * t // c])
+        mask = rank_attention_mask(q_index, order, seg[:, order[r * t // c:(r + 1) * t // c]], seg[:, order])
+        unmasked.append(int(np.asarray(mask).sum()))
+    # Causal entries of the whole row, t(t+1)/2, split evenly: S = t/2C, rank r's two chunks
+    # see (r + 2C-1-r) S^2 + S(S+1) keys.
+    s = t // (2 * c)
+    assert unmasked == [(2 * c - 1) * s * s + s * (s + 1)] * c
+    assert sum(unmasked) == t * (t + 1) // 2
+
+
+@pytest.mark.parametrize("overrides, key, working", [
+    ([f"data.seq_len=500", f"mesh.context={C}"], "data.seq_len", "e.g. 496"),
+    (HYBRID[len(DENSE):] + ["data.seq_len=448", f"mesh.context={C}"], "data.seq_len", "e.g. 256"),
+    (["model.attention=cudnn", f"mesh.context={C}"], "model.attention", "auto, xla or cudnn_mask"),
+    ([f"mesh.context={C}", "mesh.pipeline=2", "train.microbatches=2"], "mesh.pipeline", "1 with mesh.context"),
+])
+def test_bad_context_input_is_one_line(overrides, key, working):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, DENSE + overrides)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(key) and working in message, message
+
+
+def test_planner_picks_context_when_a_sequence_does_not_fit():
+    # Nemotron-H-8B's shapes at 262,144 tokens, one KV head and one group: no tensor split, and
+    # one GPU cannot hold a sequence.
+    cfg = load_config(os.path.join(REPO, "configs", "nemotron-h-8b.yaml"),
+                      ["data.seq_len=262144", "data.global_batch=1", "model.n_kv_heads=1", "model.mamba.n_groups=1"])
+    rows = plan(cfg, 4, "h200", 1e9)
+    assert rows[0]["notes"][0].startswith("context: a 262,144-token sequence does not fit one GPU; mesh.context=4")
+    assert all(r["fits"] and r["gpus"] == 4 and r["context"] == 4 and r["tokens_per_step"] == 262144
+               for r in rows)
+    # zigzag: every rank 1/C of the causal work; contiguous chunks: the last rank (2C-1)/C of the mean
+    assert causal_work_per_rank(4) == [0.25] * 4
+    assert imbalance(4, zigzag=False) == 7 / 4
+
+
+def test_ssd_chunks_with_passed_states_equal_the_sequential_scan(x64):
+    """The SSD of 2C chunks each from a zero state, plus the entry state carried over the earlier
+    chunks (chunk_exit, pass_states, entry_output), against the O(T) recurrence of the whole row
+    in float64 (1e-10): documents start inside chunks and exactly at a chunk's first token."""
+    b, t, h, p, g, n, chunks = 2, 96, 4, 3, 2, 5, 8
+    s = t // chunks
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((b, t, h, p))
+    dt = rng.uniform(0.01, 0.5, (b, t, h))
+    a = -rng.uniform(0.5, 2.0, h)
+    bm, cm = rng.standard_normal((b, t, g, n)), rng.standard_normal((b, t, g, n))
+    seg = np.ones((b, t), np.int32)
+    seg[0, 2 * s:] = 2  # a document starting at a chunk's first token
+    seg[0, 5 * s + 3:] = 3
+    seg[1, s // 2 + 7 * s:] = 4  # one long document crossing six chunks, then another
+    want = jax.jit(ssd_reference)(x, dt, a, bm, cm, seg)
+
+    def rows(v):  # [B, T, ...] -> [2C * B, S, ...], chunk-major
+        return jnp.moveaxis(v.reshape(b, chunks, s, *v.shape[2:]), 1, 0).reshape(chunks * b, s, *v.shape[2:])
+
+    @jax.jit
+    def split(x, dt, a, bm, cm, seg):
+        y = ssd_chunked(rows(x), rows(dt), a, rows(bm), rows(cm), rows(seg), chunk_size=4)
+        previous = jnp.concatenate([jnp.full((b, 1), -1), seg[:, :-1]], axis=1)
+        start = rows(seg != previous)
+        state, decay = chunk_exit(rows(x), rows(dt), a, rows(bm), start)
+        entry = pass_states(state.reshape(chunks, b, *state.shape[1:]), decay.reshape(chunks, b, *decay.shape[1:]))
+        y = y + entry_output(rows(cm), rows(dt), a, start, entry.reshape(chunks * b, *entry.shape[2:]))
+        return jnp.moveaxis(y.reshape(chunks, b, s, h, p), 0, 1).reshape(b, t, h, p)
+
+    got = split(x, dt, a, bm, cm, seg)
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-10, atol=1e-10)
