@@ -31,11 +31,8 @@ RESULT_TAG = "THROUGHPUT_RESULT "
 
 def measure_one(args: list[str], steps: int, warmup: int) -> dict:
     """Train in this process and return the measured figures (run in a child process)."""
-    import jax
-
     from maxfp4.config import load_config
-    from maxfp4.precision import resolve_policy
-    from maxfp4.train import train
+    from maxfp4.distributed import set_gpu_memory_fraction
 
     files = [a for a in args if "=" not in a]
     overrides = [a for a in args if "=" in a]
@@ -44,6 +41,12 @@ def measure_one(args: list[str], steps: int, warmup: int) -> dict:
         cfg = load_config(files, ["optim.schedule_steps=100000"] + overrides + [
             "data.source=synthetic", "checkpoint.enabled=false", "train.log_every=1",
             f"train.steps={warmup + steps}", f"run.output_dir={out_dir}", "run.name=bench"])
+        set_gpu_memory_fraction(cfg.run.gpu_memory_fraction)  # as the trainer's main does, before JAX starts
+        import jax
+
+        from maxfp4.precision import resolve_policy
+        from maxfp4.train import train
+
         with open(os.devnull, "w") as quiet:
             records = train(cfg, stream=quiet)
     timed = [r for r in records if r["step"] > warmup]

@@ -122,8 +122,8 @@ def test_every_context_rank_loads_the_same_rows():
                                    (["mesh.data=2", "mesh.context=2"], (0, 1))):
         mesh = make_mesh(load_config(None, DENSE + mesh_overrides).mesh, jax.devices()[:C])
         assert batch_reader(mesh, 4) == reader
-        # the batch's sequences whole on every context rank, its rows split over data only
-        assert batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp"), None)
+        # the batch's sequences whole on every context rank, its rows split over the batch axes only
+        assert batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp", "expert"), None)
 
 
 def test_each_rank_does_the_same_causal_work():
