@@ -32,7 +32,7 @@ MATH_KEYS = (
 HARMLESS_KEYS = (
     "model.attention", "model.attention_max_segments", "model.mamba.kernels",
     "train.log_every", "train.elastic", "train.remat", "train.scan_layers", "train.loss_chunks", "run.name", "run.output_dir",
-    "run.compile_cache_dir", "run.deterministic", "run.lock_stale_s",
+    "run.compile_cache_dir", "run.deterministic", "run.lock_stale_s", "run.gpu_memory_fraction", "run.trackers",
     "train.eval_every", "train.eval_tasks", "train.compiler_options", "train.profile_steps",
     "data.workers", "data.read_threads", "data.prefetch", "data.eval_paths", "data.eval_batches",
     "checkpoint", "mesh", "distributed", "resilience",

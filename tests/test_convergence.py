@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +29,8 @@ def _command(out, *extra):
             *TINY_MODEL, *extra]
 
 
+# Six training processes (69 s on two cores): runs with -m slow, and on every convergence study.
+@pytest.mark.slow
 def test_convergence_benchmark_resumes_a_cut_off_run_and_summarizes_over_seeds(tmp_path):
     env = cpu_env(1, PYTHONPATH=REPO)
     # First call: the first run is slowed down (0.5 s a step) and the benchmark gets SIGTERM once

@@ -57,7 +57,8 @@ def test_a_checkpoint_records_the_mesh_it_was_sharded_over(tiny_cfg, tmp_path):
     ck.save(1, state, {"next_index": 1, "global_batch": 8}, cfg.to_dict())
     ck.close()
     saved, _ = saved_config(cfg.run_dir)
-    assert saved["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 1}
+    assert saved["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 1,
+                             "pipeline_repeats": 1}
     assert elastic.saved_rows_per_device(saved) == 2
     assert ck.restore(1, state)[1] == {"next_index": 1, "global_batch": 8}  # integrity holds
 

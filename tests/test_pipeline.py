@@ -139,6 +139,9 @@ def test_circular_stages_train_on_the_fsdp_curve_and_resume_across_repeats_and_d
         assert moved[step] == pytest.approx(flat[step], rel=2e-3), step
 
 
+# 37 s on two cores: the hybrid's stages are checked per leaf (gradients and amaxes against fsdp)
+# and the circular order by the dense curve; this 12-step hybrid curve runs with -m slow.
+@pytest.mark.slow
 def test_circular_hybrid_stages_train_on_the_fsdp_curve(tmp_path):
     flat = _train(tmp_path, "flat", *HYBRID_8, *FLAT)
     circular = _train(tmp_path, "circular", *HYBRID_8, *CIRCULAR)

@@ -117,11 +117,12 @@ def check_model_fits_mesh(model, mesh: Mesh) -> None:
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
     """PartitionSpec for an array whose dims carry ``axes``. Each dim takes the mesh axes of its
     rule that no earlier dim took; a dim those do not divide drops its rule's trailing axes until
-    they do, or stays whole (small norms, odd vocabularies) rather than failing."""
+    they do, or stays whole (small norms, odd vocabularies) rather than failing. A mesh without
+    one of :data:`MESH_AXES` (a sub-mesh built for one layer) reads as that axis of size 1."""
     used: set[str] = set()
     spec: list[Any] = []
     for name, size in zip(axes, shape):
-        mesh_axes = [a for a in LOGICAL_RULES.get(name, ()) if name and a not in used and mesh.shape[a] > 1]
+        mesh_axes = [a for a in LOGICAL_RULES.get(name, ()) if name and a not in used and mesh.shape.get(a, 1) > 1]
         while mesh_axes and size % math.prod(mesh.shape[a] for a in mesh_axes):
             mesh_axes.pop()
         if mesh_axes:
