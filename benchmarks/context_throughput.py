@@ -16,7 +16,6 @@ with the same overrides; its summary lists the collectives in flight over comput
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -94,10 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(format_table([r]).splitlines()[-1], flush=True)
     print()
     print(format_table(results))
-    if ns.json:
-        with open(ns.json, "w", encoding="utf-8") as fh:
-            json.dump(results, fh, indent=2)
-    return 0 if all("error" not in r for r in results) else 1
+    return train_throughput.write_results(results, ns.json)
 
 
 if __name__ == "__main__":

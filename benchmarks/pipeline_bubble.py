@@ -19,13 +19,12 @@ work is the same at every M; the global batch is M x rows x (devices / pipeline)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import numpy as np
 
-from train_throughput import run_child  # benchmarks/ is the script's directory
+from train_throughput import run_child, write_results  # benchmarks/ is the script's directory
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from maxfp4.parallel.pipeline_schedule import bubble_fraction  # noqa: E402
@@ -79,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = f"{100 * r['measured']:.1f}%" if "measured" in r else "-"
         print(f"{r['pipeline']:>3}{r['repeats']:>3}{r['microbatches']:>5}{1e3 * r['step_time_s']:>10.1f}"
               f"{r['tokens_per_s_per_device']:>11.0f}{measured:>10}{100 * r['formula']:>8.1f}%")
-    if ns.json:
-        with open(ns.json, "w", encoding="utf-8") as fh:
-            json.dump(rows, fh, indent=2)
-    return 0 if all("error" not in r for r in rows) else 1
+    return write_results(rows, ns.json)
 
 
 if __name__ == "__main__":

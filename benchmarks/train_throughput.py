@@ -95,6 +95,14 @@ def run_child(label: str, args: list[str], steps: int, warmup: int, timeout: flo
     return {"label": label, "args": args, "wall_s": wall, "error": " | ".join(tail)[-400:]}
 
 
+def write_results(results: list[dict], json_path: str | None) -> int:
+    """``results`` as JSON at ``json_path`` (if given); the exit code, 0 when no run failed."""
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=2)
+    return 0 if all("error" not in r for r in results) else 1
+
+
 def format_table(results: list[dict]) -> str:
     head = (f"{'run':<28}{'dev':>4}{'recipes':>22}{'remat':>10}{'step ms':>9}{'tok/s':>10}"
             f"{'tok/s/dev':>10}{'TFLOP/s':>9}{'MFU':>7}{'MFU pol':>8}{'peak GiB':>9}{'1st s':>7}")
@@ -139,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(results[-1:]).splitlines()[-1], flush=True)
     print()
     print(format_table(results))
-    if ns.json:
-        with open(ns.json, "w", encoding="utf-8") as fh:
-            json.dump(results, fh, indent=2)
-    return 0 if all("error" not in r for r in results) else 1
+    return write_results(results, ns.json)
 
 
 if __name__ == "__main__":
