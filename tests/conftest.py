@@ -4,7 +4,6 @@ processes the tests start (through the environment), so a rerun or resume of the
 loads its step instead of compiling it again."""
 
 import atexit
-import gc
 import os
 import shutil
 import tempfile
@@ -63,14 +62,3 @@ def x64():
         yield
     finally:
         jax.config.update("jax_enable_x64", previous)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-    """An xdist worker whose last test and teardown run over 5 s past the controller's shutdown is
-    sent SIGINT by execnet (``WorkerGateway._terminate_execution``), and the KeyboardInterrupt lands
-    as a traceback in whatever runs then: at the end of a long session, the garbage collector's
-    callbacks (JAX's frees compiled programs on every full collection). The collector has nothing
-    to do for a process about to exit, whose memory goes back whole: off from the last test on."""
-    if nextitem is None and os.environ.get("PYTEST_XDIST_WORKER"):
-        gc.disable()
