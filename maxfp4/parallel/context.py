@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from maxfp4.parallel.mesh import constrain, logical_to_spec, traced_mesh
+from maxfp4.parallel.mesh import constrain, logical_to_spec, per_device, traced_mesh
 
 AXIS = "context"
 
@@ -148,15 +148,8 @@ def per_context_rank(fn: Callable, batched: Sequence[jax.Array], whole: Sequence
     array in ``batched`` and the output is [B, T, ...], split over the batch axes and ``context``;
     ``whole`` (parameters) is given whole to every device. ``fn`` may use the collectives below."""
     mesh = traced_mesh()
-    batch_axes = logical_to_spec(("batch",), batched[0].shape[:1], mesh)[0]
-
-    def spec(x):
-        return PartitionSpec(batch_axes, AXIS, *([None] * (x.ndim - 2)))
-
-    in_specs = tuple(spec(x) for x in batched) + tuple(jax.tree.map(lambda _: PartitionSpec(), w) for w in whole)
-    out_spec = PartitionSpec(batch_axes, AXIS, None)
-    # check_vma=False: a Pallas kernel's output carries no varying-axis type (as in mesh._per_device).
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*batched, *whole)
+    rows_and_tokens = PartitionSpec(logical_to_spec(("batch",), batched[0].shape[:1], mesh)[0], AXIS)
+    return per_device(fn, batched, whole, rows_and_tokens, rows_and_tokens, mesh)
 
 
 def gather_chunks(x_B2X: jax.Array) -> jax.Array:

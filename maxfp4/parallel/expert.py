@@ -18,7 +18,8 @@ this module then runs, under ``shard_map`` over every mesh axis:
 
 With E = 1 the same runs without the exchange. The expert weights' gradients are summed over the
 devices that share them by ``shard_map``'s transpose; the FP8 delayed-scaling amaxes of the expert
-GEMMs leave by max over devices (:func:`_fan_out`), as every replica must use the same scale.
+GEMMs leave by max over devices (:func:`maxfp4.parallel.mesh.fan_out_max`), as every replica
+must use the same scale.
 
 Dimension letters: N tokens (of a device), k top_k, D d_model, A assignments (N x k), E devices
 on ``expert``, G experts per device.
@@ -27,14 +28,13 @@ on ``expert``, G experts per device.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from maxfp4.parallel.mesh import LOGICAL_RULES, logical_to_spec, traced_mesh
+from maxfp4.parallel.mesh import LOGICAL_RULES, fan_out_max, logical_to_spec, traced_mesh
 
 EXPERT_CLASSES = ("expert_up", "expert_down")
 
@@ -54,7 +54,7 @@ def run_experts(x_ND: jax.Array, experts_Nk: jax.Array, weights_Nk: jax.Array, w
     tokens = P(rows)
     experts = P("expert") if ep > 1 else P()
     everywhere = P(tuple(mesh.axis_names))
-    fanned = {c: _fan_out(s, mesh.size) for c, s in scales.items()}
+    fanned = fan_out_max(scales, jnp.ones((mesh.size,), bool))  # every device's amax counts
     key = lp.key if lp.key is not None else jax.random.key(0)
 
     def per_device(x, e, w, up, down, sc, k):
@@ -92,21 +92,3 @@ def _on_device(x_ND, experts_Nk, weights_Nk, w_up, w_down, scales, key, *, lp, e
         out_AD = jnp.where(valid_A[:, None], back_EAD[jnp.minimum(dest_A, ep - 1), slot_A], 0)
     out_NkD = out_AD.reshape(n, k, -1).astype(jnp.float32)
     return jnp.sum(out_NkD * weights_Nk[..., None], axis=1)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _fan_out(scales_3: jax.Array, n: int) -> jax.Array:
-    """``scales`` repeated for ``n`` devices; the cotangent (each device's amaxes) leaves as
-    their max, not the sum ``shard_map`` would give a replicated input."""
-    return jnp.broadcast_to(scales_3, (n, *scales_3.shape))
-
-
-def _fan_out_fwd(scales_3, n):
-    return _fan_out(scales_3, n), None
-
-
-def _fan_out_bwd(n, _, amax_n3):
-    return (jnp.max(amax_n3, axis=0),)
-
-
-_fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)

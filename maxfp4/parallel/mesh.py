@@ -16,6 +16,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -239,7 +240,7 @@ def per_batch_row(fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) ->
     if batch_axes is None:  # one device on the batch axes, or a batch they do not divide
         return fn(*batched, *whole)
     rows = PartitionSpec(batch_axes)
-    return _per_device(fn, batched, whole, rows, rows, mesh)
+    return per_device(fn, batched, whole, rows, rows, mesh)
 
 
 def per_row_and_tensor_rank(fn: Callable, batched: Sequence[Any], whole: Sequence[Any]) -> Any:
@@ -250,14 +251,14 @@ def per_row_and_tensor_rank(fn: Callable, batched: Sequence[Any], whole: Sequenc
     mesh = traced_mesh()
     batch_axes = _batch_axes(batched, mesh)
     split = PartitionSpec(batch_axes, *([None] * (batched[0].ndim - 2)), "tensor")
-    return _per_device(fn, batched, whole, split, PartitionSpec(batch_axes), mesh)
+    return per_device(fn, batched, whole, split, PartitionSpec(batch_axes), mesh)
 
 
 def _batch_axes(batched: Sequence[Any], mesh):
     return logical_to_spec(("batch",), batched[0].shape[:1], mesh)[0]
 
 
-def _per_device(fn: Callable, batched: Sequence[Any], whole: Sequence[Any], first: PartitionSpec,
+def per_device(fn: Callable, batched: Sequence[Any], whole: Sequence[Any], first: PartitionSpec,
                 rest: PartitionSpec, mesh) -> Any:
     """``fn`` under ``shard_map``: the first batched array and the output laid out as
     ``first``, the other batched arrays as ``rest``, ``whole`` replicated."""
@@ -300,3 +301,26 @@ def batch_split_axes(batch: int):
     if not splits_only(mesh, axes) or batch % split_size(mesh, axes):
         return None
     return mesh, axes
+
+
+@jax.custom_vjp
+def fan_out_max(scales: Any, valid_N: jax.Array) -> Any:
+    """``scales`` (a pytree of FP8 delayed-scaling states) repeated N times, one copy for each
+    device or tick that ``shard_map`` runs; the cotangent (an amax) is the max over the copies
+    where ``valid_N`` is true, as every replica must use the same scale, not the sum shard_map's
+    transpose would give a replicated input."""
+    return jax.tree.map(lambda s: jnp.broadcast_to(s, (valid_N.shape[0], *s.shape)), scales)
+
+
+def _fan_out_max_fwd(scales, valid_N):
+    return fan_out_max(scales, valid_N), valid_N
+
+
+def _fan_out_max_bwd(valid_N, ct):
+    def reduce(c):
+        mask = valid_N.reshape(-1, *([1] * (c.ndim - 1)))
+        return jnp.max(jnp.where(mask, c, 0.0), axis=0)
+    return jax.tree.map(reduce, ct), None
+
+
+fan_out_max.defvjp(_fan_out_max_fwd, _fan_out_max_bwd)

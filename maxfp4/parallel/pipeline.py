@@ -24,7 +24,7 @@ quarters at P = 4, V = 2) cross the pipeline axis twice a step, once for all M m
 That is the price of the layout staying the checkpoint's.
 
 FP8 delayed scaling: each tick hands the stage a copy of the scales whose cotangent (the amax)
-counts only where the tick ran a real microbatch (:func:`_fan_out_max`), and the copies combine
+counts only where the tick ran a real microbatch (:func:`fan_out_max`), and the copies combine
 by max, as the microbatches of the unpipelined step do; a bubble tick's values never reach them.
 
 Dimension letters: M microbatches, B rows of a microbatch, T sequence, D d_model, N ticks,
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maxfp4.config import Config
-from maxfp4.parallel.mesh import split_microbatches
+from maxfp4.parallel.mesh import fan_out_max, split_microbatches
 from maxfp4.parallel.pipeline_schedule import bubble_fraction, circular_chunks, schedule_table
 from maxfp4.parallel.pipeline_stages import check_stages, stage_model, stage_policy
 from maxfp4.model import get_model
@@ -53,27 +53,6 @@ from maxfp4.precision import PrecisionPolicy
 AXIS = "pipeline"
 # The start-up check and the bubble live beside the cuts and the schedule; callers import them here.
 __all__ = ["AXIS", "bubble_fraction", "check_stages", "make_pipelined_loss"]
-
-
-@jax.custom_vjp
-def _fan_out_max(scales: Any, valid_N: jax.Array) -> Any:
-    """``scales`` repeated for each of N ticks; the cotangent (an amax) is the max over the ticks
-    where ``valid_N`` is true."""
-    return jax.tree.map(lambda s: jnp.broadcast_to(s, (valid_N.shape[0], *s.shape)), scales)
-
-
-def _fan_out_max_fwd(scales, valid_N):
-    return _fan_out_max(scales, valid_N), valid_N
-
-
-def _fan_out_max_bwd(valid_N, ct):
-    def reduce(c):
-        mask = valid_N.reshape(-1, *([1] * (c.ndim - 1)))
-        return jnp.max(jnp.where(mask, c, 0.0), axis=0)
-    return jax.tree.map(reduce, ct), None
-
-
-_fan_out_max.defvjp(_fan_out_max_fwd, _fan_out_max_bwd)
 
 
 def _own_stages(local: jax.Array, stages: int, repeats: int, p: jax.Array) -> jax.Array:
@@ -120,7 +99,7 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         blocks_V = jax.tree.map(own, blocks)
         microbatch_N, repeat_N = (jnp.asarray(table_NP2[..., j])[:, p] for j in (0, 1))
         valid_N = microbatch_N >= 0  # this device's ticks that run a real microbatch
-        scales_N = _fan_out_max({"blocks": jax.tree.map(own, block_scales), "head": head_scales}, valid_N)
+        scales_N = fan_out_max({"blocks": jax.tree.map(own, block_scales), "head": head_scales}, valid_N)
 
         def tick(carry, xs):
             received_BTD, total = carry
