@@ -379,17 +379,23 @@ def unfinished_saves(run_dir: str) -> list[str]:
 def read_params(run_dir: str, step: int, abstract_params: Any) -> Any:
     """Only the parameters of checkpoint ``step`` (the optimizer state, twice their size, is not
     read): ``abstract_params`` gives their shapes, dtypes and shardings."""
-    path = os.path.join(checkpoint_dir(run_dir), str(step), "state")
     target = {"params": abstract_params}
-    converting = conversion(path, target, lambda: _saved_model(run_dir, step))
-    if converting is not None:
-        target = converting.abstract
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-        out = reader.restore(path, args=ocp.args.PyTreeRestore(
-            item=target,
-            restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), target),
-            partial_restore=True))
+    converting = conversion(_state_item(run_dir, step), target, lambda: _saved_model(run_dir, step))
+    out = read_state_part(run_dir, step, target if converting is None else converting.abstract)
     return (out if converting is None else converting.convert(out))["params"]
+
+
+def read_state_part(run_dir: str, step: int, target: Any) -> Any:
+    """The part of checkpoint ``step``'s train state that ``target`` names (a dict keyed as the
+    state is, ``params`` or ``precision``, of ShapeDtypeStructs with shardings), nothing else read."""
+    target_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), target)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+        return reader.restore(_state_item(run_dir, step), args=ocp.args.PyTreeRestore(
+            item=target, restore_args=target_args, partial_restore=True))
+
+
+def _state_item(run_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_dir(run_dir), str(step), "state")
 
 
 def _saved_model(run_dir: str, step: int):

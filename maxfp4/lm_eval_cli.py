@@ -79,9 +79,8 @@ def _read_run_precision(run_dir: str, step: int, model_cfg):
     """(policy, scales, label) of the run's saved precision section, the scaling state read from
     checkpoint ``step`` when a recipe keeps one (FP8 delayed scaling)."""
     import jax
-    import orbax.checkpoint as ocp
 
-    from maxfp4.checkpoint import checkpoint_dir, saved_config
+    from maxfp4.checkpoint import read_state_part, saved_config
     from maxfp4.config import config_from_dict
     from maxfp4.model import get_model
     from maxfp4.precision import resolve_policy
@@ -99,12 +98,7 @@ def _read_run_precision(run_dir: str, step: int, model_cfg):
         device = jax.devices()[0]
         item = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)),
                             abstract)
-        path = os.path.join(checkpoint_dir(run_dir), str(step), "state")
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-            state = reader.restore(path, args=ocp.args.PyTreeRestore(
-                item={"precision": item}, partial_restore=True,
-                restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
-                                          {"precision": item})))["precision"]
+        state = read_state_part(run_dir, step, {"precision": item})["precision"]
     return policy, scales_of(state), precision_label(precision_cfg)
 
 

@@ -83,19 +83,16 @@ def _tokenizer(path: str, vocab_size: int, what: str):
     return load_checked(path, vocab_size, what)
 
 
-def _read_router_bias(step_dir: str, model_cfg, device):
+def _read_router_bias(run_dir: str, step: int, model_cfg, device):
     """f32[blocks, experts] from a checkpoint's precision state (maxfp4.model.router_state)."""
     import jax
     import jax.numpy as jnp
-    import orbax.checkpoint as ocp
+
+    from maxfp4.checkpoint import read_state_part
 
     like = {"precision": {"router": {"bias": jax.ShapeDtypeStruct(
         (len(model_cfg.pattern), model_cfg.moe.experts), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))}}}
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-        out = reader.restore(os.path.join(step_dir, "state"), args=ocp.args.PyTreeRestore(
-            item=like, restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype), like),
-            partial_restore=True))
-    return out["precision"]["router"]["bias"]
+    return read_state_part(run_dir, step, like)["precision"]["router"]["bias"]
 
 
 def load_run(run_dir: str, device) -> LoadedModel:
@@ -120,8 +117,7 @@ def load_run(run_dir: str, device) -> LoadedModel:
         params = read_params(run_dir, steps[-1], _abstract_params(model_cfg, device))
         if "E" in model_cfg.pattern:  # the routers' aux-loss-free bias rides along into decoding
             from maxfp4.model.router_state import BIAS
-            params = {**params, BIAS: _read_router_bias(os.path.join(checkpoint_dir(run_dir), str(steps[-1])),
-                                                               model_cfg, device)}
+            params = {**params, BIAS: _read_router_bias(run_dir, steps[-1], model_cfg, device)}
     except Exception as error:  # noqa: BLE001 - damaged or foreign checkpoint: say which
         raise SampleError(f"checkpoint {checkpoint_dir(run_dir)}/{steps[-1]}: unreadable "
                           f"({one_line_reason(error)})") from None
