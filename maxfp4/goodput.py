@@ -27,6 +27,19 @@ FILE = "goodput.json"
 BUCKETS = ("productive_s", "compile_s", "checkpoint_save_s", "checkpoint_restore_s", "evaluation_s", "data_wait_s",
            "lost_s", "crash_to_resume_s", "other_s")
 _MEASURED = BUCKETS[1:-1]  # timed directly; productive and other are what remains of the loop and the wall
+_IN_LOOP = ("checkpoint_save_s", "evaluation_s", "data_wait_s", "lost_s")  # timed inside the loop's time
+
+
+def _productive_s(attempt: dict[str, Any]) -> float:
+    """The loop's time less what was timed inside it (saves, evaluation, data waits, lost steps)."""
+    return max(0.0, attempt["loop_s"] - sum(attempt[b] for b in _IN_LOOP))
+
+
+def _charge_lost(attempt: dict[str, Any], lost: int, per_step: float) -> None:
+    """Move ``lost`` of ``attempt``'s productive steps, at ``per_step`` seconds each, to lost."""
+    attempt["productive_steps"] -= lost
+    attempt["lost_steps"] = attempt.get("lost_steps", 0) + lost
+    attempt["lost_s"] = attempt.get("lost_s", 0.0) + lost * per_step
 
 
 def read_goodput(path: str) -> dict[str, Any]:
@@ -95,8 +108,8 @@ class Goodput:
         """This attempt as stored: the buckets, productive time and the rest of the wall."""
         a = dict(self.now)
         a["wall_s"] = a["last_alive"] - a["started_at"]
-        in_loop = sum(a[b] for b in ("checkpoint_save_s", "evaluation_s", "data_wait_s", "lost_s"))
-        a["productive_s"] = max(0.0, a.pop("loop_s") - in_loop)
+        a["productive_s"] = _productive_s(a)
+        del a["loop_s"]
         timed = sum(a[b] for b in _MEASURED if b != "crash_to_resume_s")  # the gap lies before this attempt
         a["other_s"] = max(0.0, a["wall_s"] - a["productive_s"] - timed)
         return a
@@ -127,10 +140,8 @@ class Goodput:
             return
         lost = min(previous["last_step"] - step, previous.get("productive_steps", 0))
         per_step = previous["productive_s"] / previous["productive_steps"] if previous.get("productive_steps") else 0.0
-        previous["productive_steps"] -= lost
-        previous["lost_steps"] = previous.get("lost_steps", 0) + lost
-        previous["productive_s"] -= lost * per_step
-        previous["lost_s"] = previous.get("lost_s", 0.0) + lost * per_step
+        _charge_lost(previous, lost, per_step)
+        previous["productive_s"] -= lost * per_step  # stored with the record; this attempt's is derived
 
     def line(self, summary: dict[str, Any]) -> str:
         parts = [f"{name} {_duration(summary[b])}" for name, b in (
@@ -185,11 +196,7 @@ class GoodputHook(Hook):
         self._update_loop_time()
         if n["last_step"] is not None and n["last_step"] > step and n["productive_steps"]:
             lost = min(n["last_step"] - step, n["productive_steps"])
-            in_loop = sum(n[b] for b in ("checkpoint_save_s", "evaluation_s", "data_wait_s", "lost_s"))
-            per_step = max(0.0, n["loop_s"] - in_loop) / n["productive_steps"]
-            n["productive_steps"] -= lost
-            n["lost_steps"] += lost
-            n["lost_s"] += lost * per_step
+            _charge_lost(n, lost, _productive_s(n) / n["productive_steps"])
             n["last_step"] = step
 
     def end_step(self, loop, step: int) -> None:
