@@ -21,6 +21,7 @@ MIXTURE_SOURCES = ("builtin", "text", "jsonl", "array_record")
 MODEL_KINDS = ("dense", "hybrid")
 MLP_KINDS = ("swiglu", "relu2")
 REMAT_POLICIES = ("none", "full", "save_gemm", "save_gemm_io")
+GROUPED_GEMMS = ("auto", "xla", "mosaic")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "cudnn_mask")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 
@@ -129,9 +130,14 @@ class MoEConfig:
     # DeepSeek-V3's aux-loss-free balancing: each step bias += rate x sign(mean load - load); the
     # bias moves the top-k choice only, never the weights (0: off)
     bias_update_rate: float = 1e-3
+    # The experts' grouped GEMMs: xla (jax.lax.ragged_dot), mosaic (the Mosaic GPU kernels jax
+    # ships, Hopper only; BF16 outputs, maxfp4.kernels.grouped_gemm) or auto (mosaic where it runs)
+    grouped_gemm: str = "auto"
 
     def check(self) -> None:
         _positive(self, "model.moe", "experts", "top_k", "d_ff")
+        _require(self.grouped_gemm in GROUPED_GEMMS, "model.moe.grouped_gemm", self.grouped_gemm,
+                 f"one of {', '.join(GROUPED_GEMMS)}")
         _require(self.top_k <= self.experts, "model.moe.top_k", self.top_k,
                  f"at most model.moe.experts={self.experts}")
         _require(self.shared_experts >= 0, "model.moe.shared_experts", self.shared_experts, "an integer >= 0")
@@ -662,8 +668,6 @@ def _check_context(cfg: Config) -> None:
              f"a multiple of {unit} (2 x mesh.context={c}" + (f" x model.mamba.chunk_size={m.mamba.chunk_size}"
                                                                if unit != 2 * c else "")
              + f"), e.g. {max(unit, seq_len // unit * unit)}")
-    _require(m.attention != "cudnn", "model.attention", m.attention,
-             f"auto, xla or cudnn_mask with mesh.context={c} (cuDNN's packed layout takes no split sequence)")
     _require(cfg.mesh.pipeline == 1, "mesh.pipeline", cfg.mesh.pipeline,
              f"1 with mesh.context={c} (the pipeline's stages do not split sequences yet)")
 

@@ -39,7 +39,7 @@ from maxfp4.errors import exit_code_of
 from maxfp4.evaluate import EvalHook, make_eval_step
 from maxfp4.files import write_text_atomic
 from maxfp4.goodput import Goodput, GoodputHook
-from maxfp4.kernels.support import check_mamba_kernels
+from maxfp4.kernels.support import check_grouped_gemm, check_mamba_kernels
 from maxfp4.lm_eval_hook import check_eval_tasks, lm_eval_hook
 from maxfp4.loop import Every, Hook, Loop, close_hooks, every
 from maxfp4.interop.hf import check_init_from, read_params as read_hf_params
@@ -220,6 +220,7 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     check_loss_chunks(cfg, policy)
     check_stages(cfg, policy)
     check_mamba_kernels(cfg.model, cfg.data.seq_len)
+    check_grouped_gemm(cfg.model)
     table = policy.format_table(spec.block_classes)
     # A rule that decides nothing here (a preset shared by dense and hybrid models, or a typo) is shown, not refused.
     for line in unmatched_rules(cfg.precision, cfg.model.n_layers, [set(b.classes) for b in spec.blocks]):

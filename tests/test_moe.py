@@ -185,6 +185,21 @@ def test_bad_moe_input_is_one_line(overrides, message):
     assert "\n" not in str(err.value)
 
 
+def test_grouped_gemm_kernels_fall_back_to_xla_and_a_forced_mosaic_is_one_line():
+    from maxfp4.kernels.support import check_grouped_gemm
+    from maxfp4.model.moe import grouped_gemm_kernels
+    with pytest.raises(ConfigError, match=r"model\.moe\.grouped_gemm='?triton'?: expected one of auto, xla, mosaic"):
+        load_config("configs/tiny-moe.yaml", ["model.moe.grouped_gemm=triton"])
+    tiny = load_config("configs/tiny-moe.yaml").model
+    assert grouped_gemm_kernels(tiny) == "xla"  # auto: d_model 64 does not tile (and no Hopper GPU here)
+    for overrides, message in ((["model.moe.grouped_gemm=mosaic"], "multiples of 128"),
+                               (["model.moe.grouped_gemm=mosaic", "model.d_model=128", "model.n_heads=2",
+                                 "model.moe.d_ff=128"], "off a Hopper GPU")):
+        with pytest.raises(ConfigError, match=r"^model\.moe\.grouped_gemm=mosaic: expected auto or xla") as err:
+            check_grouped_gemm(load_config("configs/tiny-moe.yaml", overrides).model)
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
 def test_router_stays_fp32_and_expert_is_a_class_of_the_policy():
     from maxfp4.precision import resolve_policy
     cfg = load_config("configs/tiny-moe.yaml", ["precision.default=fp8_current",

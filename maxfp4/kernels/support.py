@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from maxfp4.config import ModelConfig, describe
 from maxfp4.errors import ConfigError
-from maxfp4.kernels import conv, ssd
+from maxfp4.kernels import conv, grouped_gemm, ssd
 from maxfp4.model_spec import mamba_dims, model_spec
 
 
@@ -23,3 +23,18 @@ def check_mamba_kernels(model: ModelConfig, seq_len: int) -> None:
     if not conv.supported(seq_len, channels):
         raise ConfigError(f"model.mamba.kernels={value}: expected xla or auto unless data.seq_len ({seq_len}) is a "
                           f"multiple of 8 and the convolution's {channels} channels a multiple of 16")
+
+
+def check_grouped_gemm(model: ModelConfig) -> None:
+    """``model.moe.grouped_gemm=mosaic`` forces the Mosaic GPU kernels: refuse a machine or expert
+    shapes they cannot run (``auto`` falls back to XLA by itself)."""
+    if not model_spec(model).blocks_with("moe") or model.moe.grouped_gemm != "mosaic":
+        return
+    gates = 2 if model.mlp == "swiglu" else 1
+    d, f = model.d_model, model.moe.d_ff
+    if not (grouped_gemm.tiles_fit(d, f * gates) and grouped_gemm.tiles_fit(f, d)):
+        raise ConfigError(f"model.moe.grouped_gemm=mosaic: expected auto or xla unless model.d_model ({d}) and "
+                          f"model.moe.d_ff ({f}) are multiples of 128")
+    if not grouped_gemm.available():
+        raise ConfigError("model.moe.grouped_gemm=mosaic: expected auto or xla off a Hopper GPU (the Mosaic GPU "
+                          "kernels run on sm_90)")

@@ -21,6 +21,10 @@ Implementations (``model.attention``):
   It reads the bias in the forward and backward kernels and writes its gradient in the
   backward kernel (JAX always asks cuDNN for it), which made it the slower of the two.
 - ``xla``: plain XLA (scores materialised); the CPU path and the reference of the GPU tests.
+
+Under ``shard_map`` (pipeline stages, context ranks) the cuDNN kernels are bound directly
+(:mod:`maxfp4.kernels.cudnn_attention`): jax's entry wraps them for GSPMD's partitioner, which
+does not compile inside a manual region.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxfp4.config import ModelConfig
 from maxfp4.parallel.context import context_attention, context_ranks
 from maxfp4.parallel.mesh import batch_split_axes
-from maxfp4.kernels import qkv_grad as qkv_grad_kernel
+from maxfp4.kernels import cudnn_attention, qkv_grad as qkv_grad_kernel
 from maxfp4.kernels.epilogue import Quantize
 from maxfp4.model.layers import linear, rope_tables, rotate
 from maxfp4.model_spec import mixer_linears
@@ -80,7 +84,21 @@ def segment_runs(segment_ids_BT: jax.Array, max_runs: int) -> tuple[jax.Array, j
     return lengths_BM, starts_BM, runs_B
 
 
+def _under_shard_map() -> bool:
+    """Whether the trace is inside ``shard_map``, where every array is one device's block."""
+    return bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def _cudnn_causal(q_BTNH, k_BTKH, v_BTKH):
+    if _under_shard_map():
+        return cudnn_attention.attention(q_BTNH, k_BTKH, v_BTKH, cudnn_attention.Mask(causal=True))
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn")
+
+
 def _cudnn_packed(q_BTNH, k_BTKH, v_BTKH, lengths_BM, starts_BM):
+    if _under_shard_map():
+        return cudnn_attention.attention(q_BTNH, k_BTKH, v_BTKH, cudnn_attention.Mask(
+            causal=True, lengths_BM=lengths_BM, starts_BM=starts_BM))
     # jax.nn.dot_product_attention does not take segment offsets; the cuDNN module behind it
     # does (the packed layout of jax's own sequence-packing tests). Its offsets are [B, M+1],
     # the last column -1.
@@ -93,6 +111,9 @@ def _cudnn_packed(q_BTNH, k_BTKH, v_BTKH, lengths_BM, starts_BM):
 
 
 def _masked(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation):
+    if implementation == "cudnn" and _under_shard_map():
+        return cudnn_attention.attention(q_BTNH, k_BTKH, v_BTKH, cudnn_attention.Mask(
+            causal=True, allowed_B1TS=segment_mask(segment_ids_BT)))
     return jax.nn.dot_product_attention(
         q_BTNH, k_BTKH, v_BTKH, mask=segment_mask(segment_ids_BT), is_causal=True,
         implementation=implementation)
@@ -134,7 +155,7 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, segment_ids_
     if runs_per_row is not None:
         kernel = static_kernel(max_segments, runs_per_row)
         if kernel == "causal":
-            return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn")
+            return _cudnn_causal(q_BTNH, k_BTKH, v_BTKH)
         if kernel == "masked":
             return _masked(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, "cudnn")
         lengths_BM, starts_BM, _ = segment_runs(segment_ids_BT, kernel)

@@ -17,6 +17,7 @@ k top_k, S statistics (X + 3), M token-expert rows sorted by expert, G experts o
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxfp4.config import ModelConfig
+from maxfp4.kernels import grouped_gemm
 from maxfp4.model.activations import relu2, swiglu_product
 from maxfp4.model.layers import ACT_DTYPE, linear, mlp_block
 from maxfp4.model.router_state import AUX_WEIGHT, BIAS, PROBE
@@ -66,14 +68,26 @@ def apply_moe(weights: dict[str, jax.Array], x_BTD: jax.Array, lp: LayerPrecisio
     scales = lp.scales or {}
     logits_NX = lp.dot(x_ND, weights["router"], "router")
     route = choose_experts(logits_NX, scales.get(BIAS), moe.top_k, moe.score, moe.capacity_factor)
+    gemm = grouped_gemm_kernels(cfg)
     y_ND = run_experts(x_ND, route.experts_Nk, route.weights_Nk, weights["w_up"], weights["w_down"], lp,
-                       expert_ffn, cfg.mlp)
+                       partial(expert_ffn, gemm=gemm), cfg.mlp)
     if moe.shared_experts:
         y_ND = y_ND + mlp_block(x_ND[None], weights["shared_up"], weights["shared_down"], lp, kind=cfg.mlp)[0]
     if PROBE in scales:
         y_ND = report(y_ND, scales[PROBE], route.stats_S, route.aux_loss,
                       scales.get(AUX_WEIGHT, jnp.zeros((), jnp.float32)))
     return y_ND.astype(ACT_DTYPE).reshape(b, t, d)
+
+
+def grouped_gemm_kernels(cfg: ModelConfig) -> str:
+    """``model.moe.grouped_gemm`` resolved: ``auto`` takes the Mosaic GPU kernels on a Hopper GPU
+    when the expert shapes tile (maxfp4.kernels.grouped_gemm), XLA's ragged_dot elsewhere; a
+    forced ``mosaic`` was checked at start-up (maxfp4.kernels.support.check_grouped_gemm)."""
+    if cfg.moe.grouped_gemm != "auto":
+        return cfg.moe.grouped_gemm
+    gates = 2 if cfg.mlp == "swiglu" else 1
+    fits = grouped_gemm.tiles_fit(cfg.d_model, cfg.moe.d_ff * gates) and grouped_gemm.tiles_fit(cfg.moe.d_ff, cfg.d_model)
+    return "mosaic" if fits and grouped_gemm.available() else "xla"
 
 
 class Routing(NamedTuple):
@@ -116,7 +130,7 @@ def choose_experts(logits_NX: jax.Array, bias_X: jax.Array | None, top_k: int, s
 
 
 def expert_ffn(rows_MD: jax.Array, experts_M: jax.Array, w_up_GDFg: jax.Array, w_down_GFD: jax.Array,
-               lp: LayerPrecision, kind: str) -> jax.Array:
+               lp: LayerPrecision, kind: str, gemm: str = "xla") -> jax.Array:
     """Each row through its expert's MLP (``experts_M``: the row's expert among the G here; G
     marks a row to skip, whose output is 0): the rows sorted by expert, two grouped GEMMs with
     the activation between, then put back in their order."""
@@ -124,12 +138,12 @@ def expert_ffn(rows_MD: jax.Array, experts_M: jax.Array, w_up_GDFg: jax.Array, w
     order_M = jnp.argsort(experts_M, stable=True)
     sizes_G = jnp.bincount(experts_M, length=g + 1)[:g].astype(jnp.int32)
     sorted_MD = rows_MD[order_M].astype(ACT_DTYPE)
-    h_MK = lp.grouped_dot(sorted_MD, w_up_GDFg.reshape(g, d, -1), sizes_G, "expert_up")
+    h_MK = lp.grouped_dot(sorted_MD, w_up_GDFg.reshape(g, d, -1), sizes_G, "expert_up", gemm)
     if kind == "swiglu":
         a_MF = swiglu_product(h_MK.reshape(h_MK.shape[0], -1, 2))
     else:
         a_MF = relu2(h_MK)
-    y_MD = lp.grouped_dot(a_MF.astype(ACT_DTYPE), w_down_GFD, sizes_G, "expert_down")
+    y_MD = lp.grouped_dot(a_MF.astype(ACT_DTYPE), w_down_GFD, sizes_G, "expert_down", gemm)
     return jnp.zeros_like(y_MD).at[order_M].set(y_MD, unique_indices=True)
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from maxfp4.kernels import cudnn_attention
 from maxfp4.parallel.mesh import constrain, logical_to_spec, per_device, traced_mesh
 
 AXIS = "context"
@@ -106,13 +107,13 @@ def context_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, s
     queries' bytes, one collective a layer is simpler to keep exact (packed documents, the
     mask from original indices) and is what Megatron and MaxText use at moderate C; the ring
     pays off when K and V of the whole sequence do not fit, which a hybrid's few attention
-    layers rarely reach. ``implementation``: ``cudnn_mask`` runs cuDNN's fused kernel with the
-    mask as a bias; anything else runs XLA's (cuDNN's packed layout takes no split sequence, and
-    cuDNN inside shard_map is not yet measured on GPU). Queries go in blocks of at most
-    ``max_scores`` scores (:data:`MAX_SCORES`)."""
+    layers rarely reach. ``implementation``: ``cudnn`` or ``cudnn_mask`` run cuDNN's fused
+    kernel (maxfp4.kernels.cudnn_attention) with the mask as a bias, anything else XLA's.
+    Queries go in blocks of at most ``max_scores`` elements of XLA's scores or cuDNN's bias
+    (:data:`MAX_SCORES`), each recomputed in the backward pass."""
     mesh = traced_mesh()
     c = mesh.shape[AXIS]
-    kernel = "cudnn" if implementation == "cudnn_mask" else "xla"
+    fused = implementation in ("cudnn", "cudnn_mask")
     q_spec, k_spec, v_spec, seg_spec = _specs(
         (q_BTNH, k_BTKH, v_BTKH, segment_ids_BT),
         (("batch", "seq", "heads", None), ("batch", "seq", "kv_heads", None),
@@ -128,9 +129,12 @@ def context_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, s
 
         def attend_block(q_blk, q_index_blk, seg_blk):
             mask = rank_attention_mask(q_index_blk, k_index, seg_blk, seg_all)
-            return jax.nn.dot_product_attention(q_blk, k_all, v_all, mask=mask, implementation=kernel)
+            if fused:
+                return cudnn_attention.attention(q_blk, k_all, v_all, cudnn_attention.Mask(allowed_B1TS=mask))
+            return jax.nn.dot_product_attention(q_blk, k_all, v_all, mask=mask, implementation="xla")
 
-        qb = query_block(t_local, b * n, t_local * c, max_scores)
+        # cuDNN's bias is one [B, 1, Q, K] for all heads; XLA's scores are per head.
+        qb = query_block(t_local, b if fused else b * n, t_local * c, max_scores)
         if qb == t_local:
             return attend_block(q, q_index, seg)
         nb = t_local // qb

@@ -172,17 +172,13 @@ def _policy_problem(policy: PrecisionPolicy, n_stages: int) -> str | None:
 def stages_problem(model: ModelConfig, policy: PrecisionPolicy, stages: int, repeats: int = 1) -> str | None:
     """Why the trainer refuses to run ``model`` under ``policy`` in ``stages`` (``mesh.pipeline``)
     x ``repeats`` (``mesh.pipeline_repeats``) stages, as one line naming the keys, or None:
-    the blocks must cut into alike stages, with the same recipes, on XLA's attention."""
+    the blocks must cut into alike stages, with the same recipes."""
     if stages == 1:
         if repeats == 1:
             return None
         return (f"mesh.pipeline_repeats={repeats}: repeats the stages of mesh.pipeline, which is 1; "
                 f"expected mesh.pipeline_repeats=1 (or mesh.pipeline=2 and more)")
-    problem = _cut_problem(model, stages, repeats) or _policy_problem(policy, stages * repeats)
-    if problem is None and model.attention.startswith("cudnn"):
-        problem = (f"model.attention={model.attention}: cuDNN's attention does not compile inside pipeline "
-                   f"stages (mesh.pipeline={stages}); expected auto or xla (the stages run XLA's attention)")
-    return problem
+    return _cut_problem(model, stages, repeats) or _policy_problem(policy, stages * repeats)
 
 
 def microbatches_problem(stages: int, repeats: int, microbatches: int) -> str | None:
@@ -223,9 +219,6 @@ def stage_model(model: ModelConfig, stages: int, repeats: int = 1) -> ModelConfi
     if problem:
         raise ConfigError(problem)
     part = len(_block_types(model)) // (stages * repeats)
-    # cuDNN's fused attention does not compile inside the stages' shard_map (XLA segfaults, H200,
-    # jax 0.11.2, 2026-11-28): the stages take XLA's attention (check_stages refuses cudnn).
-    model = dataclasses.replace(model, attention="xla")
     if model.kind == "hybrid":
         return dataclasses.replace(model, pattern=model.pattern[:part], n_layers=part)
     return dataclasses.replace(model, n_layers=part)

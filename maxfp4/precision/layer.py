@@ -64,9 +64,11 @@ class LayerPrecision:
         """The hashable options of ``layer_class``'s recipe (a static argument of its VJPs)."""
         return call_options(self.policy, self.policy.recipe_for(layer_class, self.layer_index), layer_class)
 
-    def grouped_dot(self, x_MK: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array, layer_class: str) -> jax.Array:
+    def grouped_dot(self, x_MK: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array, layer_class: str,
+                    gemm: str = "xla") -> jax.Array:
         """``x[m] @ w[g(m)]`` over rows sorted by group (``sizes_G`` rows each), with the grouped
-        form of ``layer_class``'s recipe (maxfp4.precision.recipes.grouped)."""
+        form of ``layer_class``'s recipe (maxfp4.precision.recipes.grouped) on the ``gemm``
+        kernels (xla or mosaic)."""
         recipe = self.policy.recipe_for(layer_class, self.layer_index)
         grouped = RECIPES[recipe].grouped
         if grouped is None:
@@ -74,7 +76,7 @@ class LayerPrecision:
                               f"{', '.join(grouped_recipes())} for the expert classes")
         scales = None if self.scales is None else self.scales.get(layer_class)
         key = None if self.key is None else jax.random.fold_in(self.key, LAYER_CLASSES.index(layer_class))
-        y = grouped(x_MK, w_GKN, sizes_G, call_options(self.policy, recipe, layer_class), scales, key)
+        y = grouped(x_MK, w_GKN, sizes_G, call_options(self.policy, recipe, layer_class), scales, key, gemm=gemm)
         return checkpoint_name(y, GEMM_OUT)
 
     def dot(self, x: jax.Array, w: jax.Array, layer_class: str) -> jax.Array:

@@ -30,6 +30,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from maxfp4.kernels import grouped_gemm
 from maxfp4.precision import formats as F
 from maxfp4.precision.recipes import COMPUTE_DTYPE, amax, dtype_token
 
@@ -37,21 +38,28 @@ _WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
-def ragged(x_MK: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array) -> jax.Array:
-    """FP32 ``x[m] @ w[g(m)]`` of BF16 operands."""
-    return jax.lax.ragged_dot(x_MK.astype(COMPUTE_DTYPE), w_GKN.astype(COMPUTE_DTYPE), sizes_G,
-                              preferred_element_type=jnp.float32)
+def ragged(x_MK: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array, gemm: str = "xla") -> jax.Array:
+    """FP32 ``x[m] @ w[g(m)]`` of BF16 operands (``gemm``: module docstring)."""
+    x, w = x_MK.astype(COMPUTE_DTYPE), w_GKN.astype(COMPUTE_DTYPE)
+    if gemm == "mosaic":
+        return grouped_gemm.ragged(x, w, sizes_G).astype(jnp.float32)
+    return jax.lax.ragged_dot(x, w, sizes_G, preferred_element_type=jnp.float32)
 
 
-def ragged_t(dy_MN: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array) -> jax.Array:
+def ragged_t(dy_MN: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array, gemm: str = "xla") -> jax.Array:
     """FP32 ``dy[m] @ w[g(m)]^T``."""
+    if gemm == "mosaic":
+        return grouped_gemm.ragged_t(dy_MN.astype(COMPUTE_DTYPE), w_GKN.astype(COMPUTE_DTYPE),
+                                     sizes_G).astype(jnp.float32)
     return ragged(dy_MN, jnp.swapaxes(w_GKN, 1, 2), sizes_G)
 
 
-def ragged_wgrad(x_MK: jax.Array, dy_MN: jax.Array, sizes_G: jax.Array) -> jax.Array:
+def ragged_wgrad(x_MK: jax.Array, dy_MN: jax.Array, sizes_G: jax.Array, gemm: str = "xla") -> jax.Array:
     """FP32 ``dW[g] = X_g^T dY_g`` [G, K, N]."""
-    return jax.lax.ragged_dot_general(x_MK.astype(COMPUTE_DTYPE), dy_MN.astype(COMPUTE_DTYPE), sizes_G,
-                                      _WGRAD_DIMS, preferred_element_type=jnp.float32)
+    x, dy = x_MK.astype(COMPUTE_DTYPE), dy_MN.astype(COMPUTE_DTYPE)
+    if gemm == "mosaic":
+        return grouped_gemm.ragged_wgrad(x, dy, sizes_G).astype(jnp.float32)
+    return jax.lax.ragged_dot_general(x, dy, sizes_G, _WGRAD_DIMS, preferred_element_type=jnp.float32)
 
 
 def row_groups(sizes_G: jax.Array, m: int) -> jax.Array:
@@ -63,34 +71,34 @@ def row_groups(sizes_G: jax.Array, m: int) -> jax.Array:
 
 # ----------------------------------------------------------------------------- bf16
 
-@jax.custom_vjp
-def _bf16(x_MK, w_GKN, sizes_G):
-    return _bf16_fwd(x_MK, w_GKN, sizes_G)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _bf16(x_MK, w_GKN, sizes_G, gemm):
+    return _bf16_fwd(x_MK, w_GKN, sizes_G, gemm)[0]
 
 
-def _bf16_fwd(x_MK, w_GKN, sizes_G):
+def _bf16_fwd(x_MK, w_GKN, sizes_G, gemm):
     x, w = x_MK.astype(COMPUTE_DTYPE), w_GKN.astype(COMPUTE_DTYPE)
-    return ragged(x, w, sizes_G).astype(COMPUTE_DTYPE), (x, w, sizes_G, dtype_token(x_MK.dtype))
+    return ragged(x, w, sizes_G, gemm).astype(COMPUTE_DTYPE), (x, w, sizes_G, dtype_token(x_MK.dtype))
 
 
-def _bf16_bwd(res, dy_MN):
+def _bf16_bwd(gemm, res, dy_MN):
     x, w, sizes_G, x_token = res
     dy = dy_MN.astype(COMPUTE_DTYPE)
-    dx = ragged_t(dy, w, sizes_G).astype(x_token.dtype)
-    return dx, ragged_wgrad(x, dy, sizes_G), None
+    dx = ragged_t(dy, w, sizes_G, gemm).astype(x_token.dtype)
+    return dx, ragged_wgrad(x, dy, sizes_G, gemm), None
 
 
 _bf16.defvjp(_bf16_fwd, _bf16_bwd)
 
 
-def bf16_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None):
+def bf16_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None, gemm="xla"):
     del options, scales, key
-    return _bf16(x_MK, w_GKN, sizes_G)
+    return _bf16(x_MK, w_GKN, sizes_G, gemm)
 
 
-def fp32_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None):
-    """FP32 at the highest precision; plain autodiff of ``ragged_dot``."""
-    del options, scales, key
+def fp32_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None, gemm="xla"):
+    """FP32 at the highest precision; plain autodiff of ``ragged_dot`` (never the BF16 kernel)."""
+    del options, scales, key, gemm
     return jax.lax.ragged_dot(x_MK.astype(jnp.float32), w_GKN.astype(jnp.float32), sizes_G,
                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
@@ -101,63 +109,64 @@ def _quantize_experts(w_GKN, sw_G):
     return F.quantize_fp8(w_GKN, sw_G[:, None, None], F.FP8_E4M3)
 
 
-def _fp8_fprop(qx_MK, sx, qw_GKN, sw_G, sizes_G):
+def _fp8_fprop(qx_MK, sx, qw_GKN, sw_G, sizes_G, gemm):
     groups_M = row_groups(sizes_G, qx_MK.shape[0])
     inv_M = F.div_rn(1.0, sx * sw_G)[groups_M]
-    return (ragged(qx_MK, qw_GKN, sizes_G) * inv_M[:, None]).astype(COMPUTE_DTYPE)
+    return (ragged(qx_MK, qw_GKN, sizes_G, gemm) * inv_M[:, None]).astype(COMPUTE_DTYPE)
 
 
-def _fp8_backward(qdy_MN, sdy, qx_MK, sx, qw_GKN, sw_G, sizes_G):
+def _fp8_backward(qdy_MN, sdy, qx_MK, sx, qw_GKN, sw_G, sizes_G, gemm):
     groups_M = row_groups(sizes_G, qdy_MN.shape[0])
-    dx = ragged_t(qdy_MN, qw_GKN, sizes_G) * F.div_rn(1.0, sdy * sw_G)[groups_M][:, None]
-    dw = ragged_wgrad(qx_MK, qdy_MN, sizes_G) * F.div_rn(1.0, sx * sdy)
+    dx = ragged_t(qdy_MN, qw_GKN, sizes_G, gemm) * F.div_rn(1.0, sdy * sw_G)[groups_M][:, None]
+    dw = ragged_wgrad(qx_MK, qdy_MN, sizes_G, gemm) * F.div_rn(1.0, sx * sdy)
     return dx, dw
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fp8_current(x_MK, w_GKN, sizes_G, power_2):
-    return _fp8_current_fwd(x_MK, w_GKN, sizes_G, power_2)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_current(x_MK, w_GKN, sizes_G, power_2, gemm):
+    return _fp8_current_fwd(x_MK, w_GKN, sizes_G, power_2, gemm)[0]
 
 
-def _fp8_current_fwd(x_MK, w_GKN, sizes_G, power_2):
+def _fp8_current_fwd(x_MK, w_GKN, sizes_G, power_2, gemm):
     sx = F.scale_from_amax(amax(x_MK), F.FP8_E4M3, power_2=power_2)
     sw_G = F.scale_from_amax(jnp.max(jnp.abs(w_GKN), axis=(1, 2)), F.FP8_E4M3, power_2=power_2)
     qx, qw = F.quantize_fp8(x_MK, sx, F.FP8_E4M3), _quantize_experts(w_GKN, sw_G)
-    return _fp8_fprop(qx, sx, qw, sw_G, sizes_G), (qx, sx, qw, sw_G, sizes_G, dtype_token(x_MK.dtype))
+    return _fp8_fprop(qx, sx, qw, sw_G, sizes_G, gemm), (qx, sx, qw, sw_G, sizes_G, dtype_token(x_MK.dtype))
 
 
-def _fp8_current_bwd(power_2, res, dy_MN):
+def _fp8_current_bwd(power_2, gemm, res, dy_MN):
     qx, sx, qw, sw_G, sizes_G, x_token = res
     sdy = F.scale_from_amax(amax(dy_MN), F.FP8_E5M2, power_2=power_2)
-    dx, dw = _fp8_backward(F.quantize_fp8(dy_MN, sdy, F.FP8_E5M2), sdy, qx, sx, qw, sw_G, sizes_G)
+    dx, dw = _fp8_backward(F.quantize_fp8(dy_MN, sdy, F.FP8_E5M2), sdy, qx, sx, qw, sw_G, sizes_G, gemm)
     return dx.astype(x_token.dtype), dw, None
 
 
 _fp8_current.defvjp(_fp8_current_fwd, _fp8_current_bwd)
 
 
-def fp8_current_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None):
+def fp8_current_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None, gemm="xla"):
     del scales, key
-    return _fp8_current(x_MK, w_GKN, sizes_G, bool(dict(options).get("power_2_scale", False)))
+    return _fp8_current(x_MK, w_GKN, sizes_G, bool(dict(options).get("power_2_scale", False)), gemm)
 
 
-@jax.custom_vjp
-def _fp8_delayed(x_MK, w_GKN, sizes_G, scales):
-    return _fp8_delayed_fwd(x_MK, w_GKN, sizes_G, scales)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_delayed(x_MK, w_GKN, sizes_G, scales, gemm):
+    return _fp8_delayed_fwd(x_MK, w_GKN, sizes_G, scales, gemm)[0]
 
 
-def _fp8_delayed_fwd(x_MK, w_GKN, sizes_G, scales):
+def _fp8_delayed_fwd(x_MK, w_GKN, sizes_G, scales, gemm):
     sx, sw, _ = scales[0], scales[1], scales[2]
     sw_G = jnp.broadcast_to(sw, (w_GKN.shape[0],))
     qx, qw = F.quantize_fp8(x_MK, sx, F.FP8_E4M3), _quantize_experts(w_GKN, sw_G)
     amax_xw = jnp.stack([amax(x_MK), amax(w_GKN)])
-    return _fp8_fprop(qx, sx, qw, sw_G, sizes_G), (qx, qw, sw_G, sizes_G, scales, amax_xw, dtype_token(x_MK.dtype))
+    return (_fp8_fprop(qx, sx, qw, sw_G, sizes_G, gemm),
+            (qx, qw, sw_G, sizes_G, scales, amax_xw, dtype_token(x_MK.dtype)))
 
 
-def _fp8_delayed_bwd(res, dy_MN):
+def _fp8_delayed_bwd(gemm, res, dy_MN):
     qx, qw, sw_G, sizes_G, scales, amax_xw, x_token = res
     sdy = scales[2]
-    dx, dw = _fp8_backward(F.quantize_fp8(dy_MN, sdy, F.FP8_E5M2), sdy, qx, scales[0], qw, sw_G, sizes_G)
+    dx, dw = _fp8_backward(F.quantize_fp8(dy_MN, sdy, F.FP8_E5M2), sdy, qx, scales[0], qw, sw_G, sizes_G, gemm)
     # The scales' "gradient" is this step's amaxes (x, w, dY), as in recipes.fp8.
     return dx.astype(x_token.dtype), dw, None, jnp.concatenate([amax_xw, amax(dy_MN)[None]])
 
@@ -165,13 +174,13 @@ def _fp8_delayed_bwd(res, dy_MN):
 _fp8_delayed.defvjp(_fp8_delayed_fwd, _fp8_delayed_bwd)
 
 
-def fp8_delayed_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None):
+def fp8_delayed_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None, gemm="xla"):
     del key
     if scales is None:
         raise ValueError("fp8_delayed needs its scaling state (scales f32[3])")
     if bool(dict(options).get("power_2_scale", False)):
         scales = F.power_2_floor(scales)
-    return _fp8_delayed(x_MK, w_GKN, sizes_G, scales)
+    return _fp8_delayed(x_MK, w_GKN, sizes_G, scales, gemm)
 
 
 # ----------------------------------------------------------------------------- nvfp4
@@ -186,40 +195,40 @@ def _experts_2d(w_GKN, two_d: bool):
     return q.block_dequantize(COMPUTE_DTYPE), q.global_decode_scale
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _nvfp4(x_MK, w_GKN, sizes_G, sr, key):
-    return _nvfp4_fwd(x_MK, w_GKN, sizes_G, sr, key)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 5))
+def _nvfp4(x_MK, w_GKN, sizes_G, sr, key, gemm):
+    return _nvfp4_fwd(x_MK, w_GKN, sizes_G, sr, key, gemm)[0]
 
 
-def _nvfp4_fwd(x_MK, w_GKN, sizes_G, sr, key):
+def _nvfp4_fwd(x_MK, w_GKN, sizes_G, sr, key, gemm):
     qx = F.quantize_nvfp4(x_MK)
     vw, dec_w_G = _experts_2d(w_GKN, True)
     groups_M = row_groups(sizes_G, x_MK.shape[0])
-    y = ragged(qx.block_dequantize(COMPUTE_DTYPE), vw, sizes_G) * qx.global_decode_scale
+    y = ragged(qx.block_dequantize(COMPUTE_DTYPE), vw, sizes_G, gemm) * qx.global_decode_scale
     return (y * dec_w_G[groups_M][:, None]).astype(COMPUTE_DTYPE), (x_MK, vw, dec_w_G, sizes_G, key)
 
 
-def _nvfp4_bwd(sr, res, dy_MN):
+def _nvfp4_bwd(sr, gemm, res, dy_MN):
     x_MK, vw, dec_w_G, sizes_G, key = res
     k_dgrad, k_wgrad = jax.random.split(key) if sr else (None, None)
     m = dy_MN.shape[0]
     qdy = F.quantize_nvfp4(dy_MN, key=k_dgrad)  # blocks along N, dgrad's contraction
     groups_M = row_groups(sizes_G, m)
-    dx = ragged_t(qdy.block_dequantize(COMPUTE_DTYPE), vw, sizes_G) * qdy.global_decode_scale
+    dx = ragged_t(qdy.block_dequantize(COMPUTE_DTYPE), vw, sizes_G, gemm) * qdy.global_decode_scale
     dx = dx * dec_w_G[groups_M][:, None]
     # wgrad: blocks of 16 tokens; padded rows are zero and past every group.
     v_x, s_x = F.block_dequantize_nvfp4_columns(_pad_rows(x_MK), dtype=COMPUTE_DTYPE)
     v_dy, s_dy = F.block_dequantize_nvfp4_columns(_pad_rows(dy_MN), key=k_wgrad, dtype=COMPUTE_DTYPE)
-    dw = (ragged_wgrad(v_x, v_dy, sizes_G) * s_x) * s_dy
+    dw = (ragged_wgrad(v_x, v_dy, sizes_G, gemm) * s_x) * s_dy
     return dx.astype(x_MK.dtype), dw, None, None
 
 
 _nvfp4.defvjp(_nvfp4_fwd, _nvfp4_bwd)
 
 
-def nvfp4_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None):
+def nvfp4_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None, gemm="xla"):
     del scales
     sr = bool(dict(options).get("stochastic_rounding", True))
     if sr and key is None:
         raise ValueError("nvfp4 with stochastic_rounding needs a PRNG key")
-    return _nvfp4(x_MK, w_GKN, sizes_G, sr, key if sr else jnp.zeros((), jnp.uint32))
+    return _nvfp4(x_MK, w_GKN, sizes_G, sr, key if sr else jnp.zeros((), jnp.uint32), gemm)
