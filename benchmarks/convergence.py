@@ -34,6 +34,7 @@ with the same model in BF16 as well (docs/MOE.md, Convergence)::
 
 The summary's ``comparisons`` hold each such pair's same-seed relative differences with a
 Student-t 95% interval of their mean (as benchmarks/convergence_intervals.py computes them).
+The figures, tables and picture come from benchmarks/convergence_summary.py.
 """
 
 from __future__ import annotations
