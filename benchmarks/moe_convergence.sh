@@ -9,12 +9,17 @@
 # The same command again on the same machine resumes what was cut off. TOKENS (default 25e6)
 # sets each run's length. OUT_DIR gets summary.json, convergence.png, the log and results.tar.gz
 # (results/*.json and each run's log): few files, as a machine's outbox may take only a handful.
+# KEPT=results.tar.gz from an earlier call (another machine) counts its complete runs as done,
+# so only the rest runs (benchmarks/convergence.py keeps a result of the same corpus and length).
 set -uo pipefail
 START=$(date +%s)
 OUT_DIR=${1:-${OUT:-/tmp/conv-moe-out}}
 shift $(( $# > 0 ? 1 : 0 ))
 RUN_DIR=${RUN_DIR:-/tmp/conv/moe}
-mkdir -p "$OUT_DIR"
+mkdir -p "$OUT_DIR" "$RUN_DIR"
+if [ -n "${KEPT:-}" ]; then
+  tar -xzf "$KEPT" -C "$RUN_DIR" results || exit 1
+fi
 END_AT=$(( START + ${BUDGET_S:-510} )) bash benchmarks/convergence.sh \
   --model dense=configs/conv-dense-38m.yaml --model moe=configs/conv-moe-8x2-38m.yaml \
   --variants dense.bf16 moe.bf16 moe.fp8_experts --baseline dense.bf16 \
