@@ -22,6 +22,19 @@ Runs start seed by seed (every main variant's first seed, then the second, ...),
 ``--deadline-s`` ends a call in time: at the deadline the running trainers get SIGTERM (they
 checkpoint and exit) and no new run starts. With several GPUs, runs go one per GPU in parallel.
 ``--data builtin`` uses the embedded corpus with every tenth document held out (the CPU smoke).
+
+Two models (a mixture of experts against the dense model of equal active parameters): name each
+with ``--model NAME=CONFIG`` and write a variant as ``NAME.PRECISION``; ``--baseline`` is the
+variant every other is compared with, and a named model's low-precision variants are compared
+with the same model in BF16 as well (docs/MOE.md, Convergence)::
+
+    python benchmarks/convergence.py --data corpus --model dense=configs/conv-dense-38m.yaml \\
+        --model moe=configs/conv-moe-8x2-38m.yaml --variants dense.bf16 moe.bf16 moe.fp8_experts \\
+        --baseline dense.bf16 --seeds 0 1 2 --tokens 25e6 --out conv/moe
+
+The summary's ``comparisons`` hold each such pair's same-seed relative differences with a
+Student-t 95% interval of their mean (as benchmarks/convergence_intervals.py computes them).
+The figures, tables and picture come from benchmarks/convergence_summary.py.
 """
 
 from __future__ import annotations
@@ -52,15 +65,16 @@ VARIANTS: dict[str, list[str]] = {
     "nvfp4_all_blocks": ["precision.default=nvfp4", LM_HEAD_BF16],
     "mxfp4": ["precision.default=mxfp4", LM_HEAD_BF16],
     "mxfp8": ["precision.default=mxfp8", LM_HEAD_BF16],
+    # FP8 with delayed scaling on a mixture of experts' expert GEMMs only; the rest stays BF16.
+    "fp8_experts": ["precision.default=bf16", "precision.rules=[{classes: [expert], recipe: fp8_delayed}]"],
 }
-BASELINE = "bf16"
-# The variants that take the full recipe apart (or swap its format): each run is also compared
-# with the full recipe's run of the same seed (--reference).
-ABLATIONS = ("nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights", "nvfp4_all_blocks", "mxfp4", "mxfp8")
-REFERENCE = "nvfp4"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # run as a script from benchmarks/: maxfp4 is the repository's
 
+from benchmarks.convergence_summary import (BASELINE, MODEL_SEP, REFERENCE, against_reference,  # noqa: E402
+                                            comparison_pairs, format_against_reference, format_comparisons,
+                                            format_summary, paired_comparison, plot_summary, reference_means,
+                                            run_name, split_variant, summarize)
 from maxfp4.files import atomic_file  # noqa: E402 - after the path; imports no JAX
 
 
@@ -121,10 +135,6 @@ def data_fingerprint(data: str, out_dir: str) -> dict:
     return fingerprint
 
 
-def run_name(variant: str, seed: int) -> str:
-    return f"{variant}-s{seed}"
-
-
 def read_records(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
@@ -163,152 +173,6 @@ def current_result(runs_dir: str, results_dir: str, variant: str, seed: int, tok
             print(f"{name}: the kept result is of other data or another length "
                   f"({result.get('data')}, {result.get('steps')} steps); running it again", flush=True)
     return dict(run_result(run_dir, variant, seed, tokens_per_step), data=data)
-
-
-def summarize(results: list[dict], baseline: str = BASELINE) -> dict:
-    """Per variant and token count held by every seed: mean, standard deviation (ddof=1) and
-    the relative gap to the baseline's mean, ``(mean - base) / base``, with its standard error
-    from both means' standard errors (first-order propagation, seeds independent).
-
-    The paired gap compares runs of the same seed: a seed fixes the initial weights and the data
-    order for every variant, and those move all variants' losses together (the seed spread is
-    mostly shared), so the mean of the per-seed relative differences ``(l_v,s - l_base,s) /
-    l_base,s`` has a smaller standard error (ddof=1 over seeds) than the difference of means. It
-    is given where every seed of the variant has a baseline run; with one seed, no error."""
-    by_variant: dict[str, list[dict]] = {}
-    for r in results:
-        by_variant.setdefault(r["variant"], []).append(r)
-    table: dict[str, dict] = {}
-    for variant, runs in by_variant.items():
-        common = set.intersection(*(set(t for t, _ in r["eval"]) for r in runs)) if runs else set()
-        points = []
-        for tokens in sorted(common):
-            losses = [dict((t, l) for t, l in r["eval"])[tokens] for r in runs]
-            std = statistics.stdev(losses) if len(losses) > 1 else 0.0
-            points.append({"tokens": tokens, "n": len(losses), "mean": statistics.fmean(losses), "std": std,
-                           "sem": std / math.sqrt(len(losses)),
-                           "losses": [[r["seed"], loss] for r, loss in zip(runs, losses)]})
-        rates = [r["tokens_per_s"] for r in runs if r["tokens_per_s"]]
-        table[variant] = {"seeds": sorted(r["seed"] for r in runs), "points": points,
-                          "tokens_per_s": statistics.fmean(rates) if rates else None}
-    base = {p["tokens"]: p for p in table.get(baseline, {}).get("points", [])}
-    for variant, entry in table.items():
-        for p in entry["points"]:
-            b = base.get(p["tokens"])
-            if b is None or variant == baseline:
-                continue
-            p["gap"] = (p["mean"] - b["mean"]) / b["mean"]
-            p["gap_sem"] = math.hypot(p["sem"], p["mean"] / b["mean"] * b["sem"]) / b["mean"]
-            base_by_seed = dict((seed, loss) for seed, loss in b["losses"])
-            if all(seed in base_by_seed for seed, _ in p["losses"]):
-                diffs = [(loss - base_by_seed[seed]) / base_by_seed[seed] for seed, loss in p["losses"]]
-                p["paired_gap"] = statistics.fmean(diffs)
-                p["paired_gap_sem"] = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
-    return {"baseline": baseline, "variants": table}
-
-
-def against_reference(results: list[dict], reference: str = REFERENCE, baseline: str = BASELINE) -> list[dict]:
-    """Each run of an ablation, finished or cut off, at the last token count it shares with the
-    reference's run of the same seed: both losses and the relative difference (and the same
-    against the baseline's run of that seed). All runs of a benchmark share one schedule, so a
-    cut-off run compares at equal learning rates. A seed moves every variant's loss alike, so
-    what the difference holds is the recipe's change plus one seed's noise."""
-    by_run = {(r["variant"], r["seed"]): dict((t, loss) for t, loss in r["eval"]) for r in results}
-    rows = []
-    for r in results:
-        ref = by_run.get((reference, r["seed"]), {})
-        own = by_run[(r["variant"], r["seed"])]
-        common = sorted(set(own) & set(ref))
-        if r["variant"] not in ABLATIONS or r["variant"] == reference or not common:
-            continue
-        tokens = common[-1]
-        row = {"run": run_name(r["variant"], r["seed"]), "variant": r["variant"], "tokens": tokens, "complete": bool(r.get("complete")),
-               "loss": own[tokens], "reference_loss": ref[tokens], "vs_reference": own[tokens] / ref[tokens] - 1}
-        base = by_run.get((baseline, r["seed"]), {})
-        if tokens in base:
-            row["vs_baseline"] = own[tokens] / base[tokens] - 1
-        rows.append(row)
-    return rows
-
-
-def reference_means(rows: list[dict]) -> dict[str, dict]:
-    """Per ablation run on several seeds: the mean of its complete runs' same-seed differences
-    from the reference at the final token count, with the standard error (ddof=1 over seeds).
-    Only complete runs count, so every difference is taken at the same point of the schedule."""
-    by_variant: dict[str, list[float]] = {}
-    for r in rows:
-        if r["complete"]:
-            by_variant.setdefault(r["variant"], []).append(r["vs_reference"])
-    return {variant: {"n": len(diffs), "mean": statistics.fmean(diffs),
-                      "sem": statistics.stdev(diffs) / math.sqrt(len(diffs))}
-            for variant, diffs in by_variant.items() if len(diffs) > 1}
-
-
-def format_against_reference(rows: list[dict], reference: str, baseline: str = BASELINE) -> str:
-    lines = [f"{'ablation':<22} {'tokens':>10} {'held-out loss':>14} {reference + ' (same seed)':>20} "
-             f"{'vs ' + reference:>10} {'vs ' + baseline:>10}"]
-    for r in rows:
-        vs_base = f"{100 * r['vs_baseline']:+.2f}%" if "vs_baseline" in r else ""
-        lines.append(f"{r['run'] + ('' if r['complete'] else ' (cut)'):<22} {r['tokens']:>10.3g} {r['loss']:>14.4f} "
-                     f"{r['reference_loss']:>20.4f} {100 * r['vs_reference']:>+9.2f}% {vs_base:>10}")
-    for variant, m in reference_means(rows).items():
-        label = f"{variant} ({m['n']} seeds)"
-        lines.append(f"{label:<22} {'mean':>10} {'':>14} {'':>20} {100 * m['mean']:>+9.2f}% +- {100 * m['sem']:.2f}")
-    return "\n".join(lines)
-
-
-def format_summary(summary: dict) -> str:
-    lines = [f"{'variant':<18} {'seeds':>5} {'tokens':>10} {'held-out loss':>18} {'gap to ' + summary['baseline']:>18} "
-             f"{'paired gap':>18} {'tokens/s':>10}"]
-    for variant, entry in summary["variants"].items():
-        if not entry["points"]:
-            lines.append(f"{variant:<18} {len(entry['seeds']):>5} {'(no held-out loss yet)':>30}")
-            continue
-        p = entry["points"][-1]
-        gap = f"{100 * p['gap']:+.2f}% +- {100 * p['gap_sem']:.2f}" if "gap" in p else ""
-        paired = ""
-        if "paired_gap" in p:
-            paired = f"{100 * p['paired_gap']:+.2f}%" + (f" +- {100 * p['paired_gap_sem']:.2f}"
-                                                          if p["paired_gap_sem"] is not None else "")
-        rate = f"{entry['tokens_per_s']:,.0f}" if entry["tokens_per_s"] else ""
-        lines.append(f"{variant:<18} {p['n']:>5} {p['tokens']:>10.3g} {p['mean']:>10.4f} +- {p['std']:.4f} "
-                     f"{gap:>18} {paired:>18} {rate:>10}")
-    return "\n".join(lines)
-
-
-def plot_summary(summary: dict, path: str) -> str:
-    import matplotlib
-    matplotlib.use("Agg")  # files only
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = plt.get_cmap("tab10")
-    for i, (variant, entry) in enumerate(summary["variants"].items()):
-        pts = entry["points"]
-        if not pts:
-            continue
-        color = colors(i % 10)  # the same variant in the same colour in both panels
-        x = [p["tokens"] for p in pts]
-        mean = [p["mean"] for p in pts]
-        ax_loss.plot(x, mean, marker=".", color=color, label=f"{variant} (n={pts[-1]['n']})")
-        ax_loss.fill_between(x, [m - p["std"] for m, p in zip(mean, pts)], [m + p["std"] for m, p in zip(mean, pts)],
-                             color=color, alpha=0.2)
-        # The paired gap where there is one (same-seed differences: the shared seed spread cancels).
-        gapped = [p for p in pts if "gap" in p]
-        if gapped:
-            ax_gap.errorbar([p["tokens"] for p in gapped], [100 * p.get("paired_gap", p["gap"]) for p in gapped],
-                            yerr=[100 * (p.get("paired_gap_sem", p["gap_sem"]) or 0.0) for p in gapped],
-                            marker=".", capsize=3, color=color, label=f"{variant} (n={gapped[-1]['n']})")
-    ax_loss.set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="Held-out loss (mean, +-1 std over seeds)")
-    ax_gap.axhline(0.0, color="black", linewidth=0.8)
-    ax_gap.set(xlabel="tokens", ylabel=f"gap to {summary['baseline']} (%)", title="Relative gap, paired by seed (+-1 standard error)")
-    for ax in (ax_loss, ax_gap):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def gpu_count() -> int:
@@ -373,23 +237,29 @@ def load_run_config(config_args: list[str]):
     return load_config([a for a in config_args if "=" not in a], [a for a in config_args if "=" in a])
 
 
-def write_report(out_dir: str, results: list[dict], reference: str = REFERENCE, **about) -> dict:
+def write_report(out_dir: str, results: list[dict], reference: str = REFERENCE, baseline: str = BASELINE,
+                 **about) -> dict:
     """summary.json (over the complete runs; the ablations against ``reference`` over every run)
     and convergence.png in ``out_dir``; prints the tables."""
-    summary = summarize([r for r in results if r["complete"]])
+    summary = summarize([r for r in results if r["complete"]], baseline)
     summary.update(about, incomplete=[run_name(r["variant"], r["seed"]) for r in results if not r["complete"]])
-    rows = against_reference(results, reference)
+    rows = against_reference(results, reference, baseline)
     summary.update(reference=reference, against_reference=rows, against_reference_means=reference_means(rows))
+    variants = list(dict.fromkeys(r["variant"] for r in results))
+    compared = [paired_comparison(results, v, against) for v, against in comparison_pairs(variants, baseline)]
+    summary["comparisons"] = [c for c in compared if c is not None]
     write_json(os.path.join(out_dir, "summary.json"), summary)
     print(format_summary(summary))
+    if summary["comparisons"]:
+        print(format_comparisons(summary["comparisons"]))
     if summary["against_reference"]:
-        print(format_against_reference(summary["against_reference"], reference))
+        print(format_against_reference(summary["against_reference"], reference, baseline))
     if any(r["eval"] for r in results if r["complete"]):
         print("plot:", plot_summary(summary, os.path.join(out_dir, "convergence.png")))
     return summary
 
 
-def report(out_dir: str, reference: str = REFERENCE) -> int:
+def report(out_dir: str, reference: str = REFERENCE, baseline: str = BASELINE) -> int:
     """``--report``: the summary and the picture again from ``<out>/results/*.json`` alone (results
     copied off the machine that ran them)."""
     paths = sorted(f for f in os.listdir(os.path.join(out_dir, "results")) if f.endswith(".json"))
@@ -400,24 +270,70 @@ def report(out_dir: str, reference: str = REFERENCE) -> int:
         with open(os.path.join(out_dir, "results", f), encoding="utf-8") as fh:
             results.append(json.load(fh))
     order = list(VARIANTS)
-    results.sort(key=lambda r: (order.index(r["variant"]) if r["variant"] in order else len(order), r["seed"]))
-    write_report(out_dir, results, reference, steps=max(r["steps"] for r in results if r["complete"]),
+
+    def place(r):  # a model's variants together, each model's in VARIANTS order
+        model, precision = split_variant(r["variant"])
+        return model, order.index(precision) if precision in order else len(order), r["variant"], r["seed"]
+
+    results.sort(key=place)
+    write_report(out_dir, results, reference, baseline, steps=max(r["steps"] for r in results if r["complete"]),
                  tokens_per_step=results[0]["tokens_per_step"])
     return 0
+
+
+def model_configs(p: argparse.ArgumentParser, args) -> dict[str, str]:
+    """The model of each name a variant may carry (``""``: --config's, for plain variants), as
+    absolute paths; every variant named in the arguments checked against them."""
+    models = {"": os.path.abspath(args.config)} if args.config else {}
+    for entry in args.model:
+        name, eq, path = entry.partition("=")
+        if not (eq and name and path) or MODEL_SEP in name or name in models:
+            p.error(f"--model {entry}: expected NAME=CONFIG with a new NAME without '{MODEL_SEP}', "
+                    f"e.g. --model dense=configs/conv-dense-38m.yaml")
+        models[name] = os.path.abspath(path)
+    named = [("--variants", v) for v in args.variants] + [("--ablations", v) for v in args.ablations]
+    named += [("--baseline", args.baseline)] + ([("--reference", args.reference)] if args.ablations else [])
+    for option, variant in named:
+        model, precision = split_variant(variant)
+        if precision not in VARIANTS or model not in models:
+            example = f"{next(iter(models)) or 'MODEL'}{MODEL_SEP}bf16" if any(models) else "bf16"
+            p.error(f"{option} {variant}: expected a precision variant ({', '.join(VARIANTS)}) of --config's "
+                    f"model or NAME{MODEL_SEP}PRECISION for a --model NAME=CONFIG, e.g. {example}")
+    return models
+
+
+def describe_models(models: dict[str, str], configs: dict) -> dict[str, dict]:
+    """Each model's config, matmul parameters and FLOPs a token (active: what a token passes
+    through), printed and kept in the summary: two models' losses at equal tokens compare them
+    at equal active FLOPs where these are equal."""
+    from maxfp4.model_spec import model_spec
+
+    out = {}
+    for name, cfg in configs.items():
+        spec = model_spec(cfg.model)
+        out[name or "config"] = {"config": models[name], "active_matmul_params": spec.matmul_params,
+                                 "matmul_params": spec.matmul_params_total,
+                                 "flops_per_token": spec.flops_per_token(cfg.data.seq_len)}
+        print(f"model {name or 'config'}: {spec.matmul_params / 1e6:.2f}M active matmul parameters of "
+              f"{spec.matmul_params_total / 1e6:.2f}M, {spec.flops_per_token(cfg.data.seq_len) / 1e6:.1f} MFLOP a token")
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--report", metavar="OUT", help="only rewrite OUT's summary and picture from OUT/results")
     p.add_argument("--config", help="the model config (e.g. configs/dense-125m.yaml)")
+    p.add_argument("--model", action="append", default=[], metavar="NAME=CONFIG",
+                   help="one of several models, its variants written NAME.PRECISION (repeat for each model)")
     p.add_argument("--data", help="a directory holding prepared train/ and heldout/, or 'builtin'")
     p.add_argument("--variants", nargs="+", default=["bf16", "fp8_delayed", "fp8_current", "nvfp4"],
-                   choices=sorted(VARIANTS))
+                   help=f"precision variants ({', '.join(VARIANTS)}), NAME.PRECISION for a --model")
+    p.add_argument("--baseline", default=BASELINE, help="the variant every other is compared with")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--ablations", nargs="*", default=[], choices=sorted(VARIANTS),
+    p.add_argument("--ablations", nargs="*", default=[],
                    help="variants run with the first seed only, after every seed of --variants (the paper's "
                         "ablations: compared against the seed spread of the main variants)")
-    p.add_argument("--reference", default=REFERENCE, choices=sorted(VARIANTS),
+    p.add_argument("--reference", default=REFERENCE,
                    help="the full recipe each ablation run is compared with at the same seed")
     p.add_argument("--tokens", type=float, help="training tokens per run")
     p.add_argument("--evals", type=int, default=10, help="held-out evaluations per run (evenly spaced)")
@@ -429,20 +345,29 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="more trainer overrides for every run (dotted.key=value)")
     args = p.parse_args(argv)
     if args.report:
-        return report(os.path.abspath(args.report), args.reference)
-    missing = [f"--{k}" for k in ("config", "data", "tokens", "out") if getattr(args, k) is None]
+        return report(os.path.abspath(args.report), args.reference, args.baseline)
+    missing = [f"--{k}" for k in ("data", "tokens", "out") if getattr(args, k) is None]
+    missing += [] if args.config or args.model else ["--config (or --model)"]
     if missing:
         p.error(f"{', '.join(missing)} required (unless --report)")
     # The trainers run in the repository (for the presets' paths): every path the user gave is
     # made absolute first.
-    args.config, args.out = os.path.abspath(args.config), os.path.abspath(args.out)
+    models = model_configs(p, args)
+    args.out = os.path.abspath(args.out)
     if args.data != "builtin":
         args.data = os.path.abspath(args.data)
 
+    configs = {name: load_run_config([path, *args.overrides]) for name, path in models.items()}
+    # Every run takes the same tokens a step and tokenizer, so their held-out losses meet at the
+    # same token counts on the same held-out tokens.
+    shapes = {name: (c.data.seq_len * c.data.global_batch, c.model.vocab_size) for name, c in configs.items()}
+    if len(set(shapes.values())) > 1:
+        p.error(f"--model: the models differ in tokens a step or vocabulary ({shapes}); expected equal "
+                f"data.seq_len x data.global_batch and model.vocab_size (override them, e.g. data.global_batch=32)")
+    per_step, vocab_size = next(iter(shapes.values()))
+    about_models = describe_models(models, configs)
     os.makedirs(args.out, exist_ok=True)
-    model_cfg = load_run_config([args.config, *args.overrides])
-    base = [args.config, *data_args(args.data, args.out, model_cfg.model.vocab_size), *args.overrides]
-    per_step = model_cfg.data.seq_len * model_cfg.data.global_batch
+    data = [*data_args(args.data, args.out, vocab_size), *args.overrides]
     steps = max(1, round(args.tokens / per_step))
     eval_every = max(1, steps // args.evals)
     runs_dir, results_dir = os.path.join(args.out, "runs"), os.path.join(args.out, "results")
@@ -460,8 +385,9 @@ def main(argv=None) -> int:
         if result["steps"] >= steps and result["final_eval_loss"] is not None:
             done.append(name)
             continue
-        preset = [os.path.join(REPO, a) if a.endswith(".yaml") else a for a in VARIANTS[variant]]
-        jobs.append((name, [*base[:1], *preset, *base[1:], f"run.name={name}",
+        model, precision = split_variant(variant)
+        preset = [os.path.join(REPO, a) if a.endswith(".yaml") else a for a in VARIANTS[precision]]
+        jobs.append((name, [models[model], *preset, *data, f"run.name={name}",
                             f"run.output_dir={runs_dir}", f"run.seed={seed}", f"train.steps={steps}",
                             f"optim.schedule_steps={steps}", f"train.eval_every={eval_every}"]))
     print(f"{len(done)} run(s) finished earlier, {len(jobs)} to run: {steps} steps of {per_step} tokens, "
@@ -479,8 +405,8 @@ def main(argv=None) -> int:
         result["complete"] = result["steps"] >= steps
         write_json(os.path.join(results_dir, f"{name}.json"), result)
         results.append(result)
-    summary = write_report(args.out, results, args.reference, config=args.config, data=args.data, steps=steps,
-                           tokens_per_step=per_step, wall_s=time.time() - started)
+    summary = write_report(args.out, results, args.reference, args.baseline, models=about_models, data=args.data,
+                           steps=steps, tokens_per_step=per_step, wall_s=time.time() - started)
     failed = {n: c for n, c in codes.items() if c not in (0, 143, 130)}
     if failed:
         print(f"failed runs (exit codes): {failed}; their logs are in {runs_dir}", file=sys.stderr)
