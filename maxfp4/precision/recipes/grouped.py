@@ -17,7 +17,10 @@ scale rules), with one scale per expert where an expert's weight is a tensor of 
   over whole blocks (docs/MOE.md).
 
 The quantized operands are multiplied exactly in BF16 (FP8 and block-dequantized NVFP4 values
-are BF16 numbers) with FP32 accumulation, and the FP32 scales multiply the result per row.
+are BF16 numbers) with FP32 accumulation, and the FP32 scales multiply the result per row. The
+``gemm`` argument picks the kernels: ``xla`` (``jax.lax.ragged_dot``, FP32 outputs) or ``mosaic``
+(maxfp4.kernels.grouped_gemm on Hopper: BF16 outputs, so the scales multiply a BF16 product and
+the weight gradient is BF16-rounded); ``model.moe.grouped_gemm`` chooses (maxfp4.model.moe).
 
 Dimension letters: M token-expert rows (sorted by expert), K input features, N output
 features, G experts (groups).
