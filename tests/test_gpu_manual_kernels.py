@@ -3,8 +3,9 @@
 - The Mosaic GPU grouped GEMMs (maxfp4.kernels.grouped_gemm) against a float64 NumPy product
   per group, including an empty group and rows past the groups, which must come out 0.
 - cuDNN's attention bound directly under ``shard_map`` (maxfp4.kernels.cudnn_attention): the
-  causal, packed and masked forms, and the context-parallel split attention, against XLA's
-  attention (which the CPU tests check against float64), forward and backward.
+  causal, packed and masked forms, parts merged by their log-sum-exp, and the context-parallel
+  split attention, against XLA's attention (which the CPU tests check against float64), forward
+  and backward.
 """
 
 import jax
@@ -102,8 +103,9 @@ def test_cudnn_attention_under_shard_map_matches_xla(runs_per_row):
 
 
 def test_context_attention_on_cudnn_matches_the_whole_row():
-    """The split attention (zigzag order, keys gathered, mask as cuDNN's bias, queries in 2
-    blocks) on every GPU here as context ranks, against XLA's attention of the unsplit row."""
+    """The split attention (zigzag order, keys gathered, each chunk's own keys and the keys of
+    its document before it as two cuDNN calls merged by their log-sum-exp) on every GPU here as
+    context ranks, against XLA's attention of the unsplit row. Documents cross the chunks."""
     c = len(jax.devices())
     q, k, v, seg = _inputs(2, t=128 * c)
     t = q.shape[1]
@@ -111,12 +113,35 @@ def test_context_attention_on_cudnn_matches_the_whole_row():
                              f"mesh.context={c}", f"data.seq_len={t}"])
     mesh = make_mesh(cfg.mesh, jax.devices())
     order = zigzag_order(t, c)
-    block = 2 * (t // c // 2) * t  # a query block's bias elements (b=2 rows): 2 blocks a rank
 
     def split(q, k, v):
-        out = context_attention(q[:, order], k[:, order], v[:, order], seg[:, order], "cudnn", max_scores=block)
+        out = context_attention(q[:, order], k[:, order], v[:, order], seg[:, order], "cudnn")
         return out[:, np.argsort(order)]
 
     on_mesh = [jax.device_put(x, NamedSharding(mesh, PartitionSpec())) for x in (q, k, v)]
     got = jax.jit(traced_in_mesh(_loss(split), mesh))(*on_mesh)
     _agree(got, jax.jit(_loss(lambda q, k, v: attend(q, k, v, seg, "xla")))(q, k, v))
+
+
+def test_parts_merged_by_log_sum_exp_equal_one_attention():
+    """Keys cut into a causal diagonal block and a padded prefix (lengths 0, partial and whole
+    per row), merged: the attention of the whole row, forward and backward."""
+    from maxfp4.kernels.cudnn_attention import Mask, attention_merged
+    q, k, v, _ = _inputs(3, b=3, t=256)
+    s = 128
+    q_lengths, kv_lengths = jnp.asarray([0, 50, 128]), jnp.asarray([0, 100, 128])
+    # Row b's second-half queries see their own half causally and the first kv_lengths[b] keys
+    # of the first half if they are among its first q_lengths[b] queries.
+    allowed = np.zeros((3, 1, s, 2 * s), bool)
+    for b in range(3):
+        allowed[b, 0, :, s:] = np.tril(np.ones((s, s), bool))
+        allowed[b, 0, :int(q_lengths[b]), :int(kv_lengths[b])] = True
+
+    def merged(q, k, v):
+        return attention_merged(q[:, s:], [(k[:, s:], v[:, s:], Mask(causal=True)),
+                                           (k[:, :s], v[:, :s], Mask(q_lengths_B=q_lengths, kv_lengths_B=kv_lengths))])
+
+    def whole(q, k, v):
+        return jax.nn.dot_product_attention(q[:, s:], k, v, mask=jnp.asarray(allowed), implementation="xla")
+
+    _agree(jax.jit(_loss(merged))(q, k, v), jax.jit(_loss(whole))(q, k, v))

@@ -108,9 +108,8 @@ def context_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, s
     mask from original indices) and is what Megatron and MaxText use at moderate C; the ring
     pays off when K and V of the whole sequence do not fit, which a hybrid's few attention
     layers rarely reach. ``implementation``: ``cudnn`` or ``cudnn_mask`` run cuDNN's fused
-    kernel (maxfp4.kernels.cudnn_attention) with the mask as a bias, anything else XLA's.
-    Queries go in blocks of at most ``max_scores`` elements of XLA's scores or cuDNN's bias
-    (:data:`MAX_SCORES`), each recomputed in the backward pass."""
+    kernel (:func:`_fused_rank_attention`), anything else XLA's, whose queries go in blocks of
+    at most ``max_scores`` scores (:data:`MAX_SCORES`), each recomputed in the backward pass."""
     mesh = traced_mesh()
     c = mesh.shape[AXIS]
     fused = implementation in ("cudnn", "cudnn_mask")
@@ -127,14 +126,14 @@ def context_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, s
         q_index = rank_token_index(jax.lax.axis_index(AXIS), t_local, c)
         k_index = jnp.asarray(zigzag_order(t_local * c, c))
 
+        if fused:
+            return _fused_rank_attention(q, k, v, seg, k_all, v_all, seg_all, c)
+
         def attend_block(q_blk, q_index_blk, seg_blk):
             mask = rank_attention_mask(q_index_blk, k_index, seg_blk, seg_all)
-            if fused:
-                return cudnn_attention.attention(q_blk, k_all, v_all, cudnn_attention.Mask(allowed_B1TS=mask))
             return jax.nn.dot_product_attention(q_blk, k_all, v_all, mask=mask, implementation="xla")
 
-        # cuDNN's bias is one [B, 1, Q, K] for all heads; XLA's scores are per head.
-        qb = query_block(t_local, b if fused else b * n, t_local * c, max_scores)
+        qb = query_block(t_local, b * n, t_local * c, max_scores)
         if qb == t_local:
             return attend_block(q, q_index, seg)
         nb = t_local // qb
@@ -145,6 +144,42 @@ def context_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, s
 
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, k_spec, v_spec, seg_spec), out_specs=q_spec,
                          check_vma=False)(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+
+
+def _fused_rank_attention(q_B2SNH, k_B2SKH, v_B2SKH, seg_B2S, k_all, v_all, seg_all, c: int):
+    """One rank's attention by cuDNN (inside ``shard_map``): each of its two chunks j attends to
+    (1) its own keys, causal within the chunk and its documents (the segment mask as a bias of
+    S x S), and (2) the keys before the chunk, where only the chunk's leading run of tokens (if
+    its document began in an earlier chunk) sees anything: keys from that document's start up to
+    the chunk, handed to cuDNN as a padded prefix of the keys rolled to start there. The two
+    parts merge by their log-sum-exp (maxfp4.kernels.cudnn_attention.attention_merged), so only
+    causal work is done, with no T-wide mask."""
+    s = q_B2SNH.shape[1] // 2
+    t = s * 2 * c
+    to_original = np.argsort(zigzag_order(t, c))
+    k_orig, v_orig, seg_orig = k_all[:, to_original], v_all[:, to_original], seg_all[:, to_original]
+    index_T = jnp.arange(t)
+    outs = []
+    for half, chunk in enumerate(rank_chunks(jax.lax.axis_index(AXIS), c)):
+        part = slice(half * s, (half + 1) * s)
+        q, seg = q_B2SNH[:, part], seg_B2S[:, part]
+        same_B1SS = (seg[:, :, None] == seg[:, None, :])[:, None]
+        own = (k_B2SKH[:, part], v_B2SKH[:, part], cudnn_attention.Mask(causal=True, allowed_B1TS=same_B1SS))
+        first = chunk * s  # the chunk's first original index
+        before_B = seg_orig[:, jnp.maximum(first - 1, 0)]  # segment of the token before the chunk
+        continues_B = (chunk > 0) & (seg[:, 0] == before_B)
+        # the document's start: one past the last earlier token of another segment
+        other_BT = (index_T[None] < first) & (seg_orig != before_B[:, None])
+        start_B = jnp.max(jnp.where(other_BT, index_T[None], -1), axis=1) + 1
+        differs_BS = seg != seg[:, :1]
+        run_B = jnp.where(jnp.any(differs_BS, axis=1), jnp.argmax(differs_BS, axis=1), s)
+        rolled_BT = (start_B[:, None] + index_T[None]) % t
+        k_prev = jnp.take_along_axis(k_orig, rolled_BT[:, :, None, None], axis=1)
+        v_prev = jnp.take_along_axis(v_orig, rolled_BT[:, :, None, None], axis=1)
+        earlier = (k_prev, v_prev, cudnn_attention.Mask(q_lengths_B=jnp.where(continues_B, run_B, 0),
+                                                        kv_lengths_B=jnp.where(continues_B, first - start_B, 0)))
+        outs.append(cudnn_attention.attention_merged(q, [own, earlier]))
+    return jnp.concatenate(outs, axis=1)
 
 
 def per_context_rank(fn: Callable, batched: Sequence[jax.Array], whole: Sequence[Any]) -> jax.Array:
