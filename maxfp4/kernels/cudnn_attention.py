@@ -9,6 +9,11 @@ pipeline stage with it segfaulted XLA (jax 0.11.2, one H200 pair). The primitive
 call) are the same cuDNN custom calls; this module binds them in a ``custom_vjp`` of its own,
 the pairing jax's wrapper makes above them, so the kernels and their numerics are cuDNN's.
 
+Binding them also reaches the forward's softmax statistic (the log-sum-exp of each query's
+scores), which the public entry keeps to itself: :func:`attention_merged` uses it to run one
+attention as several kernel calls over disjoint key sets (a split sequence's causal blocks,
+maxfp4.parallel.context).
+
 Layout BTNH. Dimension letters: B batch, T queries, S keys, N query heads, K kv heads, H head
 dim, M documents (runs) per row.
 """
