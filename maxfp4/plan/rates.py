@@ -27,8 +27,9 @@ ATTENTION_H200_TFLOPS = 370.0
 # on two H200s (1,459.7 ms, 2026-11-28), whose 211 TFLOP of scores a GPU take ~1.15 s of the
 # step as the rest of the model charges it. It reads the bias tile by tile and skips nothing.
 MASKED_ATTENTION_H200_TFLOPS = 185.0
-# XLA's attention (model.attention=xla) materialises the scores; it is bound by their traffic. Fitted to the one step measured with it alone, dense-1p3b fsdp=2 at 16 x 1024 with full
-# remat on two H200s (303.1 ms, 2026-11-28): the rest of that step as the model charges it leaves
+# XLA's attention (model.attention=xla) materialises the scores; it is bound by their traffic.
+# Fitted to the one step measured with it alone, dense-1p3b fsdp=2 at 16 x 1024 with full remat
+# on two H200s (303.1 ms, 2026-11-28): the rest of that step as the model charges it leaves
 # ~147 ms for 3.3e12 attention FLOPs a GPU. Other GPUs scale it by HBM bandwidth.
 XLA_ATTENTION_H200_TFLOPS = 22.5
 # Mamba-2's SSD and convolution kernels, charged per SSD matmul FLOP: ~1.8 ms a layer at
