@@ -146,7 +146,8 @@ def calibration_rows() -> list[dict]:
     rows = []
     for label, path, overrides, gpus, gpu, precision, step_ms, peak_gib, stale in MEASURED:
         cfg = load_config(path, overrides)
-        row = plan_model.project(cfg, PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), cfg.mesh.pipeline_repeats), gpu, precision)
+        mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), cfg.mesh.pipeline_repeats)
+        row = plan_model.project(cfg, mesh, gpu, precision)
         predicted = row["step_time_s"] * 1e3
         rows.append({"run": label, "gpus": f"{gpus} x {gpu.upper()}", "precision": precision,
                      "measured_ms": step_ms, "predicted_ms": predicted, "error": predicted / step_ms - 1,

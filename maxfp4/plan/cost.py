@@ -434,8 +434,8 @@ def compute_parts(cfg: Config, mesh, flops: dict[str, float], params: int,
     state = state_params_per_device(cfg, params, mesh)
     optimizer = (state * OPTIMIZER_TRAFFIC_BYTES + accumulated_params(cfg, mesh, params, state) * ACCUMULATE_BYTES) / hbm
     # with stages, the parameters every stage holds whole are touched again each tick
-    optimizer += (stage_whole_params(cfg, mesh, params) * ticks(mesh.pipeline, cfg.train.microbatches, mesh.repeats)
-                  * WHOLE_PER_TICK_BYTES / hbm)
+    n_ticks = ticks(mesh.pipeline, cfg.train.microbatches, mesh.repeats)
+    optimizer += stage_whole_params(cfg, mesh, params) * n_ticks * WHOLE_PER_TICK_BYTES / hbm
     if utilisation is not None:
         peak = datasheet_tflops(gpu, precision) * 1e12
         bf16 = utilisation * datasheet_tflops(gpu, "bf16") * 1e12

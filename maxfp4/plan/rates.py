@@ -24,8 +24,9 @@ ATTENTION_H200_TFLOPS = 370.0
 # cuDNN's kernel with an additive bias and no causal mask (context ranks: the zigzag mask over all
 # gathered keys, maxfp4.parallel.context), FLOPs it computes (every score, twice the causal
 # ones) per second on one H200: fitted to dense-1p3b at context=2, 2 x 16,384 tokens, full remat
-# on two H200s (1,459.7 ms, 2026-11-28), whose 211 TFLOP of scores a GPU take ~1.15 s of the
-# step as the rest of the model charges it. It reads the bias tile by tile and skips nothing.
+# on two H200s (1,459.7 ms, 2026-11-28), whose 211 TFLOP of scores a GPU (the recomputed forward
+# included) take ~1.15 s of the step as the rest of the model charges it: the kernel reads the
+# bias tile by tile and skips no tile.
 MASKED_ATTENTION_H200_TFLOPS = 185.0
 # XLA's attention (model.attention=xla) materialises the scores; it is bound by their traffic.
 # Fitted to the one step measured with it alone, dense-1p3b fsdp=2 at 16 x 1024 with full remat
