@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxfp4.plan import command as plan, cost as plan_model  # noqa: E402
+from maxfp4.plan import command as plan, context as plan_context, cost as plan_model  # noqa: E402
 from maxfp4.config import load_config  # noqa: E402
 from maxfp4.parallel.mesh import resolve_mesh_shape  # noqa: E402
 from maxfp4.plan.stages import PlanMesh  # noqa: E402
@@ -25,9 +25,9 @@ from maxfp4.plan.stages import PlanMesh  # noqa: E402
 GOAL = 0.15
 LLAMA = "configs/llama3-8b.yaml"
 NO_PREFLIGHT = ["resilience.preflight=false"]
-# docs/PERFORMANCE.md, "Pipeline stages": the same batch at pipeline=2 and at fsdp=2
-PIPELINE_PAIR = ["model.attention=xla", "data.seq_len=1024", "train.remat=full", "mesh.data=1",
-                 "data.global_batch=16"]
+# docs/PERFORMANCE.md, "Pipeline stages": dense-1p3b at pipeline=2 and at fsdp=2 on two H200s
+STAGES = ["train.remat=full", "mesh.data=1", "data.global_batch=16"]
+XLA_PAIR = ["model.attention=xla", "data.seq_len=1024", *STAGES]
 # (label, config, overrides, GPUs, GPU, precision recipe, measured step ms, measured peak GiB or None, stale)
 MEASURED = [
     # One H200, configs as committed (unrolled, no remat, 8 x 2048)
@@ -98,11 +98,28 @@ MEASURED = [
     ("llama widths 12 blocks V=48128 nvfp4", LLAMA, ["model.n_layers=12", "model.vocab_size=48128", "data.global_batch=1"], 1, "h200", "nvfp4", 350.5, None, False),
     ("nemotron-h-8b 7 blocks 2 x 8192 full bf16", "configs/nemotron-h-8b.yaml",
      ["model.pattern=M-M-M*-", "data.global_batch=2"], 1, "h200", "bf16", 338.3, 50.1, False),
-    # Pipeline stages, one process a GPU, 2026-11-28: XLA's attention, 16 x 1024, full remat
+    # XLA's attention (model.attention=xla), one process a GPU, 2026-11-28: 16 x 1024, full remat;
+    # the one step that fits XLA_ATTENTION_H200_TFLOPS
     ("dense-1p3b fsdp=2 B=16 T=1024 full xla-attention bf16", "configs/dense-1p3b.yaml",
-     PIPELINE_PAIR + ["mesh.fsdp=2"], 2, "h200", "bf16", 303.1, None, False),
-    ("dense-1p3b pipeline=2 x8 B=16 T=1024 full xla-attention bf16", "configs/dense-1p3b.yaml",
-     PIPELINE_PAIR + ["mesh.pipeline=2", "train.microbatches=8"], 2, "h200", "bf16", 442.4, None, False),
+     XLA_PAIR + ["mesh.fsdp=2"], 2, "h200", "bf16", 303.1, None, False),
+    # Pipeline stages and context ranks on cuDNN's attention (model.attention=auto), one process a
+    # GPU, 2026-11-28: 16 sequences, full remat (docs/PERFORMANCE.md, "Pipeline stages")
+    ("dense-1p3b fsdp=2 B=16 T=2048 full bf16", "configs/dense-1p3b.yaml",
+     STAGES + ["data.seq_len=2048", "mesh.fsdp=2"], 2, "h200", "bf16", 332.3, None, False),
+    ("dense-1p3b pipeline=2 x8 B=16 T=1024 full bf16", "configs/dense-1p3b.yaml",
+     STAGES + ["data.seq_len=1024", "mesh.pipeline=2", "train.microbatches=8"], 2, "h200", "bf16", 278.0, None, False),
+    ("dense-1p3b pipeline=2 x8 B=16 T=2048 full bf16", "configs/dense-1p3b.yaml",
+     STAGES + ["data.seq_len=2048", "mesh.pipeline=2", "train.microbatches=8"], 2, "h200", "bf16", 503.5, None, False),
+    ("dense-1p3b pipeline=2 repeats=2 x8 B=16 T=2048 full bf16", "configs/dense-1p3b.yaml",
+     STAGES + ["data.seq_len=2048", "mesh.pipeline=2", "mesh.pipeline_repeats=2", "train.microbatches=8"],
+     2, "h200", "bf16", 551.7, None, False),
+]
+# (label, config, overrides, GPUs, GPU, precision, measured step ms): context parallelism, priced
+# by maxfp4.plan.context (the proxy of T/C tokens on gpus/C GPUs, plus the split's attention and
+# collectives); cuDNN's kernel with the zigzag mask as a bias, 2026-11-28
+MEASURED_CONTEXT = [
+    ("dense-1p3b context=2 B=2 T=16384 full bf16", "configs/dense-1p3b.yaml",
+     STAGES[:-1] + ["data.seq_len=16384", "data.global_batch=2", "mesh.context=2"], 2, "h200", "bf16", 1459.7),
 ]
 GIB = 2**30
 
@@ -129,12 +146,21 @@ def calibration_rows() -> list[dict]:
     rows = []
     for label, path, overrides, gpus, gpu, precision, step_ms, peak_gib, stale in MEASURED:
         cfg = load_config(path, overrides)
-        row = plan_model.project(cfg, PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus)), gpu, precision)
+        mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), cfg.mesh.pipeline_repeats)
+        row = plan_model.project(cfg, mesh, gpu, precision)
         predicted = row["step_time_s"] * 1e3
         rows.append({"run": label, "gpus": f"{gpus} x {gpu.upper()}", "precision": precision,
                      "measured_ms": step_ms, "predicted_ms": predicted, "error": predicted / step_ms - 1,
                      "measured_peak_gb": peak_gib * GIB / 1e9 if peak_gib else None,
                      "predicted_memory_gb": row["memory_per_device_gb"], "stale": stale})
+    for label, path, overrides, gpus, gpu, precision, step_ms in MEASURED_CONTEXT:
+        cfg = load_config(path, overrides)
+        row = next(r for r in plan_context.plan_rows(cfg, gpus, gpu, 1e9, None, None, plan_model.GPUS_PER_NODE,
+                                                     plan_model.GOODPUT) if r["precision"] == precision)
+        predicted = row["step_time_s"] * 1e3
+        rows.append({"run": label, "gpus": f"{gpus} x {gpu.upper()}", "precision": precision,
+                     "measured_ms": step_ms, "predicted_ms": predicted, "error": predicted / step_ms - 1,
+                     "measured_peak_gb": None, "predicted_memory_gb": row["memory_per_device_gb"], "stale": False})
     return rows
 
 

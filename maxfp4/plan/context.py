@@ -11,7 +11,9 @@ adds (docs/CONTEXT.md):
   forward, again in a recomputed forward, and reduce-scatters their gradients backward;
 - Mamba-2: every Mamba layer all-gathers each chunk's exit state [H, P, N] and decay (FP32),
   forward and backward, and the convolution's W-1 tokens of window (negligible);
-- balance: the zigzag order gives every rank the same causal work (:func:`causal_work_per_rank`).
+- balance: the zigzag order gives every rank the same causal work (:func:`causal_work_per_rank`);
+- attention's scores: cuDNN's kernel takes the zigzag mask as a bias over all T keys and skips
+  no causal tile, so it computes twice the causal scores (:func:`split_attention_seconds_per_token`).
 
 These collectives are charged as exposed: each feeds the layer that issued it.
 """
@@ -29,6 +31,9 @@ from maxfp4.plan import cost, layout, rates
 CONTEXT_SIZES = (2, 4, 8)
 ACT_BYTES = 2  # K and V in BF16
 STATE_BYTES = 4  # Mamba-2 states and decays in FP32
+# cuDNN's kernel with a bias computes every score of a query against all T keys: twice the
+# causal scores model FLOPs count (maxfp4.parallel.context, cuDNN's kernel with a bias).
+MASKED_SCORE_FACTOR = 2.0
 
 
 def causal_work_per_rank(c: int, zigzag: bool = True) -> list[float]:
@@ -46,6 +51,28 @@ def imbalance(c: int, zigzag: bool = True) -> float:
     """The busiest rank's causal work over the mean (1.0: balanced)."""
     work = causal_work_per_rank(c, zigzag)
     return max(work) * c / sum(work)
+
+
+def split_attention_seconds_per_token(cfg: Config, c: int, gpu: str) -> float:
+    """Seconds a token of a rank spends in the split's attention beyond what its proxy (T/C tokens,
+    no split) was charged. cuDNN's kernel (model.attention auto, cudnn, cudnn_mask) runs with the
+    zigzag mask as a bias over all T gathered keys: no causal tile is skipped, so each query
+    computes T scores, twice the causal FLOPs of a token at T that model FLOPs count, on every
+    rank alike, at the rate of cuDNN's kernel with a bias (rates.MASKED_ATTENTION_H200_TFLOPS;
+    the proxy ran cuDNN's causal kernel). XLA's (model.attention=xla) materialises the scores,
+    the causal work balanced by the zigzag order (:func:`imbalance`). Both x 4/3 under full
+    remat (the forward again)."""
+    m, t = cfg.model, cfg.data.seq_len
+    spec = model_spec(m)
+    xla = cost.runs_xla_attention(cfg)
+    proxy_rate = rates.attention_tflops(gpu, xla=xla) * 1e12
+    if xla:
+        split = spec.attention_flops_per_token(t) * imbalance(c) / proxy_rate
+    else:
+        split = spec.attention_flops_per_token(t) * MASKED_SCORE_FACTOR / (rates.masked_attention_tflops(gpu) * 1e12)
+    proxy = spec.attention_flops_per_token(t // c) / proxy_rate
+    recompute = 4 / 3 if cfg.train.remat == "full" else 1.0
+    return (split - proxy) * recompute
 
 
 def comm_bytes_per_device(cfg: Config, c: int, rows_per_device: float) -> dict[str, float]:
@@ -82,7 +109,6 @@ def rows_with_context(cfg: Config, rows: list[dict], c: int, gpus: int, tokens: 
     whole sequences, all ``gpus``, attention at the whole length, the split's collectives."""
     m = cfg.model
     t = cfg.data.seq_len
-    spec = model_spec(m)
     link = rates.GPUS[gpu]["nvlink_gbs"] if c <= gpus_per_node else cost.IB_GBS
     out = []
     for row in rows:
@@ -90,14 +116,9 @@ def rows_with_context(cfg: Config, rows: list[dict], c: int, gpus: int, tokens: 
         # a context group shares its rows: each GPU gathers K and V for every row of its group
         rows_per_device = row["global_batch"] / (row["mesh"]["data"] * row["mesh"]["fsdp"])
         comm = sum(comm_bytes_per_device(cfg, c, rows_per_device).values()) / (link * 1e9)
-        # attention at the whole length on T/C tokens a GPU, in XLA's attention unless cuDNN's
-        # masked kernel is asked for (maxfp4.parallel.context); the proxy charged T/C at its own rate
         tokens_per_gpu = row["tokens_per_step"] / (gpus / c)
-        split_rate = rates.attention_tflops(gpu, xla=m.attention != "cudnn_mask") * 1e12
-        proxy_rate = rates.attention_tflops(gpu, xla=cost.runs_xla_attention(proxy_config(cfg, c))) * 1e12
-        extra = tokens_per_gpu * (spec.attention_flops_per_token(t) / split_rate
-                                  - spec.attention_flops_per_token(t // c) / proxy_rate)
-        step = row["step_time_s"] + extra * imbalance(c) + comm
+        extra = tokens_per_gpu * split_attention_seconds_per_token(cfg, c, gpu)
+        step = row["step_time_s"] + extra + comm
         flops = sum(cost.flops_by_block_type(m, t).values())
         steps = math.ceil(tokens / tokens_per_step)
         wall = steps * step / row["goodput"]

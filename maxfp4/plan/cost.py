@@ -57,6 +57,14 @@ OPTIMIZER_TRAFFIC_BYTES = 4 * 4 + 3 * 4
 # it closes over into its carry each iteration: every tick, on every stage, for the stage's
 # blocks and for the embedding and LM head each stage holds.
 ACCUMULATE_BYTES = 3 * 4
+# With stages, more traffic a tick per parameter every stage holds whole (the embedding, LM head
+# and norms) on top of ACCUMULATE_BYTES: each tick embeds, runs the head's cond (the last stage's
+# loss) and takes their cotangents as fresh FP32 tensors, on every stage, bubble ticks included.
+# Fitted to the three pipelined dense-1p3b steps on cuDNN's attention (two H200s, 2026-11-28:
+# 278.0, 503.5 and 551.7 ms at 9, 9 and 17 ticks): each missed ~6.2 ms a tick, whatever its
+# chunk's size (12 blocks, or 6 with repeats) or its tokens (2 x 1,024 or 2 x 2,048); the embedding
+# and LM head (525M parameters) are what every tick touches alike. Not yet split by a profile.
+WHOLE_PER_TICK_BYTES = 56.0
 # Activations kept for the backward pass: maxfp4.model_spec (ACT_BYTES_*, GEMM_OUT_BYTES).
 # Per input feature: train.remat=save_gemm_io also keeps each linear layer's activation operand as
 # its recipe's backward reads it (FP8 bytes; BF16 for BF16 and for NVFP4, whose wgrad quantizes it
@@ -181,8 +189,10 @@ def state_params_per_device(cfg: Config, params: int, mesh) -> float:
 
 
 def runs_xla_attention(cfg: Config) -> bool:
-    """Whether the step runs XLA's attention: asked for, or inside pipeline stages."""
-    return cfg.model.attention == "xla" or cfg.mesh.pipeline > 1
+    """Whether the step runs XLA's attention: only when asked for (model.attention=xla). On GPU
+    ``auto`` is cuDNN's fused kernel, pipeline stages and context ranks included: it is bound
+    inside their shard_map through its primitives (maxfp4.kernels.cudnn_attention)."""
+    return cfg.model.attention == "xla"
 
 
 @functools.lru_cache(maxsize=64)
@@ -382,6 +392,15 @@ def _block_seconds(m: ModelConfig, seq_len: int, tensor: int, precision: str, gp
     return tuple(out)
 
 
+def stage_whole_params(cfg: Config, mesh, params: int) -> float:
+    """Parameters a device holds whole over ``pipeline`` (embedding, LM head, norms; their
+    fsdp x tensor shard), each touched every tick: 0 without stages."""
+    mesh = PlanMesh(*mesh)
+    if mesh.pipeline == 1:
+        return 0.0
+    return (params - _block_matmul_params(cfg.model)) / (mesh.fsdp * mesh.tensor)
+
+
 def accumulated_params(cfg: Config, mesh, params: int, state: float) -> float:
     """Parameters whose FP32 gradient a device adds into an accumulator a step: its shard once a
     microbatch (none with one microbatch); with stages, once a tick, the blocks of one chunk."""
@@ -414,6 +433,9 @@ def compute_parts(cfg: Config, mesh, flops: dict[str, float], params: int,
     hbm = GPUS[gpu]["hbm_tbs"] * 1e12
     state = state_params_per_device(cfg, params, mesh)
     optimizer = (state * OPTIMIZER_TRAFFIC_BYTES + accumulated_params(cfg, mesh, params, state) * ACCUMULATE_BYTES) / hbm
+    # with stages, the parameters every stage holds whole are touched again each tick
+    n_ticks = ticks(mesh.pipeline, cfg.train.microbatches, mesh.repeats)
+    optimizer += stage_whole_params(cfg, mesh, params) * n_ticks * WHOLE_PER_TICK_BYTES / hbm
     if utilisation is not None:
         peak = datasheet_tflops(gpu, precision) * 1e12
         bf16 = utilisation * datasheet_tflops(gpu, "bf16") * 1e12

@@ -21,10 +21,16 @@ FP4_EFFICIENCY = MEASURED_H200_TFLOPS["fp8"] / DEVICE_PEAKS_TFLOPS["H200"]["fp8"
 # cuDNN flash attention, model FLOPs (causal half) per second on one H200: the Llama-3-8B BF16
 # profile spends 283 ms on 1.06e14 attention FLOPs a GPU (docs/PERFORMANCE.md, "What bounds each").
 ATTENTION_H200_TFLOPS = 370.0
-# XLA's attention (model.attention=xla, and every pipeline stage: cuDNN's does not compile inside
-# the stages' shard_map, maxfp4.parallel.pipeline) materialises the scores; it is bound by their
-# traffic. Fitted to the one step measured with it alone, dense-1p3b fsdp=2 at 16 x 1024 with full
-# remat on two H200s (303.1 ms, 2026-11-28): the rest of that step as the model charges it leaves
+# cuDNN's kernel with an additive bias and no causal mask (context ranks: the zigzag mask over all
+# gathered keys, maxfp4.parallel.context), FLOPs it computes (every score, twice the causal
+# ones) per second on one H200: fitted to dense-1p3b at context=2, 2 x 16,384 tokens, full remat
+# on two H200s (1,459.7 ms, 2026-11-28), whose 211 TFLOP of scores a GPU (the recomputed forward
+# included) take ~1.15 s of the step as the rest of the model charges it: the kernel reads the
+# bias tile by tile and skips no tile.
+MASKED_ATTENTION_H200_TFLOPS = 185.0
+# XLA's attention (model.attention=xla) materialises the scores; it is bound by their traffic.
+# Fitted to the one step measured with it alone, dense-1p3b fsdp=2 at 16 x 1024 with full remat
+# on two H200s (303.1 ms, 2026-11-28): the rest of that step as the model charges it leaves
 # ~147 ms for 3.3e12 attention FLOPs a GPU. Other GPUs scale it by HBM bandwidth.
 XLA_ATTENTION_H200_TFLOPS = 22.5
 # Mamba-2's SSD and convolution kernels, charged per SSD matmul FLOP: ~1.8 ms a layer at
@@ -56,6 +62,11 @@ def attention_tflops(gpu: str, xla: bool = False) -> float:
     if xla:
         return XLA_ATTENTION_H200_TFLOPS * GPUS[gpu]["hbm_tbs"] / GPUS["h200"]["hbm_tbs"]
     return ATTENTION_H200_TFLOPS * _bf16_peak_ratio(gpu)
+
+
+def masked_attention_tflops(gpu: str) -> float:
+    """cuDNN's kernel with a bias (every score computed), scaled by the BF16 peak."""
+    return MASKED_ATTENTION_H200_TFLOPS * _bf16_peak_ratio(gpu)
 
 
 def ssd_tflops(gpu: str) -> float:
