@@ -112,28 +112,28 @@ def test_the_measured_pipeline_and_context_steps_are_within_15_percent():
         if mesh.pipeline > 1:
             staged.append((mesh, cfg.train.microbatches))
     assert staged == [(PlanMesh(1, 1, 1, 2), 8), (PlanMesh(1, 1, 1, 2), 8), (PlanMesh(1, 1, 1, 2, 2), 8)]
-    [(label, path, overrides, gpus, gpu, precision, step_ms)] = calibration.MEASURED_CONTEXT
-    cfg = load_config(path, overrides)
-    [row] = [r for r in context_plan.plan_rows(cfg, gpus, gpu, 1e9, None, None, 8, 0.9) if r["precision"] == precision]
-    assert row["context"] == 2 and abs(row["step_time_s"] * 1e3 / step_ms - 1) <= calibration.GOAL, row["step_time_s"]
+    # The split's rate is fitted to the 32k row; the 16k row is under-predicted (rates.py says why).
+    for (label, path, overrides, gpus, gpu, precision, step_ms, counted) in calibration.MEASURED_CONTEXT:
+        bound = calibration.GOAL if counted else 0.30
+        cfg = load_config(path, overrides)
+        [row] = [r for r in context_plan.plan_rows(cfg, gpus, gpu, 1e9, None, None, 8, 0.9)
+                 if r["precision"] == precision]
+        assert row["context"] == 2 and abs(row["step_time_s"] * 1e3 / step_ms - 1) <= bound, (label, row["step_time_s"])
 
 
-def test_context_attention_on_cudnn_computes_every_score_of_the_whole_length():
-    """A context rank's attention beyond its proxy's (T/C tokens, causal cuDNN): on cuDNN (auto)
-    the bias over all T keys, twice the causal FLOPs at T, at the masked kernel's rate; on XLA's
-    the causal work at T (balanced by the zigzag order), at XLA's rate. x 4/3 under full remat."""
+def test_context_attention_is_charged_its_causal_work_at_the_split_rate():
+    """A context rank's attention beyond its proxy's (T/C tokens, causal cuDNN): the causal work
+    of a token at T, at the rate of cuDNN's per-chunk kernels (auto) or of XLA's (xla), minus the
+    proxy's, x 4/3 under full remat."""
     t, c = 16384, 4
     for attention in ("auto", "xla"):
         cfg = load_config("configs/dense-1p3b.yaml", [f"data.seq_len={t}", f"model.attention={attention}",
                                                       "train.remat=full"])
         spec = model_spec(cfg.model)
         causal, proxy = spec.attention_flops_per_token(t), spec.attention_flops_per_token(t // c)
-        if attention == "xla":
-            rate = plan_model.attention_tflops("h100", xla=True) * 1e12
-            want = (causal - proxy) / rate
-        else:
-            want = 2 * causal / (rates.masked_attention_tflops("h100") * 1e12) - proxy / (
-                plan_model.attention_tflops("h100") * 1e12)
+        proxy_rate = plan_model.attention_tflops("h100", xla=attention == "xla") * 1e12
+        split_rate = proxy_rate if attention == "xla" else rates.split_attention_tflops("h100") * 1e12
+        want = causal / split_rate - proxy / proxy_rate
         got = context_plan.split_attention_seconds_per_token(cfg, c, "h100")
         assert got == pytest.approx(want * 4 / 3, rel=1e-12), attention
 

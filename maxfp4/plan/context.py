@@ -31,9 +31,6 @@ from maxfp4.plan import cost, layout, rates
 CONTEXT_SIZES = (2, 4, 8)
 ACT_BYTES = 2  # K and V in BF16
 STATE_BYTES = 4  # Mamba-2 states and decays in FP32
-# cuDNN's kernel with a bias computes every score of a query against all T keys: twice the
-# causal scores model FLOPs count (maxfp4.parallel.context, cuDNN's kernel with a bias).
-MASKED_SCORE_FACTOR = 2.0
 
 
 def causal_work_per_rank(c: int, zigzag: bool = True) -> list[float]:
@@ -55,21 +52,16 @@ def imbalance(c: int, zigzag: bool = True) -> float:
 
 def split_attention_seconds_per_token(cfg: Config, c: int, gpu: str) -> float:
     """Seconds a token of a rank spends in the split's attention beyond what its proxy (T/C tokens,
-    no split) was charged. cuDNN's kernel (model.attention auto, cudnn, cudnn_mask) runs with the
-    zigzag mask as a bias over all T gathered keys: no causal tile is skipped, so each query
-    computes T scores, twice the causal FLOPs of a token at T that model FLOPs count, on every
-    rank alike, at the rate of cuDNN's kernel with a bias (rates.MASKED_ATTENTION_H200_TFLOPS;
-    the proxy ran cuDNN's causal kernel). XLA's (model.attention=xla) materialises the scores,
-    the causal work balanced by the zigzag order (:func:`imbalance`). Both x 4/3 under full
-    remat (the forward again)."""
+    no split) was charged: the causal work of a token at T, balanced by the zigzag order
+    (:func:`imbalance`), on cuDNN's kernels split per chunk (model.attention auto, cudnn,
+    cudnn_mask: rates.SPLIT_ATTENTION_H200_TFLOPS; the proxy ran cuDNN's causal kernel whole) or
+    XLA's (model.attention=xla), x 4/3 under full remat (the forward again)."""
     m, t = cfg.model, cfg.data.seq_len
     spec = model_spec(m)
     xla = cost.runs_xla_attention(cfg)
     proxy_rate = rates.attention_tflops(gpu, xla=xla) * 1e12
-    if xla:
-        split = spec.attention_flops_per_token(t) * imbalance(c) / proxy_rate
-    else:
-        split = spec.attention_flops_per_token(t) * MASKED_SCORE_FACTOR / (rates.masked_attention_tflops(gpu) * 1e12)
+    split_rate = proxy_rate if xla else rates.split_attention_tflops(gpu) * 1e12
+    split = spec.attention_flops_per_token(t) * imbalance(c) / split_rate
     proxy = spec.attention_flops_per_token(t // c) / proxy_rate
     recompute = 4 / 3 if cfg.train.remat == "full" else 1.0
     return (split - proxy) * recompute

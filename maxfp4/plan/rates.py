@@ -21,13 +21,15 @@ FP4_EFFICIENCY = MEASURED_H200_TFLOPS["fp8"] / DEVICE_PEAKS_TFLOPS["H200"]["fp8"
 # cuDNN flash attention, model FLOPs (causal half) per second on one H200: the Llama-3-8B BF16
 # profile spends 283 ms on 1.06e14 attention FLOPs a GPU (docs/PERFORMANCE.md, "What bounds each").
 ATTENTION_H200_TFLOPS = 370.0
-# cuDNN's kernel with an additive bias and no causal mask (context ranks: the zigzag mask over all
-# gathered keys, maxfp4.parallel.context), FLOPs it computes (every score, twice the causal
-# ones) per second on one H200: fitted to dense-1p3b at context=2, 2 x 16,384 tokens, full remat
-# on two H200s (1,459.7 ms, 2026-11-28), whose 211 TFLOP of scores a GPU (the recomputed forward
-# included) take ~1.15 s of the step as the rest of the model charges it: the kernel reads the
-# bias tile by tile and skips no tile.
-MASKED_ATTENTION_H200_TFLOPS = 185.0
+# cuDNN's kernels on a context rank (maxfp4.parallel.context: each chunk's own keys, causal, with
+# an S x S segment bias, and its document's earlier keys as a padded prefix, merged by their
+# log-sum-exp), causal FLOPs per second on one H200: fitted to dense-1p3b at context=2,
+# 1 x 32,768 tokens, full remat on two H200s (1,076.2 ms, 2026-11-28). The same batch of
+# 2 x 16,384 tokens (950.2 ms) comes out 27% low: its cost grows far less than its attention
+# FLOPs from 16k to 32k, as if each row paid a fixed ~170 ms (kernel calls per chunk, the
+# rolled keys, the merge) that this one rate does not model. Fitted to the longer row because
+# the planner picks context for long sequences, where attention dominates.
+SPLIT_ATTENTION_H200_TFLOPS = 275.0
 # XLA's attention (model.attention=xla) materialises the scores; it is bound by their traffic.
 # Fitted to the one step measured with it alone, dense-1p3b fsdp=2 at 16 x 1024 with full remat
 # on two H200s (303.1 ms, 2026-11-28): the rest of that step as the model charges it leaves
@@ -64,9 +66,9 @@ def attention_tflops(gpu: str, xla: bool = False) -> float:
     return ATTENTION_H200_TFLOPS * _bf16_peak_ratio(gpu)
 
 
-def masked_attention_tflops(gpu: str) -> float:
-    """cuDNN's kernel with a bias (every score computed), scaled by the BF16 peak."""
-    return MASKED_ATTENTION_H200_TFLOPS * _bf16_peak_ratio(gpu)
+def split_attention_tflops(gpu: str) -> float:
+    """cuDNN's kernels on a context rank (causal FLOPs), scaled by the BF16 peak."""
+    return SPLIT_ATTENTION_H200_TFLOPS * _bf16_peak_ratio(gpu)
 
 
 def ssd_tflops(gpu: str) -> float:
