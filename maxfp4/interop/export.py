@@ -143,8 +143,8 @@ def export(run_dir: str, out: str | None = None, *, fmt: str = "hf", dtype: str 
     provenance = {"run": os.path.basename(os.path.normpath(run_dir)),
                   "checkpoint": os.path.relpath(os.path.join(checkpoints, str(step)), run_dir),
                   "step": step, "dtype": dtype, "model": _plain_model(model_cfg), "seq_len": seq_len}
-    return _export_hf(out, model_cfg, params, abstract, bias_LX, tokenizer, dtype=dtype, shard_size=shard_size,
-                      max_positions=seq_len, provenance=provenance)
+    return _export_hf(out, model_cfg, params, abstract, tokenizer, dtype=dtype, shard_size=shard_size,
+                      max_positions=seq_len, provenance=provenance, bias_LX=bias_LX)
 
 
 # ----------------------------------------------------------------------------- hf
@@ -186,8 +186,10 @@ def _router_bias(run_dir: str, step: int, model_cfg) -> np.ndarray | None:
     return bias_LX
 
 
-def _export_hf(out: str, model_cfg, params, shapes, bias_LX, tokenizer, *, dtype: str, shard_size: int,
-               max_positions: int, provenance: dict) -> str:
+def _export_hf(out: str, model_cfg, params, shapes, tokenizer, *, dtype: str, shard_size: int, max_positions: int,
+               provenance: dict, bias_LX: np.ndarray | None = None) -> str:
+    """``bias_LX``: the routers' bias f32[L, X] of the train state (None: a model without E
+    blocks, or an export of the parameters alone)."""
     import itertools
 
     from maxfp4.data.tokenizer_hf import write_hf_tokenizer
