@@ -200,7 +200,8 @@ def _export_hf(out: str, model_cfg, params, shapes, tokenizer, *, dtype: str, sh
     bias = hf_router_bias(model_cfg, bias_LX) if bias_LX is not None else []
     named_shapes = hf_tensor_shapes(model_cfg, shapes) + [(name, b.shape) for name, b in bias]
     in_f32 = frozenset(name for name, _ in bias)  # FP32 whatever --dtype (maxfp4.interop.hf.ROUTER_BIAS)
-    nbytes = {name: int(np.prod(shape)) * (4 if dtype == "fp32" or name in in_f32 else 2) for name, shape in named_shapes}
+    nbytes = {name: int(np.prod(shape)) * (4 if dtype == "fp32" or name in in_f32 else 2)
+              for name, shape in named_shapes}
     files = plan_shards(list(nbytes.items()), shard_size)
     total = sum(nbytes.values())
     shape_of = dict(named_shapes)
