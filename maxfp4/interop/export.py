@@ -6,7 +6,9 @@ Writes a checkpoint's parameters for use outside maxfp4.
 ``--format hf`` (the default): a Hugging Face model directory that ``transformers`` loads with
 ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``:
 dense models as ``LlamaForCausalLM``, hybrid models as ``NemotronHForCausalLM`` (names and
-layouts: :mod:`maxfp4.interop.hf`); ``config.json`` (with the run, checkpoint and step under
+layouts: :mod:`maxfp4.interop.hf`; its E layers carry the routers' aux-loss-free bias from the
+train state, in FP32), attention + MoE as ``MixtralForCausalLM`` (which has no router bias: a
+nonzero one is dropped, saying so in one line on stderr); ``config.json`` (with the run, checkpoint and step under
 ``maxfp4``), safetensors (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` and
 ``model.safetensors.index.json`` above ``--shard-size``), and the tokenizer files
 (:mod:`maxfp4.data.tokenizer_hf`). A model the architecture cannot hold is refused in one line
@@ -16,7 +18,7 @@ naming the feature.
 parameters stacked with the layer axis first), ``config.yaml`` (the model section) and the
 run's ``tokenizer.model``.
 
-Only the parameters are read (no optimizer state), onto the host CPU. Bad input is one line on
+Only the parameters (and the routers' bias) are read, no optimizer state, onto the host CPU. Bad input is one line on
 stderr and exit code 2; nothing is written until the parameters have been read, and each file
 is written under a temporary name, made readable by all (0644) and renamed.
 """
@@ -128,6 +130,7 @@ def export(run_dir: str, out: str | None = None, *, fmt: str = "hf", dtype: str 
     abstract = abstract_params(model_cfg, jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0]))
     try:
         params = read_params(run_dir, step, abstract)
+        bias_LX = _router_bias(run_dir, step, model_cfg) if fmt == "hf" else None
     except Exception as error:  # noqa: BLE001 - damaged or foreign checkpoint: say which
         raise ExportError(f"checkpoint {checkpoints}/{step}: unreadable ({one_line_reason(error)})") from None
 
@@ -141,7 +144,7 @@ def export(run_dir: str, out: str | None = None, *, fmt: str = "hf", dtype: str 
                   "checkpoint": os.path.relpath(os.path.join(checkpoints, str(step)), run_dir),
                   "step": step, "dtype": dtype, "model": _plain_model(model_cfg), "seq_len": seq_len}
     return _export_hf(out, model_cfg, params, abstract, tokenizer, dtype=dtype, shard_size=shard_size,
-                      max_positions=seq_len, provenance=provenance)
+                      max_positions=seq_len, provenance=provenance, bias_LX=bias_LX)
 
 
 # ----------------------------------------------------------------------------- hf
@@ -161,25 +164,55 @@ def _run_tokenizer(saved: dict, run_dir: str):
     return None
 
 
+def _router_bias(run_dir: str, step: int, model_cfg) -> np.ndarray | None:
+    """The checkpoint's routers' bias f32[L, X] (None without E blocks); for Mixtral, which
+    cannot hold it, one line on stderr when it is nonzero."""
+    import jax
+
+    from maxfp4.interop.hf import MIXTRAL, architecture
+    from maxfp4.interop.sample import checkpoint_router_bias
+
+    if "E" not in model_cfg.pattern:
+        return None
+    bias_LX = np.asarray(checkpoint_router_bias(run_dir, step, model_cfg, jax.local_devices(backend="cpu")[0]))
+    if architecture(model_cfg) == MIXTRAL and np.any(bias_LX):
+        # Dropped rather than refused: the bias only breaks near-ties in the choice of experts
+        # (the router and experts export whole), and the default model.moe.bias_update_rate > 0
+        # would otherwise leave no attention + MoE model exportable to transformers.
+        print(f"warning: MixtralForCausalLM has no router bias: the aux-loss-free bias (max |bias| "
+              f"{np.max(np.abs(bias_LX)):.3g}) is dropped, so transformers picks experts by the router's scores "
+              f"alone (--format native keeps the parameters; python -m maxfp4.sample RUN uses the bias)",
+              file=sys.stderr)
+    return bias_LX
+
+
 def _export_hf(out: str, model_cfg, params, shapes, tokenizer, *, dtype: str, shard_size: int, max_positions: int,
-               provenance: dict) -> str:
+               provenance: dict, bias_LX: np.ndarray | None = None) -> str:
+    """``bias_LX``: the routers' bias f32[L, X] of the train state (None: a model without E
+    blocks, or an export of the parameters alone)."""
+    import itertools
+
     from maxfp4.data.tokenizer_hf import write_hf_tokenizer
-    from maxfp4.interop.hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, check_covers, hf_config, hf_tensor_shapes, hf_tensors
+    from maxfp4.interop.hf import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, check_covers, hf_config, hf_router_bias,
+                                   hf_tensor_shapes, hf_tensors)
 
     check_covers(model_cfg, params)
-    itemsize = 2 if dtype == "bf16" else 4
-    named_shapes = hf_tensor_shapes(model_cfg, shapes)
-    files = plan_shards([(name, int(np.prod(shape)) * itemsize) for name, shape in named_shapes], shard_size)
-    total = sum(int(np.prod(shape)) * itemsize for _, shape in named_shapes)
+    bias = hf_router_bias(model_cfg, bias_LX) if bias_LX is not None else []
+    named_shapes = hf_tensor_shapes(model_cfg, shapes) + [(name, b.shape) for name, b in bias]
+    in_f32 = frozenset(name for name, _ in bias)  # FP32 whatever --dtype (maxfp4.interop.hf.ROUTER_BIAS)
+    nbytes = {name: int(np.prod(shape)) * (4 if dtype == "fp32" or name in in_f32 else 2)
+              for name, shape in named_shapes}
+    files = plan_shards(list(nbytes.items()), shard_size)
+    total = sum(nbytes.values())
     shape_of = dict(named_shapes)
     metadata = {"format": "pt", "maxfp4.step": str(provenance["step"])}  # transformers requires format=pt
-    tensors = hf_tensors(model_cfg, params)
+    tensors = itertools.chain(hf_tensors(model_cfg, params), bias)
     names = [SINGLE_FILE] if len(files) == 1 else [
         f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     for file_name, members in zip(names, files):
         _write_atomically(os.path.join(out, file_name),
                           lambda tmp, m=members: write_safetensors(tmp, [(n, shape_of[n]) for n in m], tensors,
-                                                                   SAFETENSORS_DTYPES[dtype], metadata))
+                                                                   SAFETENSORS_DTYPES[dtype], metadata, in_f32))
     if len(files) > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: f for f, members in zip(names, files) for n in members}}
@@ -211,17 +244,18 @@ def plan_shards(sizes: list[tuple[str, int]], shard_size: int) -> list[list[str]
 
 
 def write_safetensors(path: str, layout: list[tuple[str, tuple[int, ...]]], tensors, dtype: str,
-                      metadata: dict[str, str]) -> None:
+                      metadata: dict[str, str], in_f32: frozenset[str] = frozenset()) -> None:
     """Write a safetensors file whose tensors are ``layout`` (name, shape), taking the arrays
-    one at a time from the iterator ``tensors`` (which yields them in this order). The header is
-    known from the shapes, so no file is ever held in memory; BF16 is written as its raw bytes
-    (round to nearest even), so the writer needs no BF16 support from any library."""
-    itemsize = 2 if dtype == "BF16" else 4
+    one at a time from the iterator ``tensors`` (which yields them in this order); those named in
+    ``in_f32`` are F32 whatever ``dtype``. The header is known from the shapes, so no file is ever
+    held in memory; BF16 is written as its raw bytes (round to nearest even), so the writer needs
+    no BF16 support from any library."""
+    dtype_of = {name: "F32" if name in in_f32 else dtype for name, _ in layout}
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, shape in layout:
-        size = int(np.prod(shape)) * itemsize
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        size = int(np.prod(shape)) * (2 if dtype_of[name] == "BF16" else 4)
+        header[name] = {"dtype": dtype_of[name], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
@@ -232,7 +266,7 @@ def write_safetensors(path: str, layout: list[tuple[str, tuple[int, ...]]], tens
             got_name, array = next(tensors)
             if got_name != name or tuple(array.shape) != tuple(shape):
                 raise AssertionError(f"{got_name} {array.shape} written where {name} {shape} was planned")
-            fh.write(_raw_bytes(np.asarray(array, np.float32), dtype))
+            fh.write(_raw_bytes(np.asarray(array, np.float32), dtype_of[name]))
 
 
 def _raw_bytes(a_f32: np.ndarray, dtype: str) -> bytes:

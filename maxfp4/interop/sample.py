@@ -83,7 +83,7 @@ def _tokenizer(path: str, vocab_size: int, what: str):
     return load_checked(path, vocab_size, what)
 
 
-def _read_router_bias(run_dir: str, step: int, model_cfg, device):
+def checkpoint_router_bias(run_dir: str, step: int, model_cfg, device):
     """f32[blocks, experts] from a checkpoint's precision state (maxfp4.model.router_state)."""
     import jax
     import jax.numpy as jnp
@@ -117,7 +117,7 @@ def load_run(run_dir: str, device) -> LoadedModel:
         params = read_params(run_dir, steps[-1], _abstract_params(model_cfg, device))
         if "E" in model_cfg.pattern:  # the routers' aux-loss-free bias rides along into decoding
             from maxfp4.model.router_state import BIAS
-            params = {**params, BIAS: _read_router_bias(run_dir, steps[-1], model_cfg, device)}
+            params = {**params, BIAS: checkpoint_router_bias(run_dir, steps[-1], model_cfg, device)}
     except Exception as error:  # noqa: BLE001 - damaged or foreign checkpoint: say which
         raise SampleError(f"checkpoint {checkpoint_dir(run_dir)}/{steps[-1]}: unreadable "
                           f"({one_line_reason(error)})") from None
@@ -170,7 +170,7 @@ def load_hf_export(export_dir: str, device) -> LoadedModel:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from maxfp4.interop.hf import read_params as read_hf_params
+    from maxfp4.interop.hf import ModelDir, read_params as read_hf_params, read_router_bias as read_hf_router_bias
 
     config_path = os.path.join(export_dir, HF_CONFIG)
     try:
@@ -186,6 +186,10 @@ def load_hf_export(export_dir: str, device) -> LoadedModel:
     abstract = _abstract_params(model_cfg, device)
     whole = NamedSharding(Mesh(np.array([device]), ("one",)), PartitionSpec())  # the reader places by mesh
     params = read_hf_params(model_cfg, export_dir, jax.tree.map(lambda _: whole, abstract), abstract)
+    bias_LX = read_hf_router_bias(model_cfg, ModelDir(export_dir))
+    if bias_LX is not None:  # NemotronH's E layers carry the run's router bias (Mixtral: zeros)
+        from maxfp4.model.router_state import BIAS
+        params = {**params, BIAS: jax.device_put(bias_LX, device)}
     return LoadedModel(model_cfg, params, tokenizer, recorded.get("seq_len"), export_dir, "")
 
 
