@@ -42,7 +42,8 @@ from maxfp4.goodput import Goodput, GoodputHook
 from maxfp4.kernels.support import check_grouped_gemm, check_mamba_kernels
 from maxfp4.lm_eval_hook import check_eval_tasks, lm_eval_hook
 from maxfp4.loop import Every, Hook, Loop, close_hooks, every
-from maxfp4.interop.hf import check_init_from, read_params as read_hf_params, with_router_bias
+from maxfp4.interop.hf import check_init_from, read_params as read_hf_params
+from maxfp4.interop.hf_router_bias import with_router_bias
 from maxfp4.interop.positions import positions_warning
 from maxfp4.parallel.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_mesh, tree_shardings
 from maxfp4.metrics import MetricsHook, MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops

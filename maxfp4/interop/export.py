@@ -193,13 +193,14 @@ def _export_hf(out: str, model_cfg, params, shapes, tokenizer, *, dtype: str, sh
     import itertools
 
     from maxfp4.data.tokenizer_hf import write_hf_tokenizer
-    from maxfp4.interop.hf import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, check_covers, hf_config, hf_router_bias,
-                                   hf_tensor_shapes, hf_tensors)
+    from maxfp4.interop.hf import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, check_covers, hf_config, hf_tensor_shapes,
+                                   hf_tensors)
+    from maxfp4.interop.hf_router_bias import hf_router_bias
 
     check_covers(model_cfg, params)
     bias = hf_router_bias(model_cfg, bias_LX) if bias_LX is not None else []
     named_shapes = hf_tensor_shapes(model_cfg, shapes) + [(name, b.shape) for name, b in bias]
-    in_f32 = frozenset(name for name, _ in bias)  # FP32 whatever --dtype (maxfp4.interop.hf.ROUTER_BIAS)
+    in_f32 = frozenset(name for name, _ in bias)  # FP32 whatever --dtype (maxfp4.interop.hf_router_bias.ROUTER_BIAS)
     nbytes = {name: int(np.prod(shape)) * (4 if dtype == "fp32" or name in in_f32 else 2)
               for name, shape in named_shapes}
     files = plan_shards(list(nbytes.items()), shard_size)

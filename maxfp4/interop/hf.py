@@ -16,7 +16,7 @@ Layout facts the table encodes:
 - Experts: ``w_up`` [X, D, F, gates] and ``w_down`` [X, F, D] are one tensor per expert in the
   published checkpoints' layout (``experts.{j}.up_proj`` / Mixtral's ``w1``, ``w3``, ``w2``),
   which transformers 5 merges while loading. The router [D, X] is ``gate.weight`` [X, D].
-  The aux-loss-free bias lives in the train state, not the parameters (:func:`router_bias_names`):
+  The aux-loss-free bias lives in the train state, not the parameters (maxfp4.interop.hf_router_bias):
   NemotronH holds it as each E layer's ``gate.e_score_correction_bias`` [X]; Mixtral has none.
 - Mamba-2: ``in_proj`` [D, G, P] holds each group's z, x, B, C, dt columns side by side
   (:mod:`maxfp4.model.mamba_layout`); Hugging Face's in_proj has z, x, B, C, dt one after the
@@ -329,57 +329,6 @@ def hf_tensor_shapes(model_cfg, param_shapes: Any) -> list[tuple[str, tuple[int,
     return out
 
 
-# ----------------------------------------------------------------------------- the routers' bias
-
-# DeepSeek-V3's aux-loss-free bias, added to the sigmoid scores to choose experts and not to
-# weight them, in transformers' NemotronH router as in maxfp4.model.moe.choose_experts. maxfp4
-# keeps it in the train state (maxfp4.model.router_state) as f32[L, X], a row per block; block i
-# is Nemotron-H layer i. transformers keeps the buffer in FP32 whatever the model's dtype, and
-# the export writes it in FP32: BF16 would move it by up to 2^-9 of itself, enough to flip the
-# choice between two experts whose biased scores are that close.
-ROUTER_BIAS = "mixer.gate.e_score_correction_bias"
-
-
-def router_bias_names(model_cfg) -> list[tuple[int, str]]:
-    """(block, Hugging Face tensor) of every E layer's router bias: NemotronH's; none for Mixtral,
-    whose router has no bias, and for models without E blocks."""
-    if model_cfg.kind != "hybrid" or "E" not in model_cfg.pattern or architecture(model_cfg) != NEMOTRON_H:
-        return []
-    return [(i, f"{NEMOTRON_PREFIX}layers.{i}.{ROUTER_BIAS}") for i in model_spec(model_cfg).blocks_with("moe")]
-
-
-def hf_router_bias(model_cfg, bias_LX: np.ndarray) -> list[tuple[str, np.ndarray]]:
-    """(name, f32[X]) of every E layer's row of the train state's bias."""
-    return [(name, np.asarray(bias_LX[i], np.float32)) for i, name in router_bias_names(model_cfg)]
-
-
-def read_router_bias(model_cfg, model_dir: ModelDir) -> np.ndarray | None:
-    """The train state's f32[L, X] from the directory; None for a model without E blocks. A layer
-    whose file has no bias (a Mixtral, an export that predates it) gets zeros, as transformers
-    starts a missing buffer."""
-    if "E" not in model_cfg.pattern:
-        return None
-    bias_LX = np.zeros((len(model_cfg.pattern), model_cfg.moe.experts), np.float32)
-    for i, name in router_bias_names(model_cfg):
-        if model_dir.shape(name) is not None:
-            bias_LX[i] = model_dir.read(name)
-    return bias_LX
-
-
-def with_router_bias(model_cfg, path: str, precision: dict, shardings: dict) -> dict:
-    """``precision`` (the train state's) with the routers' bias of the Hugging Face model at
-    ``path`` (:func:`read_router_bias`) placed onto its sharding; unchanged without E blocks."""
-    import jax
-
-    from maxfp4.model.router_state import STATE_KEY
-
-    if "E" not in model_cfg.pattern:
-        return precision
-    bias_LX = read_router_bias(model_cfg, ModelDir(path))
-    placed = jax.make_array_from_callback(bias_LX.shape, shardings[STATE_KEY]["bias"], lambda idx: bias_LX[idx])
-    return {**precision, STATE_KEY: {**precision[STATE_KEY], "bias": placed}}
-
-
 # ----------------------------------------------------------------------------- config.json
 
 def hf_config(model_cfg, *, max_positions: int, dtype: str, bos_id: int, eos_id: int, pad_id: int,
@@ -547,11 +496,8 @@ def check_model_dir(model_cfg, model_dir: ModelDir, param_shapes: Any) -> None:
                 if tuple(got) != tuple(want):
                     raise HFError(f"model.init_from={where}: tensor {name} has shape {list(got)}; expected "
                                   f"{list(want)} from the model config")
-    for _, name in router_bias_names(model_cfg):
-        got = model_dir.shape(name)
-        if got is not None and tuple(got) != (model_cfg.moe.experts,):
-            raise HFError(f"model.init_from={where}: tensor {name} has shape {list(got)}; expected "
-                          f"[{model_cfg.moe.experts}] (model.moe.experts)")
+    from maxfp4.interop.hf_router_bias import check_router_bias  # that module builds on this one
+    check_router_bias(model_cfg, model_dir, where)
 
 
 def _check_scalars(model_cfg, hf_cfg: dict, where: str) -> None:

@@ -170,7 +170,8 @@ def load_hf_export(export_dir: str, device) -> LoadedModel:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from maxfp4.interop.hf import ModelDir, read_params as read_hf_params, read_router_bias as read_hf_router_bias
+    from maxfp4.interop.hf import ModelDir, read_params as read_hf_params
+    from maxfp4.interop.hf_router_bias import read_router_bias as read_hf_router_bias
 
     config_path = os.path.join(export_dir, HF_CONFIG)
     try:
