@@ -197,13 +197,15 @@ def _maxfp4_logits_with_bias(cfg, ids, bias_LX):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overrides, architecture", [
-    (NEMOTRON_H_MOE, "NemotronHForCausalLM"), (MIXTRAL, "MixtralForCausalLM")])
-def test_transformers_loads_the_moe_export_with_maxfp4s_logits(tmp_path, overrides, architecture):
-    """Trained with the aux-loss-free bias moving 1e-2 a step for 40 steps: transformers' logits
-    within 3% of the largest of maxfp4's BF16 forward (tests/test_gpu_hf.py's bound), maxfp4
-    routing with the bias for NemotronH (exported) and without it for Mixtral (dropped). For
-    NemotronH the bias must matter: maxfp4 without it is further from transformers."""
+@pytest.mark.parametrize("overrides, architecture, rate", [
+    (NEMOTRON_H_MOE, "NemotronHForCausalLM", 1e-2), (MIXTRAL, "MixtralForCausalLM", 0.0)])
+def test_transformers_loads_the_moe_export_with_maxfp4s_logits(tmp_path, overrides, architecture, rate):
+    """40 steps, then transformers' logits within 3% of the largest of maxfp4's BF16 forward
+    (tests/test_gpu_hf.py's bound). NemotronH trains with the aux-loss-free bias moving 1e-2 a
+    step and exports it: the bias must matter (maxfp4 without it is further from transformers).
+    Mixtral has no bias to export, so it trains without one: a bias-trained Mixtral routed
+    without its bias is a different model (on an H200 the logits differed by up to 0.36, over
+    the 3% bound), which the export says in one line (test above)."""
     from tests.test_gpu_hf import _transformers_logits
 
     from maxfp4.checkpoint import finalized_steps
@@ -211,11 +213,11 @@ def test_transformers_loads_the_moe_export_with_maxfp4s_logits(tmp_path, overrid
     from maxfp4.interop.sample import checkpoint_router_bias
     from maxfp4.train import train
     cfg = load_config("configs/tiny-moe.yaml", overrides + [
-        "model.moe.bias_update_rate=1e-2", "train.steps=40", "checkpoint.async=false", f"run.output_dir={tmp_path}"])
+        f"model.moe.bias_update_rate={rate}", "train.steps=40", "checkpoint.async=false", f"run.output_dir={tmp_path}"])
     train(cfg, stream=io.StringIO())
     bias_LX = np.asarray(checkpoint_router_bias(cfg.run_dir, finalized_steps(cfg.run_dir)[-1], cfg.model,
                                                 jax.devices()[0]))
-    assert np.any(bias_LX)
+    assert np.any(bias_LX) == (rate > 0)
     out = tmp_path / "hf"
     export(cfg.run_dir, str(out), dtype="fp32")
     ids = np.random.default_rng(0).integers(4, cfg.model.vocab_size, size=(2, 64))
