@@ -4,7 +4,8 @@ docs/PERFORMANCE.md, and its days against published runs.
     python benchmarks/plan_calibration.py [--json OUT.json]
 
 Prints two tables (no device needed: the planner is a model) and exits 0; the goal is every
-current measured step within 15%. Rows marked stale ran code that has since changed and are
+current measured step within 15% (memory: every current peak within 10%, or a stated
+reason in MEMORY_UNEXPLAINED). Rows marked stale ran code that has since changed and are
 shown for the record, not counted against the goal.
 """
 
@@ -126,6 +127,25 @@ MEASURED_CONTEXT = [
      STAGES[:-1] + ["data.seq_len=32768", "data.global_batch=1", "mesh.context=2"], 2, "h200", "bf16", 1076.2, True),
 ]
 GIB = 2**30
+# The goal for the planner's memory (= the preflight's estimate) against every measured peak.
+MEMORY_GOAL = 0.10
+# (label, GPU) of the current rows whose peak the memory model misses by more than MEMORY_GOAL,
+# and why (docs/PLANNING.md, "Memory"); tests/test_plan.py keeps them within MEMORY_BOUND_UNEXPLAINED.
+SAVE_GEMM_OVER = ("save_gemm: every kept GEMM output and the recomputed block are counted at once; "
+                  "XLA reuses part of them in the backward pass (not yet split by a profile)")
+FULL_REMAT_UNDER = ("full remat at d_model 4,096: ~9 GB held that the model does not name (not yet "
+                    "split by a profile)")
+MEMORY_UNEXPLAINED = {
+    ("dense-1p3b bf16", "h200"): "the same step's peak varies 50-59 GB over runs (its FP8 rows); the model sits in the middle",
+    ("hybrid-1b fp8 save_gemm", "h200"): SAVE_GEMM_OVER,
+    ("mamba2-1p3b fp8 scanned save_gemm", "h200"): SAVE_GEMM_OVER,
+    ("llama3-8b B=4 save_gemm bf16", "h200"): SAVE_GEMM_OVER,
+    ("llama3-8b B=4 save_gemm_io fp8", "h200"): SAVE_GEMM_OVER,
+    ("llama3-8b 8 blocks B=8 full bf16", "h100"): FULL_REMAT_UNDER,
+    ("llama3-8b 8 blocks B=8 full fp8", "h100"): FULL_REMAT_UNDER,
+    ("nemotron-h-8b 7 blocks 2 x 8192 full bf16", "h200"): FULL_REMAT_UNDER,
+}
+MEMORY_BOUND_UNEXPLAINED = 0.20
 
 LLAMA70 = "configs/llama3-70b.yaml"
 # Llama 3 405B: the 70B config with the 405B's widths (Meta 2024, table 3).
@@ -156,7 +176,8 @@ def calibration_rows() -> list[dict]:
         rows.append({"run": label, "gpus": f"{gpus} x {gpu.upper()}", "precision": precision,
                      "measured_ms": step_ms, "predicted_ms": predicted, "error": predicted / step_ms - 1,
                      "measured_peak_gb": peak_gib * GIB / 1e9 if peak_gib else None,
-                     "predicted_memory_gb": row["memory_per_device_gb"], "stale": stale})
+                     "predicted_memory_gb": row["memory_per_device_gb"], "stale": stale,
+                     "memory_unexplained": MEMORY_UNEXPLAINED.get((label, gpu))})
     for label, path, overrides, gpus, gpu, precision, step_ms, counted in MEASURED_CONTEXT:
         cfg = load_config(path, overrides)
         row = next(r for r in plan_context.plan_rows(cfg, gpus, gpu, 1e9, None, None, plan_model.GPUS_PER_NODE,
@@ -184,6 +205,10 @@ def format_calibration(rows: list[dict]) -> str:
     lines.append(f"{within} of {len(current)} current rows within {GOAL:.0%}; mean |error| "
                  f"{sum(abs(r['error']) for r in current) / len(current):.1%}; worst {worst['run']} "
                  f"({worst['gpus']}) {worst['error']:+.0%}")
+    peaks = [r for r in current if r["measured_peak_gb"]]
+    memory_error = [r["predicted_memory_gb"] / r["measured_peak_gb"] - 1 for r in peaks]
+    lines.append(f"memory: {sum(abs(e) <= MEMORY_GOAL for e in memory_error)} of {len(peaks)} current peaks within "
+                 f"{MEMORY_GOAL:.0%}; {min(memory_error):+.0%} to {max(memory_error):+.0%}")
     return "\n".join(lines)
 
 

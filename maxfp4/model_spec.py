@@ -68,11 +68,16 @@ LAYER_CLASSES: tuple[str, ...] = BLOCK_CLASSES + ("lm_head",)
 DENSE_BLOCK = "decoder"
 DENSE_GROUP = "blocks"  # the dense model's parameter group
 
-# Activations the backward pass keeps, bytes per token per block (BF16, flash attention): fitted
-# to measured peaks (docs/PLANNING.md, calibration).
-ACT_BYTES_NO_REMAT = 34  # x d_model
+# Activations the backward pass keeps, bytes per token per block (flash attention), counted from
+# what autodiff and the recipes' VJPs hold (docs/PLANNING.md, "Memory per device").
 ACT_BYTES_FULL_REMAT = 2  # x d_model: only the block input
-GEMM_OUT_BYTES = 2  # per output feature: train.remat=save_gemm keeps each linear layer's BF16 output
+# Without remat, each mixer's norm input (the BF16 residual stream: its backward needs it).
+NORM_IN_BYTES = 2  # x d_model a mixer
+GEMM_OUT_BYTES = 2  # per output feature kept: a linear layer's BF16 output
+# Mamba-2 without remat also keeps its kernels' residuals a token: the conv's BF16 output
+# (x, B, C), the scan's BF16 output before the gated norm, and the FP32 chunk states
+# (H x P x N a chunk of Q tokens).
+MAMBA_CONV_OUT_BYTES, MAMBA_SCAN_OUT_BYTES, MAMBA_STATE_BYTES = 2, 2, 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +224,7 @@ class ModelSpec:
     n_heads: int
     head_dim: int
     ssd_forward_flops: float  # per token per Mamba-2 block (0 without Mamba-2)
+    mamba_kernel_bytes: float = 0.0  # per token per Mamba-2 block: its kernels' residuals without remat
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -303,19 +309,29 @@ class ModelSpec:
     # ------------------------------------------------------------------------- activations
 
     def activation_bytes_per_token(self, block: BlockSpec, remat: str, operand_bytes: float = 2.0) -> float:
-        """Bytes a token of ``block`` keeps for the backward pass under ``train.remat``:
-        everything (``none``), the block input (``full``), plus each linear layer's BF16 output
-        (``save_gemm``; attention's output too, the input of attn_out), plus each layer's
-        activation operand at ``operand_bytes`` an element (``save_gemm_io``)."""
+        """Bytes a token of ``block`` keeps for the backward pass under ``train.remat``.
+
+        ``none``: each mixer's norm input, each linear layer's activation operand as its recipe's
+        VJP keeps it (``operand_bytes``: 1 for FP8, 2 for BF16 and NVFP4) and the BF16 output of
+        every layer a nonlinearity or attention reads (not the row-parallel ones: o, down,
+        out_proj feed only the residual add, whose backward needs nothing), plus Mamba-2's kernel
+        residuals. ``full``: the block input. ``save_gemm``: the block input, the same kept GEMM
+        outputs and attention's output (the policy names the row-parallel outputs too, but no
+        backward reads them, so nothing keeps them). ``save_gemm_io``: also each layer's operand."""
+        def rows(lin: LinearSpec) -> int:  # an expert layer's rows: each token's top_k copies
+            return lin.active or 1
+
+        kept_out = GEMM_OUT_BYTES * sum(lin.n * rows(lin) for lin in block.linears if lin.parallel != "row")
+        operands = operand_bytes * sum(lin.k * rows(lin) for lin in block.linears)
         if remat == "none":
-            return ACT_BYTES_NO_REMAT * self.d_model
+            mamba = self.mamba_kernel_bytes if "mamba" in block.mixers else 0.0
+            return NORM_IN_BYTES * self.d_model * len(block.mixers) + operands + kept_out + mamba
         total = ACT_BYTES_FULL_REMAT * self.d_model
         if remat in ("save_gemm", "save_gemm_io"):
-            # an expert layer's rows: each token's top_k copies (lin.active)
-            total += GEMM_OUT_BYTES * sum(lin.n * (lin.active or 1) + self.d_model * (lin.layer_class == "attn_qkv")
-                                          for lin in block.linears)
+            attention_out = sum(lin.k for lin in block.linears if lin.layer_class == "attn_out")
+            total += kept_out + GEMM_OUT_BYTES * attention_out
         if remat == "save_gemm_io":
-            total += operand_bytes * sum(lin.k * (lin.active or 1) for lin in block.linears)
+            total += operands
         return total
 
 
@@ -339,12 +355,14 @@ def model_spec(cfg: Any) -> ModelSpec:
     """The :class:`ModelSpec` of a ``ModelConfig``."""
     types = _block_types(cfg)
     built = {t: _block(cfg, t) for t in dict.fromkeys(types)}
-    ssd = 0.0
+    ssd = kernel_bytes = 0.0
     if "mamba" in built:
         md, q = mamba_dims(cfg), cfg.mamba.chunk_size
         # Causal C.B^T within a chunk (G*Q*N), its product with x (H*Q*P), chunk states and
         # state-to-output (2 x 2*N*P per head); the inter-chunk recurrence is negligible.
         ssd = float(md["G"] * q * md["N"] + md["H"] * (q * md["P"] + 4 * md["N"] * md["P"]))
+        kernel_bytes = (MAMBA_CONV_OUT_BYTES * md["conv"] + MAMBA_SCAN_OUT_BYTES * md["E"]
+                        + MAMBA_STATE_BYTES * md["H"] * md["P"] * md["N"] / q)
     return ModelSpec(blocks=tuple(built[t] for t in types), lm_head=lm_head_linear(cfg), d_model=cfg.d_model,
                      vocab_size=cfg.vocab_size, n_heads=cfg.n_heads, head_dim=cfg.resolved_head_dim,
-                     ssd_forward_flops=ssd)
+                     ssd_forward_flops=ssd, mamba_kernel_bytes=kernel_bytes)

@@ -85,18 +85,18 @@ def test_save_gemm_keeps_the_linear_outputs_between_full_and_no_remat():
     act = {r: plan_model.memory_per_device(cfg, (1, 1, 1), params, "bf16", r)["activations"]
            for r in ("none", "save_gemm", "full")}
     m = cfg.model
-    # qkv (q + 2 kv heads), the attention op's output, its projection, gated MLP up
-    # (2 x d_ff), down: BF16 per token
-    saved = 2 * ((m.n_heads + 2 * m.n_kv_heads) * m.resolved_head_dim + m.d_model + m.d_model
-                 + 2 * m.d_ff + m.d_model)
+    # qkv (q + 2 kv heads), the attention op's output, gated MLP up (2 x d_ff): BF16 per token.
+    # The row-parallel outputs (o, down) feed only the residual add: no backward reads them.
+    saved = 2 * ((m.n_heads + 2 * m.n_kv_heads) * m.resolved_head_dim + m.n_heads * m.resolved_head_dim
+                 + 2 * m.d_ff)
     tokens = cfg.data.global_batch * cfg.data.seq_len
     assert act["save_gemm"] - act["full"] == pytest.approx(tokens * m.n_layers * saved)
     assert act["full"] < act["save_gemm"] < act["none"]
 
 
 def test_unrolled_save_gemm_keeps_every_blocks_weight_shard_in_its_gemm_precision():
-    """Unrolled blocks under save_gemm keep each block's weights as cast for the GEMM (BF16 2
-    bytes, FP8 1) and sharded as the parameters are; scanned blocks and no remat keep one block's."""
+    """Unrolled blocks under save_gemm, and no remat, keep each block's weights as cast for the
+    GEMM (BF16 2 bytes, FP8 1) and sharded as the parameters are; scanned save_gemm keeps one block's."""
     for precision, bytes_each in (("bf16", 2), ("fp8", 1)):
         working = {}
         for scan, remat in (("true", "save_gemm"), ("false", "save_gemm"), ("false", "none")):
@@ -105,7 +105,7 @@ def test_unrolled_save_gemm_keeps_every_blocks_weight_shard_in_its_gemm_precisio
             working[scan, remat] = plan_model.memory_per_device(cfg, (1, 2, 1), params, precision, remat)["working_copy"]
         blocks = model_spec(cfg.model).block_matmul_params
         assert working["false", "save_gemm"] - working["true", "save_gemm"] == pytest.approx(blocks * bytes_each / 2)
-        assert working["false", "none"] == working["true", "save_gemm"]
+        assert working["false", "none"] == working["false", "save_gemm"]
 
 
 def test_save_gemm_io_adds_each_linear_layers_input_in_its_recipes_bytes():
@@ -351,6 +351,27 @@ def test_calibration_against_every_measured_step_is_within_15_percent():
     assert len(rows) >= 30
     misses = [(r["run"], r["gpus"], round(r["error"], 3)) for r in rows if abs(r["error"]) > calibration.GOAL]
     assert not misses, misses
+
+
+def test_memory_against_every_measured_peak_is_within_10_percent():
+    """The planner's memory per device (the preflight's estimate) against every current measured
+    peak of docs/PERFORMANCE.md: within 10%, except the rows benchmarks/plan_calibration.py names
+    with the reason (MEMORY_UNEXPLAINED), which stay within 20% and must still miss (a row the
+    model comes to fit leaves the list)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plan_calibration", "benchmarks/plan_calibration.py")
+    calibration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibration)
+    rows = [r for r in calibration.calibration_rows() if not r["stale"] and r["measured_peak_gb"]]
+    assert len(rows) >= 20
+    error = {(r["run"], r["gpus"]): r["predicted_memory_gb"] / r["measured_peak_gb"] - 1 for r in rows}
+    explained = {key: e for key, e in error.items()
+                 if not any(key[0] == label and key[1].endswith(gpu.upper()) for label, gpu in calibration.MEMORY_UNEXPLAINED)}
+    misses = {key: round(e, 3) for key, e in explained.items() if abs(e) > calibration.MEMORY_GOAL}
+    assert not misses, misses
+    unexplained = {key: e for key, e in error.items() if key not in explained}
+    assert len(unexplained) == len(calibration.MEMORY_UNEXPLAINED)
+    assert all(calibration.MEMORY_GOAL < abs(e) <= calibration.MEMORY_BOUND_UNEXPLAINED for e in unexplained.values()), unexplained
 
 
 def test_tensor_all_reduces_are_exposed_and_fsdp_traffic_hides_behind_compute():

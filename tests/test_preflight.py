@@ -3,9 +3,11 @@ tests/test_fault_tolerance.py): the flagging rules, a real GEMM timing, the chec
 
 import jax
 import numpy as np
+import pytest
 
+from maxfp4.config import load_config
 from maxfp4.reliability.preflight import (check_memory, checkpoint_bytes, format_table, gemm_rates, memory_per_device,
-                              run_checks, slow_devices, state_sizes)
+                              run_checks, slow_devices, state_sizes, widest_block_recipe)
 from maxfp4.reliability.stragglers import slow_processes
 
 
@@ -58,3 +60,16 @@ def test_memory_check_fails_over_the_headroom_and_names_what_to_change(tiny_cfg)
         assert failed.ok is False and "over 90% of the device's" in failed.detail
         assert ("set train.remat=full" in failed.detail) == suggests_full
         assert "resilience.preflight=false" in failed.detail
+
+
+def test_memory_estimate_is_the_planners_in_the_recipe_the_config_runs():
+    """The preflight's estimate is the planner's row for the recipe the blocks run (BF16, FP8),
+    not the catalog's widest (FP32 would double the kept operands and working weights)."""
+    from maxfp4.plan import cost
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+    for overrides, column in (([], "bf16"), (["precision.default=fp8_delayed"], "fp8")):
+        cfg = load_config("configs/dense-1p3b.yaml", overrides)
+        assert widest_block_recipe(cfg) == cost.PLAN_RECIPES[column]
+        n_params = cost.param_count(cfg.model)
+        planned = cost.project(cfg, (1, 1, 1), "h200", column)["memory_per_device_gb"] * 1e9
+        assert memory_per_device(cfg, n_params, mesh) == pytest.approx(planned, rel=1e-9)

@@ -72,10 +72,10 @@ WHOLE_PER_TICK_BYTES = 56.0
 GEMM_IN_BYTES = {name: spec.operand_bytes for name, spec in SPECS.items()} | {
     column: SPECS[recipe].operand_bytes for column, recipe in PLAN_RECIPES.items()}
 LOGIT_BYTES = 4  # x vocab per token: the loss streams the logits in FP32 (traffic)
-# x vocab per token held at the loss's peak: the BF16 logits kept for the backward pass, their
-# BF16 gradient and ~2 more bytes of temporaries. Fitted to measured peaks: with 4 (FP32 logits
-# alone) the model was 4-12 GB under every Llama-3-8B peak (docs/PLANNING.md, calibration).
-LOGIT_MEMORY_BYTES = 6
+# x vocab per token held at the loss's peak: the BF16 logits kept for the backward pass and their
+# BF16 gradient (maxfp4.model.loss writes it once, in the logits' dtype). The 6 of earlier
+# versions stood in for the Llama-3-8B rows' missing working copies (see memory_per_device).
+LOGIT_MEMORY_BYTES = 4
 # The NVFP4 preset keeps both ends of the stack in BF16 (configs/precision/nvfp4.yaml): its rules,
 # resolved against the model's blocks, give the share of block GEMM FLOPs that run at BF16.
 NVFP4_PRESET_RULES = ({"layers": ":3%", "recipe": "bf16"}, {"layers": "-12%:", "recipe": "bf16"})
@@ -258,8 +258,10 @@ def memory_per_device(cfg: Config, mesh, params: int, precision: str,
                       remat: str) -> dict[str, float]:
     """Bytes per device. State (master, Adam, gradients) is sharded over fsdp x tensor, and a
     pipeline stage keeps its own blocks' (:func:`state_params_per_device`); one block's working
-    copy (or the BF16 LM head, whichever is larger) is live at a time, and with unrolled blocks
-    under save_gemm every block's cast weight shard too."""
+    copy (or the BF16 LM head, whichever is larger) is live at a time; without remat, and with
+    unrolled blocks under save_gemm, every block's cast weight shard too (the recipes' VJPs keep
+    it: ``GEMM_WEIGHT``). Gradients count whole: the backward pass writes each block's into
+    buffers allocated when it starts, while the activations are still held."""
     m, mesh = cfg.model, PlanMesh(*mesh)
     fsdp, tensor = mesh.fsdp, mesh.tensor
     spec = model_spec(m)
@@ -269,8 +271,9 @@ def memory_per_device(cfg: Config, mesh, params: int, precision: str,
     weights = [sum(lin.params_total / (1 if _whole_on_tensor(lin, m, tensor) else tensor) for lin in b.linears)
                for b in blocks]
     working = max(max(weights) * WORKING_BYTES[precision], spec.lm_head.params * 2 / tensor)
-    if remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers:
-        # Unrolled blocks keep every block's cast weight shard for the backward pass (maxfp4.model.remat).
+    if remat == "none" or (remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers):
+        # Without remat every recipe's VJP keeps its cast weight shard as a residual; unrolled
+        # blocks under save_gemm keep it by name (maxfp4.model.remat). Scanned save_gemm recasts.
         working += sum(weights) * WORKING_BYTES[precision] / fsdp
     rows = _tokens_per_device(cfg, mesh)
     tokens = rows / cfg.train.microbatches  # one microbatch

@@ -222,17 +222,29 @@ def check_output(cfg: Config, n_params: int, precision_bytes: int) -> Check:
 
 def memory_per_device(cfg: Config, n_params: int, mesh_shape: dict[str, int]) -> float:
     """Bytes per device by the planner's memory model (``maxfp4.plan.cost.memory_per_device``: state
-    over fsdp x tensor, one block's working weights, activations by ``train.remat``, FP32 logits;
-    docs/PLANNING.md gives it with its calibration against measured peaks). The working copy is
-    taken in the widest recipe (BF16): it is one block's weights, so the recipe barely moves the
-    total."""
+    over fsdp x tensor, the working weights and activations by ``train.remat``, the loss's logits;
+    docs/PLANNING.md gives it with its calibration against measured peaks). Priced in the widest
+    recipe the config's precision policy runs in its blocks (:func:`widest_block_recipe`): the
+    working weights and the kept GEMM operands take its bytes."""
     from maxfp4.plan.cost import memory_per_device as planned
-    from maxfp4.precision.catalog import SPECS
     # A pipeline stage keeps 1/pipeline of the blocks' state and activations, as an fsdp shard
     # does of the state and a data shard of the activations: charged as more fsdp.
     mesh = (mesh_shape["data"], mesh_shape["fsdp"] * mesh_shape.get("pipeline", 1), mesh_shape["tensor"])
-    widest = max(SPECS.values(), key=lambda spec: (spec.weight_bytes, spec.operand_bytes)).name
+    widest = widest_block_recipe(cfg)
     return sum(planned(cfg, mesh, n_params, widest, cfg.train.remat).values())
+
+
+def widest_block_recipe(cfg: Config) -> str:
+    """The recipe of the config's block GEMMs with the most bytes a weight and operand (BF16
+    for a BF16 model, FP8 for an all-FP8 one, BF16 for the NVFP4 preset's BF16 ends)."""
+    from maxfp4.model_spec import model_spec
+    from maxfp4.precision import resolve_policy
+    from maxfp4.precision.catalog import SPECS
+    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+    spec = model_spec(cfg.model)
+    used = {policy.recipe_for(lin.layer_class, i) for i, block in enumerate(spec.blocks)
+            for lin in block.linears if lin.layer_class != "router"}
+    return max(used, key=lambda name: (SPECS[name].weight_bytes, SPECS[name].operand_bytes))
 
 
 def check_memory(cfg: Config, devices: Sequence[jax.Device], n_params: int, mesh_shape: dict[str, int]) -> Check:
