@@ -31,6 +31,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from maxfp4.model_spec import mixer_linears
+
 
 def _tiles(n: int, wgrad: bool) -> dict:
     """Tiles for an output of N columns. A sweep on one H200 (jax 0.11.2, 2026-11-28; 131,072 rows
@@ -59,6 +61,11 @@ def tiles_fit(k: int, n: int) -> bool:
     """Whether a [*, K] x [G, K, N] grouped GEMM (and its transposes) tiles with the kernels'
     blocks: K and N multiples of 128."""
     return k % 128 == 0 and n % 128 == 0
+
+
+def experts_tile(model) -> bool:
+    """Whether every expert layer of ``model`` (w_up, w_down: maxfp4.model_spec) tiles."""
+    return all(tiles_fit(lin.k, lin.n) for lin in mixer_linears(model, "moe") if lin.experts)
 
 
 def _rows_of_groups(y_MN: jax.Array, sizes_G: jax.Array) -> jax.Array:

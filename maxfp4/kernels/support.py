@@ -30,11 +30,9 @@ def check_grouped_gemm(model: ModelConfig) -> None:
     shapes they cannot run (``auto`` falls back to XLA by itself)."""
     if not model_spec(model).blocks_with("moe") or model.moe.grouped_gemm != "mosaic":
         return
-    gates = 2 if model.mlp == "swiglu" else 1
-    d, f = model.d_model, model.moe.d_ff
-    if not (grouped_gemm.tiles_fit(d, f * gates) and grouped_gemm.tiles_fit(f, d)):
-        raise ConfigError(f"model.moe.grouped_gemm=mosaic: expected auto or xla unless model.d_model ({d}) and "
-                          f"model.moe.d_ff ({f}) are multiples of 128")
+    if not grouped_gemm.experts_tile(model):
+        raise ConfigError(f"model.moe.grouped_gemm=mosaic: expected auto or xla unless model.d_model "
+                          f"({model.d_model}) and model.moe.d_ff ({model.moe.d_ff}) are multiples of 128")
     if not grouped_gemm.available():
         raise ConfigError("model.moe.grouped_gemm=mosaic: expected auto or xla off a Hopper GPU (the Mosaic GPU "
                           "kernels run on sm_90)")

@@ -85,9 +85,7 @@ def grouped_gemm_kernels(cfg: ModelConfig) -> str:
     forced ``mosaic`` was checked at start-up (maxfp4.kernels.support.check_grouped_gemm)."""
     if cfg.moe.grouped_gemm != "auto":
         return cfg.moe.grouped_gemm
-    gates = 2 if cfg.mlp == "swiglu" else 1
-    fits = grouped_gemm.tiles_fit(cfg.d_model, cfg.moe.d_ff * gates) and grouped_gemm.tiles_fit(cfg.moe.d_ff, cfg.d_model)
-    return "mosaic" if fits and grouped_gemm.available() else "xla"
+    return "mosaic" if grouped_gemm.experts_tile(cfg) and grouped_gemm.available() else "xla"
 
 
 class Routing(NamedTuple):
