@@ -159,8 +159,7 @@ def _rows_seen(mask: Mask, b: int, t: int) -> jax.Array:
     """[B, T] whether each query sees a key of the part (its log-sum-exp is defined)."""
     if mask.q_lengths_B is None:
         return jnp.ones((b, t), bool)
-    rows = (jnp.arange(t)[None] < mask.q_lengths_B[:, None]) & (mask.kv_lengths_B[:, None] > 0)
-    return rows
+    return (jnp.arange(t)[None] < mask.q_lengths_B[:, None]) & (mask.kv_lengths_B[:, None] > 0)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -123,11 +123,10 @@ def context_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, s
         k_all = jax.lax.all_gather(k, AXIS, axis=1, tiled=True)
         v_all = jax.lax.all_gather(v, AXIS, axis=1, tiled=True)
         seg_all = jax.lax.all_gather(seg, AXIS, axis=1, tiled=True)
-        q_index = rank_token_index(jax.lax.axis_index(AXIS), t_local, c)
-        k_index = jnp.asarray(zigzag_order(t_local * c, c))
-
         if fused:
             return _fused_rank_attention(q, k, v, seg, k_all, v_all, seg_all, c)
+        q_index = rank_token_index(jax.lax.axis_index(AXIS), t_local, c)
+        k_index = jnp.asarray(zigzag_order(t_local * c, c))
 
         def attend_block(q_blk, q_index_blk, seg_blk):
             mask = rank_attention_mask(q_index_blk, k_index, seg_blk, seg_all)

@@ -12,8 +12,8 @@ adds (docs/CONTEXT.md):
 - Mamba-2: every Mamba layer all-gathers each chunk's exit state [H, P, N] and decay (FP32),
   forward and backward, and the convolution's W-1 tokens of window (negligible);
 - balance: the zigzag order gives every rank the same causal work (:func:`causal_work_per_rank`);
-- attention's scores: cuDNN's kernel takes the zigzag mask as a bias over all T keys and skips
-  no causal tile, so it computes twice the causal scores (:func:`split_attention_seconds_per_token`).
+- attention: the causal work of a token at the whole length, at the rate of cuDNN's kernels
+  split per chunk (:func:`split_attention_seconds_per_token`).
 
 These collectives are charged as exposed: each feeds the layer that issued it.
 """
