@@ -23,7 +23,7 @@ from maxfp4.parallel.mesh import constrain
 from maxfp4.model import lm
 from maxfp4.model.attention import Attention, resolve_implementation
 from maxfp4.model.layers import norm_scale, stacked
-from maxfp4.model.layer_loop import run_layers
+from maxfp4.model.layer_loop import run_layers, skippable
 from maxfp4.model.mlp import MLP
 from maxfp4.model.remat import remat_body
 from maxfp4.precision import LayerPrecision, PrecisionPolicy
@@ -70,14 +70,17 @@ class DenseLM(lm.LanguageModel):
     def from_embedded(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
                       *, policy: PrecisionPolicy, scales: dict | None = None, key: jax.Array | None = None,
                       remat: str = "none", scan_layers: bool = True,
-                      logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
+                      logits: bool = True, runs_per_row: int | None = None,
+                      active_L: jax.Array | None = None) -> jax.Array:
         """The model after the embedding lookup. ``scales``: the delayed-scaling scales
         (:func:`maxfp4.precision.state.scales_of`); ``key`` seeds stochastic rounding;
         activations are pinned to their logical axes under the mesh the step is traced in
         (:func:`maxfp4.parallel.mesh.constrain`); ``runs_per_row``: a bound on
         the segment runs of every row, when the data gives one
         (:func:`maxfp4.model.attention.attend`). ``logits=False`` returns the last block's
-        output [B, T, D] instead of the logits [B, T, V]."""
+        output [B, T, D] instead of the logits [B, T, V]. ``active_L`` (bool [L], traced): the
+        blocks to run, the others pass their input through (a pipeline stage's empty slots,
+        :mod:`maxfp4.parallel.pipeline_stages`)."""
         cfg = self.cfg
         attn_impl = resolve_implementation(cfg.attention)
         scales = scales or {}
@@ -94,15 +97,20 @@ class DenseLM(lm.LanguageModel):
             if not whole:
                 group_scales = jax.tree.map(lambda a: a[start:end], group_scales)
             group_keys = jax.random.split(jax.random.fold_in(key, start), end - start)
+            xs = (group, group_scales, group_keys) + (() if active_L is None else (active_L[start:end],))
 
             def body(x, xs, start=start):
-                p, s, k = xs
+                p, s, k = xs[:3]
                 lp = LayerPrecision(policy, start, s, k)
-                y = nnx.merge(block_def, p)(x, positions_BT, segment_ids_BT, lp, attn_impl, runs_per_row)
-                return constrain(y, ("batch", "seq", "embed")), None
+
+                def block(x):
+                    y = nnx.merge(block_def, p)(x, positions_BT, segment_ids_BT, lp, attn_impl, runs_per_row)
+                    return constrain(y, ("batch", "seq", "embed"))
+
+                return (block(x) if active_L is None else skippable(block, xs[3], x)), None
 
             body = remat_body(body, remat, scanned=scan_layers)
-            x_BTD = run_layers(body, x_BTD, (group, group_scales, group_keys), end - start, scan=scan_layers)
+            x_BTD = run_layers(body, x_BTD, xs, end - start, scan=scan_layers)
         if not logits:  # the last block's output, for a loss that applies the head itself
             return x_BTD
         return self.logits(x_BTD, policy=policy, scales=scales, key=key)

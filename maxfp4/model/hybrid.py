@@ -27,7 +27,7 @@ from maxfp4.parallel.mesh import constrain
 from maxfp4.model import lm
 from maxfp4.model.attention import Attention, resolve_implementation
 from maxfp4.model.layers import norm_scale, stacked
-from maxfp4.model.layer_loop import run_layers
+from maxfp4.model.layer_loop import run_layers, skippable
 from maxfp4.model.mamba import Mamba2Mixer
 from maxfp4.model.mlp import MLP
 from maxfp4.model.moe import MoE
@@ -127,7 +127,8 @@ class HybridLM(lm.LanguageModel):
     def from_embedded(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array,
                       *, policy: PrecisionPolicy, scales: dict | None = None, key: jax.Array | None = None,
                       remat: str = "none", scan_layers: bool = True,
-                      logits: bool = True, runs_per_row: int | None = None) -> jax.Array:
+                      logits: bool = True, runs_per_row: int | None = None,
+                      active_L: jax.Array | None = None) -> jax.Array:
         """As :meth:`maxfp4.model.decoder.DenseLM.from_embedded`."""
         cfg = self.cfg
         attn_impl = resolve_implementation(cfg.attention)
@@ -156,17 +157,23 @@ class HybridLM(lm.LanguageModel):
             xs["scales"] = {c: s[start:start + reps * u].reshape(reps, u, *s.shape[1:])
                             for c, s in block_scales.items()}
             xs["keys"] = jax.random.split(jax.random.fold_in(key, start), reps)
+            if active_L is not None:
+                xs["active"] = active_L[start:start + reps * u].reshape(reps, u)
 
             def body(x, xs, start=start, unit=unit):
                 seen = {t: 0 for t in TYPES.values()}
                 for j, ch in enumerate(unit):
                     t = TYPES[ch]
-                    block = nnx.merge(defs[t], jax.tree.map(lambda a: a[seen[t]], xs[t]))
+                    weights = jax.tree.map(lambda a: a[seen[t]], xs[t])
                     seen[t] += 1
                     lp = LayerPrecision(policy, start + j, {c: s[j] for c, s in xs["scales"].items()},
                                         jax.random.fold_in(xs["keys"], j))
-                    x = constrain(block(x, positions_BT, segment_ids_BT, lp, attn_impl, runs_per_row),
-                                  ("batch", "seq", "embed"))
+
+                    def block(x, t=t, weights=weights, lp=lp):
+                        y = nnx.merge(defs[t], weights)(x, positions_BT, segment_ids_BT, lp, attn_impl, runs_per_row)
+                        return constrain(y, ("batch", "seq", "embed"))
+
+                    x = block(x) if active_L is None else skippable(block, xs["active"][j], x)
                 return x, None
 
             body = remat_body(body, remat, scanned=scan_layers)

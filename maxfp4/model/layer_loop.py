@@ -37,3 +37,9 @@ def run_layers(body: Callable, x: Any, xs: Any, n: int, *, scan: bool) -> Any:
     for xs_i in unstack(xs, n):
         x, _ = body(x, xs_i)
     return x
+
+
+def skippable(block: Callable, active: jax.Array, x: Any) -> Any:
+    """``block(x)`` where ``active`` (a traced bool) holds, else ``x``: a conditional, so a skipped
+    block costs no FLOPs (a select would run it), and its backward pass is skipped with it."""
+    return jax.lax.cond(active, block, lambda x: x, x)

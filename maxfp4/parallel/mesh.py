@@ -324,3 +324,22 @@ def _fan_out_max_bwd(valid_N, ct):
 
 
 fan_out_max.defvjp(_fan_out_max_fwd, _fan_out_max_bwd)
+
+
+@jax.custom_vjp
+def fan_out_sum(probe: jax.Array, valid_N: jax.Array) -> jax.Array:
+    """``probe`` repeated N times, as :func:`fan_out_max`, its cotangent (counts, the routers'
+    statistics) summed over the copies where ``valid_N`` is true."""
+    return jnp.broadcast_to(probe, (valid_N.shape[0], *probe.shape))
+
+
+def _fan_out_sum_fwd(probe, valid_N):
+    return fan_out_sum(probe, valid_N), valid_N
+
+
+def _fan_out_sum_bwd(valid_N, ct):
+    mask = valid_N.reshape(-1, *([1] * (ct.ndim - 1)))
+    return jnp.sum(jnp.where(mask, ct, 0.0), axis=0), None
+
+
+fan_out_sum.defvjp(_fan_out_sum_fwd, _fan_out_sum_bwd)

@@ -38,15 +38,17 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from maxfp4.config import Config
-from maxfp4.parallel.mesh import fan_out_max, split_microbatches
-from maxfp4.parallel.pipeline_schedule import bubble_fraction, circular_chunks, schedule_table
-from maxfp4.parallel.pipeline_stages import check_stages, stage_model, stage_policy
+from maxfp4.parallel.mesh import fan_out_max, fan_out_sum, split_microbatches
+from maxfp4.parallel.pipeline_schedule import bubble_fraction, circular_chunks, exchange_tables, schedule_table
+from maxfp4.parallel.pipeline_stages import alike_stages, check_stages, stage_model, stage_policy, stage_program
 from maxfp4.model import get_model
 from maxfp4.model.layers import ACT_DTYPE, embed_tokens, output_logits
 from maxfp4.model.loss import chunked_loss_sum, token_losses
+from maxfp4.model.router_state import PROBE
 from maxfp4.model_spec import model_spec
 from maxfp4.precision import PrecisionPolicy
 
@@ -69,17 +71,46 @@ def _own_stages(local: jax.Array, stages: int, repeats: int, p: jax.Array) -> ja
     return jnp.take(in_flat, jnp.asarray(recv_PV)[p], axis=0)
 
 
+def _gather_rows(local: jax.Array, rows: int, wanted_PR: np.ndarray, p: jax.Array) -> jax.Array:
+    """[R, ...]: the rows ``wanted_PR[p]`` of a stack of ``rows`` (-1: any row, never read), from
+    this device's contiguous part of it over the pipeline axis (one all-to-all) or, where the
+    pipeline axis does not divide the stack (it is kept whole there), from the whole stack."""
+    wanted = np.maximum(wanted_PR, 0)
+    if local.shape[0] == rows:  # whole on every stage
+        return jnp.take(local, jnp.asarray(wanted)[p], axis=0)
+    send_PPK, recv_PR, k = exchange_tables(rows, wanted_PR.shape[0], wanted_PR)
+    out_PK = jnp.take(local, jnp.asarray(send_PPK)[p], axis=0)  # [P(destination), K, ...]
+    in_PK = jax.lax.all_to_all(out_PK, AXIS, 0, 0)  # [P(source), K, ...]
+    return jnp.take(in_PK.reshape(-1, *in_PK.shape[2:]), jnp.asarray(recv_PR)[p], axis=0)
+
+
+def _fan_out(block_scales: dict, valid_N: jax.Array) -> dict:
+    """The per-block inputs repeated for each tick: the FP8 amaxes come back by max over the
+    ticks that ran a microbatch, the routers' statistics (token counts) by sum."""
+    maxed = fan_out_max({c: s for c, s in block_scales.items() if c != PROBE}, valid_N)
+    if PROBE in block_scales:
+        maxed[PROBE] = fan_out_sum(block_scales[PROBE], valid_N)
+    return maxed
+
+
 def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int | None, mesh) -> Callable:
     """``loss_fn(params, scales, batch, key, denom)`` as :func:`maxfp4.step.make_loss_fn` gives
     it, computed over ``train.microbatches`` microbatches streamed through the stages of ``mesh``
     (the concrete mesh: cuDNN attention's partitioning rule inside the stages needs its devices)."""
     stages, repeats, m = cfg.mesh.pipeline, cfg.mesh.pipeline_repeats, cfg.train.microbatches
-    model_cfg = stage_model(cfg.model, stages, repeats)
-    s_policy = stage_policy(policy, stages * repeats)
+    alike = alike_stages(cfg.model, policy, stages * repeats)
+    program = None if alike else stage_program(cfg.model, policy, cfg.data.seq_len, stages, repeats)
+    model_cfg = stage_model(cfg.model, stages, repeats) if alike else program.stage_model(cfg.model)
+    s_policy = stage_policy(policy, stages * repeats) if alike else program.stage_policy(policy)
     stage_forward = functools.partial(
         get_model(model_cfg).forward_embedded, cfg=model_cfg, policy=s_policy, remat=cfg.train.remat,
         scan_layers=cfg.train.scan_layers, logits=False, runs_per_row=runs_per_row)
-    groups = tuple(dict.fromkeys(b.group for b in model_spec(cfg.model).blocks))
+    spec = model_spec(cfg.model)
+    groups = tuple(dict.fromkeys(b.group for b in spec.blocks))
+    group_sizes = {g: sum(b.group == g for b in spec.blocks) for g in groups}
+    if program is not None:
+        group_rows = {g: program.group_rows(cfg.model, g) for g in groups}
+        blocks_PVL = np.stack([program.device_blocks_VL(p) for p in range(stages)])
     chunks = cfg.train.loss_chunks
     table_NP2 = schedule_table(stages, repeats, m)  # the ticks this loss runs, and the bubble's count
     # GPipe hands the last stage's output to nobody; the circular schedule back to device 0
@@ -93,13 +124,29 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         return chunked_loss_sum(params, y_BTD, targets_BT, mask_BT, chunks, cfg=cfg.model, policy=policy,
                                 scales=scales, key=key)
 
+    def stage_inputs(blocks, block_scales, p):
+        """This device's V stages' weights [V, ...] and per-block inputs [V, ...], and which of
+        their slots run (None: alike stages run every block)."""
+        if program is None:
+            own = functools.partial(_own_stages, stages=stages, repeats=repeats, p=p)
+            return jax.tree.map(own, blocks), jax.tree.map(own, block_scales), None
+        weights = {}
+        for g in groups:
+            rows = group_rows[g]
+            per_stage_rows = rows.shape[1] // repeats
+            weights[g] = jax.tree.map(
+                lambda a: _gather_rows(a, group_sizes[g], rows, p).reshape(repeats, per_stage_rows, *a.shape[1:]),
+                blocks[g])
+        at_VL = jnp.asarray(np.maximum(blocks_PVL, 0))[p]
+        scales = jax.tree.map(lambda a: jnp.take(a, at_VL, axis=0), block_scales)
+        return weights, scales, jnp.asarray(blocks_PVL >= 0)[p]
+
     def per_stage(blocks, others, block_scales, head_scales, micro, key):
         p = jax.lax.axis_index(AXIS)
-        own = functools.partial(_own_stages, stages=stages, repeats=repeats, p=p)
-        blocks_V = jax.tree.map(own, blocks)
+        blocks_V, block_scales_V, active_VL = stage_inputs(blocks, block_scales, p)
         microbatch_N, repeat_N = (jnp.asarray(table_NP2[..., j])[:, p] for j in (0, 1))
         valid_N = microbatch_N >= 0  # this device's ticks that run a real microbatch
-        scales_N = fan_out_max({"blocks": jax.tree.map(own, block_scales), "head": head_scales}, valid_N)
+        scales_N = {"blocks": _fan_out(block_scales_V, valid_N), "head": fan_out_max(head_scales, valid_N)}
 
         def tick(carry, xs):
             received_BTD, total = carry
@@ -113,10 +160,11 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
             held = 0 if repeats == 1 else v
             stage_blocks = jax.tree.map(lambda a: a[held], blocks_V)
             stage_scales = jax.tree.map(lambda a: a[held], scales["blocks"])
+            active = {} if active_VL is None else {"active_L": active_VL[held]}
             mb_key = jax.random.fold_in(key, i)
             y_BTD = stage_forward({**others, **stage_blocks}, x_BTD, micro["positions"][i],
                                   micro["segment_ids"][i], scales={"blocks": stage_scales},
-                                  key=jax.random.fold_in(mb_key, v * stages + p))
+                                  key=jax.random.fold_in(mb_key, v * stages + p), **active)
             last = (p == stages - 1) & (v == repeats - 1) & (microbatch >= 0)
             loss = jax.lax.cond(last, lambda: head_loss(others, y_BTD, micro["targets"][i], micro["loss_mask"][i],
                                                         scales["head"], mb_key),
@@ -137,9 +185,14 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         block_scales = scales.get("blocks", {})
         head_scales = {"lm_head": scales["lm_head"]} if "lm_head" in scales else {}
         stacked, whole = PartitionSpec(AXIS), PartitionSpec()
-        in_specs = (jax.tree.map(lambda _: stacked, blocks), jax.tree.map(lambda _: whole, others),
-                    jax.tree.map(lambda _: stacked, block_scales), jax.tree.map(lambda _: whole, head_scales),
-                    jax.tree.map(lambda _: whole, micro), whole)
+        # Alike stages read their blocks' contiguous parts; unequal ones a stack the pipeline
+        # axis divides the same way, the others whole, and every block's per-block inputs whole
+        # (the transpose sums their cotangents over the stages: each block's are nonzero on one).
+        block_specs = {g: jax.tree.map(lambda _: stacked if alike or group_sizes[g] % stages == 0 else whole,
+                                       blocks[g]) for g in groups}
+        in_specs = (block_specs, jax.tree.map(lambda _: whole, others),
+                    jax.tree.map(lambda _: stacked if alike else whole, block_scales),
+                    jax.tree.map(lambda _: whole, head_scales), jax.tree.map(lambda _: whole, micro), whole)
         run = jax.shard_map(per_stage, mesh=mesh, in_specs=in_specs, out_specs=whole, axis_names={AXIS},
                             check_vma=False)
         return run(blocks, others, block_scales, head_scales, micro, key) / denom

@@ -99,3 +99,28 @@ def circular_chunks(stages: int, repeats: int) -> tuple[np.ndarray, np.ndarray, 
             recv_PV[p, v] = src * k + sends[src][p].index(u)
     return send_PPK, recv_PV, k
 
+
+
+def exchange_tables(rows: int, stages: int, wanted_PR: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """How each device gathers the rows ``wanted_PR[p]`` (-1: a slot it never reads) of a stack of
+    ``rows`` stored as P contiguous parts over the pipeline axis, in one all-to-all: the general
+    form of :func:`circular_chunks`, for stages that are not whole chunks of the stack.
+
+    Returns ``send_PPK`` (device q's local rows it sends device d, as the k-th of K; padded with
+    0, never read), ``recv_PR`` (where device p finds its r-th row in what the all-to-all hands
+    it, [source device x K + k] flattened; 0 for a -1) and K."""
+    part = rows // stages
+    sends = [[sorted({int(r) % part for r in wanted_PR[d] if r >= 0 and r // part == q}) for d in range(stages)]
+             for q in range(stages)]
+    k = max(1, max(len(s) for row in sends for s in row))
+    send_PPK = np.zeros((stages, stages, k), np.int32)
+    for q in range(stages):
+        for d in range(stages):
+            send_PPK[q, d, :len(sends[q][d])] = sends[q][d]
+    recv_PR = np.zeros(wanted_PR.shape, np.int32)
+    for p in range(stages):
+        for j, r in enumerate(wanted_PR[p]):
+            if r >= 0:
+                src = int(r) // part
+                recv_PR[p, j] = src * k + sends[src][p].index(int(r) % part)
+    return send_PPK, recv_PR, k

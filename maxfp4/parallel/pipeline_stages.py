@@ -1,22 +1,24 @@
-"""Where the block stack is cut into pipeline stages, what each stage costs, and the rules a
-stage layout (``mesh.pipeline``, ``mesh.pipeline_repeats``, ``train.microbatches``) must follow
-to run. One home for both users: the trainer's start-up check (:func:`check_stages`) and the
-planner's choice of layouts (:mod:`maxfp4.plan.layout` offers only layouts these rules pass).
-JAX-free: the planner imports it without JAX.
+"""Where the block stack is cut into pipeline stages, what each stage costs, the one program
+every stage runs, and the rules a stage layout (``mesh.pipeline``, ``mesh.pipeline_repeats``,
+``train.microbatches``) must follow. One home for both users: the trainer's start-up check
+(:func:`check_stages`) and the planner's choice of layouts (:mod:`maxfp4.plan.layout` offers only
+layouts these rules pass). JAX-free: the planner imports it without JAX.
 
 The stages are one SPMD program (:mod:`maxfp4.parallel.pipeline`): every device runs the same
-stage model at every tick, on that stage's slice of the stacked blocks. So the P x V stages must
-be alike: the same block types in the same order and the same recipes. A dense stack and a hybrid
-pattern made of P x V equal parts cut so; the cut is then also the cost-balanced one
-(:func:`balanced_cut`, by :func:`block_flops`).
+stage model at every tick, on that stage's weights. The stack is cut into P x V chunks of
+consecutive blocks balanced by training FLOPs (:func:`balanced_cut`, by :func:`block_flops`).
 
-A hybrid pattern whose equal-count parts differ (``M*-MM-`` at P = 2) could run each stage's
-own blocks under a ``lax.switch`` on the stage index, cut where :func:`balanced_cut` says. It is
-refused instead, because that program costs what the one-program form does not: JAX's
-conditional keeps every branch's residuals for the backward pass (activation memory grows with
-the number of distinct stages), each block type's weights are padded to the largest stage's
-count, and every distinct stage compiles on its own. Padding stages with identity blocks would
-cost FLOPs on every stage that runs them.
+* Alike stages: a dense stack and a hybrid pattern made of P x V equal parts with the same
+  recipes (``M*-M*-`` at P = 2) cut into chunks that are the same blocks; the stage model is one
+  chunk (:func:`stage_model`), and the equal cut is also the cost-balanced one.
+* Unequal stages: any other stack (``M*-MM-`` at P = 2, Nemotron-H 56B's 118 blocks, 126 dense
+  blocks at P = 8) runs a :class:`StageProgram`: a sequence of slots, each a block type with its
+  recipes, that holds every chunk as a subsequence (a common supersequence of the chunks). Each
+  stage runs its own blocks in their slots and skips the others (a conditional: no FLOPs, no
+  backward pass). What it costs: a skipped slot's weights are a padded row of the stage's
+  stacks, and its input is kept for the backward pass like a run block's. The alternative, a
+  ``lax.switch`` over distinct stage programs, keeps every branch's residuals, pads every
+  branch's weights too, and compiles each distinct stage.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from typing import Sequence
+
+import numpy as np
 
 from maxfp4.config import Config, ConfigError, ModelConfig
 from maxfp4.model_spec import ModelSpec, model_spec
@@ -132,53 +136,34 @@ def _alike(types: tuple, n_stages: int) -> bool:
     return all(types[i] == types[i % part] for i in range(n))
 
 
-def _working(n: int, ok) -> str:
-    return ", ".join(str(k) for k in range(1, n + 1) if ok(k))
+def alike_blocks(model: ModelConfig, n_stages: int) -> bool:
+    """Whether the equal cut gives ``n_stages`` chunks of the same block types."""
+    return _alike(_block_types(model), n_stages)
 
 
-def _cut_problem(model: ModelConfig, stages: int, repeats: int) -> str | None:
-    """Why the blocks do not cut into stages x repeats alike stages, or None."""
-    types = _block_types(model)
-    n, n_stages = len(types), stages * repeats
-    if _alike(types, n_stages):
-        return None
-    what = f"model.pattern={model.pattern}" if model.kind == "hybrid" else f"the {n} blocks"
-    works = _working(n // stages, lambda v: _alike(types, stages * v))
-    if repeats == 1 or not works:  # no repeats help: another pipeline degree does
-        works = _working(n, lambda p: _alike(types, p))
-        keys = f"mesh.pipeline={stages}" + (f" mesh.pipeline_repeats={repeats}" if repeats > 1 else "")
-        with_one = " with mesh.pipeline_repeats=1" if repeats > 1 else ""
-        return (f"{keys}: cannot cut {what} into {n_stages} stages of the same block types; "
-                f"expected mesh.pipeline one of {works}{with_one}")
-    return (f"mesh.pipeline_repeats={repeats}: cannot cut {what} into mesh.pipeline={stages} x "
-            f"{repeats} stages of the same block types; expected mesh.pipeline_repeats one of {works}")
-
-
-def _policy_problem(policy: PrecisionPolicy, n_stages: int) -> str | None:
-    """Why the stages' recipes differ (the stages are one program), naming the first block that
-    differs, or None."""
-    part = policy.n_layers // n_stages
-    rows = policy.block_table[:part]
-    for i, row in enumerate(policy.block_table):
-        if row != rows[i % part]:
-            return (f"mesh.pipeline x mesh.pipeline_repeats={n_stages}: precision gives block {i} the recipes "
-                    f"{'/'.join(sorted(set(row)))} and block {i % part} (the same place in the first stage) "
-                    f"{'/'.join(sorted(set(rows[i % part])))}; expected the same recipes at the same place of every "
-                    f"stage (precision.rules without 'layers', or layers that repeat every {part} blocks)")
-    return None
+def alike_stages(model: ModelConfig, policy: PrecisionPolicy, n_stages: int) -> bool:
+    """Whether the equal cut gives ``n_stages`` chunks of the same block types and recipes (each
+    stage runs one chunk's model), rather than a :class:`StageProgram` of slots."""
+    return alike_blocks(model, n_stages) and _alike(policy.recipe_rows, n_stages)
 
 
 @functools.lru_cache(maxsize=4096)  # the planner asks for every mesh it considers
 def stages_problem(model: ModelConfig, policy: PrecisionPolicy, stages: int, repeats: int = 1) -> str | None:
-    """Why the trainer refuses to run ``model`` under ``policy`` in ``stages`` (``mesh.pipeline``)
-    x ``repeats`` (``mesh.pipeline_repeats``) stages, as one line naming the keys, or None:
-    the blocks must cut into alike stages, with the same recipes."""
+    """Why the trainer refuses to run ``model`` in ``stages`` (``mesh.pipeline``) x ``repeats``
+    (``mesh.pipeline_repeats``) stages, as one line naming the keys, or None: a stage holds at
+    least one block. (Stages of unequal blocks or recipes run as a :class:`StageProgram`.)"""
+    n = len(_block_types(model))
     if stages == 1:
         if repeats == 1:
             return None
         return (f"mesh.pipeline_repeats={repeats}: repeats the stages of mesh.pipeline, which is 1; "
                 f"expected mesh.pipeline_repeats=1 (or mesh.pipeline=2 and more)")
-    return _cut_problem(model, stages, repeats) or _policy_problem(policy, stages * repeats)
+    if stages * repeats <= n:
+        return None
+    if repeats > 1 and stages <= n:
+        return (f"mesh.pipeline_repeats={repeats}: mesh.pipeline={stages} x {repeats} stages for the model's {n} "
+                f"blocks; expected at most {n // stages} (a stage holds at least one block)")
+    return f"mesh.pipeline={stages}: {stages} stages for the model's {n} blocks; expected at most {n}"
 
 
 def microbatches_problem(stages: int, repeats: int, microbatches: int) -> str | None:
@@ -209,26 +194,154 @@ def check_stages(cfg: Config, policy: PrecisionPolicy) -> None:
         raise ConfigError(problem)
 
 
+# ----------------------------------------------------------------------------- unequal stages
+
+
+def _supersequence_of_two(a: tuple, b: tuple) -> tuple:
+    """A shortest common supersequence of ``a`` and ``b`` (the textbook dynamic program)."""
+    n, m = len(a), len(b)
+    length = [[0] * (m + 1) for _ in range(n + 1)]  # of a[i:], b[j:]
+    for i in range(n, -1, -1):
+        for j in range(m, -1, -1):
+            if i == n or j == m:
+                length[i][j] = (n - i) + (m - j)
+            elif a[i] == b[j]:
+                length[i][j] = 1 + length[i + 1][j + 1]
+            else:
+                length[i][j] = 1 + min(length[i + 1][j], length[i][j + 1])
+    out, i, j = [], 0, 0
+    while i < n or j < m:
+        if i < n and j < m and a[i] == b[j]:
+            out.append(a[i])
+            i, j = i + 1, j + 1
+        elif j == m or (i < n and length[i + 1][j] <= length[i][j + 1]):
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    return tuple(out)
+
+
+def _embed(sub: tuple, sup: tuple) -> tuple[int, ...]:
+    """The leftmost positions of ``sub`` as a subsequence of ``sup``."""
+    at, out = 0, []
+    for x in sub:
+        while sup[at] != x:
+            at += 1
+        out.append(at)
+        at += 1
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProgram:
+    """Unequal stages as one program: ``slots[l]`` (a block type, its recipes) is the l-th block
+    every stage runs or skips; ``blocks_CL[c][l]`` the block of the stack stage c runs in slot l,
+    or -1 where it skips the slot. Stage c is device c mod P's (c // P)-th
+    (:mod:`maxfp4.parallel.pipeline_schedule`)."""
+
+    stages: int
+    repeats: int
+    slots: tuple[tuple[str, tuple[str, ...]], ...]
+    blocks_CL: tuple[tuple[int, ...], ...]
+
+    def slot_block(self, slot: int) -> int:
+        """A block that runs in ``slot`` (its type and recipes are the slot's)."""
+        return next(chunk[slot] for chunk in self.blocks_CL if chunk[slot] >= 0)
+
+    def device_blocks_VL(self, device: int) -> np.ndarray:
+        """[V, L] the blocks device ``device`` runs in each slot of each of its stages (-1: skips)."""
+        return np.array([self.blocks_CL[v * self.stages + device] for v in range(self.repeats)], np.int32)
+
+    def stage_model(self, model: ModelConfig) -> ModelConfig:
+        """The model of the slots: every slot a block of its type."""
+        if model.kind == "hybrid":
+            pattern = "".join(model.pattern[self.slot_block(l)] for l in range(len(self.slots)))
+            return dataclasses.replace(model, pattern=pattern, n_layers=len(pattern))
+        return dataclasses.replace(model, n_layers=len(self.slots))
+
+    def stage_policy(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        """The slots' recipes, from a block that runs in each."""
+        reps = [self.slot_block(l) for l in range(len(self.slots))]
+        return dataclasses.replace(policy, n_layers=len(reps), block_table=tuple(policy.block_table[b] for b in reps),
+                                   router_table=tuple(policy.router_table[b] for b in reps) if policy.router_table else ())
+
+    def group_rows(self, model: ModelConfig, group: str) -> np.ndarray:
+        """[P, V x L_g]: the rows of parameter group ``group``'s stack (the checkpoint's, in block
+        order) that each device's slots of that group read, stage by stage (-1: a skipped slot)."""
+        blocks = model_spec(model).blocks
+        index_in_group = {}
+        for i, b in enumerate(blocks):
+            index_in_group[i] = sum(1 for j in range(i) if blocks[j].group == b.group)
+        slots = [l for l in range(len(self.slots)) if blocks[self.slot_block(l)].group == group]
+        rows = np.full((self.stages, self.repeats * len(slots)), -1, np.int32)
+        for p in range(self.stages):
+            blocks_VL = self.device_blocks_VL(p)
+            rows[p] = [index_in_group[b] if b >= 0 else -1 for v in range(self.repeats) for b in blocks_VL[v, slots]]
+        return rows
+
+    def padding(self) -> float:
+        """Skipped slots over run ones: the extra weight rows and kept inputs the slots cost."""
+        run = sum(b >= 0 for chunk in self.blocks_CL for b in chunk)
+        return len(self.slots) * len(self.blocks_CL) / run - 1
+
+
+def stage_program(model: ModelConfig, policy: PrecisionPolicy | None, seq_len: int, stages: int,
+                  repeats: int = 1) -> StageProgram:
+    """The slots of unequal stages: the stack cut into stages x repeats chunks balanced by
+    training FLOPs, and a common supersequence of the chunks' (type, recipes) sequences (merged
+    pairwise, each pair's shortest). ``policy`` None: by type alone (the planner's estimate)."""
+    return _stage_program(model, policy, seq_len, stages, repeats)
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_program(model, policy, seq_len, stages, repeats):
+    split = split_stages(block_flops(model, seq_len), stages, repeats)
+    types = _block_types(model)
+    tokens = tuple(zip(types, policy.recipe_rows if policy is not None else ((),) * len(types)))
+    chunks = [tuple(tokens[b] for b in chunk) for chunk in split.chunks]
+    slots = chunks[0]
+    for chunk in chunks[1:]:
+        slots = _supersequence_of_two(slots, chunk)
+    blocks_CL = []
+    for blocks, chunk in zip(split.chunks, chunks):
+        row = [-1] * len(slots)
+        for b, at in zip(blocks, _embed(chunk, slots)):
+            row[at] = b
+        blocks_CL.append(tuple(row))
+    return StageProgram(stages, repeats, slots, tuple(blocks_CL))
+
+
 # ----------------------------------------------------------------------------- one stage's program
 
 
+def held_rows(model: ModelConfig, stages: int) -> dict[str, int]:
+    """Rows of each parameter group's stack a device keeps (master weights, moments, gradients):
+    its contiguous part over the pipeline axis, or the whole stack where the axis does not divide
+    it (maxfp4.parallel.mesh.logical_to_spec keeps such a dim whole)."""
+    counts: dict[str, int] = {}
+    for b in model_spec(model).blocks:
+        counts[b.group] = counts.get(b.group, 0) + 1
+    return {g: n // stages if n % stages == 0 else n for g, n in counts.items()}
+
+
 def stage_model(model: ModelConfig, stages: int, repeats: int = 1) -> ModelConfig:
-    """The model one stage runs: ``n_layers / (stages x repeats)`` blocks (a hybrid: one of that
-    many equal parts of the pattern). One line naming the keys when the stack does not cut so."""
-    problem = _cut_problem(model, stages, repeats)
-    if problem:
-        raise ConfigError(problem)
-    part = len(_block_types(model)) // (stages * repeats)
+    """The model one of alike stages runs: ``n_layers / (stages x repeats)`` blocks (a hybrid:
+    the first of that many equal parts of the pattern)."""
+    n_stages = stages * repeats
+    if not _alike(_block_types(model), n_stages):
+        raise ValueError(f"{len(_block_types(model))} blocks do not cut into {n_stages} alike stages")
+    part = len(_block_types(model)) // n_stages
     if model.kind == "hybrid":
         return dataclasses.replace(model, pattern=model.pattern[:part], n_layers=part)
     return dataclasses.replace(model, n_layers=part)
 
 
 def stage_policy(policy: PrecisionPolicy, n_stages: int) -> PrecisionPolicy:
-    """The policy of one stage's blocks: every stage's rows must be the first stage's (the stages
-    are one program); one line naming the first block that differs."""
-    problem = _policy_problem(policy, n_stages)
-    if problem:
-        raise ConfigError(problem)
+    """The policy of one of alike stages' blocks: the first stage's rows."""
+    if not _alike(policy.recipe_rows, n_stages):
+        raise ValueError(f"the recipes of {policy.n_layers} blocks differ between {n_stages} stages")
     part = policy.n_layers // n_stages
-    return dataclasses.replace(policy, n_layers=part, block_table=policy.block_table[:part])
+    return dataclasses.replace(policy, n_layers=part, block_table=policy.block_table[:part],
+                               router_table=policy.router_table[:part])

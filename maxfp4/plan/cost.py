@@ -19,7 +19,8 @@ from maxfp4.model_spec import (BlockSpec, LinearSpec, model_spec,
                                mamba_splits_over_tensor as splits_over_tensor)
 from maxfp4.plan.rates import GPUS, PLAN_RECIPES, PRECISIONS, attention_tflops, datasheet_tflops, gemm_tflops, ssd_tflops
 from maxfp4.parallel.pipeline_schedule import bubble_fraction, ticks
-from maxfp4.parallel.pipeline_stages import StageSplit, block_flop_parts, block_flops, split_stages
+from maxfp4.parallel.pipeline_stages import (StageSplit, alike_blocks, block_flop_parts, block_flops, held_rows, split_stages,
+                                             stage_program)
 from maxfp4.plan.stages import PlanMesh
 from maxfp4.precision.catalog import SPECS
 from maxfp4.precision.policy import PrecisionPolicy, resolve_policy
@@ -152,13 +153,19 @@ def _stage_split(m: ModelConfig, seq_len: int, stages: int, repeats: int) -> Sta
 
 @functools.lru_cache(maxsize=4096)
 def _held(m: ModelConfig, seq_len: int, stages: int, repeats: int) -> tuple[int, ...]:
-    """The blocks of the device that keeps the most block parameters (all blocks without stages)."""
+    """The blocks whose activations the busiest device keeps (all blocks without stages): alike
+    stages, those of its own chunks; unequal stages, a block of each slot of its stages (a
+    skipped slot keeps zeroed residual buffers the size of the block it skips: a conditional's
+    residuals are both branches')."""
     blocks = model_spec(m).blocks
     if stages == 1:
         return tuple(range(len(blocks)))
-    split = _stage_split(m, seq_len, stages, repeats)
-    return max((split.device_blocks(p) for p in range(stages)),
-               key=lambda device: sum(blocks[b].matmul_params for b in device))
+    if alike_blocks(m, stages * repeats):
+        split = _stage_split(m, seq_len, stages, repeats)
+        return max((split.device_blocks(p) for p in range(stages)),
+                   key=lambda device: sum(blocks[b].matmul_params for b in device))
+    program = stage_program(m, None, seq_len, stages, repeats)
+    return tuple(program.slot_block(l) for l in range(len(program.slots))) * repeats
 
 
 def _held_blocks(cfg: Config, mesh: PlanMesh) -> tuple[int, ...]:
@@ -167,11 +174,16 @@ def _held_blocks(cfg: Config, mesh: PlanMesh) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def _held_block_params(m: ModelConfig, seq_len: int, stages: int, repeats: int, tensor: int) -> tuple[int, int]:
-    """(matmul parameters, those kept whole on every tensor device) of :func:`_held`'s blocks."""
+    """(matmul parameters, those kept whole on every tensor device) a device keeps state for: its
+    rows of each block type's stack (:func:`maxfp4.parallel.pipeline_stages.held_rows`: a stack
+    the pipeline degree does not divide is kept whole on every stage)."""
     blocks = model_spec(m).blocks
-    linears = [lin for b in _held(m, seq_len, stages, repeats) for lin in blocks[b].linears]
-    return (sum(lin.params for lin in linears),
-            sum(lin.params for lin in linears if _whole_on_tensor(lin, m, tensor)))
+    held = whole = 0
+    for group, rows in held_rows(m, stages).items():
+        linears = next(b for b in blocks if b.group == group).linears
+        held += rows * sum(lin.params for lin in linears)
+        whole += rows * sum(lin.params for lin in linears if _whole_on_tensor(lin, m, tensor))
+    return held, whole
 
 
 def state_params_per_device(cfg: Config, params: int, mesh) -> float:

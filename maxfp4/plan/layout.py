@@ -138,16 +138,6 @@ def describe(mesh: PlanMesh) -> str:
     return f"data={mesh.data:,} x {stages}fsdp={mesh.fsdp} x tensor={mesh.tensor}"
 
 
-def _preset_note(cfg: Config, mesh: PlanMesh) -> tuple[str, ...]:
-    """A note where the nvfp4 row's recipes (the NVFP4 preset's, BF16 at both ends of the stack)
-    differ between the mesh's stages, which the trainer refuses: that row is then a what-if."""
-    problem = stages_problem(cfg.model, model.nvfp4_preset_policy(cfg.model), mesh.pipeline, mesh.repeats)
-    if not problem:
-        return ()
-    return (f"note: the nvfp4 row prices the NVFP4 preset (configs/precision/nvfp4.yaml), which these stages "
-            f"cannot run: {problem}",)
-
-
 def overrides(mesh: PlanMesh) -> str:
     """The mesh as the config keys that train with it."""
     keys = f"mesh.data={mesh.data} mesh.pipeline={mesh.pipeline} mesh.fsdp={mesh.fsdp} mesh.tensor={mesh.tensor}"
@@ -172,7 +162,7 @@ def layout_for(cfg: Config, gpus: int, gpu: str, batch_tokens: float | None = No
                 reasons.append(f"note: the model estimates {need:.1f} GB a GPU, over the {usable_gb(gpu):.0f} GB "
                                f"usable on {gpu.upper()}; it runs high, so try it, or pass --batch-tokens "
                                f"to have a layout chosen that fits the estimate")
-            return Layout(cfg, mesh, False, tuple(reasons) + _preset_note(cfg, mesh))
+            return Layout(cfg, mesh, False, tuple(reasons))
         why = f"layout chosen because {problem}"
     else:
         why = f"layout chosen for --batch-tokens {batch_tokens:,.0f}"
@@ -271,7 +261,7 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
     reasons.append(f"  to train with it: data.global_batch={rows} {overrides(mesh)} "
                    f"train.microbatches={c.train.microbatches}"
                    + (f" train.remat={c.train.remat}" if c.train.remat != cfg.train.remat else ""))
-    return Layout(c, mesh, True, tuple(reasons) + _preset_note(c, mesh))
+    return Layout(c, mesh, True, tuple(reasons))
 
 
 # ----------------------------------------------------------------------------- what-if
