@@ -42,14 +42,16 @@ def _check_inputs(gpus: int, gpu: str, tokens: float, batch_tokens: float | None
 
 def plan(cfg: Config, gpus: int, gpu: str, tokens: float, utilisation: float | None = None, *,
          batch_tokens: float | None = None, gpus_per_node: int = GPUS_PER_NODE,
-         goodput: float = GOODPUT) -> list[dict]:
+         goodput: float = GOODPUT, stages_only: bool = False) -> list[dict]:
     """One row per precision. The config's batch and mesh are used if they suit ``gpus``;
-    otherwise (or with ``batch_tokens``) a layout is chosen, and each row's notes say which."""
+    otherwise (or with ``batch_tokens``, or ``stages_only``: the best mesh with pipeline stages)
+    a layout is chosen, and each row's notes say which."""
     _check_inputs(gpus, gpu, tokens, batch_tokens, gpus_per_node, goodput)
-    with_context = plan_rows(cfg, gpus, gpu, tokens, utilisation, batch_tokens, gpus_per_node, goodput)
-    if with_context is not None:  # a sequence split over GPUs (maxfp4.plan.context)
-        return with_context
-    layout = layout_for(cfg, gpus, gpu, batch_tokens, gpus_per_node)
+    if not stages_only:
+        with_context = plan_rows(cfg, gpus, gpu, tokens, utilisation, batch_tokens, gpus_per_node, goodput)
+        if with_context is not None:  # a sequence split over GPUs (maxfp4.plan.context)
+            return with_context
+    layout = layout_for(cfg, gpus, gpu, batch_tokens, gpus_per_node, stages_only)
     return rows_for(layout, gpus, gpu, tokens, utilisation, gpus_per_node, goodput)
 
 
@@ -154,6 +156,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="days and GPU-hours for these GPU counts x precisions (default grid "
                              "8..16384)")
     parser.add_argument("--plot", metavar="FILE", help="with --what-if: draw the grid to this image")
+    parser.add_argument("--stages", action="store_true",
+                        help="choose among meshes with pipeline stages only (to set the best of them beside "
+                             "the mesh chosen without this flag)")
     parser.add_argument("--mfu-from", help="JSON results with 'mfu' or 'tflops_per_device'")
     parser.add_argument("--json", action="store_true", help="print JSON")
     return parser.parse_intermixed_args(argv)  # key=value overrides may follow the flags
@@ -178,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UserError(f"--gpus {args.gpus}: --what-if takes its GPU counts as --what-if N,N,...")
             if args.mfu_from:
                 raise UserError("--mfu-from: not with --what-if (one run's utilisation does not hold at every scale)")
+            if args.stages:
+                raise UserError("--stages: not with --what-if (it chooses one layout, for --gpus)")
             gpus = 1
         _check_inputs(gpus, gpu, tokens, batch_tokens, gpus_per_node, goodput)  # before reading any file
         cfg = config_from_arguments(args)
@@ -193,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return
         utilisation = read_utilisation(args.mfu_from, gpu) if args.mfu_from else None
         rows = plan(cfg, gpus, gpu, tokens, utilisation, batch_tokens=batch_tokens,
-                    gpus_per_node=gpus_per_node, goodput=goodput)
+                    gpus_per_node=gpus_per_node, goodput=goodput, stages_only=args.stages)
         print(json.dumps(rows) if args.json else format_table(rows))
 
     return exit_code_of(run)

@@ -145,9 +145,12 @@ def overrides(mesh: PlanMesh) -> str:
 
 
 def layout_for(cfg: Config, gpus: int, gpu: str, batch_tokens: float | None = None,
-               gpus_per_node: int = model.GPUS_PER_NODE) -> Layout:
+               gpus_per_node: int = model.GPUS_PER_NODE, stages_only: bool = False) -> Layout:
     """The config's batch and mesh if they run well on ``gpus``; else a chosen one. An explicit
-    ``batch_tokens`` always chooses."""
+    ``batch_tokens`` always chooses, and so does ``stages_only`` (among meshes with stages)."""
+    if stages_only:
+        why = "layout chosen among meshes with pipeline stages (--stages)"
+        return choose_layout(cfg, gpus, gpu, batch_tokens or DEFAULT_BATCH_TOKENS, gpus_per_node, why, stages_only=True)
     if batch_tokens is None:
         problem = _config_layout_problem(cfg, gpus, gpu)
         if problem is None:
@@ -179,7 +182,7 @@ def microbatch_options(m: ModelConfig, policy: PrecisionPolicy, mesh: PlanMesh, 
 
 
 def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_per_node: int,
-                  why: str = "layout chosen") -> Layout:
+                  why: str = "layout chosen", stages_only: bool = False) -> Layout:
     usable = usable_gb(gpu)
     seq = cfg.data.seq_len
     policy = _policy(cfg)
@@ -188,6 +191,8 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
     # nothing without stages fits without it. Meshes with stages compete at every step on speed.
     for remat, across in [(r, a) for a in (False, True) for r in dict.fromkeys((cfg.train.remat, "full"))]:
         for mesh in candidate_meshes(cfg.model, gpus, gpus_per_node, across):
+            if stages_only and mesh.pipeline == 1:
+                continue
             shards = mesh.batch_shards
             # with stages, at least one row a stage on every shard: microbatches >= stages
             rows = max(mesh.pipeline, round(batch_tokens / seq / shards)) * shards
@@ -215,7 +220,7 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
         if any(f[6].pipeline == 1 for f in fitting):
             break
     if not fitting:
-        raise UserError(f"--gpus {gpus}: no mesh of {gpus:,} {gpu.upper()} GPUs fits {model.param_count(cfg.model) / 1e9:.1f}B "
+        raise UserError(f"--gpus {gpus}: no mesh {'with pipeline stages ' if stages_only else ''}of {gpus:,} {gpu.upper()} GPUs fits {model.param_count(cfg.model) / 1e9:.1f}B "
                         f"parameters in {usable:.0f} GB a GPU (tried {tried} meshes, train.remat=full "
                         f"included); expected more GPUs or GPUs with more memory")
     # A batch far above the asked one changes the training recipe, so it is taken only when no
