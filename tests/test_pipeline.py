@@ -22,8 +22,8 @@ from maxfp4.model.router_state import combine_cotangents
 from maxfp4.model_spec import model_spec
 from maxfp4.optim import make_optimizer
 from maxfp4.parallel.pipeline import bubble_fraction, check_stages
-from maxfp4.parallel.pipeline_schedule import dependency_errors, idle_fraction, schedule_table, ticks
-from maxfp4.parallel.pipeline_stages import balanced_cut, block_flops
+from maxfp4.parallel.pipeline_schedule import dependency_errors, exchange_tables, idle_fraction, schedule_table, ticks
+from maxfp4.parallel.pipeline_stages import balanced_cut, block_flops, split_stages, stage_program
 from maxfp4.precision import resolve_policy
 from maxfp4.precision.state import scales_of
 from maxfp4.step import make_loss_fn
@@ -195,6 +195,48 @@ def test_balanced_cut_is_the_least_largest_stage_of_every_cut():
         assert len(bounds) == n_stages + 1 and (bounds[0], bounds[-1]) == (0, len(costs))
         assert list(bounds) == sorted(set(bounds))  # every stage at least one block
         assert _largest_stage(costs, bounds) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("config, stages, repeats", [("configs/nemotron-h-56b.yaml", 8, 1),
+                                                     ("configs/nemotron-h-56b.yaml", 4, 2),
+                                                     ("configs/hybrid-1b.yaml", 4, 1), ("configs/tiny-moe.yaml", 2, 2)])
+def test_the_slots_of_unequal_stages_hold_every_block_once_in_order(config, stages, repeats):
+    """Every chunk of the FLOP-balanced cut runs in the slots, in its order, each block in one
+    slot of the type and recipes it has (the NVFP4 preset's BF16 ends included); the slots each
+    device reads from the stacks (gathered by one all-to-all from the checkpoint's contiguous
+    parts, as maxfp4.parallel.pipeline does it, in NumPy here) are its blocks' own rows."""
+    cfg = load_config(config, ["precision.default=nvfp4", "precision.rules=[{layers: '-2:', recipe: bf16}]"])
+    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+    program = stage_program(cfg.model, policy, cfg.data.seq_len, stages, repeats)
+    split = split_stages(block_flops(cfg.model, cfg.data.seq_len), stages, repeats)
+    types = [b.type for b in model_spec(cfg.model).blocks]
+    for chunk, row in zip(split.chunks, program.blocks_CL):
+        assert [b for b in row if b >= 0] == list(chunk)
+        for slot, b in enumerate(row):
+            if b >= 0:
+                assert program.slots[slot] == (types[b], policy.recipe_rows[b])
+    slot_types = [t for t, _ in program.slots]
+    stage = program.stage_policy(policy)
+    assert program.stage_model(cfg.model).n_layers == len(program.slots) == stage.n_layers
+    assert stage.recipe_rows == tuple(r for _, r in program.slots)
+    groups = {b.type: b.group for b in model_spec(cfg.model).blocks}
+    for group in dict.fromkeys(groups.values()):
+        in_group = [i for i, b in enumerate(model_spec(cfg.model).blocks) if b.group == group]
+        stack = np.array(in_group)  # each row holds the block index it belongs to
+        wanted_PR = program.group_rows(cfg.model, group)
+        rows = len(in_group)
+        if rows % stages == 0:  # exchanged: device q holds rows q x part ... from the checkpoint's layout
+            send_PPK, recv_PR, k = exchange_tables(rows, stages, wanted_PR)
+            part = rows // stages
+            sent = np.stack([stack[q * part:(q + 1) * part][send_PPK[q]] for q in range(stages)])  # [src, dst, K]
+            got = [sent[:, p].reshape(-1)[recv_PR[p]] for p in range(stages)]
+        else:  # kept whole on every stage
+            got = [stack[np.maximum(wanted_PR[p], 0)] for p in range(stages)]
+        for p in range(stages):
+            blocks_VL = program.device_blocks_VL(p)
+            slots = [l for l, t in enumerate(slot_types) if groups[t] == group]
+            want = blocks_VL[:, slots].reshape(-1)
+            assert np.array_equal(got[p][want >= 0], want[want >= 0]), (group, p)
 
 
 def test_stage_layouts_that_cannot_run_are_one_line():
