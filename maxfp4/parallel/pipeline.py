@@ -12,9 +12,11 @@ ticks backwards, so the backward pass is pipelined the same way. Bubble fraction
 (P - 1) / (V x M + P - 1) for M = ``train.microbatches`` (a multiple of P when V > 1).
 
 The stages are one program (``shard_map`` over ``pipeline``, the other axes left to XLA, so data,
-fsdp and tensor compose as without stages): every stage runs the stage model
-(:func:`~maxfp4.parallel.pipeline_stages.stage_model`) on its slice of the stacked blocks, so the
-stages must be alike (:func:`~maxfp4.parallel.pipeline_stages.check_stages`). The parameters keep
+fsdp, tensor and expert compose as without stages): alike stages run the stage model
+(:func:`~maxfp4.parallel.pipeline_stages.stage_model`) on their slice of the stacked blocks;
+unequal ones run the slots of a :class:`~maxfp4.parallel.pipeline_stages.StageProgram`, each
+stage skipping the slots it does not fill, on weights gathered at the start of the step
+(:func:`_gather_rows`). The parameters keep
 their one layout (stacked over all blocks in block order, the stack split into P contiguous parts
 over ``pipeline`` by the ``layers`` rule of :mod:`maxfp4.parallel.mesh`): checkpoints and exports
 do not depend on P or V. With V > 1 a device's stages are not its contiguous part, so each step
@@ -26,9 +28,11 @@ That is the price of the layout staying the checkpoint's.
 FP8 delayed scaling: each tick hands the stage a copy of the scales whose cotangent (the amax)
 counts only where the tick ran a real microbatch (:func:`fan_out_max`), and the copies combine
 by max, as the microbatches of the unpipelined step do; a bubble tick's values never reach them.
+The routers' statistics (token counts) come back the same way, summed (:func:`_fan_out`).
 
 Dimension letters: M microbatches, B rows of a microbatch, T sequence, D d_model, N ticks,
-V repeats (a device's stages), K chunks a device sends another, P devices on the pipeline axis.
+V repeats (a device's stages), K chunks (or rows) a device sends another, P devices on the pipeline
+axis, L slots of a stage, R rows a device gathers.
 """
 
 from __future__ import annotations
