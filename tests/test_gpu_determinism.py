@@ -38,7 +38,7 @@ def _train(tmp_path, name: str, preset: list[str]) -> str:
     # Without the CPU-only flags tests/conftest.py adds (quick LLVM pipeline, virtual devices).
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(
         ("--xla_force_host_platform_device_count", "--xla_backend_optimization_level",
-         "--xla_llvm_disable_expensive_passes")))
+         "--xla_llvm_disable_expensive_passes", "--xla_cpu_use_fusion_emitters")))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)  # and carried wheels
     args = ["configs/quickstart.yaml", *preset, *SMALL, f"run.output_dir={tmp_path}", f"run.name={name}"]
     proc = subprocess.run([sys.executable, "-m", "maxfp4.train", *args], cwd=REPO, env=env,

@@ -179,10 +179,10 @@ def test_cluster_scale_plans_of_the_three_large_models(capsys):
     4,096 H100s (BF16), Llama 3 405B on 16,384 (16M tokens a step) and Nemotron-H 56B on 6,144
     (FP8). The goals (40%, 38%, 35%) are not reached, and FSDP x tensor across nodes is still
     chosen (29%, 30%, 32%). With cuDNN's attention in the stages the best 70B stage layout
-    (128 x p2 x f2 x t8, 8 repeats, 2 microbatches, no remat) is ~28%, within two points of the
-    chosen mesh: its FSDP gathers over InfiniBand every tick, the hand-overs and the embedding's
-    and LM head's traffic each tick keep it below. The 56B hybrid's pattern runs in unequal
-    stages (``--stages``), two points under the chosen mesh at its batch (M = P = 2: an 11%
+    (128 x p2 x f2 x t8, 8 repeats, 2 microbatches, no remat, which the chooser does not try
+    under the config's full remat) is level with the chosen mesh: its hand-overs split over
+    tensor, it still gathers FSDP over InfiniBand every tick. The 56B hybrid's pattern runs in unequal
+    stages (``--stages``), a point under the chosen mesh at its batch (M = P = 2: an 11%
     bubble). These are model outputs, not measurements."""
     llama70 = _plan(["configs/llama3-70b.yaml", "--gpus", "4096", "--tokens", "15e12"], capsys)["bf16"]
     assert llama70["fits"] and llama70["gpus"] == 4096 and 0.27 <= llama70["mfu"] < 0.31
@@ -190,7 +190,7 @@ def test_cluster_scale_plans_of_the_three_large_models(capsys):
     cfg = load_config("configs/llama3-70b.yaml")
     stages = PlanMesh(128, 2, 8, 2, 8)
     staged = plan_model.project(_with(cfg, 512, stages, 2, "none"), stages, "h100", "bf16")
-    assert staged["fits"] and 0.26 <= staged["mfu"] < llama70["mfu"]
+    assert staged["fits"] and abs(staged["mfu"] - llama70["mfu"]) <= 0.01
     llama405 = _plan(["configs/llama3-70b.yaml", *B405, "--gpus", "16384", "--tokens", "15.6e12",
                       "--batch-tokens", "16e6"], capsys)["bf16"]
     assert llama405["fits"] and 0.28 <= llama405["mfu"] < 0.32 and llama405["mesh"]["pipeline"] == 1

@@ -56,7 +56,7 @@ def test_two_runs_started_together_one_is_refused_the_other_finishes(tmp_path):
 
 
 def test_a_second_run_started_later_is_refused_while_the_first_runs(tmp_path):
-    first = _start(tmp_path, "train.steps=8", "resilience.fault.slow_process=0", "resilience.fault.slow_seconds=0.5")
+    first = _start(tmp_path, "train.steps=8", "resilience.fault.slow_process=0", "resilience.fault.slow_seconds=1.5")
     deadline = time.time() + 240
     while len(_steps(tmp_path)) < 2:
         assert first.poll() is None and time.time() < deadline, "the first run did not get going"

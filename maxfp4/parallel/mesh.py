@@ -54,6 +54,10 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     # Stacked blocks' leading dim: each pipeline stage keeps its own consecutive blocks
     # (maxfp4.parallel.pipeline); with mesh.pipeline=1 every device holds every block.
     "layers": ("pipeline",),
+    # A stage's output as it crosses to the next pipeline stage: its d_model split over tensor,
+    # so each tensor rank sends 1/tensor of it (Megatron's scatter-gather of the hand-over) and
+    # the next stage's first use gathers it within the node (maxfp4.parallel.pipeline).
+    "handover": ("tensor",),
     "norm": (),
     # A mixture-of-experts block's experts: each device on the expert axis holds X / expert of them.
     "experts": ("expert",),

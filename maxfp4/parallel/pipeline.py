@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from maxfp4.config import Config
-from maxfp4.parallel.mesh import fan_out_max, fan_out_sum, split_microbatches
+from maxfp4.parallel.mesh import constrain, fan_out_max, fan_out_sum, split_microbatches
 from maxfp4.parallel.pipeline_schedule import bubble_fraction, circular_chunks, exchange_tables, schedule_table
 from maxfp4.parallel.pipeline_stages import alike_stages, check_stages, stage_model, stage_policy, stage_program
 from maxfp4.model import get_model
@@ -116,6 +116,7 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         group_rows = {g: program.group_rows(cfg.model, g) for g in groups}
         blocks_PVL = np.stack([program.device_blocks_VL(p) for p in range(stages)])
     chunks = cfg.train.loss_chunks
+    split_handover = mesh.shape.get("tensor", 1) > 1 and cfg.model.d_model % mesh.shape["tensor"] == 0
     table_NP2 = schedule_table(stages, repeats, m)  # the ticks this loss runs, and the bubble's count
     # GPipe hands the last stage's output to nobody; the circular schedule back to device 0
     ring = [(s, (s + 1) % stages) for s in range(stages if repeats > 1 else stages - 1)]
@@ -173,6 +174,8 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
             loss = jax.lax.cond(last, lambda: head_loss(others, y_BTD, micro["targets"][i], micro["loss_mask"][i],
                                                         scales["head"], mb_key),
                                 lambda: jnp.zeros((), jnp.float32))
+            if split_handover:  # 1/tensor of it crosses stages; the receiver gathers it over tensor
+                y_BTD = constrain(y_BTD, ("batch", "seq", "handover"))
             handed = jax.lax.ppermute(y_BTD, AXIS, ring)
             return (handed, total + loss), None
 

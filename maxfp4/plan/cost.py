@@ -363,7 +363,12 @@ def comm_seconds(cfg: Config, mesh, params: int, precision: str, gpu: str,
                     / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9))
     if stages > 1:  # each tick hands a microbatch's BF16 activations on, and its gradient back
         handed = 2 * ticks(stages, micro, mesh.repeats) * rows / micro * m.d_model * 2
-        exposed += handed / (_link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
+        if tensor > 1 and m.d_model % tensor == 0:
+            # each tensor rank sends 1/tensor of it, and the receiver gathers the rest in the node
+            exposed += (handed / tensor / (_link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
+                        + handed * (tensor - 1) / tensor / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9))
+        else:
+            exposed += handed / (_link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
     if fsdp > 1:  # weights gathered forward and again backward, FP32 gradients reduce-scattered
         other = (params - _block_matmul_params(m)) / (fsdp * tensor)
         gathers = micro if stages == 1 else ticks(stages, micro, mesh.repeats) / mesh.repeats
