@@ -9,6 +9,8 @@ import collections
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,10 @@ from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.precision import resolve_policy
 from maxfp4.step import make_train_step
 from maxfp4.train import init_state
+from tests.conftest import TINY, cpu_env
 from tests.test_step import _batch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULTS = ResilienceConfig()
 W, MARGIN, WARMUP = DEFAULTS.spike_window, DEFAULTS.spike_margin, DEFAULTS.spike_warmup
@@ -281,11 +286,33 @@ def test_loss_scale_fault_multiplies_loss_and_gradients_from_its_step(tiny_cfg):
     np.testing.assert_allclose(float(m_after["grad_norm"]), 2.0 * float(m_plain2["grad_norm"]), rtol=1e-6)
 
 
-def test_rerun_keeps_every_step_bit_identical_and_tells_a_transient_fault_from_a_persistent_one(tiny_cfg):
+def test_rerun_keeps_every_step_bit_identical_and_tells_a_transient_fault_from_a_persistent_one():
     """Two microbatches and FP8 delayed scaling (the scan and the scaling state inside the re-run). Steps: 1 good; 2 NaN gradients in the first evaluation only (transient); 3 NaN gradients in
     every evaluation (persistent); 4 the loss x10 (a spike, persistent); 5 good. With re-runs on,
     every step's state and metrics equal the step's without them bit for bit, and the verdicts
-    are 0, differed, reproduced, reproduced, 0."""
+    are 0, differed, reproduced, reproduced, 0.
+
+    The two steps are two programs, so bit-equality also needs XLA to compile their shared part
+    alike: it does with XLA's own CPU fusion emitters, which this test runs in a process of its
+    own (tests/conftest.py turns them off for the suite's compile time; with the loop emitters the
+    two programs' FP32 sums differed in the last bit)."""
+    env = cpu_env(8, PYTHONPATH=REPO)
+    env["XLA_FLAGS"] = " ".join([f for f in env["XLA_FLAGS"].split() if not f.startswith("--xla_cpu_use_fusion_emitters")]
+                                + ["--xla_cpu_use_fusion_emitters=true"])
+    code = "from tests.test_guard import _rerun_case; _rerun_case()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("rerun case ok"), proc.stdout[-2000:]
+
+
+def _rerun_case():
+    """The body of the test above, in its own process."""
+    import tempfile
+    out = tempfile.mkdtemp()
+
+    def tiny_cfg(*overrides):
+        return load_config(None, TINY + [f"run.output_dir={out}"] + list(overrides))
+
     faults = ["mesh.data=1", "run.deterministic=true", "train.microbatches=2", "precision.default=fp8_delayed",
               "resilience.spike_warmup=1",
               "resilience.fault.transient_nonfinite_at_steps=[2]", "resilience.fault.nonfinite_at_steps=[3]",
@@ -305,6 +332,7 @@ def test_rerun_keeps_every_step_bit_identical_and_tells_a_transient_fault_from_a
             assert np.array_equal(a, b, equal_nan=True) and a.tobytes() == b.tobytes()
     assert verdicts == [NOT_RERUN, DIFFERED, REPRODUCED, REPRODUCED, NOT_RERUN]
     assert int(m["skipped_steps"]) == 3
+    print("rerun case ok")
 
 
 def test_rerun_needs_deterministic_ops_and_the_guard(tmp_path):
