@@ -30,7 +30,7 @@ MATH_KEYS = (
 )
 # Checked before MATH_KEYS, so e.g. model.attention (an implementation choice) wins over model.
 HARMLESS_KEYS = (
-    "model.attention", "model.attention_max_segments", "model.mamba.kernels",
+    "model.attention", "model.attention_max_segments", "model.mamba.kernels", "model.moe.exchange_slack",
     "train.log_every", "train.elastic", "train.remat", "train.scan_layers", "train.loss_chunks", "run.name", "run.output_dir",
     "run.compile_cache_dir", "run.deterministic", "run.lock_stale_s", "run.gpu_memory_fraction", "run.trackers",
     "train.eval_every", "train.eval_tasks", "train.compiler_options", "train.profile_steps",

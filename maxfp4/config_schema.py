@@ -133,6 +133,11 @@ class MoEConfig:
     # The experts' grouped GEMMs: xla (jax.lax.ragged_dot), mosaic (the Mosaic GPU kernels jax
     # ships, Hopper only; BF16 outputs, maxfp4.kernels.grouped_gemm) or auto (mosaic where it runs)
     grouped_gemm: str = "auto"
+    # With mesh.expert > 1: each device's send buffer to another holds this multiple of the even
+    # share of its token-expert assignments; a step where some device sends one more than that
+    # exchanges worst-case buffers instead (every assignment to one device), so nothing is
+    # dropped either way (maxfp4.parallel.expert). 0: the worst-case buffers always.
+    exchange_slack: float = 1.5
 
     def check(self) -> None:
         _positive(self, "model.moe", "experts", "top_k", "d_ff")
@@ -143,6 +148,8 @@ class MoEConfig:
         _require(self.shared_experts >= 0, "model.moe.shared_experts", self.shared_experts, "an integer >= 0")
         _require(self.capacity_factor == 0 or self.capacity_factor >= 1.0, "model.moe.capacity_factor",
                  self.capacity_factor, "0 (dropless) or a factor >= 1.0, such as 1.25")
+        _require(self.exchange_slack == 0 or self.exchange_slack >= 1.0, "model.moe.exchange_slack",
+                 self.exchange_slack, "0 (worst-case buffers) or a factor >= 1.0, such as 1.5")
         _require(self.score in ROUTER_SCORES, "model.moe.score", self.score, f"one of {', '.join(ROUTER_SCORES)}")
         _require(self.aux_loss_coef >= 0, "model.moe.aux_loss_coef", self.aux_loss_coef, "a number >= 0, such as 1e-3")
         _require(self.bias_update_rate >= 0, "model.moe.bias_update_rate", self.bias_update_rate,

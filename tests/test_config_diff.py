@@ -16,7 +16,8 @@ def _diff(old, new):
 def test_every_config_key_is_classified_exactly_once():
     # A new config key must be put in one list on purpose (unlisted keys count as math-changing).
     for key in flatten(Config().to_dict()):
-        if key in ("model.attention", "model.attention_max_segments", "model.mamba.kernels"):  # harmless in a math section
+        if key in ("model.attention", "model.attention_max_segments", "model.mamba.kernels",
+                   "model.moe.exchange_slack"):  # harmless in a math section
             assert _matches(key, HARMLESS_KEYS)
             continue
         assert _matches(key, MATH_KEYS) != _matches(key, HARMLESS_KEYS), key

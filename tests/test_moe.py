@@ -317,3 +317,40 @@ def test_experts_split_over_4_devices_give_the_gradients_of_one_group():
     amax_1, amax_4 = np.asarray(cot_1["blocks"]["expert_up"]), np.asarray(cot_4["blocks"]["expert_up"])
     np.testing.assert_array_equal(amax_1, amax_4)
     assert np.all(amax_1 > 0) and "expert_down" not in cot_1["blocks"]
+
+
+@pytest.mark.parametrize("skewed", [False, True], ids=["even", "all-to-device-0"])
+def test_the_exchange_moves_slack_sized_buffers_and_falls_back_without_dropping(skewed):
+    """The expert exchange on 4 devices (mesh.expert=4), 64 assignments a device, slack 1.5: its
+    buffers hold 24 rows a destination, [4, 24, D] (not [4, 64, D]). Each device sends 16
+    assignments to each destination: the small buffers serve. Every device sends all 64 to device
+    0: the worst-case buffers serve. Either way every assignment comes back with its own result
+    (computed on its destination as row x (its local expert + 1) + its destination), none lost."""
+    import re
+
+    from jax.sharding import PartitionSpec as P
+
+    from maxfp4.parallel.expert import exchange, exchange_rows
+
+    ep, a, d, g = 4, 64, 8, 2
+    assert exchange_rows(a, ep, 1.5) == 24 and exchange_rows(a, ep, 0.0) == a == exchange_rows(a, ep, 8.0)
+    mesh = jax.make_mesh((ep,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ep])
+    rows_AD = jax.random.normal(jax.random.key(0), (ep * a, d), jnp.float32)
+    dest_A = jnp.zeros((ep * a,), jnp.int32) if skewed else jnp.tile(jnp.arange(ep, dtype=jnp.int32), ep * a // ep)
+    local_A = jnp.arange(ep * a, dtype=jnp.int32) % g
+
+    def per_device(rows, dest, local):
+        me = jax.lax.axis_index("expert").astype(jnp.float32)
+        compute = lambda r, l: jnp.where((l < g)[:, None], r * (l[:, None] + 1) + me, 0.0)  # noqa: E731
+        out, overflowed = exchange(rows, dest, local, ep, g, compute, 1.5, ("expert",))
+        return out, overflowed[None]
+
+    run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("expert"),) * 3,
+                                out_specs=(P("expert"), P("expert"))))
+    out, overflowed = run(rows_AD, dest_A, local_A)
+    want = rows_AD * (local_A[:, None] + 1) + dest_A[:, None].astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    assert np.asarray(overflowed).tolist() == [skewed] * ep
+    hlo = run.lower(rows_AD, dest_A, local_A).as_text()
+    shapes = set(re.findall(r'"stablehlo.all_to_all"\(%\S+\) .*?: \(tensor<([\dx]+)xf32>', hlo))
+    assert {f"{ep}x24x{d}", f"{ep}x{a}x{d}"} <= shapes, shapes

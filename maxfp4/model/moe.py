@@ -70,7 +70,7 @@ def apply_moe(weights: dict[str, jax.Array], x_BTD: jax.Array, lp: LayerPrecisio
     route = choose_experts(logits_NX, scales.get(BIAS), moe.top_k, moe.score, moe.capacity_factor)
     gemm = grouped_gemm_kernels(cfg)
     y_ND = run_experts(x_ND, route.experts_Nk, route.weights_Nk, weights["w_up"], weights["w_down"], lp,
-                       partial(expert_ffn, gemm=gemm), cfg.mlp)
+                       partial(expert_ffn, gemm=gemm), cfg.mlp, slack=moe.exchange_slack)
     if moe.shared_experts:
         y_ND = y_ND + mlp_block(x_ND[None], weights["shared_up"], weights["shared_down"], lp, kind=cfg.mlp)[0]
     if PROBE in scales:
