@@ -65,14 +65,14 @@ def run_experts(x_ND: jax.Array, experts_Nk: jax.Array, weights_Nk: jax.Array, w
     rows = logical_to_spec(("batch",), (x_ND.shape[0],), mesh)[0]
     tokens = P(rows)
     experts = P("expert") if ep > 1 else P()
-    everywhere = P(tuple(mesh.axis_names))
-    fanned = fan_out_max(scales, jnp.ones((mesh.size,), bool))  # every device's amax counts
-    key = lp.key if lp.key is not None else jax.random.key(0)
-
-    # The exchange's choice of buffers is agreed over the axes this shard_map splits; an axis an
-    # enclosing one made manual (pipeline stages) runs other blocks at the same time, or skips
-    # this one (maxfp4.parallel.pipeline_stages.StageProgram), and must not be waited for.
+    # The axes this shard_map splits: an axis an enclosing one made manual (pipeline stages) is
+    # split already, runs other blocks at the same time or skips this one
+    # (maxfp4.parallel.pipeline_stages.StageProgram). The exchange's choice of buffers is agreed
+    # over these axes only, and the FP8 scales fan out to their devices.
     agreed = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    everywhere = P(agreed)
+    fanned = fan_out_max(scales, jnp.ones((math.prod(mesh.shape[a] for a in agreed),), bool))  # every device's amax
+    key = lp.key if lp.key is not None else jax.random.key(0)
 
     def per_device(x, e, w, up, down, sc, k):
         sc = {c: s[0] for c, s in sc.items()}
