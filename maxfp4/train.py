@@ -219,7 +219,7 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     spec = model_spec(cfg.model)
     check_block_divisibility(policy, spec.linear_shapes())
     check_loss_chunks(cfg, policy)
-    check_stages(cfg, policy)
+    check_stages(cfg)
     check_mamba_kernels(cfg.model, cfg.data.seq_len)
     check_grouped_gemm(cfg.model)
     table = policy.format_table(spec.block_classes)

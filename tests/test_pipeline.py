@@ -270,7 +270,7 @@ def test_stage_layouts_that_cannot_run_are_one_line():
     def refused(*overrides):
         cfg = load_config(None, BASE + list(overrides))
         with pytest.raises(ConfigError) as err:
-            check_stages(cfg, resolve_policy(cfg.precision, cfg.model.n_layers))
+            check_stages(cfg)
         return str(err.value)
 
     assert refused("mesh.pipeline=5") == "mesh.pipeline=5: 5 stages for the model's 4 blocks; expected at most 4"
@@ -292,6 +292,6 @@ def test_stage_layouts_that_cannot_run_are_one_line():
     for works in (PIPELINED, CIRCULAR, ["mesh.pipeline=3"], [*HYBRID[:1], "model.pattern=M*-MM-", *HYBRID[2:], *CIRCULAR],
                   [*PIPELINED, "precision.rules=[{layers: ':1', recipe: fp8_current}]"]):
         cfg = load_config(None, BASE + list(works))
-        check_stages(cfg, resolve_policy(cfg.precision, cfg.model.n_layers))
+        check_stages(cfg)
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(2, 4, 2) == pytest.approx(1 / 9)

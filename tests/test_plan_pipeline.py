@@ -16,7 +16,6 @@ from maxfp4.plan import command as plan, context as context_plan, cost as plan_m
 from maxfp4.plan.layout import _with
 from maxfp4.model_spec import model_spec
 from maxfp4.plan.stages import PlanMesh
-from maxfp4.precision import resolve_policy
 
 WIDE_HYBRID = ["model.d_model=512", "model.d_ff=8192", "data.seq_len=2048", "data.global_batch=16",
                "train.microbatches=8", "mesh.data=1"]
@@ -29,13 +28,12 @@ def test_stages_are_the_trainers_cut_and_its_ticks_set_the_step():
     table the loss runs x the costliest stage's time on one microbatch, and it holds every
     tick's activations."""
     cfg = load_config("configs/hybrid-tiny.yaml", [*WIDE_HYBRID, "model.pattern=-*M-*M-*M-*M"])
-    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     times = plan_model.block_seconds_per_token(cfg, 1, "bf16", "h200")
     assert len(set(times)) == 3
     for stages, repeats in [(2, 1), (4, 1), (2, 2)]:
         mesh = PlanMesh(1, 1, 1, stages, repeats)
         c = _with(cfg, 16, mesh, 8)
-        check_stages(c, policy)  # the trainer runs it
+        check_stages(c)  # the trainer runs it
         part = stage_model(cfg.model, stages, repeats).n_layers
         split = plan_model.stage_split(c, mesh)
         assert split.chunks == tuple(tuple(range(a, a + part)) for a in range(0, 12, part))
@@ -55,13 +53,12 @@ def test_the_planner_offers_exactly_the_stage_layouts_the_trainer_runs():
     rules = "[{layers: '::4', recipe: fp8_current}]"
     for pattern, rule in (("M*M*M*M*M*M*", "[]"), ("M*M*M*M*M*M*", rules)):
         cfg = load_config("configs/hybrid-tiny.yaml", [f"model.pattern={pattern}", f"precision.rules={rule}"])
-        policy = resolve_policy(cfg.precision, cfg.model.n_layers)
         for across in (False, True):
             for mesh in layout.candidate_meshes(cfg.model, 24, 8, across):
-                offered = layout.microbatch_options(cfg.model, policy, mesh, 12) or []
+                offered = layout.microbatch_options(cfg.model, mesh, 12) or []
                 for micro in (1, 2, 3, 4, 6, 12):
                     try:
-                        check_stages(_with(cfg, 12 * mesh.batch_shards, mesh, micro), policy)
+                        check_stages(_with(cfg, 12 * mesh.batch_shards, mesh, micro))
                         runs = True
                     except ConfigError:
                         runs = False
@@ -80,7 +77,7 @@ def test_a_config_whose_stages_the_trainer_refuses_is_refused_or_replaced(capsys
                  "train.microbatches=3", "data.global_batch=12"]
     cfg = load_config("configs/hybrid-tiny.yaml", overrides)
     with pytest.raises(ConfigError) as trainer:
-        check_stages(cfg, resolve_policy(cfg.precision, cfg.model.n_layers))
+        check_stages(cfg)
     assert plan.main(["configs/hybrid-tiny.yaml", *overrides, "--gpus", "3", "--gpu", "h100", "--tokens", "1e9"]) == 2
     assert capsys.readouterr().err == f"error: {trainer.value}\n"
     cfg = load_config("configs/quickstart.yaml", ["mesh.data=1", "mesh.pipeline=2", "mesh.pipeline_repeats=2",
@@ -88,7 +85,7 @@ def test_a_config_whose_stages_the_trainer_refuses_is_refused_or_replaced(capsys
     chosen = layout.layout_for(cfg, 2, "h100")
     assert chosen.chosen and chosen.reasons[0].startswith(
         "layout chosen because train.microbatches=3: expected a multiple of mesh.pipeline=2")
-    check_stages(chosen.cfg, resolve_policy(cfg.precision, cfg.model.n_layers))
+    check_stages(chosen.cfg)
 
 
 def test_the_measured_pipeline_and_context_steps_are_within_15_percent():

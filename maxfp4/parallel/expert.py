@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from maxfp4.parallel.mesh import LOGICAL_RULES, fan_out_max, logical_to_spec, traced_mesh
+from maxfp4.parallel.mesh import fan_out_max, logical_to_spec, traced_mesh
 
 EXPERT_CLASSES = ("expert_up", "expert_down")
 
@@ -112,7 +112,7 @@ def exchange(rows_AD: jax.Array, dest_A: jax.Array, local_A: jax.Array, ep: int,
 
     Dropless either way: [E, R, D] buffers of :func:`exchange_rows` rows unless some device sends
     one destination more than R; then every device takes [E, A, D] ones (the predicate is agreed
-    over the whole mesh, so the collectives of the branch taken match)."""
+    over ``axes``, so the collectives of the branch taken match)."""
     a = rows_AD.shape[0]
     valid_A = dest_A < ep
     onehot_AE = jax.nn.one_hot(dest_A, ep, dtype=jnp.int32)
@@ -130,6 +130,7 @@ def exchange(rows_AD: jax.Array, dest_A: jax.Array, local_A: jax.Array, ep: int,
     rows = exchange_rows(a, ep, slack)
     if rows == a:
         return through(a), jnp.array(True)
-    overflow = jax.lax.pmax(jnp.max(jnp.sum(onehot_AE, axis=0)) > rows, axes) if axes else \
-        jnp.max(jnp.sum(onehot_AE, axis=0)) > rows
+    overflow = jnp.max(jnp.sum(onehot_AE, axis=0)) > rows
+    if axes:
+        overflow = jax.lax.pmax(overflow, axes)
     return jax.lax.cond(overflow, lambda: through(a), lambda: through(rows)), overflow

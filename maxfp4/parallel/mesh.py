@@ -307,43 +307,30 @@ def batch_split_axes(batch: int):
     return mesh, axes
 
 
-@jax.custom_vjp
-def fan_out_max(scales: Any, valid_N: jax.Array) -> Any:
-    """``scales`` (a pytree of FP8 delayed-scaling states) repeated N times, one copy for each
-    device or tick that ``shard_map`` runs; the cotangent (an amax) is the max over the copies
-    where ``valid_N`` is true, as every replica must use the same scale, not the sum shard_map's
-    transpose would give a replicated input."""
-    return jax.tree.map(lambda s: jnp.broadcast_to(s, (valid_N.shape[0], *s.shape)), scales)
+def _fan_out_by(combine: Callable) -> Callable:
+    """``fan(tree, valid_N)``: every leaf of ``tree`` repeated N times, one copy for each device or
+    tick that ``shard_map`` runs, its cotangent ``combine``d (``jnp.max``, ``jnp.sum``) over the
+    copies where ``valid_N`` is true, in place of the sum shard_map's transpose would give a
+    replicated input."""
+    @jax.custom_vjp
+    def fan(tree: Any, valid_N: jax.Array) -> Any:
+        return jax.tree.map(lambda s: jnp.broadcast_to(s, (valid_N.shape[0], *s.shape)), tree)
+
+    def fwd(tree, valid_N):
+        return fan(tree, valid_N), valid_N
+
+    def bwd(valid_N, ct):
+        def reduce(c):
+            mask = valid_N.reshape(-1, *([1] * (c.ndim - 1)))
+            return combine(jnp.where(mask, c, 0.0), axis=0)
+        return jax.tree.map(reduce, ct), None
+
+    fan.defvjp(fwd, bwd)
+    return fan
 
 
-def _fan_out_max_fwd(scales, valid_N):
-    return fan_out_max(scales, valid_N), valid_N
-
-
-def _fan_out_max_bwd(valid_N, ct):
-    def reduce(c):
-        mask = valid_N.reshape(-1, *([1] * (c.ndim - 1)))
-        return jnp.max(jnp.where(mask, c, 0.0), axis=0)
-    return jax.tree.map(reduce, ct), None
-
-
-fan_out_max.defvjp(_fan_out_max_fwd, _fan_out_max_bwd)
-
-
-@jax.custom_vjp
-def fan_out_sum(probe: jax.Array, valid_N: jax.Array) -> jax.Array:
-    """``probe`` repeated N times, as :func:`fan_out_max`, its cotangent (counts, the routers'
-    statistics) summed over the copies where ``valid_N`` is true."""
-    return jnp.broadcast_to(probe, (valid_N.shape[0], *probe.shape))
-
-
-def _fan_out_sum_fwd(probe, valid_N):
-    return fan_out_sum(probe, valid_N), valid_N
-
-
-def _fan_out_sum_bwd(valid_N, ct):
-    mask = valid_N.reshape(-1, *([1] * (ct.ndim - 1)))
-    return jnp.sum(jnp.where(mask, ct, 0.0), axis=0), None
-
-
-fan_out_sum.defvjp(_fan_out_sum_fwd, _fan_out_sum_bwd)
+# FP8 delayed-scaling states: the cotangent (an amax) is the max over the copies, as every
+# replica must use the same scale.
+fan_out_max = _fan_out_by(jnp.max)
+# The routers' statistics probe: the cotangent (token counts) is the sum over the copies.
+fan_out_sum = _fan_out_by(jnp.sum)

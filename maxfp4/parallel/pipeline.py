@@ -38,7 +38,7 @@ axis, L slots of a stage, R rows a device gathers.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -75,14 +75,14 @@ def _own_stages(local: jax.Array, stages: int, repeats: int, p: jax.Array) -> ja
     return jnp.take(in_flat, jnp.asarray(recv_PV)[p], axis=0)
 
 
-def _gather_rows(local: jax.Array, rows: int, wanted_PR: np.ndarray, p: jax.Array) -> jax.Array:
-    """[R, ...]: the rows ``wanted_PR[p]`` of a stack of ``rows`` (-1: any row, never read), from
-    this device's contiguous part of it over the pipeline axis (one all-to-all) or, where the
-    pipeline axis does not divide the stack (it is kept whole there), from the whole stack."""
-    wanted = np.maximum(wanted_PR, 0)
-    if local.shape[0] == rows:  # whole on every stage
-        return jnp.take(local, jnp.asarray(wanted)[p], axis=0)
-    send_PPK, recv_PR, k = exchange_tables(rows, wanted_PR.shape[0], wanted_PR)
+def _gather_rows(local: jax.Array, wanted_PR: np.ndarray, tables, p: jax.Array) -> jax.Array:
+    """[R, ...]: the rows ``wanted_PR[p]`` of a stack (-1: any row, never read), from this
+    device's contiguous part of it over the pipeline axis by one all-to-all (``tables``: its
+    :func:`exchange_tables`) or, with ``tables`` None, from the whole stack (kept whole on every
+    stage where the pipeline axis does not divide it)."""
+    if tables is None:
+        return jnp.take(local, jnp.asarray(np.maximum(wanted_PR, 0))[p], axis=0)
+    send_PPK, recv_PR, _ = tables
     out_PK = jnp.take(local, jnp.asarray(send_PPK)[p], axis=0)  # [P(destination), K, ...]
     in_PK = jax.lax.all_to_all(out_PK, AXIS, 0, 0)  # [P(source), K, ...]
     return jnp.take(in_PK.reshape(-1, *in_PK.shape[2:]), jnp.asarray(recv_PR)[p], axis=0)
@@ -91,10 +91,9 @@ def _gather_rows(local: jax.Array, rows: int, wanted_PR: np.ndarray, p: jax.Arra
 def _fan_out(block_scales: dict, valid_N: jax.Array) -> dict:
     """The per-block inputs repeated for each tick: the FP8 amaxes come back by max over the
     ticks that ran a microbatch, the routers' statistics (token counts) by sum."""
-    maxed = fan_out_max({c: s for c, s in block_scales.items() if c != PROBE}, valid_N)
-    if PROBE in block_scales:
-        maxed[PROBE] = fan_out_sum(block_scales[PROBE], valid_N)
-    return maxed
+    counts = {c: s for c, s in block_scales.items() if c == PROBE}
+    amaxes = {c: s for c, s in block_scales.items() if c != PROBE}
+    return {**fan_out_max(amaxes, valid_N), **fan_out_sum(counts, valid_N)}
 
 
 def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int | None, mesh) -> Callable:
@@ -111,12 +110,16 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         scan_layers=cfg.train.scan_layers, logits=False, runs_per_row=runs_per_row)
     spec = model_spec(cfg.model)
     groups = tuple(dict.fromkeys(b.group for b in spec.blocks))
+    # Which block stacks reach shard_map split over pipeline (the ``layers`` rule splits a stack
+    # the axis divides, as alike stages' always are) rather than whole on every stage.
     group_sizes = {g: sum(b.group == g for b in spec.blocks) for g in groups}
+    split = {g: group_sizes[g] % stages == 0 for g in groups}
     if program is not None:
         group_rows = {g: program.group_rows(cfg.model, g) for g in groups}
+        tables = {g: exchange_tables(group_sizes[g], stages, group_rows[g]) if split[g] else None for g in groups}
         blocks_PVL = np.stack([program.device_blocks_VL(p) for p in range(stages)])
     chunks = cfg.train.loss_chunks
-    split_handover = mesh.shape.get("tensor", 1) > 1 and cfg.model.d_model % mesh.shape["tensor"] == 0
+    split_handover = mesh.shape.get("tensor", 1) > 1  # the "handover" rule keeps a d_model tensor does not divide
     table_NP2 = schedule_table(stages, repeats, m)  # the ticks this loss runs, and the bubble's count
     # GPipe hands the last stage's output to nobody; the circular schedule back to device 0
     ring = [(s, (s + 1) % stages) for s in range(stages if repeats > 1 else stages - 1)]
@@ -140,7 +143,7 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
             rows = group_rows[g]
             per_stage_rows = rows.shape[1] // repeats
             weights[g] = jax.tree.map(
-                lambda a: _gather_rows(a, group_sizes[g], rows, p).reshape(repeats, per_stage_rows, *a.shape[1:]),
+                lambda a: _gather_rows(a, rows, tables[g], p).reshape(repeats, per_stage_rows, *a.shape[1:]),
                 blocks[g])
         at_VL = jnp.asarray(np.maximum(blocks_PVL, 0))[p]
         scales = jax.tree.map(lambda a: jnp.take(a, at_VL, axis=0), block_scales)
@@ -195,8 +198,7 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         # Alike stages read their blocks' contiguous parts; unequal ones a stack the pipeline
         # axis divides the same way, the others whole, and every block's per-block inputs whole
         # (the transpose sums their cotangents over the stages: each block's are nonzero on one).
-        block_specs = {g: jax.tree.map(lambda _: stacked if alike or group_sizes[g] % stages == 0 else whole,
-                                       blocks[g]) for g in groups}
+        block_specs = {g: jax.tree.map(lambda _: stacked if split[g] else whole, blocks[g]) for g in groups}
         in_specs = (block_specs, jax.tree.map(lambda _: whole, others),
                     jax.tree.map(lambda _: stacked if alike else whole, block_scales),
                     jax.tree.map(lambda _: whole, head_scales), jax.tree.map(lambda _: whole, micro), whole)

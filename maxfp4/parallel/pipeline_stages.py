@@ -148,7 +148,7 @@ def alike_stages(model: ModelConfig, policy: PrecisionPolicy, n_stages: int) -> 
 
 
 @functools.lru_cache(maxsize=4096)  # the planner asks for every mesh it considers
-def stages_problem(model: ModelConfig, policy: PrecisionPolicy, stages: int, repeats: int = 1) -> str | None:
+def stages_problem(model: ModelConfig, stages: int, repeats: int = 1) -> str | None:
     """Why the trainer refuses to run ``model`` in ``stages`` (``mesh.pipeline``) x ``repeats``
     (``mesh.pipeline_repeats``) stages, as one line naming the keys, or None: a stage holds at
     least one block. (Stages of unequal blocks or recipes run as a :class:`StageProgram`.)"""
@@ -184,11 +184,11 @@ def microbatches_problem(stages: int, repeats: int, microbatches: int) -> str | 
     return None
 
 
-def check_stages(cfg: Config, policy: PrecisionPolicy) -> None:
-    """Every start-up check of ``mesh.pipeline`` and ``mesh.pipeline_repeats``: blocks, recipes,
-    attention and microbatches (the rules the planner chooses by)."""
+def check_stages(cfg: Config) -> None:
+    """Every start-up check of ``mesh.pipeline`` and ``mesh.pipeline_repeats``: blocks and
+    microbatches (the rules the planner chooses by)."""
     stages, repeats = cfg.mesh.pipeline, cfg.mesh.pipeline_repeats
-    problem = (stages_problem(cfg.model, policy, stages, repeats)
+    problem = (stages_problem(cfg.model, stages, repeats)
                or microbatches_problem(stages, repeats, cfg.train.microbatches))
     if problem:
         raise ConfigError(problem)

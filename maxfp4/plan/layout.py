@@ -31,7 +31,6 @@ from maxfp4.parallel.pipeline_schedule import bubble_fraction
 from maxfp4.parallel.pipeline_stages import microbatches_problem, stages_problem
 from maxfp4.plan import cost as model
 from maxfp4.plan.stages import PlanMesh
-from maxfp4.precision.policy import PrecisionPolicy, resolve_policy
 from maxfp4.plot import save_figure
 
 DEFAULT_BATCH_TOKENS = 4 * 2**20
@@ -75,11 +74,6 @@ def memory_gb(cfg: Config, mesh: PlanMesh, precision: str = "bf16") -> float:
     return sum(model.memory_per_device(cfg, mesh, params, precision, cfg.train.remat).values()) / 1e9
 
 
-def _policy(cfg: Config) -> PrecisionPolicy:
-    """The config's recipes, block by block: the stages must repeat them (the trainer's rule)."""
-    return resolve_policy(cfg.precision, cfg.model.n_layers)
-
-
 def candidate_meshes(m: ModelConfig, gpus: int, gpus_per_node: int,
                      across_nodes: bool = False) -> Iterator[PlanMesh]:
     """Meshes with tensor inside a node and dividing the KV heads and MLP width, fsdp x tensor
@@ -107,7 +101,7 @@ def config_mesh(cfg: Config, gpus: int) -> PlanMesh:
     """The config's own mesh on ``gpus`` (an explicit mesh that cannot be built, or stages the
     trainer refuses to run the model and its recipes in, is an error: the trainer's line)."""
     mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), repeats=cfg.mesh.pipeline_repeats)
-    problem = stages_problem(cfg.model, _policy(cfg), mesh.pipeline, mesh.repeats)
+    problem = stages_problem(cfg.model, mesh.pipeline, mesh.repeats)
     if problem:
         raise ConfigError(problem)
     return mesh
@@ -172,11 +166,11 @@ def layout_for(cfg: Config, gpus: int, gpu: str, batch_tokens: float | None = No
     return choose_layout(cfg, gpus, gpu, batch_tokens or DEFAULT_BATCH_TOKENS, gpus_per_node, why)
 
 
-def microbatch_options(m: ModelConfig, policy: PrecisionPolicy, mesh: PlanMesh, per_shard: int) -> list[int] | None:
+def microbatch_options(m: ModelConfig, mesh: PlanMesh, per_shard: int) -> list[int] | None:
     """Microbatch counts to try on ``mesh`` with ``per_shard`` rows a batch shard: each divides the
     rows and fills the stages (from ``pipeline`` up; with repeats, whole groups of ``pipeline``).
-    None where the trainer refuses the mesh's stages for the model and its recipes."""
-    if stages_problem(m, policy, mesh.pipeline, mesh.repeats):
+    None where the trainer refuses the mesh's stages for the model."""
+    if stages_problem(m, mesh.pipeline, mesh.repeats):
         return None
     return [d for d in _divisors(per_shard) if microbatches_problem(mesh.pipeline, mesh.repeats, d) is None]
 
@@ -185,7 +179,6 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
                   why: str = "layout chosen", stages_only: bool = False) -> Layout:
     usable = usable_gb(gpu)
     seq = cfg.data.seq_len
-    policy = _policy(cfg)
     fitting, tried, refused = [], 0, 0
     # FSDP across nodes only if no node-sized model group without stages fits; full remat only if
     # nothing without stages fits without it. Meshes with stages compete at every step on speed.
@@ -196,7 +189,7 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
             shards = mesh.batch_shards
             # with stages, at least one row a stage on every shard: microbatches >= stages
             rows = max(mesh.pipeline, round(batch_tokens / seq / shards)) * shards
-            options = microbatch_options(cfg.model, policy, mesh, rows // shards)
+            options = microbatch_options(cfg.model, mesh, rows // shards)
             if options is None:
                 refused += 1
                 continue
