@@ -204,3 +204,36 @@ def test_sigterm_with_checkpointing_off_says_nothing_was_saved(tmp_path):
 def _steps_of(tmp_path, name):
     path = tmp_path / name / "metrics.jsonl"
     return [json.loads(l)["step"] for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+
+
+SWALLOWED = """
+import gc, os, signal
+from maxfp4.reliability.preemption import Interrupted, PreemptionWatch
+
+class SignalledWhileFinalised:
+    def __del__(self):  # Python prints an exception raised here as "ignored" and goes on
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))  # the handler runs between these bytecodes
+
+watch = PreemptionWatch()
+SignalledWhileFinalised()
+gc.collect()
+print("start-up went on", flush=True)
+try:
+    watch.check_start_up()
+except Interrupted as stop:
+    print("raised again:", stop.code, stop.message, flush=True)
+"""
+
+
+def test_a_start_up_stop_swallowed_by_a_finaliser_is_raised_again_before_the_first_step():
+    # A SIGINT while the main thread runs a finaliser: the handler's Interrupted is printed as
+    # "Exception ignored" and start-up goes on; the loop asks again before it steps (and once
+    # the first step is dispatched), so the run still stops with the start-up line.
+    done = subprocess.run([sys.executable, "-c", SWALLOWED], env=cpu_env(1), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Exception ignored" in done.stderr and "Interrupted" in done.stderr  # the swallowing happened
+    assert done.stdout.splitlines() == [
+        "start-up went on",
+        "raised again: 130 stopped by signal 2 (SIGINT) during start-up, before the first step; nothing was saved"]

@@ -69,6 +69,10 @@ class Interrupted(BaseException):
         self.message = message
 
 
+def _start_up_stop(signum: int) -> str:
+    return f"stopped by signal {signum} ({signal_name(signum)}) during start-up, before the first step; nothing was saved"
+
+
 def _print(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -124,8 +128,18 @@ class PreemptionWatch:
         self._multi = True
         self._previous.pop(signal.SIGTERM, None)
 
+    def check_start_up(self) -> None:
+        """Raise the start-up stop again if a signal came during start-up but its
+        :class:`Interrupted` never reached :func:`run`: raised while the main thread was inside
+        a finaliser or a generator's close, Python prints it as "ignored" and goes on."""
+        with self._lock:
+            signum = self.signum if self.phase == STARTUP else None
+        if signum is not None:
+            raise Interrupted(128 + signum, _start_up_stop(signum))
+
     def start_training(self) -> None:
         """The first step is compiled and dispatched: from now on a signal checkpoints."""
+        self.check_start_up()
         with self._lock:
             self.phase = TRAINING
             self._last_beat = time.monotonic()
@@ -180,8 +194,7 @@ class PreemptionWatch:
         if self.phase == STARTUP and first:
             # Nothing trained yet: unwind now rather than finish starting up. Only once: a
             # second signal must not cut the unwinding short (the lock's release).
-            raise Interrupted(128 + signum, f"stopped by signal {signum} ({signal_name(signum)}) during start-up, "
-                                            f"before the first step; nothing was saved")
+            raise Interrupted(128 + signum, _start_up_stop(signum))
 
     # ------------------------------------------------------------------ the helper thread
 
@@ -295,6 +308,10 @@ class PreemptionHook(Hook):
 
     def __init__(self, watch: PreemptionWatch, *, checkpoints: bool, say: Callable[[str], None]):
         self.watch, self.checkpoints, self.say = watch, checkpoints, say
+
+    def before_step(self, loop, step: int) -> None:
+        if step == loop.start_step + 1:
+            self.watch.check_start_up()  # before the first step compiles
 
     def after_dispatch(self, loop, step: int, metrics) -> None:
         if step == loop.start_step + 1:
