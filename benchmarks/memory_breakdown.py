@@ -56,7 +56,7 @@ def xla_bytes(cfg, devices) -> dict[str, float]:
 
 def breakdown(label, path, overrides, gpus, gpu, precision, peak_gib) -> dict:
     cfg = load_config(path, [*overrides, f"precision.default={PLAN_RECIPES[precision]}", "resilience.preflight=false"])
-    plan_mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), cfg.mesh.pipeline_repeats)
+    plan_mesh = PlanMesh.of(resolve_mesh_shape(cfg.mesh, gpus), cfg.mesh)
     planned = cost.memory_per_device(cfg, plan_mesh, cost.param_count(cfg.model), precision, cfg.train.remat)
     return {"run": label, "gpu": gpu, "precision": precision, "xla_gb": {k: v / 1e9 for k, v in xla_bytes(cfg, jax.devices()[:gpus]).items()},
             "planner_gb": {k: v / 1e9 for k, v in planned.items()} | {"total": sum(planned.values()) / 1e9},

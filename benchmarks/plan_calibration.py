@@ -170,7 +170,7 @@ def calibration_rows() -> list[dict]:
     rows = []
     for label, path, overrides, gpus, gpu, precision, step_ms, peak_gib, stale in MEASURED:
         cfg = load_config(path, overrides)
-        mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), cfg.mesh.pipeline_repeats)
+        mesh = PlanMesh.of(resolve_mesh_shape(cfg.mesh, gpus), cfg.mesh)
         row = plan_model.project(cfg, mesh, gpu, precision)
         predicted = row["step_time_s"] * 1e3
         rows.append({"run": label, "gpus": f"{gpus} x {gpu.upper()}", "precision": precision,

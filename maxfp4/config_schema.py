@@ -348,6 +348,10 @@ class MeshConfig:
     # stages a pipeline device holds: the stack is cut into pipeline x pipeline_repeats stages,
     # stage s on device s mod pipeline (the circular schedule; 1: GPipe's)
     pipeline_repeats: int = 1
+    # hand each stage's output over during the next tick, beside its compute, rather than
+    # waiting for it: 2 ticks a hand-over, a bubble of 2 (P - 1) ticks, groups of 2 x pipeline
+    # microbatches with repeats (maxfp4.parallel.pipeline_schedule)
+    pipeline_overlap: bool = False
     fsdp: int = 1
     # splits each sequence across devices (long contexts)
     context: int = 1

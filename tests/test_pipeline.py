@@ -112,7 +112,10 @@ MOE = [HYBRID[0], "model.pattern=M*E-E-", *HYBRID[2:], "model.moe.experts=4", "m
     (["model.n_layers=5"], "fp8_delayed", CIRCULAR, 1e-5, 5),  # four block classes and the LM head
     # eight block classes, the LM head and the routers' bias and statistics
     (MOE, "fp8_delayed", ["mesh.pipeline=2", "mesh.expert=2"], 2e-2, 11),
-], ids=["dense-fp8_delayed-circular-unequal", "hybrid-moe-fp8_delayed-gpipe-expert-unequal"])
+    # hand-overs overlapped with the next tick (seen: 2.6e-7, as with them waited for)
+    (HYBRID_8, "fp8_delayed", CIRCULAR + ["mesh.pipeline_overlap=true"], 1e-5, 5),
+], ids=["dense-fp8_delayed-circular-unequal", "hybrid-moe-fp8_delayed-gpipe-expert-unequal",
+        "hybrid-fp8_delayed-circular-overlapped"])
 def test_stages_give_the_loss_gradients_and_amaxes_of_fsdp(model, recipe, pipelined, grad_bound, state_leaves):
     overrides = BASE + model + [f"precision.default={recipe}", "precision.rules=[]"]
     env = cpu_env(4, PYTHONPATH=REPO)
@@ -128,18 +131,20 @@ def test_stages_give_the_loss_gradients_and_amaxes_of_fsdp(model, recipe, pipeli
     assert max(diff["amaxes"], default=0.0) <= 1e-6, diff
 
 
-def test_a_stage_hands_over_one_tensor_share_of_its_output():
+@pytest.mark.parametrize("overlap", ["false", "true"])
+def test_a_stage_hands_over_one_tensor_share_of_its_output(overlap):
     """pipeline=2 x tensor=2: each tensor rank sends the next stage 1/tensor of the microbatch's
-    [B, T, D] activations, [B, T, D/2] (and its gradient back), not all of it; the loss and
-    gradients are those of fsdp=2 x tensor=2 without stages (bounds: BF16 values fused otherwise
-    round otherwise, seen 8e-7 on the loss and 7e-3 on a gradient leaf)."""
-    overrides = BASE + ["precision.rules=[]", "mesh.tensor=2"]
+    [B, T, D] activations, [B, T, D/2] (and its gradient back), not all of it, the hand-overs
+    waited for or overlapped; the loss and gradients are those of fsdp=2 x tensor=2 without
+    stages (bounds: BF16 values fused otherwise round otherwise, seen 8e-7 on the loss and 7e-3
+    on a gradient leaf)."""
+    overrides = BASE + ["precision.rules=[]", "mesh.tensor=2", f"mesh.pipeline_overlap={overlap}"]
     loss_p, grads_p, _ = _loss_grads_amaxes(overrides + ["mesh.pipeline=2"])
-    loss_f, grads_f, _ = _loss_grads_amaxes(overrides + ["mesh.fsdp=2"])
+    loss_f, grads_f, _ = _loss_grads_amaxes(overrides[:-1] + ["mesh.fsdp=2"])
     assert abs(loss_p - loss_f) <= 1e-4 * abs(loss_f)
     for g_p, g_f in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_f)):
         assert np.linalg.norm(g_p - g_f) <= 3e-2 * np.linalg.norm(g_f)
-    cfg = load_config(None, BASE + ["mesh.pipeline=2", "mesh.tensor=2", "precision.rules=[]"])
+    cfg = load_config(None, overrides + ["mesh.pipeline=2"])
     mesh = make_mesh(cfg.mesh, jax.devices()[:4])
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     state = init_state(cfg, mesh, make_optimizer(cfg), policy)[0]
@@ -189,17 +194,52 @@ def test_circular_hybrid_stages_train_on_the_fsdp_curve(tmp_path):
         assert circular[step] == pytest.approx(flat[step], rel=2e-3), step
 
 
-@pytest.mark.parametrize("stages, repeats, microbatches",
-                         [(2, 1, 2), (2, 1, 5), (4, 1, 4), (2, 2, 4), (4, 2, 4), (4, 2, 8), (3, 3, 6), (4, 4, 16)])
-def test_the_schedule_the_loss_runs_idles_its_bubble_formula(stages, repeats, microbatches):
-    table = schedule_table(stages, repeats, microbatches)
-    # every microbatch runs every stage once, each after its input was handed over
-    assert dependency_errors(table, repeats) == []
+@pytest.mark.parametrize("stages, repeats, microbatches, lag",
+                         [(2, 1, 2, 1), (2, 1, 5, 1), (4, 1, 4, 1), (2, 2, 4, 1), (4, 2, 4, 1), (4, 2, 8, 1),
+                          (3, 3, 6, 1), (4, 4, 16, 1),
+                          (2, 1, 3, 2), (4, 1, 4, 2), (2, 2, 4, 2), (4, 2, 8, 2), (3, 3, 12, 2), (4, 4, 16, 2)])
+def test_the_schedule_the_loss_runs_idles_its_bubble_formula(stages, repeats, microbatches, lag):
+    table = schedule_table(stages, repeats, microbatches, lag)
+    # every microbatch runs every stage once, each after its input was handed over (lag ticks
+    # from send to use: 2 when the hand-overs overlap the next tick's compute)
+    assert dependency_errors(table, repeats, lag) == []
+    if lag == 2:  # the overlapped table is not the waiting one's: its inputs come a tick later
+        assert dependency_errors(table, repeats, 1) != []
     per_device = [sorted(map(tuple, table[:, p][table[:, p, 0] >= 0].tolist())) for p in range(stages)]
     assert all(d == sorted((mb, v) for mb in range(microbatches) for v in range(repeats)) for d in per_device)
-    # counted idle slots against (P - 1) / (V M + P - 1), exact in binary fractions of ints
-    assert idle_fraction(table) == pytest.approx(bubble_fraction(stages, microbatches, repeats), abs=1e-12)
-    assert table.shape[0] == repeats * microbatches + stages - 1 == ticks(stages, microbatches, repeats)
+    # counted idle slots against L (P - 1) / (V M + L (P - 1)), exact in binary fractions of ints
+    assert idle_fraction(table) == pytest.approx(bubble_fraction(stages, microbatches, repeats, lag), abs=1e-12)
+    assert table.shape[0] == repeats * microbatches + lag * (stages - 1) == ticks(stages, microbatches, repeats, lag)
+
+
+def _ppermute_operands(jaxpr, found):
+    """For each ``ppermute`` in ``jaxpr`` and the jaxprs inside it: whether its operand is an
+    input of the (loop body) jaxpr it is in, computed by nothing in that iteration."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            found.append(all(v in jaxpr.invars for v in eqn.invars))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    _ppermute_operands(getattr(sub, "jaxpr", sub), found)
+    return found
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlapped_hand_overs_send_what_the_tick_before_computed(overlap):
+    """mesh.pipeline_overlap: in the ticks' loop, forward and backward, the hand-over's operand is
+    the loop's carry (computed the tick before), so nothing in the tick waits for it and the send
+    runs beside the stage's compute; without it the forward pass sends what the tick computed."""
+    cfg = load_config(None, BASE + CIRCULAR + ["precision.rules=[]", f"mesh.pipeline_overlap={str(overlap).lower()}"])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:4])
+    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+    state = init_state(cfg, mesh, make_optimizer(cfg), policy)[0]
+    batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in _batch(cfg).items()}
+    grad = jax.value_and_grad(make_loss_fn(cfg, policy, mesh), argnums=(0, 1))
+    jaxpr = jax.make_jaxpr(grad)(state.params, scales_of(state.precision), batch, jax.random.key(0), 512.0)
+    from_carry = _ppermute_operands(jaxpr.jaxpr, [])
+    assert len(from_carry) >= 2  # forward and backward
+    assert all(from_carry) if overlap else not all(from_carry)
 
 
 def _largest_stage(costs, bounds):
@@ -293,5 +333,15 @@ def test_stage_layouts_that_cannot_run_are_one_line():
                   [*PIPELINED, "precision.rules=[{layers: ':1', recipe: fp8_current}]"]):
         cfg = load_config(None, BASE + list(works))
         check_stages(cfg)
+    overlapped = [*CIRCULAR, "mesh.pipeline_overlap=true"]
+    assert refused(*overlapped, "train.microbatches=6", "data.global_batch=24") == (
+        "train.microbatches=6: expected a multiple of 2 x mesh.pipeline=2 with mesh.pipeline_repeats=2 and "
+        "mesh.pipeline_overlap=true (the microbatches go round the stages in groups of 4), e.g. train.microbatches=8")
+    assert refused("mesh.pipeline_overlap=true") == (
+        "mesh.pipeline_overlap=true: overlaps the hand-overs between pipeline stages, and mesh.pipeline is 1; "
+        "expected mesh.pipeline_overlap=false (or mesh.pipeline=2 and more)")
+    check_stages(load_config(None, BASE + overlapped))
+    check_stages(load_config(None, BASE + PIPELINED + ["mesh.pipeline_overlap=true", "train.microbatches=2",
+                                                      "data.global_batch=8"]))  # GPipe: any M >= P
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(2, 4, 2) == pytest.approx(1 / 9)

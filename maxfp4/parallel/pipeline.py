@@ -6,10 +6,12 @@ Schedule (:mod:`maxfp4.parallel.pipeline_schedule`): P devices, V repeats, S = P
 stage s on device s mod P; V = 1 is GPipe's, V > 1 the circular (interleaved) one. It runs as one
 scan over the ticks of :func:`~maxfp4.parallel.pipeline_schedule.schedule_table`: at each tick a
 device reads which microbatch and which of its V stages to run, runs it and hands the output to
-the next device round the ring (``ppermute``); device 0's first stage reads the embedded
+the next device round the ring (``ppermute``; with ``mesh.pipeline_overlap``, during the next
+tick, beside its compute); device 0's first stage reads the embedded
 microbatch, the last stage applies the final norm, the LM head and the loss. Autodiff runs the
 ticks backwards, so the backward pass is pipelined the same way. Bubble fraction:
-(P - 1) / (V x M + P - 1) for M = ``train.microbatches`` (a multiple of P when V > 1).
+(P - 1) / (V x M + P - 1) for M = ``train.microbatches`` (a multiple of P when V > 1); with
+overlapped hand-overs 2 (P - 1) / (V x M + 2 (P - 1)) (a multiple of 2 P when V > 1).
 
 The stages are one program (``shard_map`` over ``pipeline``, the other axes left to XLA, so data,
 fsdp, tensor and expert compose as without stages): alike stages run the stage model
@@ -47,7 +49,8 @@ from jax.sharding import PartitionSpec
 
 from maxfp4.config import Config
 from maxfp4.parallel.mesh import constrain, fan_out_max, fan_out_sum, split_microbatches
-from maxfp4.parallel.pipeline_schedule import bubble_fraction, circular_chunks, exchange_tables, schedule_table
+from maxfp4.parallel.pipeline_schedule import (bubble_fraction, circular_chunks, exchange_tables, handover_lag,
+                                               schedule_table)
 from maxfp4.parallel.pipeline_stages import alike_stages, check_stages, stage_model, stage_policy, stage_program
 from maxfp4.model import get_model
 from maxfp4.model.layers import ACT_DTYPE, embed_tokens, output_logits
@@ -101,6 +104,7 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
     it, computed over ``train.microbatches`` microbatches streamed through the stages of ``mesh``
     (the concrete mesh: cuDNN attention's partitioning rule inside the stages needs its devices)."""
     stages, repeats, m = cfg.mesh.pipeline, cfg.mesh.pipeline_repeats, cfg.train.microbatches
+    lag = handover_lag(cfg.mesh.pipeline_overlap)
     alike = alike_stages(cfg.model, policy, stages * repeats)
     program = None if alike else stage_program(cfg.model, policy, cfg.data.seq_len, stages, repeats)
     model_cfg = stage_model(cfg.model, stages, repeats) if alike else program.stage_model(cfg.model)
@@ -120,7 +124,7 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         blocks_PVL = np.stack([program.device_blocks_VL(p) for p in range(stages)])
     chunks = cfg.train.loss_chunks
     split_handover = mesh.shape.get("tensor", 1) > 1  # the "handover" rule keeps a d_model tensor does not divide
-    table_NP2 = schedule_table(stages, repeats, m)  # the ticks this loss runs, and the bubble's count
+    table_NP2 = schedule_table(stages, repeats, m, lag)  # the ticks this loss runs, and the bubble's count
     # GPipe hands the last stage's output to nobody; the circular schedule back to device 0
     ring = [(s, (s + 1) % stages) for s in range(stages if repeats > 1 else stages - 1)]
 
@@ -157,7 +161,7 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         scales_N = {"blocks": _fan_out(block_scales_V, valid_N), "head": fan_out_max(head_scales, valid_N)}
 
         def tick(carry, xs):
-            received_BTD, total = carry
+            received_BTD, in_flight, total = carry
             microbatch, repeat, scales = xs
             i, v = jnp.maximum(microbatch, 0), jnp.maximum(repeat, 0)
             # Stage 0 embeds here, so what crosses the stage boundary backwards is the FP32
@@ -179,12 +183,20 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
                                 lambda: jnp.zeros((), jnp.float32))
             if split_handover:  # 1/tensor of it crosses stages; the receiver gathers it over tensor
                 y_BTD = constrain(y_BTD, ("batch", "seq", "handover"))
-            handed = jax.lax.ppermute(y_BTD, AXIS, ring)
-            return (handed, total + loss), None
+            # Lag 1 sends this tick's output; lag 2 the previous tick's, which this tick's
+            # compute does not depend on, so the send runs beside it (forward and backward).
+            sending = in_flight + (y_BTD,)
+            handed = jax.lax.ppermute(sending[0], AXIS, ring)
+            if split_handover and lag > 1:
+                # Gathered over tensor now, beside the compute, not when read; split first, so
+                # that the gradient sent back (the transposes, in reverse order) is split too.
+                handed = constrain(constrain(handed, ("batch", "seq", "handover")), ("batch", "seq", None))
+            return (handed, tuple(sending[1:]), total + loss), None
 
         b, t = micro["inputs"].shape[1:]
-        init = (jnp.zeros((b, t, cfg.model.d_model), ACT_DTYPE), jnp.zeros((), jnp.float32))
-        (_, total), _ = jax.lax.scan(tick, init, (microbatch_N, repeat_N, scales_N))
+        zeros_BTD = jnp.zeros((b, t, cfg.model.d_model), ACT_DTYPE)
+        init = (zeros_BTD, (zeros_BTD,) * (lag - 1), jnp.zeros((), jnp.float32))
+        (_, _, total), _ = jax.lax.scan(tick, init, (microbatch_N, repeat_N, scales_N))
         return jax.lax.psum(total, AXIS)
 
     def loss_fn(params, scales, batch, key, denom):

@@ -14,8 +14,16 @@ V x M + P - 1 ticks of a pass, so the bubble fraction is (P - 1) / (V x M + P - 
 being a 1 / V of a GPipe stage. V = 1 is GPipe's schedule: (P - 1) / (M + P - 1). Autodiff runs
 the ticks backwards, so the backward pass has the same table reversed and the same bubble.
 
+Overlapped hand-overs (``mesh.pipeline_overlap``, lag L = 2): a stage's output goes to the next
+device during the tick after the one that made it, while that tick computes, and is read a tick
+later still; every hand-over takes L ticks instead of one. Device p runs the same order L x p
+ticks after device 0, groups hold L x P microbatches (so the first is back at device 0 as the
+last leaves it), and a pass takes V x M + L (P - 1) ticks: bubble L (P - 1) / (V x M + L (P - 1)).
+The overlap pays where a hand-over's time exceeds the bubble's growth (MaxText's "delay
+activation forwarding"; Megatron overlaps its sends with the next microbatch the same way).
+
 Dimension letters: T ticks, P devices on the pipeline axis, V repeats, K chunks a device sends
-another.
+another; L the hand-over lag in ticks (1, or 2 overlapped).
 """
 
 from __future__ import annotations
@@ -25,33 +33,45 @@ import numpy as np
 IDLE = -1
 
 
-def ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
-    """Ticks of a pass: V x M + P - 1 (each device works V x M of them)."""
-    return repeats * microbatches + stages - 1
+def handover_lag(overlap: bool) -> int:
+    """Ticks from a stage computing a microbatch to the next stage computing it (``L``)."""
+    return 2 if overlap else 1
 
 
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The share of a pass each device idles: (P - 1) / (V x M + P - 1) (V = 1: GPipe's)."""
-    return (stages - 1) / ticks(stages, microbatches, repeats)
+def ticks(stages: int, microbatches: int, repeats: int = 1, lag: int = 1) -> int:
+    """Ticks of a pass: V x M + L (P - 1) (each device works V x M of them)."""
+    return repeats * microbatches + lag * (stages - 1)
 
 
-def device_order(stages: int, repeats: int, microbatches: int) -> list[tuple[int, int]]:
-    """(microbatch, repeat) in the order every device runs them: groups of P microbatches, each
-    group through all V repeats before the next starts. A group must be P microbatches when
-    V > 1, so the first member is back at device 0 just as the group's last leaves it."""
-    if repeats > 1 and microbatches % stages:
-        raise ValueError(f"{microbatches} microbatches do not make groups of {stages} for {repeats} repeats")
-    return [(g + j, v) for g in range(0, microbatches, stages) for v in range(repeats)
-            for j in range(min(stages, microbatches - g))]
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1, lag: int = 1) -> float:
+    """The share of a pass each device idles: L (P - 1) / (V x M + L (P - 1)) (V = 1: GPipe's)."""
+    return lag * (stages - 1) / ticks(stages, microbatches, repeats, lag)
 
 
-def schedule_table(stages: int, repeats: int, microbatches: int) -> np.ndarray:
+def group_size(stages: int, repeats: int, lag: int = 1) -> int:
+    """Microbatches that go round the devices together when V > 1: L x P, so that the first is
+    back at device 0 just as the last leaves it (1 for GPipe: any count works)."""
+    return lag * stages if repeats > 1 else 1
+
+
+def device_order(stages: int, repeats: int, microbatches: int, lag: int = 1) -> list[tuple[int, int]]:
+    """(microbatch, repeat) in the order every device runs them: groups of L x P microbatches,
+    each group through all V repeats before the next starts."""
+    group = group_size(stages, repeats, lag)
+    if microbatches % group:
+        raise ValueError(f"{microbatches} microbatches do not make groups of {group} for {repeats} repeats")
+    group = max(group, stages)  # GPipe: any grouping gives the same order
+    return [(g + j, v) for g in range(0, microbatches, group) for v in range(repeats)
+            for j in range(min(group, microbatches - g))]
+
+
+def schedule_table(stages: int, repeats: int, microbatches: int, lag: int = 1) -> np.ndarray:
     """[T, P, 2] int32: (microbatch, repeat) device p runs at tick t, (IDLE, IDLE) when idle.
     The pipelined loss reads this table; the bubble is its share of idle entries."""
-    order = device_order(stages, repeats, microbatches)
-    table_TP2 = np.full((ticks(stages, microbatches, repeats), stages, 2), IDLE, np.int32)
+    order = device_order(stages, repeats, microbatches, lag)
+    table_TP2 = np.full((ticks(stages, microbatches, repeats, lag), stages, 2), IDLE, np.int32)
     for p in range(stages):
-        table_TP2[p:p + len(order), p] = order
+        table_TP2[lag * p:lag * p + len(order), p] = order
     return table_TP2
 
 
@@ -60,9 +80,10 @@ def idle_fraction(table_TP2: np.ndarray) -> float:
     return float(np.mean(table_TP2[..., 0] == IDLE))
 
 
-def dependency_errors(table_TP2: np.ndarray, repeats: int) -> list[str]:
-    """Every slot whose input was not produced by the slot one tick earlier on the device before
-    it (the hand-over is one ``ppermute`` a tick round the ring); empty for a runnable table."""
+def dependency_errors(table_TP2: np.ndarray, repeats: int, lag: int = 1) -> list[str]:
+    """Every slot whose input was not produced by the slot L ticks earlier on the device before
+    it (a hand-over is one ``ppermute`` round the ring, L ticks from send to use); empty for a
+    runnable table."""
     ticks, stages, _ = table_TP2.shape
     errors = []
     for t in range(ticks):
@@ -71,7 +92,7 @@ def dependency_errors(table_TP2: np.ndarray, repeats: int) -> list[str]:
             if mb == IDLE or (p == 0 and v == 0):
                 continue
             want = (mb, v) if p > 0 else (mb, v - 1)
-            if t == 0 or tuple(table_TP2[t - 1, (p - 1) % stages]) != want:
+            if t < lag or tuple(table_TP2[t - lag, (p - 1) % stages]) != want:
                 errors.append(f"tick {t} device {p}: microbatch {mb} repeat {v} has no input")
     return errors
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from maxfp4.config import Config, ConfigError, ModelConfig
 from maxfp4.model_spec import ModelSpec, model_spec
-from maxfp4.parallel.pipeline_schedule import bubble_fraction, ticks
+from maxfp4.parallel.pipeline_schedule import bubble_fraction, group_size, handover_lag, ticks
 from maxfp4.precision import PrecisionPolicy
 
 # ----------------------------------------------------------------------------- cost and cut
@@ -107,10 +107,10 @@ class StageSplit:
         """The largest chunk's share of the total cost (it sets every tick's length)."""
         return max(sum(costs[b] for b in chunk) for chunk in self.chunks) / sum(costs)
 
-    def step_factor(self, costs: Sequence[float], microbatches: int) -> float:
-        """The device step over one device running every block for every microbatch: (V M + P - 1)
+    def step_factor(self, costs: Sequence[float], microbatches: int, lag: int = 1) -> float:
+        """The device step over one device running every block for every microbatch: V M + L (P - 1)
         ticks, each as long as the costliest chunk on one microbatch."""
-        return ticks(self.stages, microbatches, self.repeats) * self.chunk_share(costs) / microbatches
+        return ticks(self.stages, microbatches, self.repeats, lag) * self.chunk_share(costs) / microbatches
 
 
 def split_stages(costs: Sequence[float], stages: int, repeats: int = 1) -> StageSplit:
@@ -166,30 +166,37 @@ def stages_problem(model: ModelConfig, stages: int, repeats: int = 1) -> str | N
     return f"mesh.pipeline={stages}: {stages} stages for the model's {n} blocks; expected at most {n}"
 
 
-def microbatches_problem(stages: int, repeats: int, microbatches: int) -> str | None:
+def microbatches_problem(stages: int, repeats: int, microbatches: int, overlap: bool = False) -> str | None:
     """Why ``microbatches`` cannot go through the stages, as one line naming the key, or None:
-    at least one a stage, and with repeats whole groups of ``stages``
-    (:func:`maxfp4.parallel.pipeline_schedule.device_order`)."""
+    at least one a stage, and with repeats whole groups of ``stages`` (twice that with
+    overlapped hand-overs; :func:`maxfp4.parallel.pipeline_schedule.device_order`)."""
     if stages == 1:
         return None
+    lag = handover_lag(overlap)
     if microbatches < stages:
         return (f"train.microbatches={microbatches}: expected at least mesh.pipeline={stages} "
                 f"microbatches to fill the stages (e.g. train.microbatches={4 * stages}: bubble "
-                f"{bubble_fraction(stages, 4 * stages, repeats):.0%})")
-    if repeats > 1 and microbatches % stages:
-        works = stages * -(-microbatches // stages)
-        return (f"train.microbatches={microbatches}: expected a multiple of mesh.pipeline={stages} with "
-                f"mesh.pipeline_repeats={repeats} (the microbatches go round the stages in groups of "
-                f"{stages}), e.g. train.microbatches={works}")
+                f"{bubble_fraction(stages, 4 * stages, repeats, lag):.0%})")
+    group = group_size(stages, repeats, lag)
+    if microbatches % group:
+        works = group * -(-microbatches // group)
+        what = f"2 x mesh.pipeline={stages}" if overlap else f"mesh.pipeline={stages}"
+        why = " and mesh.pipeline_overlap=true" if overlap else ""
+        return (f"train.microbatches={microbatches}: expected a multiple of {what} with "
+                f"mesh.pipeline_repeats={repeats}{why} (the microbatches go round the stages in groups of "
+                f"{group}), e.g. train.microbatches={works}")
     return None
 
 
 def check_stages(cfg: Config) -> None:
-    """Every start-up check of ``mesh.pipeline`` and ``mesh.pipeline_repeats``: blocks and
-    microbatches (the rules the planner chooses by)."""
+    """Every start-up check of ``mesh.pipeline``, ``mesh.pipeline_repeats`` and
+    ``mesh.pipeline_overlap``: blocks and microbatches (the rules the planner chooses by)."""
     stages, repeats = cfg.mesh.pipeline, cfg.mesh.pipeline_repeats
+    if cfg.mesh.pipeline_overlap and stages == 1:
+        raise ConfigError("mesh.pipeline_overlap=true: overlaps the hand-overs between pipeline stages, and "
+                          "mesh.pipeline is 1; expected mesh.pipeline_overlap=false (or mesh.pipeline=2 and more)")
     problem = (stages_problem(cfg.model, stages, repeats)
-               or microbatches_problem(stages, repeats, cfg.train.microbatches))
+               or microbatches_problem(stages, repeats, cfg.train.microbatches, cfg.mesh.pipeline_overlap))
     if problem:
         raise ConfigError(problem)
 

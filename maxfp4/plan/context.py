@@ -115,7 +115,8 @@ def rows_with_context(cfg: Config, rows: list[dict], c: int, gpus: int, tokens: 
         steps = math.ceil(tokens / tokens_per_step)
         wall = steps * step / row["goodput"]
         # the parameters' state is sharded over context too (maxfp4.parallel.mesh): 1/C of the proxy's
-        state = {k: v / c for k, v in row["memory_breakdown_gb"].items() if k in ("master", "adam", "grads")}
+        state = {k: v / c for k, v in row["memory_breakdown_gb"].items()
+                 if k in ("master", "adam", "grads", "gathered_stages")}
         saved = sum(row["memory_breakdown_gb"][k] for k in state) - sum(state.values())
         memory = row["memory_per_device_gb"] - saved
         fits = memory <= cost.USABLE_MEMORY * rates.GPUS[gpu]["memory_gb"]

@@ -172,6 +172,19 @@ def _held_blocks(cfg: Config, mesh: PlanMesh) -> tuple[int, ...]:
     return _held(cfg.model, cfg.data.seq_len, mesh.pipeline, mesh.repeats)
 
 
+def gathered_stage_params(cfg: Config, mesh) -> float:
+    """Parameters of the copy of its stages' block weights a device gathers at the start of a
+    step (:mod:`maxfp4.parallel.pipeline`), over fsdp x tensor as its state: with repeats its V
+    stages (an all-to-all), with unequal stages a block of every slot (the skipped slots' rows
+    padded); none for GPipe's alike stages, which read their part of the stacks in place."""
+    mesh = PlanMesh(*mesh)
+    if mesh.pipeline == 1 or (mesh.repeats == 1 and alike_blocks(cfg.model, mesh.pipeline)):
+        return 0.0
+    m, blocks = cfg.model, model_spec(cfg.model).blocks
+    return sum(lin.params / (mesh.fsdp * (1 if _whole_on_tensor(lin, m, mesh.tensor) else mesh.tensor))
+               for b in _held_blocks(cfg, mesh) for lin in blocks[b].linears)
+
+
 @functools.lru_cache(maxsize=4096)
 def _held_block_params(m: ModelConfig, seq_len: int, stages: int, repeats: int, tensor: int) -> tuple[int, int]:
     """(matmul parameters, those kept whole on every tensor device) a device keeps state for: its
@@ -263,7 +276,7 @@ def in_flight_share(cfg: Config, mesh) -> float:
     mesh, micro = PlanMesh(*mesh), cfg.train.microbatches
     if mesh.pipeline == 1:
         return 1 / micro
-    return ticks(mesh.pipeline, micro, mesh.repeats) / (mesh.repeats * micro)
+    return ticks(mesh.pipeline, micro, mesh.repeats, mesh.lag) / (mesh.repeats * micro)
 
 
 def memory_per_device(cfg: Config, mesh, params: int, precision: str,
@@ -273,7 +286,9 @@ def memory_per_device(cfg: Config, mesh, params: int, precision: str,
     copy (or the BF16 LM head, whichever is larger) is live at a time; without remat, and with
     unrolled blocks under save_gemm, every block's cast weight shard too (the recipes' VJPs keep
     it: ``GEMM_WEIGHT``). Gradients count whole: the backward pass writes each block's into
-    buffers allocated when it starts, while the activations are still held."""
+    buffers allocated when it starts, while the activations are still held. With stages whose
+    weights are gathered each step (:func:`gathered_stage_params`), their FP32 copy and its
+    FP32 gradient, which goes back to the checkpoint's layout when the backward pass ends."""
     m, mesh = cfg.model, PlanMesh(*mesh)
     fsdp, tensor = mesh.fsdp, mesh.tensor
     spec = model_spec(m)
@@ -301,6 +316,7 @@ def memory_per_device(cfg: Config, mesh, params: int, precision: str,
             # stages take every microbatch's gradient in one backward pass, into one buffer
             "grads": state * GRAD_BYTES * (2 if cfg.train.microbatches > 1 and mesh.pipeline == 1 else 1),
             "working_copy": working,
+            "gathered_stages": gathered_stage_params(cfg, mesh) * (MASTER_BYTES + GRAD_BYTES),
             "activations": acts, "logits": logits}
 
 
@@ -335,7 +351,7 @@ def stage_factor(cfg: Config, mesh, precision: str, gpu: str) -> float:
     if mesh.pipeline == 1:
         return 1.0
     costs = block_seconds_per_token(cfg, mesh.tensor, precision, gpu)
-    return stage_split(cfg, mesh).step_factor(costs, cfg.train.microbatches)
+    return stage_split(cfg, mesh).step_factor(costs, cfg.train.microbatches, mesh.lag)
 
 
 def comm_seconds(cfg: Config, mesh, params: int, precision: str, gpu: str,
@@ -348,7 +364,8 @@ def comm_seconds(cfg: Config, mesh, params: int, precision: str, gpu: str,
     Tensor parallelism's activation all-reduces are exposed: each sums a GEMM's output that the
     next operation (a norm, the residual) needs at once, so there is no independent work to hide
     them behind. So are the pipeline's hand-overs: a stage sends its output when the tick ends
-    and the next stage waits for it. FSDP's weight gathers (fetched ahead of the layer that needs
+    and the next stage waits for it, unless ``mesh.pipeline_overlap`` sends it during the next
+    tick (then they overlap like FSDP's, in a longer schedule). FSDP's weight gathers (fetched ahead of the layer that needs
     them) and the gradient reduce-scatters and all-reduces (of finished layers) overlap with
     compute; FSDP gathers and reduce-scatters once a microbatch (with stages, once a tick)."""
     m, mesh = cfg.model, PlanMesh(*mesh)
@@ -362,16 +379,20 @@ def comm_seconds(cfg: Config, mesh, params: int, precision: str, gpu: str,
         exposed += (2 * _row_parallel_layers(m) * ar * stage_factor(cfg, mesh, precision, gpu)
                     / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9))
     if stages > 1:  # each tick hands a microbatch's BF16 activations on, and its gradient back
-        handed = 2 * ticks(stages, micro, mesh.repeats) * rows / micro * m.d_model * 2
+        handed = 2 * ticks(stages, micro, mesh.repeats, mesh.lag) * rows / micro * m.d_model * 2
         if tensor > 1 and m.d_model % tensor == 0:
             # each tensor rank sends 1/tensor of it, and the receiver gathers the rest in the node
-            exposed += (handed / tensor / (_link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
+            handover = (handed / tensor / (_link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
                         + handed * (tensor - 1) / tensor / (_link_gbs(gpu, tensor, gpus_per_node) * 1e9))
         else:
-            exposed += handed / (_link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
+            handover = handed / (_link_gbs(gpu, stages * fsdp * tensor, gpus_per_node) * 1e9)
+        if mesh.overlap:  # sent (and gathered) during the next tick, beside its compute
+            overlappable += handover
+        else:
+            exposed += handover
     if fsdp > 1:  # weights gathered forward and again backward, FP32 gradients reduce-scattered
         other = (params - _block_matmul_params(m)) / (fsdp * tensor)
-        gathers = micro if stages == 1 else ticks(stages, micro, mesh.repeats) / mesh.repeats
+        gathers = micro if stages == 1 else ticks(stages, micro, mesh.repeats, mesh.lag) / mesh.repeats
         per_device = ((state - other) * gathers + other * micro) * (fsdp - 1)
         overlappable += per_device * (2 * WORKING_BYTES[precision] + GRAD_BYTES) / (
             _link_gbs(gpu, tensor * fsdp, gpus_per_node) * 1e9)
@@ -428,7 +449,7 @@ def accumulated_params(cfg: Config, mesh, params: int, state: float) -> float:
     if mesh.pipeline == 1:
         return state * micro if micro > 1 else 0.0
     other = (params - _block_matmul_params(cfg.model)) / (mesh.fsdp * mesh.tensor)
-    n = ticks(mesh.pipeline, micro, mesh.repeats)
+    n = ticks(mesh.pipeline, micro, mesh.repeats, mesh.lag)
     return (state - other) * n / mesh.repeats + other * n
 
 
@@ -454,7 +475,7 @@ def compute_parts(cfg: Config, mesh, flops: dict[str, float], params: int,
     state = state_params_per_device(cfg, params, mesh)
     optimizer = (state * OPTIMIZER_TRAFFIC_BYTES + accumulated_params(cfg, mesh, params, state) * ACCUMULATE_BYTES) / hbm
     # with stages, the parameters every stage holds whole are touched again each tick
-    n_ticks = ticks(mesh.pipeline, cfg.train.microbatches, mesh.repeats)
+    n_ticks = ticks(mesh.pipeline, cfg.train.microbatches, mesh.repeats, mesh.lag)
     optimizer += stage_whole_params(cfg, mesh, params) * n_ticks * WHOLE_PER_TICK_BYTES / hbm
     if utilisation is not None:
         peak = datasheet_tflops(gpu, precision) * 1e12
@@ -521,7 +542,7 @@ def project(cfg: Config, mesh, gpu: str, precision: str,
         "memory_breakdown_gb": {k: v / 1e9 for k, v in mem.items()},
         "memory_other_remat_gb": sum(memory_per_device(cfg, mesh, params, precision, other_remat).values()) / 1e9,
         "remat": cfg.train.remat, "microbatches": cfg.train.microbatches,
-        "pipeline_bubble": bubble_fraction(mesh.pipeline, cfg.train.microbatches, mesh.repeats),
+        "pipeline_bubble": bubble_fraction(mesh.pipeline, cfg.train.microbatches, mesh.repeats, mesh.lag),
         "global_batch": cfg.data.global_batch,
         "fits": sum(mem.values()) / 1e9 <= USABLE_MEMORY * GPUS[gpu]["memory_gb"],
         "tokens_per_step": tokens_per_step,

@@ -58,7 +58,7 @@ class Layout:
 def _with(cfg: Config, global_batch: int, mesh: PlanMesh, microbatches: int,
           remat: str | None = None) -> Config:
     axes = dict(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor, pipeline=mesh.pipeline,
-                pipeline_repeats=mesh.repeats)
+                pipeline_repeats=mesh.repeats, pipeline_overlap=mesh.overlap)
     return dataclasses.replace(
         cfg, data=dataclasses.replace(cfg.data, global_batch=global_batch),
         mesh=dataclasses.replace(cfg.mesh, **axes),
@@ -78,7 +78,8 @@ def candidate_meshes(m: ModelConfig, gpus: int, gpus_per_node: int,
                      across_nodes: bool = False) -> Iterator[PlanMesh]:
     """Meshes with tensor inside a node and dividing the KV heads and MLP width, fsdp x tensor
     inside a node (``across_nodes``: whole nodes), and pipeline stages (with their repeats, each
-    chunk at least MIN_BLOCKS_PER_CHUNK blocks) and data parallelism over the rest."""
+    chunk at least MIN_BLOCKS_PER_CHUNK blocks, hand-overs waited for or overlapped) and data
+    parallelism over the rest."""
     for tensor in TENSOR_SIZES:
         if tensor > gpus_per_node or gpus % tensor or m.n_kv_heads % tensor or m.d_ff % tensor:
             continue
@@ -90,7 +91,8 @@ def candidate_meshes(m: ModelConfig, gpus: int, gpus_per_node: int,
                 for stages in _divisors(gpus // inner):
                     for repeats in PIPELINE_REPEATS if stages > 1 else (1,):
                         if stages * repeats * MIN_BLOCKS_PER_CHUNK <= m.n_layers:
-                            yield PlanMesh(gpus // inner // stages, fsdp, tensor, stages, repeats)
+                            for overlap in (False, True) if stages > 1 else (False,):
+                                yield PlanMesh(gpus // inner // stages, fsdp, tensor, stages, repeats, overlap)
 
 
 def _divisors(n: int) -> list[int]:
@@ -100,7 +102,7 @@ def _divisors(n: int) -> list[int]:
 def config_mesh(cfg: Config, gpus: int) -> PlanMesh:
     """The config's own mesh on ``gpus`` (an explicit mesh that cannot be built, or stages the
     trainer refuses to run the model and its recipes in, is an error: the trainer's line)."""
-    mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), repeats=cfg.mesh.pipeline_repeats)
+    mesh = PlanMesh.of(resolve_mesh_shape(cfg.mesh, gpus), cfg.mesh)
     problem = stages_problem(cfg.model, mesh.pipeline, mesh.repeats)
     if problem:
         raise ConfigError(problem)
@@ -115,7 +117,7 @@ def _config_layout_problem(cfg: Config, gpus: int, gpu: str) -> str | None:
     if g % (micro * shards):
         return (f"data.global_batch={g} does not split over train.microbatches x data x fsdp = "
                 f"{micro} x {shards} (the config's mesh on {gpus:,} GPUs)")
-    problem = microbatches_problem(mesh.pipeline, mesh.repeats, micro)
+    problem = microbatches_problem(mesh.pipeline, mesh.repeats, micro, mesh.overlap)
     if problem:
         return f"{problem} (the config's mesh on {gpus:,} GPUs)"
     tokens_per_shard = g * cfg.data.seq_len // shards
@@ -127,15 +129,17 @@ def _config_layout_problem(cfg: Config, gpus: int, gpu: str) -> str | None:
 
 def describe(mesh: PlanMesh) -> str:
     """``data=D x pipeline=P (repeats V) x fsdp=F x tensor=T``, the pipeline only where there is one."""
+    how = [f"repeats {mesh.repeats}"] * (mesh.repeats > 1) + ["overlapped hand-overs"] * mesh.overlap
     stages = "" if mesh.pipeline == 1 else f"pipeline={mesh.pipeline} " + (
-        f"(repeats {mesh.repeats}) " if mesh.repeats > 1 else "") + "x "
+        f"({', '.join(how)}) " if how else "") + "x "
     return f"data={mesh.data:,} x {stages}fsdp={mesh.fsdp} x tensor={mesh.tensor}"
 
 
 def overrides(mesh: PlanMesh) -> str:
     """The mesh as the config keys that train with it."""
     keys = f"mesh.data={mesh.data} mesh.pipeline={mesh.pipeline} mesh.fsdp={mesh.fsdp} mesh.tensor={mesh.tensor}"
-    return keys + (f" mesh.pipeline_repeats={mesh.repeats}" if mesh.repeats > 1 else "")
+    return (keys + (f" mesh.pipeline_repeats={mesh.repeats}" if mesh.repeats > 1 else "")
+            + (" mesh.pipeline_overlap=true" if mesh.overlap else ""))
 
 
 def layout_for(cfg: Config, gpus: int, gpu: str, batch_tokens: float | None = None,
@@ -172,7 +176,7 @@ def microbatch_options(m: ModelConfig, mesh: PlanMesh, per_shard: int) -> list[i
     None where the trainer refuses the mesh's stages for the model."""
     if stages_problem(m, mesh.pipeline, mesh.repeats):
         return None
-    return [d for d in _divisors(per_shard) if microbatches_problem(mesh.pipeline, mesh.repeats, d) is None]
+    return [d for d in _divisors(per_shard) if microbatches_problem(mesh.pipeline, mesh.repeats, d, mesh.overlap) is None]
 
 
 def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_per_node: int,
@@ -252,8 +256,10 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
         + (f"; {refused} more have stages the trainer refuses" if refused else "") + ")",
     ]
     if mesh.pipeline > 1:
+        bubble = bubble_fraction(mesh.pipeline, c.train.microbatches, mesh.repeats, mesh.lag)
         reasons.append(f"  stages: {c.train.microbatches} microbatches through {mesh.pipeline} stages x "
-                       f"{mesh.repeats} repeats, bubble {bubble_fraction(mesh.pipeline, c.train.microbatches, mesh.repeats):.1%}")
+                       f"{mesh.repeats} repeats, bubble {bubble:.1%}"
+                       + (", hand-overs overlapped with the next tick" if mesh.overlap else ""))
     if (c.train.microbatches > 1 and mesh.pipeline == 1) or c.train.remat != cfg.train.remat:
         reasons.append(f"  to fit: train.microbatches={c.train.microbatches}, train.remat={c.train.remat}")
     reasons.append(f"  to train with it: data.global_batch={rows} {overrides(mesh)} "

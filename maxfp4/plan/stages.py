@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from maxfp4.parallel.pipeline_schedule import handover_lag
+
 
 class PlanMesh(NamedTuple):
     """The mesh the planner prices: its axes, outermost last-but-one (``pipeline`` spans the nodes
@@ -21,6 +23,17 @@ class PlanMesh(NamedTuple):
     tensor: int
     pipeline: int = 1
     repeats: int = 1
+    overlap: bool = False  # mesh.pipeline_overlap: hand-overs beside the next tick's compute
+
+    @classmethod
+    def of(cls, shape: tuple[int, int, int, int], mesh_cfg) -> "PlanMesh":
+        """A config's mesh: its resolved (data, fsdp, tensor, pipeline) and its ``mesh`` keys."""
+        return cls(*shape, repeats=mesh_cfg.pipeline_repeats, overlap=mesh_cfg.pipeline_overlap)
+
+    @property
+    def lag(self) -> int:
+        """Ticks from one stage computing a microbatch to the next stage computing it."""
+        return handover_lag(self.overlap)
 
     @property
     def devices(self) -> int:
@@ -31,5 +44,5 @@ class PlanMesh(NamedTuple):
         """Devices the batch's rows are split over (the stages all see every row of their shard)."""
         return self.data * self.fsdp
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | bool]:
         return self._asdict()
