@@ -677,8 +677,6 @@ def _check_context(cfg: Config) -> None:
              f"a multiple of {unit} (2 x mesh.context={c}" + (f" x model.mamba.chunk_size={m.mamba.chunk_size}"
                                                                if unit != 2 * c else "")
              + f"), e.g. {max(unit, seq_len // unit * unit)}")
-    _require(cfg.mesh.pipeline == 1, "mesh.pipeline", cfg.mesh.pipeline,
-             f"1 with mesh.context={c} (the pipeline's stages do not split sequences yet)")
 
 
 def validate(cfg: Config) -> None:

@@ -147,7 +147,6 @@ def test_each_rank_does_the_same_causal_work():
 @pytest.mark.parametrize("overrides, key, working", [
     ([f"data.seq_len=500", f"mesh.context={C}"], "data.seq_len", "e.g. 496"),
     (HYBRID[len(DENSE):] + ["data.seq_len=448", f"mesh.context={C}"], "data.seq_len", "e.g. 256"),
-    ([f"mesh.context={C}", "mesh.pipeline=2", "train.microbatches=2"], "mesh.pipeline", "1 with mesh.context"),
 ])
 def test_bad_context_input_is_one_line(overrides, key, working):
     with pytest.raises(ConfigError) as e:

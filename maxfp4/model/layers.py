@@ -73,7 +73,14 @@ class Embedding(nnx.Param):
 
 def embed_tokens(table_VD: jax.Array, inputs: jax.Array) -> jax.Array:
     """The rows of the embedding table for ``inputs`` (any shape), in the activation dtype."""
-    return jnp.take(table_VD, inputs, axis=0).astype(ACT_DTYPE)
+    rows = jnp.take(table_VD, inputs, axis=0)
+    if inputs.ndim == 2:
+        # [B, T] tokens: rows split as the batch, d_model as the table's (over context when the
+        # sequence is split; the step then moves it to the sequence by one all-to-all). Left to
+        # itself, XLA's partitioner could not go from the table's d_model split over fsdp x
+        # context to the activations' [batch, seq] and replicated the looked-up [B, T, D].
+        rows = constrain(rows, ("batch", None, "embed"))
+    return rows.astype(ACT_DTYPE)
 
 
 def stacked(n: int | None, shape: tuple[int, ...], axes: tuple[str | None, ...]):

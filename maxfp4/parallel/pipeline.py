@@ -48,6 +48,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from maxfp4.config import Config
+from maxfp4.parallel.context import to_zigzag
 from maxfp4.parallel.mesh import constrain, fan_out_max, fan_out_sum, split_microbatches
 from maxfp4.parallel.pipeline_schedule import (bubble_fraction, circular_chunks, exchange_tables, handover_lag,
                                                schedule_table)
@@ -200,7 +201,8 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         return jax.lax.psum(total, AXIS)
 
     def loss_fn(params, scales, batch, key, denom):
-        micro = split_microbatches(batch, m)
+        # mesh.context > 1: the load-balanced token order the context split needs, as unpipelined
+        micro = split_microbatches(to_zigzag(batch, cfg.mesh.context), m)
         micro["loss_mask"] = micro["loss_mask"].astype(jnp.float32)
         blocks = {g: params[g] for g in groups}
         others = {k: v for k, v in params.items() if k not in groups}

@@ -107,7 +107,8 @@ def rows_with_context(cfg: Config, rows: list[dict], c: int, gpus: int, tokens: 
         tokens_per_step = row["tokens_per_step"] * c
         # a context group shares its rows: each GPU gathers K and V for every row of its group
         rows_per_device = row["global_batch"] / (row["mesh"]["data"] * row["mesh"]["fsdp"])
-        comm = sum(comm_bytes_per_device(cfg, c, rows_per_device).values()) / (link * 1e9)
+        # with pipeline stages a device runs (and splits) only its stages' layers, ~1/P of them
+        comm = sum(comm_bytes_per_device(cfg, c, rows_per_device).values()) / row["mesh"]["pipeline"] / (link * 1e9)
         tokens_per_gpu = row["tokens_per_step"] / (gpus / c)
         extra = tokens_per_gpu * split_attention_seconds_per_token(cfg, c, gpu)
         step = row["step_time_s"] + extra + comm
