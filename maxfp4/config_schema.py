@@ -353,6 +353,9 @@ class MeshConfig:
     # microbatches with repeats (maxfp4.parallel.pipeline_schedule)
     pipeline_overlap: bool = False
     fsdp: int = 1
+    # the optimizer's moments split over data too (ZeRO-1, Megatron's distributed optimizer):
+    # each data replica updates its share and the new weights are gathered (maxfp4.train)
+    shard_optimizer_over_data: bool = False
     # splits each sequence across devices (long contexts)
     context: int = 1
     # splits a mixture-of-experts block's experts across devices

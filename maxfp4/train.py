@@ -45,7 +45,8 @@ from maxfp4.loop import Every, Hook, Loop, close_hooks, every
 from maxfp4.interop.hf import check_init_from, read_params as read_hf_params
 from maxfp4.interop.hf_router_bias import with_router_bias
 from maxfp4.interop.positions import positions_warning
-from maxfp4.parallel.mesh import batch_reader, batch_sharding, check_model_fits_mesh, make_mesh, tree_shardings
+from maxfp4.parallel.mesh import (batch_reader, batch_sharding, check_model_fits_mesh, make_mesh, spread_over,
+                                 tree_shardings)
 from maxfp4.metrics import MetricsHook, MetricsLogger, device_peaks, flops_per_token, policy_peak_tflops
 from maxfp4.model import abstract_params, get_model
 from maxfp4.model.mamba import tensor_note as mamba_tensor_note
@@ -102,7 +103,11 @@ def state_maker(cfg: Config, mesh, optimizer: optax.GradientTransformation, poli
     param_sh = tree_shardings(axes, param_shapes, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
-    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_sh,
+    moment_sh = param_sh
+    if cfg.mesh.shard_optimizer_over_data:  # ZeRO-1: each data replica keeps and updates a share
+        moment_sh = jax.tree.map(lambda s, x: NamedSharding(mesh, spread_over(s.spec, x.shape, mesh, "data")),
+                                 param_sh, param_shapes)
+    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, moment_sh,
                                    transform_non_params=lambda _: replicated)
     prec_sh = jax.tree.map(lambda _: replicated,
                            jax.eval_shape(lambda: init_precision_state(policy, model.block_layer_classes, init_router_state(cfg.model))))

@@ -151,7 +151,7 @@ def test_json_output(capsys):
         for key in ("precision", "params", "flops_per_token", "memory_per_device_gb", "step_time_s", "days"):
             assert key in r
         assert 7.9e9 < r["params"] < 8.1e9  # Llama-3-8B
-        assert r["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1, "pipeline": 1, "repeats": 1, "overlap": False}
+        assert r["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1, "pipeline": 1, "repeats": 1, "overlap": False, "shard_optimizer": False}
         assert r["days"] == pytest.approx(r["steps"] * r["step_time_s"] / 86400 / plan_model.GOODPUT)
         assert r["layout_chosen"] is False and "the config's data.global_batch=16" in r["notes"][0]
     assert rows[1]["step_time_s"] < rows[0]["step_time_s"]  # FP8 GEMMs are faster on H100

@@ -201,7 +201,7 @@ def test_cluster_scale_plans_of_the_three_large_models(capsys):
     bubble). These are model outputs, not measurements."""
     llama70 = _plan(["configs/llama3-70b.yaml", "--gpus", "4096", "--tokens", "15e12"], capsys)["bf16"]
     assert llama70["fits"] and llama70["gpus"] == 4096 and 0.27 <= llama70["mfu"] < 0.31
-    assert llama70["mesh"] == {"data": 128, "fsdp": 4, "tensor": 8, "pipeline": 1, "repeats": 1, "overlap": False}
+    assert llama70["mesh"] == {"data": 128, "fsdp": 4, "tensor": 8, "pipeline": 1, "repeats": 1, "overlap": False, "shard_optimizer": False}
     cfg = load_config("configs/llama3-70b.yaml")
     stages = PlanMesh(128, 2, 8, 2, 8)
     staged = plan_model.project(_with(cfg, 512, stages, 2, "none"), stages, "h100", "bf16")
@@ -234,7 +234,7 @@ def test_a_config_with_stages_is_planned_as_written_and_prints_its_bubble(capsys
     assert "NVFP4 preset" not in out
     rows = _plan(args[:-4] + ["--gpus", "128", "--tokens", "1e12"], capsys)
     assert rows["bf16"]["pipeline_bubble"] == pytest.approx(3 / 11)
-    assert rows["bf16"]["mesh"] == {"data": 4, "fsdp": 8, "tensor": 1, "pipeline": 4, "repeats": 1, "overlap": False}
+    assert rows["bf16"]["mesh"] == {"data": 4, "fsdp": 8, "tensor": 1, "pipeline": 4, "repeats": 1, "overlap": False, "shard_optimizer": False}
 
 
 def test_refusals_are_one_line(capsys):

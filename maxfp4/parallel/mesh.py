@@ -152,6 +152,22 @@ def gathered_weight_spec(layer_class: str, shape_KN: Sequence[int], mesh) -> Par
     return PartitionSpec(*(tensor_only(entry) for entry in spec))
 
 
+def spread_over(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, axis: str) -> PartitionSpec:
+    """``spec`` with ``axis`` added to the largest dim it divides with the axes the dim has
+    (``spec`` unchanged where none does, or where ``axis`` is already used or of size 1)."""
+    size = mesh.shape.get(axis, 1)
+    dims = list(spec) + [None] * (len(shape) - len(spec))
+    held = [() if d is None else (d,) if isinstance(d, str) else tuple(d) for d in dims]
+    if size == 1 or any(axis in h for h in held):
+        return spec
+    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+        if shape[i] % (math.prod(mesh.shape[a] for a in held[i]) * size) == 0:
+            axes = held[i] + (axis,)
+            dims[i] = axes if len(axes) > 1 else axis
+            return PartitionSpec(*dims)
+    return spec
+
+
 def tree_shardings(axes_tree: Any, shapes_tree: Any, mesh: Mesh) -> Any:
     """NamedShardings for a pytree of arrays (or ShapeDtypeStructs) given a matching axes tree."""
     return jax.tree.map(

@@ -311,7 +311,9 @@ def memory_per_device(cfg: Config, mesh, params: int, precision: str,
         acts += tokens * spec.activation_bytes_per_token(blocks[0], "none") * max(share)
     logits = tokens * m.vocab_size * LOGIT_MEMORY_BYTES / tensor / cfg.train.loss_chunks
     state = state_params_per_device(cfg, params, mesh)
-    return {"master": state * MASTER_BYTES, "adam": state * ADAM_BYTES,
+    # mesh.shard_optimizer_over_data: each data replica keeps 1/data of the moments (ZeRO-1)
+    adam = state * ADAM_BYTES / (mesh.data if mesh.shard_optimizer else 1)
+    return {"master": state * MASTER_BYTES, "adam": adam,
             # with microbatches, the FP32 accumulator and one microbatch's gradients (maxfp4.step);
             # stages take every microbatch's gradient in one backward pass, into one buffer
             "grads": state * GRAD_BYTES * (2 if cfg.train.microbatches > 1 and mesh.pipeline == 1 else 1),
@@ -367,7 +369,9 @@ def comm_seconds(cfg: Config, mesh, params: int, precision: str, gpu: str,
     and the next stage waits for it, unless ``mesh.pipeline_overlap`` sends it during the next
     tick (then they overlap like FSDP's, in a longer schedule). FSDP's weight gathers (fetched ahead of the layer that needs
     them) and the gradient reduce-scatters and all-reduces (of finished layers) overlap with
-    compute; FSDP gathers and reduce-scatters once a microbatch (with stages, once a tick)."""
+    compute; FSDP gathers and reduce-scatters once a microbatch (with stages, once a tick). With
+    the moments split over data (``mesh.shard_optimizer_over_data``) the all-reduce is a
+    reduce-scatter and an all-gather of the updated weights, which ends the step: exposed."""
     m, mesh = cfg.model, PlanMesh(*mesh)
     data, fsdp, tensor, stages = mesh.data, mesh.fsdp, mesh.tensor, mesh.pipeline
     micro = cfg.train.microbatches
@@ -407,7 +411,14 @@ def comm_seconds(cfg: Config, mesh, params: int, precision: str, gpu: str,
         exposed += a2a / (_link_gbs(gpu, experts * tensor, gpus_per_node) * 1e9)
     if data > 1:  # all-reduce of each device's FP32 gradient shard
         shard = state * GRAD_BYTES
-        overlappable += 2 * (data - 1) / data * shard / (_link_gbs(gpu, mesh.devices, gpus_per_node) * 1e9)
+        link = _link_gbs(gpu, mesh.devices, gpus_per_node) * 1e9
+        if mesh.shard_optimizer:
+            # the same bytes as a reduce-scatter (beside the backward pass) and an all-gather of
+            # the updated FP32 weights, which ends the step with nothing left to hide it behind
+            overlappable += (data - 1) / data * shard / link
+            exposed += (data - 1) / data * state * MASTER_BYTES / link
+        else:
+            overlappable += 2 * (data - 1) / data * shard / link
     return exposed, overlappable
 
 

@@ -58,7 +58,8 @@ class Layout:
 def _with(cfg: Config, global_batch: int, mesh: PlanMesh, microbatches: int,
           remat: str | None = None) -> Config:
     axes = dict(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor, pipeline=mesh.pipeline,
-                pipeline_repeats=mesh.repeats, pipeline_overlap=mesh.overlap)
+                pipeline_repeats=mesh.repeats, pipeline_overlap=mesh.overlap,
+                shard_optimizer_over_data=mesh.shard_optimizer)
     return dataclasses.replace(
         cfg, data=dataclasses.replace(cfg.data, global_batch=global_batch),
         mesh=dataclasses.replace(cfg.mesh, **axes),
@@ -79,7 +80,7 @@ def candidate_meshes(m: ModelConfig, gpus: int, gpus_per_node: int,
     """Meshes with tensor inside a node and dividing the KV heads and MLP width, fsdp x tensor
     inside a node (``across_nodes``: whole nodes), and pipeline stages (with their repeats, each
     chunk at least MIN_BLOCKS_PER_CHUNK blocks, hand-overs waited for or overlapped) and data
-    parallelism over the rest."""
+    parallelism over the rest (the optimizer's moments whole or split over it)."""
     for tensor in TENSOR_SIZES:
         if tensor > gpus_per_node or gpus % tensor or m.n_kv_heads % tensor or m.d_ff % tensor:
             continue
@@ -91,8 +92,10 @@ def candidate_meshes(m: ModelConfig, gpus: int, gpus_per_node: int,
                 for stages in _divisors(gpus // inner):
                     for repeats in PIPELINE_REPEATS if stages > 1 else (1,):
                         if stages * repeats * MIN_BLOCKS_PER_CHUNK <= m.n_layers:
+                            data = gpus // inner // stages
                             for overlap in (False, True) if stages > 1 else (False,):
-                                yield PlanMesh(gpus // inner // stages, fsdp, tensor, stages, repeats, overlap)
+                                for sharded in (False, True) if data > 1 else (False,):
+                                    yield PlanMesh(data, fsdp, tensor, stages, repeats, overlap, sharded)
 
 
 def _divisors(n: int) -> list[int]:
@@ -132,14 +135,16 @@ def describe(mesh: PlanMesh) -> str:
     how = [f"repeats {mesh.repeats}"] * (mesh.repeats > 1) + ["overlapped hand-overs"] * mesh.overlap
     stages = "" if mesh.pipeline == 1 else f"pipeline={mesh.pipeline} " + (
         f"({', '.join(how)}) " if how else "") + "x "
-    return f"data={mesh.data:,} x {stages}fsdp={mesh.fsdp} x tensor={mesh.tensor}"
+    moments = " (moments split over data)" if mesh.shard_optimizer else ""
+    return f"data={mesh.data:,}{moments} x {stages}fsdp={mesh.fsdp} x tensor={mesh.tensor}"
 
 
 def overrides(mesh: PlanMesh) -> str:
     """The mesh as the config keys that train with it."""
     keys = f"mesh.data={mesh.data} mesh.pipeline={mesh.pipeline} mesh.fsdp={mesh.fsdp} mesh.tensor={mesh.tensor}"
     return (keys + (f" mesh.pipeline_repeats={mesh.repeats}" if mesh.repeats > 1 else "")
-            + (" mesh.pipeline_overlap=true" if mesh.overlap else ""))
+            + (" mesh.pipeline_overlap=true" if mesh.overlap else "")
+            + (" mesh.shard_optimizer_over_data=true" if mesh.shard_optimizer else ""))
 
 
 def layout_for(cfg: Config, gpus: int, gpu: str, batch_tokens: float | None = None,
@@ -214,7 +219,9 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
                 # over the rest, as hybrid sharding does): FSDP over IB scales worse than the model says.
                 group = mesh.fsdp * mesh.tensor if across else 0
                 fitting.append((group, step / (rows * seq), mesh.tensor, -mesh.data, rows, c, mesh, need))
-        if any(f[6].pipeline == 1 for f in fitting):
+        # (moments split over data fit more meshes, not the ones this rule is about: they compete
+        # on speed with the rest)
+        if any(f[6].pipeline == 1 and not f[6].shard_optimizer for f in fitting):
             break
     if not fitting:
         raise UserError(f"--gpus {gpus}: no mesh {'with pipeline stages ' if stages_only else ''}of {gpus:,} {gpu.upper()} GPUs fits {model.param_count(cfg.model) / 1e9:.1f}B "
@@ -225,11 +232,14 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
     smallest = min(f[4] for f in fitting)
     ceiling = max(batch_tokens / seq, smallest) * BATCH_TOLERANCE
     near = [f for f in fitting if f[4] <= ceiling]
-    smallest_group = {}  # of groups of whole nodes, for each pipeline degree, the smallest
+    # of groups of whole nodes, the smallest for each pipeline degree and way of keeping the
+    # moments (split over data they let a smaller group hold the model, at a price of their own)
+    smallest_group = {}
     for f in near:
         if f[0]:
-            smallest_group[f[6].pipeline] = min(f[0], smallest_group.get(f[6].pipeline, f[0]))
-    near = [f for f in near if f[0] in (0, smallest_group.get(f[6].pipeline))]
+            kind = (f[6].pipeline, f[6].shard_optimizer)
+            smallest_group[kind] = min(f[0], smallest_group.get(kind, f[0]))
+    near = [f for f in near if f[0] in (0, smallest_group.get((f[6].pipeline, f[6].shard_optimizer)))]
     best = min(near, key=lambda f: f[1:5])
     *_, c, mesh, need = best
     rows = c.data.global_batch

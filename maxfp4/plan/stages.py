@@ -24,11 +24,13 @@ class PlanMesh(NamedTuple):
     pipeline: int = 1
     repeats: int = 1
     overlap: bool = False  # mesh.pipeline_overlap: hand-overs beside the next tick's compute
+    shard_optimizer: bool = False  # mesh.shard_optimizer_over_data: the moments split over data too
 
     @classmethod
     def of(cls, shape: tuple[int, int, int, int], mesh_cfg) -> "PlanMesh":
         """A config's mesh: its resolved (data, fsdp, tensor, pipeline) and its ``mesh`` keys."""
-        return cls(*shape, repeats=mesh_cfg.pipeline_repeats, overlap=mesh_cfg.pipeline_overlap)
+        return cls(*shape, repeats=mesh_cfg.pipeline_repeats, overlap=mesh_cfg.pipeline_overlap,
+                   shard_optimizer=mesh_cfg.shard_optimizer_over_data)
 
     @property
     def lag(self) -> int:

@@ -227,9 +227,11 @@ def memory_per_device(cfg: Config, n_params: int, mesh_shape: dict[str, int]) ->
     recipe the config's precision policy runs in its blocks (:func:`widest_block_recipe`): the
     working weights and the kept GEMM operands take its bytes."""
     from maxfp4.plan.cost import memory_per_device as planned
+    from maxfp4.plan.stages import PlanMesh
     # A pipeline stage keeps 1/pipeline of the blocks' state and activations, as an fsdp shard
     # does of the state and a data shard of the activations: charged as more fsdp.
-    mesh = (mesh_shape["data"], mesh_shape["fsdp"] * mesh_shape.get("pipeline", 1), mesh_shape["tensor"])
+    mesh = PlanMesh(mesh_shape["data"], mesh_shape["fsdp"] * mesh_shape.get("pipeline", 1), mesh_shape["tensor"],
+                    shard_optimizer=cfg.mesh.shard_optimizer_over_data)
     widest = widest_block_recipe(cfg)
     return sum(planned(cfg, mesh, n_params, widest, cfg.train.remat).values())
 
