@@ -192,8 +192,13 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
     # FSDP across nodes only if no node-sized model group without stages fits; full remat only if
     # nothing without stages fits without it. Meshes with stages compete at every step on speed.
     for remat, across in [(r, a) for a in (False, True) for r in dict.fromkeys((cfg.train.remat, "full"))]:
+        fit_whole = set()  # meshes that fit with the moments whole over data
         for mesh in candidate_meshes(cfg.model, gpus, gpus_per_node, across):
             if stages_only and mesh.pipeline == 1:
+                continue
+            # Split moments only buy memory (and expose the weights' gather): tried where the
+            # same mesh with them whole does not fit (candidate_meshes yields that one first).
+            if mesh.shard_optimizer and mesh._replace(shard_optimizer=False) in fit_whole:
                 continue
             shards = mesh.batch_shards
             # with stages, at least one row a stage on every shard: microbatches >= stages
@@ -213,6 +218,8 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
                         best = (step, c, need)
                     if mesh.pipeline == 1:  # without stages more microbatches only cost: the fewest that fit
                         break
+            if best is not None and not mesh.shard_optimizer:
+                fit_whole.add(mesh)
             if best is not None:
                 step, c, need = best
                 # Across nodes, the smallest group of nodes that holds the model (data parallel
