@@ -117,3 +117,33 @@ def test_a_tensor_axis_says_when_it_leaves_the_mamba_mixers_whole():
     assert tensor_note(two_groups, 2) is None
     assert tensor_note(one_group, 1) is None
     assert tensor_note(dense, 2) is None
+
+
+@pytest.mark.parametrize("mesh", [["mesh.data=2", "mesh.fsdp=2"], ["mesh.fsdp=2", "mesh.context=2", "data.seq_len=64"]])
+def test_the_embedding_lookup_gathers_neither_the_rows_nor_the_table(mesh):
+    """The table's d_model is split over fsdp (and context) and the rows' batch over fsdp: the
+    lookup runs where the table's part lives and all-to-alls move the rows. Before, XLA's
+    partitioner gathered the looked-up [B, T, D] rows whole on every device (data 2 x fsdp 2)
+    or the whole table (fsdp 2 x context 2), and their gradients back. (With context the
+    blocks gather [B/2, T, D] activations over the sequence, which is the attention's own.)"""
+    import re
+    import numpy as np
+    from maxfp4.config import load_config
+    from maxfp4.optim import make_optimizer, make_schedule
+    from maxfp4.precision import resolve_policy
+    from maxfp4.train import init_state, jit_train_step
+    from tests.conftest import TINY
+    cfg = load_config(None, TINY + ["mesh.data=1", *mesh])
+    m = make_mesh(cfg.mesh, jax.devices()[:4])
+    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+    optimizer = make_optimizer(cfg)
+    state, state_sh = init_state(cfg, m, optimizer, policy)
+    step = jit_train_step(cfg, policy, optimizer, make_schedule(cfg), m, state_sh, {})
+    b, t, d, v = cfg.data.global_batch, cfg.data.seq_len, cfg.model.d_model, cfg.model.vocab_size
+    batch = {k: np.zeros((b, t), np.float32 if k == "loss_mask" else np.int32)
+             for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
+    hlo = step.lower(state, batch).compile().as_text()
+    gathered = set(re.findall(r"= f32\[([\d,]+)\]\S* all-gather", hlo))
+    assert f"{v},{d}" not in gathered  # the table
+    if cfg.mesh.context == 1:  # all or half of the rows, whole or half d_model
+        assert not gathered & {f"{r},{t},{w}" for r in (b, b // 2) for w in (d, d // 2)}, gathered

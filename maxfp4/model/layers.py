@@ -13,8 +13,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-from maxfp4.parallel.mesh import constrain
+from maxfp4.parallel.mesh import constrain, lookup_specs, traced_mesh
 from maxfp4.model import fp8_mlp
 from maxfp4.model_spec import LinearSpec
 from maxfp4.model.activations import relu2, swiglu_product
@@ -73,13 +74,20 @@ class Embedding(nnx.Param):
 
 def embed_tokens(table_VD: jax.Array, inputs: jax.Array) -> jax.Array:
     """The rows of the embedding table for ``inputs`` (any shape), in the activation dtype."""
+    mesh = traced_mesh()
+    if inputs.ndim != 2 or mesh is None:
+        return jnp.take(table_VD, inputs, axis=0).astype(ACT_DTYPE)
+    # [B, T] tokens under a mesh: looked up where the table's d_model part lives (the ids
+    # gathered there, small integers), then moved towards the activations' [batch, seq] by
+    # all-to-alls (lookup_specs). Left to itself, XLA's partitioner could not go between the
+    # table's d_model split over fsdp (and context) and the rows' batch split over it: it
+    # gathered the whole [B, T, D] rows (forward) and their FP32 gradient (backward) on every
+    # device.
+    specs = lookup_specs(table_VD.shape, inputs.shape, mesh)
+    inputs = jax.lax.with_sharding_constraint(inputs, NamedSharding(mesh, PartitionSpec(specs[0][0], None)))
     rows = jnp.take(table_VD, inputs, axis=0)
-    if inputs.ndim == 2:
-        # [B, T] tokens: rows split as the batch, d_model as the table's (over context when the
-        # sequence is split; the step then moves it to the sequence by one all-to-all). Left to
-        # itself, XLA's partitioner could not go from the table's d_model split over fsdp x
-        # context to the activations' [batch, seq] and replicated the looked-up [B, T, D].
-        rows = constrain(rows, ("batch", None, "embed"))
+    for spec in specs:
+        rows = jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, spec))
     return rows.astype(ACT_DTYPE)
 
 

@@ -152,6 +152,37 @@ def gathered_weight_spec(layer_class: str, shape_KN: Sequence[int], mesh) -> Par
     return PartitionSpec(*(tensor_only(entry) for entry in spec))
 
 
+def lookup_specs(table_shape: Sequence[int], ids_shape: Sequence[int], mesh: Mesh) -> list[PartitionSpec]:
+    """Layouts for the [B, T, D] rows of an embedding lookup, in order: first where they are
+    computed without moving the table (d_model split as the table's ("vocab", "embed") d_model,
+    the rows over the batch axes that leaves; the ids are small, the table and its gradient
+    large), then one all-to-all a step, each moving one of d_model's axes to the rows' batch or
+    sequence dim, towards the [batch, seq] layout of the activations. XLA's partitioner moves
+    one axis between two dims at a time; asked for more at once, it gathers the whole tensor."""
+    d_axes = logical_to_spec(("vocab", "embed"), table_shape, mesh)[1]
+    d_axes = [] if d_axes is None else [d_axes] if isinstance(d_axes, str) else list(d_axes)
+    rules = {0: LOGICAL_RULES["batch"], 1: LOGICAL_RULES["seq"]}
+    dims = {0: [a for a in rules[0] if a not in d_axes and mesh.shape.get(a, 1) > 1], 1: [], 2: list(d_axes)}
+    while dims[0] and ids_shape[0] % math.prod(mesh.shape[a] for a in dims[0]):
+        dims[0].pop()
+
+    def spec():
+        return PartitionSpec(*(tuple(dims[d]) if len(dims[d]) > 1 else (dims[d][0] if dims[d] else None)
+                               for d in range(3)))
+
+    specs = [spec()]
+    for axis in d_axes:
+        to = next((d for d in (0, 1) if axis in rules[d]), None)
+        if to is None:
+            break
+        moved = sorted(dims[to] + [axis], key=rules[to].index)
+        if ids_shape[to] % math.prod(mesh.shape[a] for a in moved):
+            break
+        dims[to], dims[2] = moved, [a for a in dims[2] if a != axis]
+        specs.append(spec())
+    return specs
+
+
 def spread_over(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, axis: str) -> PartitionSpec:
     """``spec`` with ``axis`` added to the largest dim it divides with the axes the dim has
     (``spec`` unchanged where none does, or where ``axis`` is already used or of size 1)."""
