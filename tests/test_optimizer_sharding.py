@@ -1,7 +1,7 @@
 """mesh.shard_optimizer_over_data (ZeRO-1) on 4 CPU devices, data=2 x fsdp=2: the optimizer's
 moments split over data as well as fsdp (half of each device's moment bytes), the weights not;
-the run trains on the curve of the unsplit moments, and a checkpoint saved one way resumes the
-other way on that curve."""
+the run trains on the curve of the unsplit moments, and a checkpoint saved split resumes
+unsplit on that curve."""
 
 import io
 import json
@@ -65,7 +65,7 @@ def _losses(tmp_path, name, *overrides, steps=8):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-def test_split_moments_train_on_the_unsplit_curve_and_resume_either_way(tmp_path):
+def test_split_moments_train_on_the_unsplit_curve_and_resume_unsplit(tmp_path):
     plain = _losses(tmp_path, "plain", *MESH)
     sharded = _losses(tmp_path, "sharded", *SHARDED)
     assert sorted(plain) == sorted(sharded) == list(range(1, 9))
@@ -75,14 +75,12 @@ def test_split_moments_train_on_the_unsplit_curve_and_resume_either_way(tmp_path
     # misplaced or updated twice moves the loss by percents
     for step in plain:
         assert sharded[step] == pytest.approx(plain[step], rel=5e-5), step
-    # saved split at step 4, resumed unsplit; and the other way round
+    # saved split at step 4, resumed unsplit (the checkpoint holds each moment whole on disk,
+    # so the other way round is the same restore onto other shardings)
     _losses(tmp_path, "moved", *SHARDED, steps=4)
     moved = _losses(tmp_path, "moved", *MESH)
-    _losses(tmp_path, "back", *MESH, steps=4)
-    back = _losses(tmp_path, "back", *SHARDED)
     for step in range(5, 9):
         assert moved[step] == pytest.approx(plain[step], rel=5e-5), step
-        assert back[step] == pytest.approx(plain[step], rel=5e-5), step
 
 
 def test_the_planner_and_preflight_divide_the_moments_and_expose_the_weights_gather():
