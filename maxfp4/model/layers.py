@@ -124,7 +124,9 @@ def _rms_norm_bwd(eps, res, dy_BTD):
     x_BTD, scale_D, rinv_BT1 = res
     xhat = x_BTD.astype(jnp.float32) * rinv_BT1
     dy = dy_BTD.astype(jnp.float32)
-    dscale_D = jnp.sum((dy * xhat).reshape(-1, xhat.shape[-1]), axis=0)
+    # summed over the token dims in place: flattening them first made XLA gather a sequence
+    # split over context whole on every rank
+    dscale_D = jnp.sum(dy * xhat, axis=tuple(range(xhat.ndim - 1)))
     dxhat = dy * scale_D.astype(jnp.float32)
     dx = rinv_BT1 * (dxhat - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True))
     return dx.astype(x_BTD.dtype), dscale_D.astype(scale_D.dtype)

@@ -25,6 +25,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from maxfp4.parallel.mesh import traced_mesh
 from maxfp4.precision.catalog import RecipeSpec
 from maxfp4.precision.fused import FusedOperands
 
@@ -69,8 +70,38 @@ class Recipe:
         return self.spec.name
 
 
+def _split_sequence(shape) -> int:
+    """Context ranks the sequence dim (1) of a [B, T, K] activation is split over under the
+    traced mesh (1: none, not [B, T, K], or inside a shard_map that owns the context axis)."""
+    mesh = traced_mesh()
+    if mesh is None or len(shape) != 3:
+        return 1
+    c = mesh.shape.get("context", 1)
+    if c == 1 or shape[1] % c or "context" in getattr(mesh, "manual_axes", ()):
+        return 1
+    return c
+
+
 def flat(x: jax.Array) -> jax.Array:
+    """[..., K] -> [M, K], the tokens of a GEMM as its rows. A [B, T, K] activation whose T is
+    split over ``context`` goes rank-major, [C, B, T/C] (each rank's rows contiguous, as its
+    tokens are on the device): flattened as [B, T], the rows of a rank were B runs apart, so
+    XLA's partitioner gathered the whole sequence on every rank and each computed every
+    token's GEMM (C times the work, whenever a device held more than one row)."""
+    c = _split_sequence(x.shape)
+    if c > 1:
+        b, t, k = x.shape
+        return x.reshape(b, c, t // c, k).swapaxes(0, 1).reshape(-1, k)
     return x.reshape(-1, x.shape[-1])
+
+
+def unflat(y_MN: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+    """[M, N] rows of :func:`flat` -> [*lead, N]."""
+    c = _split_sequence((*lead, y_MN.shape[-1]))
+    if c > 1:
+        b, t = lead
+        return y_MN.reshape(c, b, t // c, -1).swapaxes(0, 1).reshape(b, t, -1)
+    return y_MN.reshape(*lead, y_MN.shape[-1])
 
 
 def dtype_token(dtype) -> jax.Array:

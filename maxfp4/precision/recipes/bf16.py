@@ -8,7 +8,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.precision import catalog
 from maxfp4.precision.recipes.grouped import bf16_grouped
-from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, dtype_token, flat
+from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, dtype_token, flat, unflat
 
 
 @jax.custom_vjp
@@ -19,7 +19,7 @@ def _bf16(x, w):
 def _bf16_fwd(x, w):
     x_MK, w_KN = flat(x).astype(COMPUTE_DTYPE), w.astype(COMPUTE_DTYPE)
     y = jnp.dot(x_MK, w_KN, preferred_element_type=COMPUTE_DTYPE)
-    return y.reshape(*x.shape[:-1], w.shape[1]), (checkpoint_name(x_MK, GEMM_IN), checkpoint_name(w_KN, GEMM_WEIGHT),
+    return unflat(y, x.shape[:-1]), (checkpoint_name(x_MK, GEMM_IN), checkpoint_name(w_KN, GEMM_WEIGHT),
                                                   dtype_token(x.dtype))
 
 
@@ -30,7 +30,7 @@ def _bf16_bwd(res, dy):
     # FP32 result feeds an FP32 cotangent into them and runs them as FP32 GEMMs.
     dx = jax.lax.dot_general(dy_MN, w_KN, TN, preferred_element_type=COMPUTE_DTYPE)
     dw = jax.lax.dot_general(x_MK, dy_MN, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_token.dtype), dw
+    return unflat(dx, dy.shape[:-1]).astype(x_token.dtype), dw
 
 
 _bf16.defvjp(_bf16_fwd, _bf16_bwd)

@@ -25,7 +25,7 @@ from maxfp4.precision import formats as F
 from maxfp4.precision.catalog import FAST_ACCUMULATION_DEFAULT, LAYER_CLASS_OPTION
 from maxfp4.precision.fused import FusedOperands
 from maxfp4.precision.recipes.grouped import fp8_current_grouped, fp8_delayed_grouped
-from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, amax, dtype_token, flat
+from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, amax, dtype_token, flat, unflat
 
 
 # FP8 accumulation, as XLA hands it to cuBLASLt: a dot whose operand precisions are all DEFAULT
@@ -110,7 +110,7 @@ def _fp8_forward_quantized(qx, sx, w, sw, power_2, fast, layer_class):
     qw_KN = F.quantize_fp8(w, sw, F.FP8_E4M3)
     y_MN = fp8_gemm_tn(qx_MK, sx, _gathered(qw_KN, layer_class).T, sw, power_2=power_2, fast_accumulation=fast)
     residuals = (checkpoint_name(qx_MK, GEMM_IN), checkpoint_name(qw_KN, GEMM_WEIGHT))
-    return y_MN.reshape(*qx.shape[:-1], w.shape[1]), residuals
+    return unflat(y_MN, qx.shape[:-1]), residuals
 
 
 def _fp8_backward(dy, sdy, qx_MK, sx, qw_KN, sw, power_2, fast, layer_class):
@@ -127,7 +127,7 @@ def _fp8_backward_quantized(qdy, sdy, qx_MK, sx, qw_KN, sw, power_2, fast, layer
 def _fp8_dgrad(qdy, sdy, qw_KN, sw, power_2, fast, layer_class):
     dx_MK = fp8_gemm_tn(flat(qdy), sdy, _gathered(qw_KN, layer_class), sw, power_2=power_2,
                         fast_accumulation=fast)  # dY[M,N] . W[K,N]^T
-    return dx_MK.reshape(*qdy.shape[:-1], qw_KN.shape[0])
+    return unflat(dx_MK, qdy.shape[:-1])
 
 
 def _fp8_wgrad(qdy, sdy, qx_MK, sx, power_2, fast, qdy_t_NM=None, qx_t_KM=None):

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.precision import catalog
 from maxfp4.precision import formats as F
-from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, TN, Recipe, check_multiple, dtype_token, flat
+from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, TN, Recipe, check_multiple, dtype_token, flat, unflat
 
 FP8_BLOCK_TILE = catalog.FP8_BLOCK.block
 
@@ -87,7 +87,7 @@ def _fp8_block_forward(x, w):
     qw, sw = quantize_fp8_tiles(w, _WEIGHT_TILE)  # 128x128 blocks of W[K,N]
     w_deq = dequantize_fp8_tiles(qw, sw, _WEIGHT_TILE)
     y = _f32_gemm_tn(dequantize_fp8_tiles(qx, sx, _ROW_TILE), w_deq.T).astype(COMPUTE_DTYPE)
-    return y.reshape(*x.shape[:-1], w.shape[1]), (qw, sw)
+    return unflat(y, x.shape[:-1]), (qw, sw)
 
 
 def _fp8_block_fwd(x, w):
@@ -111,7 +111,7 @@ def _fp8_block_bwd(res, dy):
     qdyt, sdyt = quantize_fp8_tiles(dy_MN.T, _ROW_TILE)
     dw = _f32_gemm_tn(dequantize_fp8_tiles(qxt, sxt, _ROW_TILE),
                       dequantize_fp8_tiles(qdyt, sdyt, _ROW_TILE))
-    return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_token.dtype), dw
+    return unflat(dx, dy.shape[:-1]).astype(x_token.dtype), dw
 
 
 _fp8_block.defvjp(_fp8_block_fwd, _fp8_block_bwd)

@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.precision import catalog
 from maxfp4.precision import formats as F
-from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, TN, Recipe, check_multiple, dtype_token, flat
+from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, TN, Recipe, check_multiple, dtype_token, flat, unflat
 
 _MX_ELEMENT = {"mxfp8": F.FP8_E4M3, "mxfp4": F.FP4_E2M1}
 
@@ -70,7 +70,7 @@ def _mx(x, w, name):
 def _mx_forward(x, w, name):
     elem = _MX_ELEMENT[name]
     y = mx_gemm_tn(flat(x), w.T, elem).astype(COMPUTE_DTYPE)  # X and W blocked along K
-    return y.reshape(*x.shape[:-1], w.shape[1])
+    return unflat(y, x.shape[:-1])
 
 
 def _mx_fwd(x, w, name):
@@ -89,7 +89,7 @@ def _mx_bwd(name, res, dy):
     dx = mx_gemm_tn(dy_MN, w, elem).astype(COMPUTE_DTYPE)
     # wgrad: X^T[K,M] and dY^T[N,M], both blocked along M (tokens).
     dw = mx_gemm_tn(x_MK.T, dy_MN.T, elem)  # FP32
-    return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_token.dtype), dw
+    return unflat(dx, dy.shape[:-1]).astype(x_token.dtype), dw
 
 
 _mx.defvjp(_mx_fwd, _mx_bwd)

@@ -21,7 +21,7 @@ from maxfp4.parallel.mesh import batch_split, split_size, splits_only
 from maxfp4.precision import catalog
 from maxfp4.precision import formats as F
 from maxfp4.precision.recipes.grouped import nvfp4_grouped
-from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, flat
+from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, flat, unflat
 
 NVFP4_DEFAULTS = catalog.NVFP4.defaults
 
@@ -75,7 +75,7 @@ def _nvfp4_fwd(x, w, options, key):
     # Weights: 16x16 tiles, so W and W^T quantize to the same values and dgrad reuses them.
     two_d = bool(opts["weight_2d"])
     qw_NK = F.quantize_nvfp4(w.T, two_d=two_d)
-    y = nvfp4_gemm_tn(qx, qw_NK).reshape(*x.shape[:-1], w.shape[1])
+    y = unflat(nvfp4_gemm_tn(qx, qw_NK), x.shape[:-1])
     return y, (checkpoint_name(x_MK, GEMM_IN), w if not two_d else None, checkpoint_name(qw_NK, GEMM_WEIGHT), key)
 
 
@@ -95,7 +95,7 @@ def _nvfp4_bwd(options, res, dy):
     dx = nvfp4_gemm_tn(qdy, qw_KN)
 
     dw = nvfp4_wgrad(x_MK, dy_MN, bool(opts["rht"]), k_wgrad, rht_bf16=bool(opts["rht_bf16"]))
-    return dx.reshape(*dy.shape[:-1], x_MK.shape[1]).astype(x_MK.dtype), dw, None
+    return unflat(dx, dy.shape[:-1]).astype(x_MK.dtype), dw, None
 
 
 def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | None,
