@@ -55,6 +55,19 @@ def cpu_env(devices=None, **extra) -> dict:
     return dict(os.environ, XLA_FLAGS=" ".join(kept), JAX_PLATFORMS="cpu", **extra)
 
 
+def run_losses(overrides, tmp_path, name, devices=4) -> dict[int, float]:
+    """Per-step losses of a run of configs/quickstart.yaml with ``overrides``, trained in this
+    process on the first ``devices`` devices into ``tmp_path / name`` (the same name resumes it)."""
+    import io
+    import json
+    from maxfp4.train import train
+    cfg = load_config("configs/quickstart.yaml", [*overrides, f"run.output_dir={tmp_path}", f"run.name={name}",
+                                                  "resilience.preflight=false"])
+    train(cfg, devices=jax.devices()[:devices], stream=io.StringIO())
+    with open(tmp_path / name / "metrics.jsonl") as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path):
     def make(*overrides):

@@ -3,9 +3,6 @@ moments split over data as well as fsdp (half of each device's moment bytes), th
 the run trains on the curve of the unsplit moments, and a checkpoint saved split resumes
 unsplit on that curve."""
 
-import io
-import json
-
 import jax
 import numpy as np
 import pytest
@@ -14,8 +11,8 @@ from jax.sharding import PartitionSpec
 from maxfp4.config import load_config
 from maxfp4.optim import make_optimizer
 from maxfp4.parallel.mesh import make_mesh, spread_over
-from maxfp4.train import state_maker, train
-from tests.conftest import TINY
+from maxfp4.train import state_maker
+from tests.conftest import TINY, run_losses
 
 MESH = ["mesh.data=2", "mesh.fsdp=2"]
 SHARDED = MESH + ["mesh.shard_optimizer_over_data=true"]
@@ -56,13 +53,8 @@ def test_spread_over_takes_the_largest_dim_it_divides():
 
 
 def _losses(tmp_path, name, *overrides, steps=8):
-    cfg = load_config("configs/quickstart.yaml", TINY + [f"run.output_dir={tmp_path}", f"run.name={name}",
-                                                         f"train.steps={steps}", "optim.schedule_steps=8",
-                                                         "checkpoint.every=4", "resilience.preflight=false",
-                                                         *overrides])
-    train(cfg, devices=jax.devices()[:4], stream=io.StringIO())
-    with open(tmp_path / name / "metrics.jsonl") as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+    return run_losses(TINY + [f"train.steps={steps}", "optim.schedule_steps=8", "checkpoint.every=4", *overrides],
+                      tmp_path, name)
 
 
 def test_split_moments_train_on_the_unsplit_curve_and_resume_unsplit(tmp_path):

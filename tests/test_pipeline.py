@@ -5,7 +5,6 @@ repeats and pipeline degrees; the schedule's idle slots are its bubble formula; 
 layouts are one line."""
 
 import functools
-import io
 import itertools
 import json
 import os
@@ -28,8 +27,8 @@ from maxfp4.parallel.pipeline_stages import balanced_cut, block_flops, split_sta
 from maxfp4.precision import resolve_policy
 from maxfp4.precision.state import scales_of
 from maxfp4.step import make_loss_fn
-from maxfp4.train import init_state, train
-from tests.conftest import TINY, cpu_env
+from maxfp4.train import init_state
+from tests.conftest import TINY, cpu_env, run_losses
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = TINY + ["model.n_layers=4", "train.microbatches=4", "data.global_batch=16", "mesh.data=1"]
@@ -162,12 +161,7 @@ def test_a_stage_hands_over_one_tensor_share_of_its_output(overlap):
 def _train(tmp_path, name, *extra):
     """Per-step losses of a run of 12 scheduled steps (``train.steps`` may stop it early; the
     same name resumes it), in this process on 4 devices; saved at the end."""
-    cfg = load_config("configs/quickstart.yaml", BASE + [f"run.output_dir={tmp_path}", f"run.name={name}",
-                                                         "train.steps=12", "optim.schedule_steps=12",
-                                                         "resilience.preflight=false", *extra])
-    train(cfg, devices=jax.devices()[:4], stream=io.StringIO())
-    with open(tmp_path / name / "metrics.jsonl") as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+    return run_losses(BASE + ["train.steps=12", "optim.schedule_steps=12", *extra], tmp_path, name)
 
 
 # 2e-3: the stages' programs fuse otherwise than fsdp=4's, so BF16 values round differently
