@@ -119,6 +119,16 @@ def check_model_fits_mesh(model, mesh: Mesh) -> None:
             raise ConfigError(f"{key}={value}: expected a multiple of mesh.tensor={t}")
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis, or a tuple of axes)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(axes: Sequence[str]):
+    """The PartitionSpec entry for ``axes``: None, the one axis, or their tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
     """PartitionSpec for an array whose dims carry ``axes``. Each dim takes the mesh axes of its
     rule that no earlier dim took; a dim those do not divide drops its rule's trailing axes until
@@ -130,11 +140,8 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
         mesh_axes = [a for a in LOGICAL_RULES.get(name, ()) if name and a not in used and mesh.shape.get(a, 1) > 1]
         while mesh_axes and size % math.prod(mesh.shape[a] for a in mesh_axes):
             mesh_axes.pop()
-        if mesh_axes:
-            used.update(mesh_axes)
-            spec.append(tuple(mesh_axes) if len(mesh_axes) > 1 else mesh_axes[0])
-        else:
-            spec.append(None)
+        used.update(mesh_axes)
+        spec.append(spec_entry(mesh_axes))
     return PartitionSpec(*spec)
 
 
@@ -145,11 +152,7 @@ def gathered_weight_spec(layer_class: str, shape_KN: Sequence[int], mesh) -> Par
     quantized weight, so that the gather moves its narrow elements (maxfp4.precision.recipes.fp8)."""
     spec = logical_to_spec(WEIGHT_AXES[layer_class], shape_KN, mesh)
 
-    def tensor_only(entry):
-        axes = entry if isinstance(entry, tuple) else (entry,)
-        return "tensor" if "tensor" in axes else None
-
-    return PartitionSpec(*(tensor_only(entry) for entry in spec))
+    return PartitionSpec(*("tensor" if "tensor" in entry_axes(entry) else None for entry in spec))
 
 
 def lookup_specs(table_shape: Sequence[int], ids_shape: Sequence[int], mesh: Mesh) -> list[PartitionSpec]:
@@ -159,16 +162,14 @@ def lookup_specs(table_shape: Sequence[int], ids_shape: Sequence[int], mesh: Mes
     large), then one all-to-all a step, each moving one of d_model's axes to the rows' batch or
     sequence dim, towards the [batch, seq] layout of the activations. XLA's partitioner moves
     one axis between two dims at a time; asked for more at once, it gathers the whole tensor."""
-    d_axes = logical_to_spec(("vocab", "embed"), table_shape, mesh)[1]
-    d_axes = [] if d_axes is None else [d_axes] if isinstance(d_axes, str) else list(d_axes)
+    d_axes = list(entry_axes(logical_to_spec(("vocab", "embed"), table_shape, mesh)[1]))
     rules = {0: LOGICAL_RULES["batch"], 1: LOGICAL_RULES["seq"]}
     dims = {0: [a for a in rules[0] if a not in d_axes and mesh.shape.get(a, 1) > 1], 1: [], 2: list(d_axes)}
     while dims[0] and ids_shape[0] % math.prod(mesh.shape[a] for a in dims[0]):
         dims[0].pop()
 
     def spec():
-        return PartitionSpec(*(tuple(dims[d]) if len(dims[d]) > 1 else (dims[d][0] if dims[d] else None)
-                               for d in range(3)))
+        return PartitionSpec(*(spec_entry(dims[d]) for d in range(3)))
 
     specs = [spec()]
     for axis in d_axes:
@@ -188,13 +189,12 @@ def spread_over(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, axis: str
     (``spec`` unchanged where none does, or where ``axis`` is already used or of size 1)."""
     size = mesh.shape.get(axis, 1)
     dims = list(spec) + [None] * (len(shape) - len(spec))
-    held = [() if d is None else (d,) if isinstance(d, str) else tuple(d) for d in dims]
+    held = [entry_axes(d) for d in dims]
     if size == 1 or any(axis in h for h in held):
         return spec
     for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
         if shape[i] % (math.prod(mesh.shape[a] for a in held[i]) * size) == 0:
-            axes = held[i] + (axis,)
-            dims[i] = axes if len(axes) > 1 else axis
+            dims[i] = spec_entry(held[i] + (axis,))
             return PartitionSpec(*dims)
     return spec
 

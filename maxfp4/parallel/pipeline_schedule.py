@@ -60,7 +60,6 @@ def device_order(stages: int, repeats: int, microbatches: int, lag: int = 1) -> 
     group = group_size(stages, repeats, lag)
     if microbatches % group:
         raise ValueError(f"{microbatches} microbatches do not make groups of {group} for {repeats} repeats")
-    group = max(group, stages)  # GPipe: any grouping gives the same order
     return [(g + j, v) for g in range(0, microbatches, group) for v in range(repeats)
             for j in range(min(group, microbatches - g))]
 

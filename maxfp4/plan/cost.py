@@ -172,6 +172,12 @@ def _held_blocks(cfg: Config, mesh: PlanMesh) -> tuple[int, ...]:
     return _held(cfg.model, cfg.data.seq_len, mesh.pipeline, mesh.repeats)
 
 
+def _block_weights_on_device(block: BlockSpec, m: ModelConfig, tensor: int) -> float:
+    """A block's matmul weights on one of ``tensor`` devices: every expert's (what memory
+    holds, though a token passes through top_k of them), 1/tensor of those tensor splits."""
+    return sum(lin.params_total / (1 if _whole_on_tensor(lin, m, tensor) else tensor) for lin in block.linears)
+
+
 def gathered_stage_params(cfg: Config, mesh) -> float:
     """Parameters of the copy of its stages' block weights a device gathers at the start of a
     step (:mod:`maxfp4.parallel.pipeline`), over fsdp x tensor as its state: with repeats its V
@@ -180,9 +186,8 @@ def gathered_stage_params(cfg: Config, mesh) -> float:
     mesh = PlanMesh(*mesh)
     if mesh.pipeline == 1 or (mesh.repeats == 1 and alike_blocks(cfg.model, mesh.pipeline)):
         return 0.0
-    m, blocks = cfg.model, model_spec(cfg.model).blocks
-    return sum(lin.params / (mesh.fsdp * (1 if _whole_on_tensor(lin, m, mesh.tensor) else mesh.tensor))
-               for b in _held_blocks(cfg, mesh) for lin in blocks[b].linears)
+    blocks = model_spec(cfg.model).blocks
+    return sum(_block_weights_on_device(blocks[b], cfg.model, mesh.tensor) for b in _held_blocks(cfg, mesh)) / mesh.fsdp
 
 
 @functools.lru_cache(maxsize=4096)
@@ -294,9 +299,7 @@ def memory_per_device(cfg: Config, mesh, params: int, precision: str,
     spec = model_spec(m)
     blocks = [spec.blocks[b] for b in _held_blocks(cfg, mesh)]
     share = [_tensor_share(b, m, tensor) for b in blocks]  # of each block's activations, on one device
-    # every expert's weights are held (params_total), though a token passes through top_k of them
-    weights = [sum(lin.params_total / (1 if _whole_on_tensor(lin, m, tensor) else tensor) for lin in b.linears)
-               for b in blocks]
+    weights = [_block_weights_on_device(b, m, tensor) for b in blocks]
     working = max(max(weights) * WORKING_BYTES[precision], spec.lm_head.params * 2 / tensor)
     if remat == "none" or (remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers):
         # Without remat every recipe's VJP keeps its cast weight shard as a residual; unrolled
