@@ -132,3 +132,35 @@ def test_save_gemm_remat_does_not_rerun_the_attention_forward_kernel(remat, forw
     counts = f"{len(forward)} forward, {len(backward)} backward kernels, {branches} branches"
     assert len(backward) == branches, counts  # one per branch in the scan body
     assert len(forward) == branches * forward_kernels, counts
+
+
+# On a mesh of two devices (nvidia-h200-x2), rows split over fsdp or heads over tensor: the
+# kernels run on each device's block (maxfp4.model.attention._cudnn_on_each_device). jax's
+# GSPMD-partitioned entry failed to build the masked kernel's cuDNN graph for split rows.
+@pytest.mark.parametrize("axis", ["fsdp", "tensor"])
+@pytest.mark.parametrize("max_segments", [16, 2])  # the packed kernel; too few slots: masked
+def test_cudnn_attention_on_two_devices_matches_xla_forward_and_backward(axis, max_segments):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from maxfp4.config import MeshConfig
+    from maxfp4.parallel.mesh import make_mesh, traced_in_mesh
+
+    assert len(jax.devices()) >= 2, "run on two GPUs (nvidia-h200-x2)"
+    mesh = make_mesh(MeshConfig(data=1, **{axis: 2}), jax.devices()[:2])
+    split = PartitionSpec("fsdp") if axis == "fsdp" else PartitionSpec(None, None, "tensor")
+    q, k, v, seg = _inputs(3)
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, split)) for x in (q, k, v))
+    seg = jax.device_put(seg, NamedSharding(mesh, PartitionSpec("fsdp" if axis == "fsdp" else None)))
+
+    def loss(impl):
+        def f(q, k, v, seg):
+            out = attend(q, k, v, seg, impl, max_segments).astype(jnp.float32)
+            return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+        return jax.jit(traced_in_mesh(jax.value_and_grad(f, argnums=(0, 1, 2)), mesh))
+
+    (l_cudnn, g_cudnn), (l_xla, g_xla) = loss("cudnn")(q, k, v, seg), loss("xla")(q, k, v, seg)
+    # BF16 inputs and outputs, as the one-device test: 2e-2 relative.
+    assert abs(float(l_cudnn) - float(l_xla)) <= 2e-2 * max(abs(float(l_xla)), 1.0)
+    for a, b in zip(g_cudnn, g_xla):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)

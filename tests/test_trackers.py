@@ -124,3 +124,8 @@ def test_unknown_tracker_and_missing_library_are_one_line_before_anything_is_wri
     with pytest.raises(ConfigError, match=r'needs the wandb package, which is not installed; pip install -e "\.\[wandb\]"'):
         train(tiny_cfg("run.trackers=[wandb]", "run.name=nolib"), devices=jax.devices()[:1], stream=io.StringIO())
     assert not os.path.exists(tmp_path / "nolib")
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # a core dependency: no extra installs it
+    with pytest.raises(ConfigError, match=r"needs the tensorboardX package, which is not installed; pip install "
+                                          r"tensorboardX or drop tensorboard"):
+        train(tiny_cfg("run.name=nolib"), devices=jax.devices()[:1], stream=io.StringIO())
+    assert not os.path.exists(tmp_path / "nolib")

@@ -22,23 +22,28 @@ Implementations (``model.attention``):
   backward kernel (JAX always asks cuDNN for it), which made it the slower of the two.
 - ``xla``: plain XLA (scores materialised); the CPU path and the reference of the GPU tests.
 
-Under ``shard_map`` (pipeline stages, context ranks) the cuDNN kernels are bound directly
+Under ``shard_map`` (pipeline stages, context ranks), and on a mesh of several devices (under
+``shard_map`` then, over the batch and head axes), the cuDNN kernels are bound directly
 (:mod:`maxfp4.kernels.cudnn_attention`): jax's entry wraps them for GSPMD's partitioner, which
-does not compile inside a manual region.
+does not compile inside a manual region and failed on a batch-split mask. One device keeps
+jax's entry.
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from maxfp4.config import ModelConfig
 from maxfp4.parallel.context import context_attention, context_ranks
-from maxfp4.parallel.mesh import batch_split_axes
+from maxfp4.parallel.mesh import batch_split_axes, logical_to_spec, traced_mesh
 from maxfp4.kernels import cudnn_attention, qkv_grad as qkv_grad_kernel
 from maxfp4.kernels.epilogue import Quantize
 from maxfp4.model.layers import linear, rope_tables, rotate
@@ -89,16 +94,41 @@ def _under_shard_map() -> bool:
     return bool(jax.sharding.get_abstract_mesh().manual_axes)
 
 
-def _cudnn_causal(q_BTNH, k_BTKH, v_BTKH):
+def _cudnn_on_each_device(q_BTNH, k_BTKH, v_BTKH, rows: tuple, mask_of: Callable[..., cudnn_attention.Mask]):
+    """cuDNN's kernel with the mask ``mask_of(*rows)`` (``rows``: arrays with the batch first), run
+    on each device's rows and heads when the traced mesh splits them: the direct binding under
+    ``shard_map``. jax's public entry, which GSPMD partitions, failed to build its cuDNN graph for a
+    batch-split mask on two H200s (jax 0.11.2: "dimensions mismatch as broadcasting 2 non-one
+    dimension sizes"); per device every array is one block and the kernel sees no sharding."""
+    def run(q, k, v, *row_arrays):
+        return cudnn_attention.attention(q, k, v, mask_of(*row_arrays))
+
     if _under_shard_map():
-        return cudnn_attention.attention(q_BTNH, k_BTKH, v_BTKH, cudnn_attention.Mask(causal=True))
-    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn")
+        return run(q_BTNH, k_BTKH, v_BTKH, *rows)
+    mesh = traced_mesh()
+    q_spec = logical_to_spec(("batch", "seq", "heads", "head_dim"), q_BTNH.shape, mesh)
+    kv_spec = logical_to_spec(("batch", "seq", "kv_heads", "head_dim"), k_BTKH.shape, mesh)
+    row_specs = tuple(PartitionSpec(q_spec[0], *([None] * (r.ndim - 1))) for r in rows)
+    return jax.shard_map(run, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + row_specs, out_specs=q_spec,
+                         check_vma=False)(q_BTNH, k_BTKH, v_BTKH, *rows)
+
+
+def _one_device() -> bool:
+    """Whether the trace is outside ``shard_map`` and its mesh (if any) has one device."""
+    mesh = traced_mesh()
+    return not _under_shard_map() and (mesh is None or math.prod(mesh.shape.values()) == 1)
+
+
+def _cudnn_causal(q_BTNH, k_BTKH, v_BTKH):
+    if _one_device():  # jax's public entry: the one-GPU step as measured (docs/PERFORMANCE.md)
+        return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn")
+    return _cudnn_on_each_device(q_BTNH, k_BTKH, v_BTKH, (), lambda: cudnn_attention.Mask(causal=True))
 
 
 def _cudnn_packed(q_BTNH, k_BTKH, v_BTKH, lengths_BM, starts_BM):
-    if _under_shard_map():
-        return cudnn_attention.attention(q_BTNH, k_BTKH, v_BTKH, cudnn_attention.Mask(
-            causal=True, lengths_BM=lengths_BM, starts_BM=starts_BM))
+    if not _one_device():
+        return _cudnn_on_each_device(q_BTNH, k_BTKH, v_BTKH, (lengths_BM, starts_BM), lambda lengths, starts:
+                                     cudnn_attention.Mask(causal=True, lengths_BM=lengths, starts_BM=starts))
     # jax.nn.dot_product_attention does not take segment offsets; the cuDNN module behind it
     # does (the packed layout of jax's own sequence-packing tests). Its offsets are [B, M+1],
     # the last column -1.
@@ -111,9 +141,9 @@ def _cudnn_packed(q_BTNH, k_BTKH, v_BTKH, lengths_BM, starts_BM):
 
 
 def _masked(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation):
-    if implementation == "cudnn" and _under_shard_map():
-        return cudnn_attention.attention(q_BTNH, k_BTKH, v_BTKH, cudnn_attention.Mask(
-            causal=True, allowed_B1TS=segment_mask(segment_ids_BT)))
+    if implementation == "cudnn" and not _one_device():
+        return _cudnn_on_each_device(q_BTNH, k_BTKH, v_BTKH, (segment_ids_BT,), lambda segment_ids:
+                                     cudnn_attention.Mask(causal=True, allowed_B1TS=segment_mask(segment_ids)))
     return jax.nn.dot_product_attention(
         q_BTNH, k_BTKH, v_BTKH, mask=segment_mask(segment_ids_BT), is_causal=True,
         implementation=implementation)

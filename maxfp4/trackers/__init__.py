@@ -36,8 +36,9 @@ def check_trackers_installed(names) -> None:
     for name in names:
         _, library, extra = _REGISTRY[name]
         if importlib.util.find_spec(library) is None:
+            install = f"pip install -e \".[{extra}]\"" if extra else f"pip install {library}"
             raise ConfigError(f"run.trackers={list(names)}: the {name} tracker needs the {library} package, which is "
-                              f"not installed; pip install -e \".[{extra}]\" or drop {name} from run.trackers")
+                              f"not installed; {install} or drop {name} from run.trackers")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
