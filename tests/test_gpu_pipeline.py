@@ -30,38 +30,45 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _differences(overrides: list[str], first: list[str], second: list[str]) -> dict:
+def _differences(overrides: list[str], first: list[str], second: list[str], documents: int) -> dict:
     """Relative differences of the loss, the largest of each gradient leaf's and of the FP8
-    amaxes' (and router statistics') between two meshes on two devices (in this process)."""
+    amaxes' (and router statistics') between two meshes on two devices (in this process), on
+    rows of ``documents`` documents."""
     from tests.test_pipeline import _loss_grads_amaxes
-    loss_a, grads_a, amax_a = _loss_grads_amaxes(overrides + first, devices=2)
-    loss_b, grads_b, amax_b = _loss_grads_amaxes(overrides + second, devices=2)
+    loss_a, grads_a, amax_a = _loss_grads_amaxes(overrides + first, devices=2, documents=documents)
+    loss_b, grads_b, amax_b = _loss_grads_amaxes(overrides + second, devices=2, documents=documents)
     return {"loss": abs(loss_a - loss_b) / abs(loss_b),
             "grads": {jax.tree_util.keystr(p): _rel(a, b)
                       for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(grads_a)[0], jax.tree.leaves(grads_b))},
             "amaxes": max((_rel(a, b) for a, b in zip(jax.tree.leaves(amax_a), jax.tree.leaves(amax_b))), default=0.0)}
 
 
-def _in_own_process(overrides, first, second) -> dict:
+def _in_own_process(overrides, first, second, documents=1) -> dict:
     assert len(jax.devices()) >= 2, "run on two GPUs (nvidia-h200-x2)"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"
     code = (f"import json; from tests.test_gpu_pipeline import _differences; "
-            f"print(json.dumps(_differences({overrides!r}, {first!r}, {second!r})))")
+            f"print(json.dumps(_differences({overrides!r}, {first!r}, {second!r}, {documents})))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("recipe, overlap", [("bf16", "false"), ("fp8_delayed", "false"), ("bf16", "true")])
-def test_unequal_stages_with_the_gpu_kernels_give_the_loss_gradients_and_amaxes_of_fsdp(recipe, overlap):
+# Rows of one document: the stages run cuDNN's causal kernel. Rows of two: the stages run XLA's
+# attention (maxfp4.model.attention.stage_implementation: cuDNN's packed and masked kernels
+# segfault XLA's compiler inside the stages), compared with fsdp=2 on XLA's attention too.
+@pytest.mark.parametrize("recipe, overlap, documents", [("bf16", "false", 1), ("fp8_delayed", "false", 1),
+                                                        ("bf16", "true", 1), ("bf16", "false", 2)])
+def test_unequal_stages_with_the_gpu_kernels_give_the_loss_gradients_and_amaxes_of_fsdp(recipe, overlap, documents):
     """Bounds from the same comparison on 2 CPU devices (XLA's kernels in place of the GPU's):
     FP8 delayed scaling, loss equal, gradients 1.4e-7, amaxes equal; BF16, gradients 1.7e-3 (the
     Mamba-2 core's FP32 batched dots over 4 rows a device against 2 sum in another order); the
-    hand-overs overlapped with the next tick (mesh.pipeline_overlap) as waited for. Not yet run
-    on GPUs; the kernels' own sums may add their rounding."""
+    hand-overs overlapped with the next tick (mesh.pipeline_overlap) as waited for. The kernels'
+    own sums may add their rounding."""
+    attention = [] if documents == 1 else ["model.attention=xla"]
     diff = _in_own_process(GPU_HYBRID + [f"precision.default={recipe}"],
-                           ["mesh.pipeline=2", "mesh.fsdp=1", f"mesh.pipeline_overlap={overlap}"], ["mesh.fsdp=2"])
+                           ["mesh.pipeline=2", "mesh.fsdp=1", f"mesh.pipeline_overlap={overlap}"],
+                           ["mesh.fsdp=2"] + attention, documents)
     assert diff["loss"] <= 1e-5, diff
     assert max(diff["grads"].values()) <= 5e-3, diff["grads"]
     assert diff["amaxes"] <= 1e-3, diff
@@ -71,5 +78,5 @@ def test_expert_exchange_slack_gives_the_worst_case_buffers_results():
     """mesh.expert=2 on the Mosaic grouped GEMMs: slack 1.5 (three quarters of the worst-case
     rows) against slack 0 (the worst case): the same loss, gradients and router statistics."""
     diff = _in_own_process(GPU_HYBRID + ["precision.default=bf16", "mesh.expert=2"],
-                           ["model.moe.exchange_slack=1.5"], ["model.moe.exchange_slack=0"])
+                           ["model.moe.exchange_slack=1.5"], ["model.moe.exchange_slack=0"], documents=2)
     assert diff["loss"] <= 1e-5 and max(diff["grads"].values()) <= 1e-3 and diff["amaxes"] <= 1e-3, diff

@@ -110,3 +110,25 @@ def test_static_attention_kernel_holds_the_bound(max_segments):
         assert all(c < runs for c in capacities if c < kernel)  # no smaller capacity holds them
     with pytest.raises(ValueError, match="runs_per_row=0"):
         static_kernel(max_segments, 0)
+
+
+def test_pipeline_stages_keep_cudnn_only_for_rows_of_one_document():
+    """Inside a pipeline stage (shard_map over the pipeline axis) cuDNN's causal kernel is kept
+    for rows known to hold one document; every other row, and any row of unknown runs, takes
+    XLA's attention (cuDNN's packed and masked kernels do not compile there). Outside a stage
+    nothing changes."""
+    from maxfp4.model.attention import stage_implementation
+
+    mesh = jax.make_mesh((1,), ("pipeline",), axis_types=(jax.sharding.AxisType.Auto,))
+    seen = {}
+
+    def stage(x):
+        for impl, runs in [("cudnn", 1), ("cudnn", 2), ("cudnn", None), ("cudnn_mask", 1), ("xla", 1)]:
+            seen[impl, runs] = stage_implementation(impl, runs)
+        return x
+
+    jax.shard_map(stage, mesh=mesh, in_specs=jax.sharding.PartitionSpec("pipeline"),
+                  out_specs=jax.sharding.PartitionSpec("pipeline"))(jnp.zeros(1))
+    assert seen == {("cudnn", 1): "cudnn", ("cudnn", 2): "xla", ("cudnn", None): "xla",
+                    ("cudnn_mask", 1): "xla", ("xla", 1): "xla"}
+    assert stage_implementation("cudnn", None) == "cudnn" and stage_implementation("cudnn_mask", 3) == "cudnn_mask"

@@ -40,25 +40,29 @@ PIPELINED, FLAT = ["mesh.pipeline=2", "mesh.fsdp=2"], ["mesh.fsdp=4"]
 CIRCULAR = PIPELINED + ["mesh.pipeline_repeats=2"]
 
 
-def _batch(cfg):
+def _batch(cfg, documents=2):
+    """Rows of ``documents`` (1 or 2) packed documents."""
     rng = np.random.default_rng(0)
     b, t = cfg.data.global_batch, cfg.data.seq_len
     toks = rng.integers(4, cfg.model.vocab_size, size=(b, t + 1)).astype(np.int32)
     seg = np.ones((b, t), np.int32)
-    seg[:, t // 2:] = 2
-    pos = np.concatenate([np.arange(t // 2), np.arange(t - t // 2)]).astype(np.int32)
+    pos = np.arange(t, dtype=np.int32)
+    if documents == 2:
+        seg[:, t // 2:] = 2
+        pos = np.concatenate([np.arange(t // 2), np.arange(t - t // 2)]).astype(np.int32)
     return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg,
             "positions": np.tile(pos, (b, 1)), "loss_mask": np.ones((b, t), np.float32)}
 
 
-def _loss_grads_amaxes(overrides, devices=4):
-    """Loss, parameter gradients and scale cotangents (the FP8 amaxes) of one global batch."""
+def _loss_grads_amaxes(overrides, devices=4, documents=2):
+    """Loss, parameter gradients and scale cotangents (the FP8 amaxes) of one global batch of rows
+    of ``documents`` documents (the loss told that bound, as the trainer tells it the data's)."""
     cfg = load_config(None, overrides)
     mesh = make_mesh(cfg.mesh, jax.devices()[:devices])
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     state = init_state(cfg, mesh, make_optimizer(cfg), policy)[0]
-    batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in _batch(cfg).items()}
-    fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, policy, mesh), argnums=(0, 1)))
+    batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in _batch(cfg, documents).items()}
+    fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, policy, mesh, runs_per_row=documents), argnums=(0, 1)))
     scales, key = scales_of(state.precision), jax.random.key(0)
     if cfg.mesh.pipeline > 1:
         loss, (grads, amaxes) = jax.device_get(fn(state.params, scales, batch, key, 512.0))

@@ -172,6 +172,21 @@ def static_kernel(max_segments: int, runs_per_row: int) -> int | str:
     return next((m for m in packed_capacities(max_segments) if m >= runs_per_row), "masked")
 
 
+def _in_pipeline_stage() -> bool:
+    return "pipeline" in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def stage_implementation(implementation: str, runs_per_row: int | None) -> str:
+    """The implementation a pipeline stage runs (``implementation`` outside one). XLA (jax 0.11.2)
+    segfaults compiling cuDNN's packed or masked kernel inside the stages' ``shard_map`` (Shardy's
+    ManualComputationUnusedInputsPattern; two H200s, dense and hybrid alike), while cuDNN's causal
+    kernel compiles and runs there: a stage keeps cuDNN for rows known to hold one document
+    (``runs_per_row`` 1, as synthetic data's) and runs XLA's attention for any other rows."""
+    if not _in_pipeline_stage() or implementation not in ("cudnn", "cudnn_mask"):
+        return implementation
+    return "cudnn" if implementation == "cudnn" and runs_per_row == 1 else "xla"
+
+
 def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, segment_ids_BT: jax.Array,
            implementation: str, max_segments: int = 16, runs_per_row: int | None = None) -> jax.Array:
     """``runs_per_row``: a bound on the runs of equal segment ids in every row of every batch
@@ -179,6 +194,7 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, segment_ids_
     batch on the device."""
     if context_ranks() > 1:  # the sequence is split over the context axis (maxfp4.parallel.context)
         return context_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation)
+    implementation = stage_implementation(implementation, runs_per_row)
     if implementation != "cudnn":
         kernel = "cudnn" if implementation == "cudnn_mask" else implementation
         return _masked(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, kernel)
