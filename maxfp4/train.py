@@ -69,6 +69,7 @@ from maxfp4.reliability.run_lock import run_directory
 from maxfp4.reliability.stragglers import StragglerHook, StragglerMonitor
 from maxfp4.reliability.watchdog import HangWatchdog
 from maxfp4.state import TrainState
+from maxfp4.step_memory import CheckedStep, StepDoesNotFit, device_limit_bytes
 from maxfp4.trackers import check_trackers_installed
 from maxfp4.step import check_loss_chunks, make_train_step
 
@@ -172,6 +173,9 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             # layout is global), so every process compiles the same attention kernel.
             step_fn = jit_train_step(cfg, start.policy, optimizer, make_schedule(cfg), start.mesh, state_sh,
                                      start.xla_options, data.max_runs_per_row)
+            # Compiled at its first call as jit would, and its plan held to the device's memory.
+            limit = device_limit_bytes(start.mesh.devices.flat[0]) if cfg.resilience.preflight else None
+            step_fn = CheckedStep(step_fn, limit, say=_say if jax.process_index() == 0 else lambda m: None)
             hooks, metrics = make_hooks(start, watch, lock, checkpointer, data, eval_batches, state_sh, stream, goodput)
             batches = goodput.timed_batches(to_global(batch) for batch in data)
             loop = Loop(step_fn, state, batches, total_steps=cfg.train.steps, hooks=hooks,
@@ -182,7 +186,7 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             failing = False
             try:
                 loop.run()
-            except Interrupted:
+            except (Interrupted, StepDoesNotFit):  # a stop, or bad input found by the compile: no crash
                 raise
             except Exception as error:
                 failing = True

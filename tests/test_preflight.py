@@ -49,15 +49,18 @@ class _DeviceWithLimit:
         return {"bytes_limit": self.limit}
 
 
-def test_memory_check_fails_over_the_headroom_and_names_what_to_change(tiny_cfg):
+def test_memory_check_fails_past_the_estimates_margin_and_names_what_to_change(tiny_cfg):
+    """The planner's estimate may be 17% over a measured peak: a device it puts up to 20% short
+    passes (the compiled step is checked exactly, maxfp4.step_memory); past that it fails."""
     mesh = {"data": 1, "fsdp": 1, "tensor": 1}
     for remat, suggests_full in (("none", True), ("full", False)):
         cfg = tiny_cfg(f"train.remat={remat}")
         n_params, _ = state_sizes(cfg)
         need = memory_per_device(cfg, n_params, mesh)
         assert check_memory(cfg, [_DeviceWithLimit(int(need / 0.8))], n_params, mesh).ok
-        failed = check_memory(cfg, [_DeviceWithLimit(int(need / 0.95))], n_params, mesh)
-        assert failed.ok is False and "over 90% of the device's" in failed.detail
+        assert check_memory(cfg, [_DeviceWithLimit(int(need / 1.15))], n_params, mesh).ok
+        failed = check_memory(cfg, [_DeviceWithLimit(int(need / 1.25))], n_params, mesh)
+        assert failed.ok is False and "by more than the estimate's 20% margin" in failed.detail
         assert ("set train.remat=full" in failed.detail) == suggests_full
         assert "resilience.preflight=false" in failed.detail
 
