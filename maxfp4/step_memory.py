@@ -27,6 +27,10 @@ class StepDoesNotFit(UserError):
     """The compiled step needs more memory a device than the device has."""
 
 
+def _size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
 def planned_bytes(analysis: Any) -> int:
     """Bytes a device the compiled step holds at its peak by XLA's buffer assignment
     (``Compiled.memory_analysis()``)."""
@@ -56,12 +60,12 @@ class CheckedStep:
         if self._compiled is None:
             compiled = self._jitted.lower(state, batch).compile()
             self.planned = planned_bytes(compiled.memory_analysis())
-            of = f" of the device's {self._limit / GIB:.1f} GiB" if self._limit else ""
             if self._limit and self.planned > self._limit:
                 raise StepDoesNotFit(
-                    f"the compiled train step needs {self.planned / GIB:.1f} GiB a device by XLA's buffer "
-                    f"assignment, over{of}; shard more (mesh.fsdp), lower data.global_batch or raise "
-                    f"train.microbatches, or set train.remat=full; nothing was trained")
-            self._say(f"train step compiled: {self.planned / GIB:.1f} GiB a device by XLA's buffer assignment{of}")
+                    f"the compiled train step needs {_size(self.planned)} a device by XLA's buffer assignment, "
+                    f"over the device's {_size(self._limit)}; shard more (mesh.fsdp), lower data.global_batch "
+                    f"or raise train.microbatches, or set train.remat=full; nothing was trained")
+            of = f" of the device's {_size(self._limit)}" if self._limit else ""
+            self._say(f"train step compiled: {_size(self.planned)} a device by XLA's buffer assignment{of}")
             self._compiled = compiled
         return self._compiled(state, batch)

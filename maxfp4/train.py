@@ -186,7 +186,10 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             failing = False
             try:
                 loop.run()
-            except (Interrupted, StepDoesNotFit):  # a stop, or bad input found by the compile: no crash
+            except Interrupted:
+                raise
+            except StepDoesNotFit:  # bad input that only the compile shows: one line, no crash report
+                failing = True
                 raise
             except Exception as error:
                 failing = True

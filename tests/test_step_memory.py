@@ -42,8 +42,8 @@ def test_checked_step_runs_the_steps_jit_runs_and_says_xlas_plan(tiny_cfg):
     expected = planned_bytes(step.lower(state_b, batches[0]).compile().memory_analysis())
     # the state's bytes, at least: the plan holds the arguments
     assert checked.planned == expected >= sum(x.nbytes for x in jax.tree.leaves(state_b))
-    assert said == [f"train step compiled: {expected / 2**30:.1f} GiB a device by XLA's buffer assignment "
-                    f"of the device's 1024.0 GiB"]
+    size = f"{expected / 2**30:.1f} GiB" if expected >= 2**30 else f"{expected / 2**20:.1f} MiB"
+    assert said == [f"train step compiled: {size} a device by XLA's buffer assignment of the device's 1024.0 GiB"]
 
 
 def test_a_step_planned_over_the_device_is_refused_in_one_line_before_it_runs(tiny_cfg):
@@ -54,7 +54,25 @@ def test_a_step_planned_over_the_device_is_refused_in_one_line_before_it_runs(ti
     with pytest.raises(StepDoesNotFit) as refused:
         checked(state, batches[0])
     line = str(refused.value)
-    assert "\n" not in line and f"needs {planned / 2**30:.1f} GiB a device by XLA's buffer assignment" in line
+    assert "\n" not in line and f"needs {planned / 2**20:.1f} MiB a device by XLA's buffer assignment" in line
     assert "shard more (mesh.fsdp)" in line and "nothing was trained" in line
     assert int(state.step) == 0  # not donated: nothing ran
     assert all(not x.is_deleted() for x in jax.tree.leaves(state))
+
+
+def test_training_on_a_device_too_small_for_the_compiled_step_stops_before_step_one(tiny_cfg, tmp_path, monkeypatch):
+    """A device whose allocator limit (what memory_stats() reports on a GPU; the CPU reports
+    none) is below the compiled step's plan: the run stops at the first call with the one
+    line, no step, no checkpoint, no crash report."""
+    import io
+
+    import maxfp4.train as train_module
+
+    monkeypatch.setattr(train_module, "device_limit_bytes", lambda device: 2**20)
+    with pytest.raises(StepDoesNotFit, match=r"over the device's 1\.0 MiB; shard more"):
+        train_module.train(tiny_cfg("run.name=small", "mesh.data=1", "checkpoint.every=1"),
+                           devices=jax.devices()[:1], stream=io.StringIO())
+    run = tmp_path / "small"
+    assert (run / "config.yaml").exists() and not (run / "crash.json").exists()
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    assert not (run / "metrics.jsonl").exists() or (run / "metrics.jsonl").read_text() == ""
