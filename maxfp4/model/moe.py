@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from maxfp4.model.router_state import AUX_WEIGHT, BIAS, PROBE
 from maxfp4.model_spec import mixer_linears
 from maxfp4.parallel.expert import run_experts
 from maxfp4.precision import LayerPrecision
+from maxfp4.precision.recipes import flat, unflat
 
 
 class MoE(nnx.Module):
@@ -64,10 +65,14 @@ def apply_moe(weights: dict[str, jax.Array], x_BTD: jax.Array, lp: LayerPrecisio
     ``lp.scales`` may carry the router's bias and statistics probe (maxfp4.model.router_state)."""
     moe = cfg.moe
     b, t, d = x_BTD.shape
-    x_ND = x_BTD.reshape(b * t, d)
+    # The tokens as rows, a context rank's contiguous (maxfp4.precision.recipes.flat): each rank
+    # routes and runs its own tokens. The capacity's first-come order stays the batch's.
+    x_ND = flat(x_BTD)
     scales = lp.scales or {}
     logits_NX = lp.dot(x_ND, weights["router"], "router")
-    route = choose_experts(logits_NX, scales.get(BIAS), moe.top_k, moe.score, moe.capacity_factor)
+    route = choose_experts(logits_NX, scales.get(BIAS), moe.top_k, moe.score, moe.capacity_factor,
+                           token_order=(lambda a: unflat(a, (b, t)).reshape(b * t, -1),
+                                        lambda a: flat(a.reshape(b, t, -1))))
     gemm = grouped_gemm_kernels(cfg)
     y_ND = run_experts(x_ND, route.experts_Nk, route.weights_Nk, weights["w_up"], weights["w_down"], lp,
                        partial(expert_ffn, gemm=gemm), cfg.mlp, slack=moe.exchange_slack)
@@ -76,7 +81,7 @@ def apply_moe(weights: dict[str, jax.Array], x_BTD: jax.Array, lp: LayerPrecisio
     if PROBE in scales:
         y_ND = report(y_ND, scales[PROBE], route.stats_S, route.aux_loss,
                       scales.get(AUX_WEIGHT, jnp.zeros((), jnp.float32)))
-    return y_ND.astype(ACT_DTYPE).reshape(b, t, d)
+    return unflat(y_ND.astype(ACT_DTYPE), (b, t))
 
 
 def grouped_gemm_kernels(cfg: ModelConfig) -> str:
@@ -99,10 +104,12 @@ class Routing(NamedTuple):
 
 
 def choose_experts(logits_NX: jax.Array, bias_X: jax.Array | None, top_k: int, score: str,
-                   capacity_factor: float) -> Routing:
+                   capacity_factor: float, token_order: tuple[Callable, Callable] | None = None) -> Routing:
     """Top-k routing in FP32 (module docstring). The load-balancing loss is Switch's
     ``X * sum_e f_e P_e`` (f_e: share of assignments to e, no gradient; P_e: mean normalised
-    score of e), the form Megatron and DeepSeek use."""
+    score of e), the form Megatron and DeepSeek use. ``token_order``: (rows -> the batch's token
+    order, and back) for [N, k] arrays, where the rows are in another order (a context split's):
+    the capacity serves the tokens in the batch's order whatever the mesh."""
     logits_NX = logits_NX.astype(jnp.float32)
     n, x = logits_NX.shape
     scores_NX = jax.nn.sigmoid(logits_NX) if score == "sigmoid" else jax.nn.softmax(logits_NX, axis=-1)
@@ -113,9 +120,10 @@ def choose_experts(logits_NX: jax.Array, bias_X: jax.Array | None, top_k: int, s
     keep_Nk = jnp.ones(experts_Nk.shape, bool)
     if capacity_factor:
         capacity = math.ceil(capacity_factor * n * top_k / x)
-        onehot_AX = jax.nn.one_hot(experts_Nk.reshape(-1), x, dtype=jnp.int32)
+        to_tokens, to_rows = token_order or (lambda a: a, lambda a: a)
+        onehot_AX = jax.nn.one_hot(to_tokens(experts_Nk).reshape(-1), x, dtype=jnp.int32)
         position_A = jnp.sum((jnp.cumsum(onehot_AX, axis=0) - 1) * onehot_AX, axis=-1)
-        keep_Nk = (position_A < capacity).reshape(experts_Nk.shape)
+        keep_Nk = to_rows((position_A < capacity).reshape(experts_Nk.shape))
     experts_Nk = jnp.where(keep_Nk, experts_Nk, x)
     weights_Nk = jnp.where(keep_Nk, weights_Nk, 0.0)
     counts_X = jnp.sum(jax.nn.one_hot(experts_Nk.reshape(-1), x, dtype=jnp.float32), axis=0)

@@ -4,7 +4,8 @@ with the experts split over ``mesh.expert`` and the tokens exchanged by all-to-a
 The block chooses each token's experts over the whole batch (:func:`maxfp4.model.moe.choose_experts`);
 this module then runs, under ``shard_map`` over every mesh axis:
 
-1. each device takes its tokens (the batch is split over data, fsdp and expert) and its
+1. each device takes its tokens (the batch is split over data, fsdp and expert, and each
+   sequence over context) and its
    X / mesh.expert experts (the weights' ``experts`` dim is split over ``expert``);
 2. with mesh.expert = E > 1, every token-expert assignment is written to the buffer of the
    device that holds its expert (:func:`exchange`): [E, R, D] buffers of R =
@@ -37,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from maxfp4.parallel.mesh import fan_out_max, logical_to_spec, traced_mesh
+from maxfp4.parallel.mesh import entry_axes, fan_out_max, logical_to_spec, spec_entry, traced_mesh
 
 EXPERT_CLASSES = ("expert_up", "expert_down")
 
@@ -61,9 +62,13 @@ def run_experts(x_ND: jax.Array, experts_Nk: jax.Array, weights_Nk: jax.Array, w
         return _on_device(x_ND, experts_Nk, weights_Nk, w_up, w_down, scales, lp.key, lp=lp,
                           expert_ffn=expert_ffn, kind=kind, ep=1, slack=slack, axes=())
     ep = mesh.shape.get("expert", 1)
-    # The tokens' rows as the batch is split; N = B x T keeps each row's tokens together.
-    rows = logical_to_spec(("batch",), (x_ND.shape[0],), mesh)[0]
-    tokens = P(rows)
+    # The tokens' rows as the batch is split; N = B x T keeps each row's tokens together, and
+    # under a context split the rows are rank-major (maxfp4.precision.recipes.flat): each
+    # context rank's tokens, then each batch shard's.
+    rows = entry_axes(logical_to_spec(("batch",), (x_ND.shape[0],), mesh)[0])
+    if mesh.shape.get("context", 1) > 1 and "context" not in mesh.manual_axes:
+        rows = ("context",) + rows
+    tokens = P(spec_entry(rows))
     experts = P("expert") if ep > 1 else P()
     # The axes this shard_map splits: an axis an enclosing one made manual (pipeline stages) is
     # split already, runs other blocks at the same time or skips this one
