@@ -248,3 +248,21 @@ def test_refusals_are_one_line(capsys):
     assert plan.main([*tiny, "mesh.data=1", "mesh.pipeline=2", "train.microbatches=1", "--gpus", "2"]) == 0
     assert capsys.readouterr().out.startswith(
         "layout chosen because train.microbatches=1: expected at least mesh.pipeline=2 microbatches")
+
+
+def test_a_stage_keeps_state_for_every_expert_of_its_blocks_and_none_of_the_others():
+    """A mixture-of-experts stack at pipeline=2: a device keeps master weights, moments and
+    gradients for half the blocks' weights, every expert of them (what memory holds, though a
+    token passes through top_k), and the embedding, head and norms whole over the stages."""
+    from maxfp4.model_spec import model_spec
+    from maxfp4.plan import cost
+    from maxfp4.plan.stages import PlanMesh
+    cfg = load_config("configs/moe-1b-active.yaml", [])
+    params = cost.param_count(cfg.model)
+    blocks = model_spec(cfg.model).blocks
+    stored = sum(b.matmul_params_total for b in blocks)
+    assert stored > sum(b.matmul_params for b in blocks)  # top_k of the experts is less
+    one = cost.state_params_per_device(cfg, params, PlanMesh(1, 1, 1))
+    two = cost.state_params_per_device(cfg, params, PlanMesh(1, 1, 1, pipeline=2))
+    assert one == params
+    assert two == pytest.approx(stored / 2 + (params - stored), rel=1e-9)

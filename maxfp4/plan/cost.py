@@ -137,7 +137,9 @@ def _whole_on_tensor(lin: LinearSpec, m: ModelConfig, tensor: int) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _block_matmul_params(m: ModelConfig) -> int:
-    return model_spec(m).block_matmul_params
+    """The blocks' matmul parameters as stored (every expert): the rest of the model's
+    parameters (embedding, LM head, norms, SSM scalars) is ``params`` less these."""
+    return sum(b.matmul_params_total for b in model_spec(m).blocks)
 
 
 def stage_split(cfg: Config, mesh: PlanMesh) -> StageSplit:
@@ -193,14 +195,14 @@ def gathered_stage_params(cfg: Config, mesh) -> float:
 @functools.lru_cache(maxsize=4096)
 def _held_block_params(m: ModelConfig, seq_len: int, stages: int, repeats: int, tensor: int) -> tuple[int, int]:
     """(matmul parameters, those kept whole on every tensor device) a device keeps state for: its
-    rows of each block type's stack (:func:`maxfp4.parallel.pipeline_stages.held_rows`: a stack
+    rows of each block type's stack, every expert of an E block (:func:`maxfp4.parallel.pipeline_stages.held_rows`: a stack
     the pipeline degree does not divide is kept whole on every stage)."""
     blocks = model_spec(m).blocks
     held = whole = 0
     for group, rows in held_rows(m, stages).items():
         linears = next(b for b in blocks if b.group == group).linears
-        held += rows * sum(lin.params for lin in linears)
-        whole += rows * sum(lin.params for lin in linears if _whole_on_tensor(lin, m, tensor))
+        held += rows * sum(lin.params_total for lin in linears)
+        whole += rows * sum(lin.params_total for lin in linears if _whole_on_tensor(lin, m, tensor))
     return held, whole
 
 
