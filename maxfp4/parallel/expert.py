@@ -4,8 +4,8 @@ with the experts split over ``mesh.expert`` and the tokens exchanged by all-to-a
 The block chooses each token's experts over the whole batch (:func:`maxfp4.model.moe.choose_experts`);
 this module then runs, under ``shard_map`` over every mesh axis:
 
-1. each device takes its tokens (the batch is split over data, fsdp and expert, and each
-   sequence over context) and its
+1. each device takes its tokens (the batch is split over data, fsdp and expert, each sequence
+   over context, and a tensor group's tokens over tensor) and its
    X / mesh.expert experts (the weights' ``experts`` dim is split over ``expert``);
 2. with mesh.expert = E > 1, every token-expert assignment is written to the buffer of the
    device that holds its expert (:func:`exchange`): [E, R, D] buffers of R =
@@ -68,6 +68,13 @@ def run_experts(x_ND: jax.Array, experts_Nk: jax.Array, weights_Nk: jax.Array, w
     rows = entry_axes(logical_to_spec(("batch",), (x_ND.shape[0],), mesh)[0])
     if mesh.shape.get("context", 1) > 1 and "context" not in mesh.manual_axes:
         rows = ("context",) + rows
+    # The devices of a tensor group hold the same tokens (the activations are whole over tensor);
+    # they take a share each here, with every expert whole (Megatron's expert tensor parallelism
+    # of 1), rather than each running all of them through the same experts.
+    tensor = mesh.shape.get("tensor", 1)
+    if tensor > 1 and "tensor" not in mesh.manual_axes and x_ND.shape[0] % (tensor * math.prod(
+            mesh.shape[a] for a in rows)) == 0:
+        rows = rows + ("tensor",)
     tokens = P(spec_entry(rows))
     experts = P("expert") if ep > 1 else P()
     # The axes this shard_map splits: an axis an enclosing one made manual (pipeline stages) is
