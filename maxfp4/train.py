@@ -174,7 +174,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             step_fn = jit_train_step(cfg, start.policy, optimizer, make_schedule(cfg), start.mesh, state_sh,
                                      start.xla_options, data.max_runs_per_row)
             # Compiled at its first call as jit would, and its plan held to the device's memory.
-            limit = device_limit_bytes(start.mesh.devices.flat[0]) if cfg.resilience.preflight else None
+            local = next(d for d in start.mesh.devices.flat if d.process_index == jax.process_index())
+            limit = device_limit_bytes(local) if cfg.resilience.preflight else None
             step_fn = CheckedStep(step_fn, limit, say=_say if jax.process_index() == 0 else lambda m: None)
             hooks, metrics = make_hooks(start, watch, lock, checkpointer, data, eval_batches, state_sh, stream, goodput)
             batches = goodput.timed_batches(to_global(batch) for batch in data)
