@@ -252,14 +252,13 @@ def _shard_map_token_rows(jaxpr, d: int) -> set[int]:
     return rows
 
 
-def test_a_context_rank_routes_and_runs_only_its_own_tokens_through_the_experts():
-    """An attention + MoE stack at context=2 against one device, on packed documents crossing
-    the split: the loss and every gradient equal; and each rank's expert computation takes its
-    T/C tokens of a row, not the sequence's T."""
-    overrides = MOE
-
-    def loss_and_grads(mesh_overrides, devices):
-        cfg = load_config(None, overrides + ["mesh.data=1"] + mesh_overrides)
+def moe_split_against_one_device(mesh_overrides: list[str]) -> int:
+    """The attention + MoE stack (``MOE``) on two devices split by ``mesh_overrides`` against one
+    device, on packed documents: the loss and every gradient equal (BF16 GEMMs and attention
+    sums in another order: the dense and hybrid test's bounds). Returns a device's rows of the
+    tokens the experts' shard_map takes, read from the step's program."""
+    def loss_grads_program(overrides, devices):
+        cfg = load_config(None, MOE + ["mesh.data=1"] + overrides)
         mesh = make_mesh(cfg.mesh, devices)
         params = init_state(cfg, mesh, make_optimizer(cfg))[0].params
         loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), mesh)
@@ -267,17 +266,22 @@ def test_a_context_rank_routes_and_runs_only_its_own_tokens_through_the_experts(
         fn = lambda p, b: jax.value_and_grad(lambda q: loss_fn(q, {}, b, jax.random.key(0), 1000.0))(p)  # noqa: E731
         return jax.jit(fn)(params, batch), jax.make_jaxpr(fn)(params, batch)
 
-    (ref_loss, ref_grads), _ = loss_and_grads([], jax.devices()[:1])
-    (loss, grads), jaxpr = loss_and_grads(["mesh.context=2"], jax.devices()[:2])
-    # BF16 GEMMs and attention sums in another order on each rank: as the dense and hybrid test.
+    (ref_loss, ref_grads), _ = loss_grads_program([], jax.devices()[:1])
+    (loss, grads), jaxpr = loss_grads_program(mesh_overrides, jax.devices()[:2])
     assert abs(float(loss) - float(ref_loss)) <= 2e-3 * abs(float(ref_loss))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
         err = np.linalg.norm(a64 - b64) / max(np.linalg.norm(a64), 1e-30)
         assert err <= 2e-2, (jax.tree_util.keystr(path), err)
-    cfg = load_config(None, MOE)
-    b, d = cfg.data.global_batch, cfg.model.d_model
-    assert _shard_map_token_rows(jaxpr.jaxpr, d) == {b * T // 2}  # the experts' shard_map: its rank's tokens
+    rows = _shard_map_token_rows(jaxpr.jaxpr, load_config(None, MOE).model.d_model)
+    assert len(rows) == 1, rows
+    return rows.pop()
+
+
+def test_a_context_rank_routes_and_runs_only_its_own_tokens_through_the_experts():
+    """An attention + MoE stack at context=2 against one device, on packed documents crossing
+    the split; each rank's expert computation takes its T/C tokens of a row, not the sequence's T."""
+    assert moe_split_against_one_device(["mesh.context=2"]) == load_config(None, MOE).data.global_batch * T // 2
 
 
 def test_capacity_serves_the_batchs_token_order_whatever_the_rows_order():
