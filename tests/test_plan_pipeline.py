@@ -266,3 +266,24 @@ def test_a_stage_keeps_state_for_every_expert_of_its_blocks_and_none_of_the_othe
     two = cost.state_params_per_device(cfg, params, PlanMesh(1, 1, 1, pipeline=2))
     assert one == params
     assert two == pytest.approx(stored / 2 + (params - stored), rel=1e-9)
+
+
+def test_the_expert_axis_divides_the_experts_state_and_working_copy_in_the_memory_model():
+    """mesh.expert=2 on moe-1b-active: a device keeps state for half of every E block's
+    experts (the rest of the model whole over expert), and its working copy of a block holds
+    half of them: the preflight's estimate (the same model) no longer counts them all."""
+    from maxfp4.model_spec import model_spec
+    from maxfp4.plan import cost
+    from maxfp4.plan.stages import PlanMesh
+    one = load_config("configs/moe-1b-active.yaml", ["mesh.data=2"])
+    two = load_config("configs/moe-1b-active.yaml", ["mesh.data=1", "mesh.expert=2"])
+    params = cost.param_count(one.model)
+    experts = sum(lin.params_total for b in model_spec(one.model).blocks for lin in b.linears if lin.experts)
+    mesh = PlanMesh.of(resolve_mesh_shape(two.mesh, 2), two.mesh)
+    assert mesh == PlanMesh.of(resolve_mesh_shape(one.mesh, 2), one.mesh)  # expert modelled as data outside
+    assert cost.state_params_per_device(one, params, mesh) == params
+    assert cost.state_params_per_device(two, params, mesh) == pytest.approx(params - experts / 2, rel=1e-9)
+    m1 = cost.memory_per_device(one, mesh, params, "bf16", "full")
+    m2 = cost.memory_per_device(two, mesh, params, "bf16", "full")
+    assert m2["master"] == pytest.approx(m1["master"] - experts / 2 * cost.MASTER_BYTES, rel=1e-9)
+    assert m2["working_copy"] < m1["working_copy"]

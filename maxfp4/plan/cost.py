@@ -174,10 +174,18 @@ def _held_blocks(cfg: Config, mesh: PlanMesh) -> tuple[int, ...]:
     return _held(cfg.model, cfg.data.seq_len, mesh.pipeline, mesh.repeats)
 
 
-def _block_weights_on_device(block: BlockSpec, m: ModelConfig, tensor: int) -> float:
-    """A block's matmul weights on one of ``tensor`` devices: every expert's (what memory
-    holds, though a token passes through top_k of them), 1/tensor of those tensor splits."""
-    return sum(lin.params_total / (1 if _whole_on_tensor(lin, m, tensor) else tensor) for lin in block.linears)
+def expert_ways(cfg: Config) -> int:
+    """Devices ``mesh.expert`` splits an E block's experts over (1 without E blocks). Outside the
+    experts the axis splits the batch, which the planner models as data (resolve_mesh_shape)."""
+    return max(cfg.mesh.expert, 1) if "E" in cfg.model.pattern else 1
+
+
+def _block_weights_on_device(block: BlockSpec, m: ModelConfig, tensor: int, experts: int = 1) -> float:
+    """A block's matmul weights on one of ``tensor`` devices: every expert's of the 1/``experts``
+    the device holds (what memory holds, though a token passes through top_k of them), 1/tensor
+    of those tensor splits."""
+    return sum(lin.params_total / (1 if _whole_on_tensor(lin, m, tensor) else tensor) / (experts if lin.experts else 1)
+               for lin in block.linears)
 
 
 def gathered_stage_params(cfg: Config, mesh) -> float:
@@ -189,20 +197,24 @@ def gathered_stage_params(cfg: Config, mesh) -> float:
     if mesh.pipeline == 1 or (mesh.repeats == 1 and alike_blocks(cfg.model, mesh.pipeline)):
         return 0.0
     blocks = model_spec(cfg.model).blocks
-    return sum(_block_weights_on_device(blocks[b], cfg.model, mesh.tensor) for b in _held_blocks(cfg, mesh)) / mesh.fsdp
+    return sum(_block_weights_on_device(blocks[b], cfg.model, mesh.tensor, expert_ways(cfg))
+               for b in _held_blocks(cfg, mesh)) / mesh.fsdp
 
 
 @functools.lru_cache(maxsize=4096)
-def _held_block_params(m: ModelConfig, seq_len: int, stages: int, repeats: int, tensor: int) -> tuple[int, int]:
+def _held_block_params(m: ModelConfig, seq_len: int, stages: int, repeats: int, tensor: int,
+                       experts: int) -> tuple[float, float]:
     """(matmul parameters, those kept whole on every tensor device) a device keeps state for: its
-    rows of each block type's stack, every expert of an E block (:func:`maxfp4.parallel.pipeline_stages.held_rows`: a stack
-    the pipeline degree does not divide is kept whole on every stage)."""
+    rows of each block type's stack (:func:`maxfp4.parallel.pipeline_stages.held_rows`: a stack
+    the pipeline degree does not divide is kept whole on every stage), of an E block every
+    expert of the 1/``experts`` it holds."""
     blocks = model_spec(m).blocks
     held = whole = 0
     for group, rows in held_rows(m, stages).items():
         linears = next(b for b in blocks if b.group == group).linears
-        held += rows * sum(lin.params_total for lin in linears)
-        whole += rows * sum(lin.params_total for lin in linears if _whole_on_tensor(lin, m, tensor))
+        stored = {lin.name: lin.params_total / (experts if lin.experts else 1) for lin in linears}
+        held += rows * sum(stored.values())
+        whole += rows * sum(stored[lin.name] for lin in linears if _whole_on_tensor(lin, m, tensor))
     return held, whole
 
 
@@ -212,7 +224,7 @@ def state_params_per_device(cfg: Config, params: int, mesh) -> float:
     only); the embedding, the LM head, norms and SSM scalars on every stage (the stages hold them
     whole over ``pipeline``, maxfp4.parallel.pipeline) over fsdp x tensor."""
     m, mesh = cfg.model, PlanMesh(*mesh)
-    held, whole = _held_block_params(m, cfg.data.seq_len, mesh.pipeline, mesh.repeats, mesh.tensor)
+    held, whole = _held_block_params(m, cfg.data.seq_len, mesh.pipeline, mesh.repeats, mesh.tensor, expert_ways(cfg))
     other = params - _block_matmul_params(m)
     return (held - whole + other) / (mesh.fsdp * mesh.tensor) + whole / mesh.fsdp
 
@@ -301,7 +313,7 @@ def memory_per_device(cfg: Config, mesh, params: int, precision: str,
     spec = model_spec(m)
     blocks = [spec.blocks[b] for b in _held_blocks(cfg, mesh)]
     share = [_tensor_share(b, m, tensor) for b in blocks]  # of each block's activations, on one device
-    weights = [_block_weights_on_device(b, m, tensor) for b in blocks]
+    weights = [_block_weights_on_device(b, m, tensor, expert_ways(cfg)) for b in blocks]
     working = max(max(weights) * WORKING_BYTES[precision], spec.lm_head.params * 2 / tensor)
     if remat == "none" or (remat in ("save_gemm", "save_gemm_io") and not cfg.train.scan_layers):
         # Without remat every recipe's VJP keeps its cast weight shard as a residual; unrolled
