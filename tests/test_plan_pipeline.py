@@ -287,3 +287,23 @@ def test_the_expert_axis_divides_the_experts_state_and_working_copy_in_the_memor
     m2 = cost.memory_per_device(two, mesh, params, "bf16", "full")
     assert m2["master"] == pytest.approx(m1["master"] - experts / 2 * cost.MASTER_BYTES, rel=1e-9)
     assert m2["working_copy"] < m1["working_copy"]
+
+
+def test_stages_of_rows_that_may_hold_several_documents_are_priced_on_xlas_attention():
+    """Pipeline stages run XLA's attention for rows of several documents (cuDNN's packed and
+    masked kernels do not compile inside them): the planner prices a stage layout on real data
+    at XLA's rate, on synthetic rows of one document at cuDNN's, and a layout without stages on
+    cuDNN's either way."""
+    import dataclasses
+    cfg = load_config("configs/llama3-8b.yaml", ["mesh.data=1"])
+    text = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="builtin"))
+    stages, flat = PlanMesh(1, 2, 1, 2), PlanMesh(1, 4, 1)
+
+    def step_s(c, mesh):
+        return plan_model.project(_with(c, 16, mesh, 8), mesh, "h100", "bf16")["step_time_s"]
+
+    assert not plan_model.runs_xla_attention(_with(cfg, 16, stages, 8))
+    assert plan_model.runs_xla_attention(_with(text, 16, stages, 8))
+    assert not plan_model.runs_xla_attention(_with(text, 16, flat, 8))
+    assert step_s(text, stages) > 1.2 * step_s(cfg, stages)
+    assert step_s(text, flat) == pytest.approx(step_s(cfg, flat), rel=1e-9)

@@ -233,10 +233,15 @@ def state_params_per_device(cfg: Config, params: int, mesh) -> float:
 
 
 def runs_xla_attention(cfg: Config) -> bool:
-    """Whether the step runs XLA's attention: only when asked for (model.attention=xla). On GPU
-    ``auto`` is cuDNN's fused kernel, pipeline stages and context ranks included: it is bound
-    inside their shard_map through its primitives (maxfp4.kernels.cudnn_attention)."""
-    return cfg.model.attention == "xla"
+    """Whether the step runs XLA's attention: when asked for (model.attention=xla), and in
+    pipeline stages whose rows may hold several documents (any data but synthetic rows of one,
+    or the masked kernel asked for), where cuDNN's packed and masked kernels do not compile
+    (maxfp4.model.attention.stage_implementation). Elsewhere on GPU ``auto`` is cuDNN's fused
+    kernel, context ranks and stages of one-document rows included: it is bound inside their
+    shard_map through its primitives (maxfp4.kernels.cudnn_attention)."""
+    if cfg.model.attention == "xla":
+        return True
+    return cfg.mesh.pipeline > 1 and (cfg.data.source != "synthetic" or cfg.model.attention == "cudnn_mask")
 
 
 @functools.lru_cache(maxsize=64)
