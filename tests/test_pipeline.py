@@ -346,3 +346,17 @@ def test_stage_layouts_that_cannot_run_are_one_line():
                                                       "data.global_batch=8"]))  # GPipe: any M >= P
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(2, 4, 2) == pytest.approx(1 / 9)
+
+
+def test_stacks_the_pipeline_does_not_divide_are_named_at_start_up():
+    """A stack that mesh.pipeline does not divide is kept whole on every stage: one start-up
+    line names it and the degrees that divide every stack; none when all divide."""
+    from maxfp4.parallel.pipeline_stages import whole_stacks_note
+    hybrid = load_config(None, BASE + HYBRID + ["model.pattern=M*-MM-"]).model  # 3 Mamba-2, 1 attention, 2 MLP blocks
+    note = whole_stacks_note(hybrid, 2)
+    assert note == ("note: mesh.pipeline=2 does not divide the stacks of 3 mamba blocks, 1 attention block: every "
+                    "stage keeps their whole state (master weights, moments, gradients); no pipeline degree "
+                    "divides every stack")
+    dense = load_config(None, BASE + ["model.n_layers=12"]).model
+    assert whole_stacks_note(dense, 2) is None and whole_stacks_note(dense, 1) is None
+    assert whole_stacks_note(dense, 5).endswith("mesh.pipeline=2, 3, 4, 6, 12 divides every stack")

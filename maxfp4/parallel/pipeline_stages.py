@@ -333,6 +333,22 @@ def held_rows(model: ModelConfig, stages: int) -> dict[str, int]:
     return {g: n // stages if n % stages == 0 else n for g, n in counts.items()}
 
 
+def whole_stacks_note(model: ModelConfig, stages: int) -> str | None:
+    """One start-up line naming the block stacks ``stages`` does not divide, whose state every
+    stage keeps whole (:func:`held_rows`), and the pipeline degrees that would divide them all;
+    None when it divides every stack."""
+    counts = held_rows(model, 1)
+    whole = {g: n for g, n in counts.items() if stages > 1 and n % stages}
+    if not whole:
+        return None
+    dividing = [p for p in range(2, max(counts.values()) + 1) if all(n % p == 0 for n in counts.values())]
+    stacks = ", ".join(f"{n} {'' if g == 'blocks' else g + ' '}block{'s' if n > 1 else ''}" for g, n in whole.items())
+    degrees = (f"mesh.pipeline={', '.join(map(str, dividing[:6]))}{' ...' if len(dividing) > 6 else ''} "
+               f"divides every stack" if dividing else "no pipeline degree divides every stack")
+    return (f"note: mesh.pipeline={stages} does not divide the stacks of {stacks}: every stage keeps their "
+            f"whole state (master weights, moments, gradients); {degrees}")
+
+
 def stage_model(model: ModelConfig, stages: int, repeats: int = 1) -> ModelConfig:
     """The model one of alike stages runs: ``n_layers / (stages x repeats)`` blocks (a hybrid:
     the first of that many equal parts of the pattern)."""
