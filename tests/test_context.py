@@ -17,6 +17,7 @@ from maxfp4.model.ssd import chunk_exit, entry_output, pass_states, ssd_chunked,
 from maxfp4.parallel.context import context_attention, rank_attention_mask, rank_token_index, zigzag_order
 from maxfp4.parallel.mesh import batch_reader, batch_sharding, make_mesh, traced_in_mesh
 from maxfp4.plan.command import plan
+from maxfp4.model_spec import model_spec
 from maxfp4.plan.context import causal_work_per_rank, imbalance
 from maxfp4.precision import resolve_policy
 from maxfp4.step import make_loss_fn
@@ -252,14 +253,13 @@ def _shard_map_token_rows(jaxpr, d: int) -> set[int]:
     return rows
 
 
-def moe_split_against_one_device(mesh_overrides: list[str]) -> int:
-    """The attention + MoE stack (``MOE``) on two devices split by ``mesh_overrides`` against one
+def split_against_one_device(overrides: list[str], mesh_overrides: list[str], devices: int):
+    """The model of ``overrides`` on ``devices`` devices split by ``mesh_overrides`` against one
     device, on packed documents: the loss and every gradient equal (BF16 GEMMs and attention
-    sums in another order: the dense and hybrid test's bounds). Returns a device's rows of the
-    tokens the experts' shard_map takes, read from the step's program."""
-    def loss_grads_program(overrides, devices):
-        cfg = load_config(None, MOE + ["mesh.data=1"] + overrides)
-        mesh = make_mesh(cfg.mesh, devices)
+    sums in another order: the dense and hybrid test's bounds). Returns the split step's jaxpr."""
+    def loss_grads_program(mesh_part, used):
+        cfg = load_config(None, overrides + ["mesh.data=1"] + mesh_part)
+        mesh = make_mesh(cfg.mesh, used)
         params = init_state(cfg, mesh, make_optimizer(cfg))[0].params
         loss_fn = make_loss_fn(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), mesh)
         batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in next(packed_batches(cfg, 1)).items()}
@@ -267,15 +267,41 @@ def moe_split_against_one_device(mesh_overrides: list[str]) -> int:
         return jax.jit(fn)(params, batch), jax.make_jaxpr(fn)(params, batch)
 
     (ref_loss, ref_grads), _ = loss_grads_program([], jax.devices()[:1])
-    (loss, grads), jaxpr = loss_grads_program(mesh_overrides, jax.devices()[:2])
+    (loss, grads), jaxpr = loss_grads_program(mesh_overrides, jax.devices()[:devices])
     assert abs(float(loss) - float(ref_loss)) <= 2e-3 * abs(float(ref_loss))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
         err = np.linalg.norm(a64 - b64) / max(np.linalg.norm(a64), 1e-30)
         assert err <= 2e-2, (jax.tree_util.keystr(path), err)
+    return jaxpr
+
+
+def moe_split_against_one_device(mesh_overrides: list[str]) -> int:
+    """:func:`split_against_one_device` for the attention + MoE stack (``MOE``) on two devices;
+    returns a device's rows of the tokens the experts' shard_map takes, read from the program."""
+    jaxpr = split_against_one_device(MOE, mesh_overrides, 2)
     rows = _shard_map_token_rows(jaxpr.jaxpr, load_config(None, MOE).model.d_model)
     assert len(rows) == 1, rows
     return rows.pop()
+
+
+def test_a_context_split_mamba_mixer_is_split_over_tensor_too():
+    """The hybrid at context=2 x tensor=2 against one device: each device runs the Mamba-2 core
+    on its context rank's tokens and its tensor rank's heads (the core's input a quarter of the
+    in_proj output, read from the program), where each tensor rank had run it whole."""
+    jaxpr = split_against_one_device(HYBRID, ["mesh.context=2", "mesh.tensor=2"], 4)
+    cfg = load_config(None, HYBRID)
+    b, inner = cfg.data.global_batch, model_spec(cfg.model).blocks[0].linears[0].n
+    shapes = set()
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "shard_map":
+                shapes.update(v.aval.shape for v in eqn.params["jaxpr"].invars if v.aval.ndim == 3)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+    walk(jaxpr.jaxpr)
+    assert (b, T // 2, inner // 2) in shapes and (b, T // 2, inner) not in shapes, sorted(shapes)
 
 
 def test_a_context_rank_routes_and_runs_only_its_own_tokens_through_the_experts():

@@ -155,8 +155,6 @@ def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: Mod
     # BF16 storage here and in the SSD (2026-11-25).
     core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
     t = tensor_ranks()
-    if context_ranks() > 1:  # the sequence is split: each rank's chunks, states passed (below)
-        t = 1  # the mixer runs whole on each tensor rank
     if t > 1 and splits_over_tensor(cfg, t):
         return _tensor_parallel_mixer(x_BTD, p, core_params, segment_ids_BT, cfg, lp, t)
     w_in_DI = in_proj_columns(p["in_proj"], in_proj_parts(cfg))
@@ -223,12 +221,19 @@ def _tensor_parallel_mixer(x_BTD, p: Params, core_params: Params, segment_ids_BT
     w_in_DI = constrain(in_proj_columns(p["in_proj"], in_proj_parts(cfg), t), ("embed", "ssm_groups"))
     zxbcdt_BTI = lp.dot(x_BTD, w_in_DI, "mamba_in")
 
+    # Under a context split each rank's chunks, states passed between the ranks of the same
+    # tensor rank (below), as without one.
+    split_sequence = context_ranks() > 1
+    rank_core = _context_core if split_sequence else _mixer_core
+
     def core(zxbcdt_local, segment_ids, params):
         rank = jax.lax.axis_index("tensor")
-        return _mixer_core(zxbcdt_local, segment_ids, _rank_core_params(params, cfg, t, rank),
-                           cfg=_rank_config(cfg, t))
+        return rank_core(zxbcdt_local, segment_ids, _rank_core_params(params, cfg, t, rank), cfg=_rank_config(cfg, t))
 
-    y_BTE = per_row_and_tensor_rank(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
+    if split_sequence:
+        y_BTE = per_context_rank(core, (zxbcdt_BTI, segment_ids_BT), (core_params,), tensor=True)
+    else:
+        y_BTE = per_row_and_tensor_rank(core, (zxbcdt_BTI, segment_ids_BT), (core_params,))
     return lp.dot(y_BTE.astype(ACT_DTYPE), p["out_proj"], "mamba_out")
 
 

@@ -181,13 +181,19 @@ def _fused_rank_attention(q_B2SNH, k_B2SKH, v_B2SKH, seg_B2S, k_all, v_all, seg_
     return jnp.concatenate(outs, axis=1)
 
 
-def per_context_rank(fn: Callable, batched: Sequence[jax.Array], whole: Sequence[Any]) -> jax.Array:
+def per_context_rank(fn: Callable, batched: Sequence[jax.Array], whole: Sequence[Any],
+                     tensor: bool = False) -> jax.Array:
     """``fn(*batched, *whole)`` on each device's rows and its context rank's 2S tokens: every
     array in ``batched`` and the output is [B, T, ...], split over the batch axes and ``context``;
-    ``whole`` (parameters) is given whole to every device. ``fn`` may use the collectives below."""
+    ``whole`` (parameters) is given whole to every device. ``fn`` may use the collectives below.
+    ``tensor``: the last dim of the first array in ``batched`` and of the output is split over
+    ``tensor`` too (``jax.lax.axis_index("tensor")`` says which block a device has)."""
     mesh = traced_mesh()
     rows_and_tokens = PartitionSpec(logical_to_spec(("batch",), batched[0].shape[:1], mesh)[0], AXIS)
-    return per_device(fn, batched, whole, rows_and_tokens, rows_and_tokens, mesh)
+    first = rows_and_tokens
+    if tensor:
+        first = PartitionSpec(*rows_and_tokens, *([None] * (batched[0].ndim - 3)), "tensor")
+    return per_device(fn, batched, whole, first, rows_and_tokens, mesh)
 
 
 def gather_chunks(x_B2X: jax.Array) -> jax.Array:
