@@ -76,3 +76,34 @@ def test_memory_estimate_is_the_planners_in_the_recipe_the_config_runs():
         n_params = cost.param_count(cfg.model)
         planned = cost.project(cfg, (1, 1, 1), "h200", column)["memory_per_device_gb"] * 1e9
         assert memory_per_device(cfg, n_params, mesh) == pytest.approx(planned, rel=1e-9)
+
+
+def test_memory_estimate_with_context_and_expert_axes_is_the_planners(capsys):
+    """A context group's device holds T/C tokens of its rows and 1/C of the state: the
+    preflight's estimate is the planner's context row (the 64k config on 4 H200s at context=4,
+    48 GB where the whole sequence a device was 189), not a refusal. The expert axis splits the
+    batch outside the experts as data does: expert=2 estimates as data=2 but for the experts'
+    state, which it halves."""
+    import json
+
+    from maxfp4.plan import command as plan
+    cfg = load_config("configs/llama3-8b-64k.yaml")
+    n_params, _ = state_sizes(cfg)
+    shape = {"data": 1, "pipeline": 1, "fsdp": 1, "context": 4, "expert": 1, "tensor": 1}
+    assert plan.main(["configs/llama3-8b-64k.yaml", "--gpus", "4", "--gpu", "h200", "--tokens", "1e9", "--json"]) == 0
+    row = {r["precision"]: r for r in json.loads(capsys.readouterr().out)}["bf16"]
+    assert row["context"] == 4
+    assert memory_per_device(cfg, n_params, shape) == pytest.approx(row["memory_per_device_gb"] * 1e9, rel=1e-6)
+    assert memory_per_device(cfg, n_params, dict(shape, context=1)) > 3 * row["memory_per_device_gb"] * 1e9
+
+    from maxfp4.model_spec import model_spec
+    moe = load_config("configs/moe-1b-active.yaml")
+    n_moe, _ = state_sizes(moe)
+    experts = sum(lin.params_total for b in model_spec(moe.model).blocks for lin in b.linears if lin.experts)
+    flat = {"data": 1, "pipeline": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
+    as_data = memory_per_device(moe, n_moe, dict(flat, data=2))
+    as_expert = memory_per_device(load_config("configs/moe-1b-active.yaml", ["mesh.data=1", "mesh.expert=2"]), n_moe,
+                                  dict(flat, expert=2))
+    from maxfp4.plan import cost
+    halved = experts / 2 * (cost.MASTER_BYTES + cost.ADAM_BYTES + cost.GRAD_BYTES)
+    assert as_expert < as_data and as_data - as_expert >= halved

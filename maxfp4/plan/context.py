@@ -91,6 +91,17 @@ def proxy_config(cfg: Config, c: int) -> Config:
                                mesh=dataclasses.replace(cfg.mesh, context=1))
 
 
+# The memory terms of the parameters' state, which is sharded over context too
+# (maxfp4.parallel.mesh): 1/C of the proxy's on each GPU of a context group.
+STATE_TERMS = ("master", "adam", "grads", "gathered_stages")
+
+
+def state_over_context(breakdown: dict[str, float], c: int) -> dict[str, float]:
+    """The proxy's memory terms (:func:`proxy_config`) as a GPU of a context group of ``c`` holds
+    them: the state's terms divided by ``c``, the rest (a GPU's T/C tokens) as they are."""
+    return {k: v / c if k in STATE_TERMS else v for k, v in breakdown.items()}
+
+
 def with_context(cfg: Config, c: int) -> Config:
     return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, context=c))
 
@@ -115,10 +126,9 @@ def rows_with_context(cfg: Config, rows: list[dict], c: int, gpus: int, tokens: 
         flops = sum(cost.flops_by_block_type(m, t).values())
         steps = math.ceil(tokens / tokens_per_step)
         wall = steps * step / row["goodput"]
-        # the parameters' state is sharded over context too (maxfp4.parallel.mesh): 1/C of the proxy's
-        state = {k: v / c for k, v in row["memory_breakdown_gb"].items()
-                 if k in ("master", "adam", "grads", "gathered_stages")}
-        saved = sum(row["memory_breakdown_gb"][k] for k in state) - sum(state.values())
+        breakdown = state_over_context(row["memory_breakdown_gb"], c)
+        state = {k: breakdown[k] for k in STATE_TERMS if k in breakdown}
+        saved = sum(row["memory_breakdown_gb"].values()) - sum(breakdown.values())
         memory = row["memory_per_device_gb"] - saved
         fits = memory <= cost.USABLE_MEMORY * rates.GPUS[gpu]["memory_gb"]
         notes = [n for n in row["notes"] if not (fits and n.startswith("note: the model estimates"))]

@@ -231,14 +231,21 @@ def memory_per_device(cfg: Config, n_params: int, mesh_shape: dict[str, int]) ->
     docs/PLANNING.md gives it with its calibration against measured peaks). Priced in the widest
     recipe the config's precision policy runs in its blocks (:func:`widest_block_recipe`): the
     working weights and the kept GEMM operands take its bytes."""
+    from maxfp4.plan.context import proxy_config, state_over_context
     from maxfp4.plan.cost import memory_per_device as planned
     from maxfp4.plan.stages import PlanMesh
     # A pipeline stage keeps 1/pipeline of the blocks' state and activations, as an fsdp shard
-    # does of the state and a data shard of the activations: charged as more fsdp.
-    mesh = PlanMesh(mesh_shape["data"], mesh_shape["fsdp"] * mesh_shape.get("pipeline", 1), mesh_shape["tensor"],
+    # does of the state and a data shard of the activations: charged as more fsdp. Outside the
+    # experts the expert axis splits the batch as data does (maxfp4.parallel.mesh.resolve_mesh_shape).
+    mesh = PlanMesh(mesh_shape["data"] * mesh_shape.get("expert", 1),
+                    mesh_shape["fsdp"] * mesh_shape.get("pipeline", 1), mesh_shape["tensor"],
                     shard_optimizer=cfg.mesh.shard_optimizer_over_data)
     widest = widest_block_recipe(cfg)
-    return sum(planned(cfg, mesh, n_params, widest, cfg.train.remat).values())
+    # A context group of C devices: each holds T/C tokens of its rows and 1/C of the state, as
+    # the planner's proxy prices it (maxfp4.plan.context).
+    c = mesh_shape.get("context", 1)
+    parts = planned(proxy_config(cfg, c) if c > 1 else cfg, mesh, n_params, widest, cfg.train.remat)
+    return sum(state_over_context(parts, c).values())
 
 
 def widest_block_recipe(cfg: Config) -> str:
