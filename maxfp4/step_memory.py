@@ -31,6 +31,12 @@ def _size(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
+def memory_remedy(remat: str) -> str:
+    """What to change when a step does not fit a device (the preflight's line and this one's)."""
+    return ("shard more (mesh.fsdp), lower data.global_batch or raise train.microbatches"
+            + ("" if remat == "full" else ", or set train.remat=full"))
+
+
 def planned_bytes(analysis: Any) -> int:
     """Bytes a device the compiled step holds at its peak by XLA's buffer assignment
     (``Compiled.memory_analysis()``)."""
@@ -47,12 +53,14 @@ def device_limit_bytes(device) -> int | None:
 class CheckedStep:
     """``step(state, batch)``: ``jitted`` compiled on the first call, its plan checked against
     ``limit_bytes`` (None: no check), then run. ``planned`` holds the plan's bytes a device once
-    compiled; ``say`` gets one line with them."""
+    compiled; ``say`` gets one line with them; ``remedy`` (:func:`memory_remedy`) ends a refusal."""
 
-    def __init__(self, jitted: Callable, limit_bytes: int | None, say: Callable[[str], None] = lambda m: None):
+    def __init__(self, jitted: Callable, limit_bytes: int | None, say: Callable[[str], None] = lambda m: None,
+                 remedy: str = memory_remedy("none")):
         self._jitted = jitted
         self._limit = limit_bytes
         self._say = say
+        self._remedy = remedy
         self._compiled = None
         self.planned: int | None = None
 
@@ -63,8 +71,7 @@ class CheckedStep:
             if self._limit and self.planned > self._limit:
                 raise StepDoesNotFit(
                     f"the compiled train step needs {_size(self.planned)} a device by XLA's buffer assignment, "
-                    f"over the device's {_size(self._limit)}; shard more (mesh.fsdp), lower data.global_batch "
-                    f"or raise train.microbatches, or set train.remat=full; nothing was trained")
+                    f"over the device's {_size(self._limit)}; {self._remedy}; nothing was trained")
             of = f" of the device's {_size(self._limit)}" if self._limit else ""
             self._say(f"train step compiled: {_size(self.planned)} a device by XLA's buffer assignment{of}")
             self._compiled = compiled

@@ -70,7 +70,7 @@ from maxfp4.reliability.run_lock import run_directory
 from maxfp4.reliability.stragglers import StragglerHook, StragglerMonitor
 from maxfp4.reliability.watchdog import HangWatchdog
 from maxfp4.state import TrainState
-from maxfp4.step_memory import CheckedStep, StepDoesNotFit, device_limit_bytes
+from maxfp4.step_memory import CheckedStep, StepDoesNotFit, device_limit_bytes, memory_remedy
 from maxfp4.trackers import check_trackers_installed
 from maxfp4.step import check_loss_chunks, make_train_step
 
@@ -177,7 +177,8 @@ def train(cfg: Config, *, devices: Sequence[jax.Device] | None = None, stream=No
             # Compiled at its first call as jit would, and its plan held to the device's memory.
             local = next(d for d in start.mesh.devices.flat if d.process_index == jax.process_index())
             limit = device_limit_bytes(local) if cfg.resilience.preflight else None
-            step_fn = CheckedStep(step_fn, limit, say=_say if jax.process_index() == 0 else lambda m: None)
+            step_fn = CheckedStep(step_fn, limit, say=_say if jax.process_index() == 0 else lambda m: None,
+                                  remedy=memory_remedy(cfg.train.remat))
             hooks, metrics = make_hooks(start, watch, lock, checkpointer, data, eval_batches, state_sh, stream, goodput)
             batches = goodput.timed_batches(to_global(batch) for batch in data)
             loop = Loop(step_fn, state, batches, total_steps=cfg.train.steps, hooks=hooks,

@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxfp4.config import Config, ConfigError, add_config_arguments, config_from_arguments
 from maxfp4.reliability.run_lock import missing_directories, remove_if_empty
 from maxfp4.errors import UserError, exit_code_of
+from maxfp4.step_memory import device_limit_bytes, memory_remedy
 
 GEMM_SLOW_RATIO = 0.7
 MEMORY_HEADROOM = 0.9  # leave room for XLA's workspace and fragmentation (the host check)
@@ -264,16 +265,13 @@ def widest_block_recipe(cfg: Config) -> str:
 def check_memory(cfg: Config, devices: Sequence[jax.Device], n_params: int, mesh_shape: dict[str, int]) -> Check:
     need = memory_per_device(cfg, n_params, mesh_shape)
     local = [d for d in devices if d.process_index == jax.process_index()]
-    stats = local[0].memory_stats() if hasattr(local[0], "memory_stats") else None
-    limit = (stats or {}).get("bytes_limit")
+    limit = device_limit_bytes(local[0])
     if not limit:
         return check_host_memory(cfg, need * len(local), local[0].platform)
     if need > (1 + PLANNER_MEMORY_OVER) * limit:
-        remat = "" if cfg.train.remat == "full" else ", or set train.remat=full"
         return Check("memory", False, f"about {need / 2**30:.1f} GiB per device estimated, over the device's "
                                       f"{limit / 2**30:.1f} GiB by more than the estimate's "
-                                      f"{PLANNER_MEMORY_OVER:.0%} margin; shard more (mesh.fsdp), lower "
-                                      f"data.global_batch or raise train.microbatches{remat} "
+                                      f"{PLANNER_MEMORY_OVER:.0%} margin; {memory_remedy(cfg.train.remat)} "
                                       f"(the estimate is rough: resilience.preflight=false runs anyway)")
     return Check("memory", True, f"~{need / 2**30:.1f} of {limit / 2**30:.1f} GiB per device (the compiled step "
                                  f"is checked at its first call)")
