@@ -31,7 +31,6 @@ jax's entry.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Callable
 
@@ -116,7 +115,7 @@ def _cudnn_on_each_device(q_BTNH, k_BTKH, v_BTKH, rows: tuple, mask_of: Callable
 def _one_device() -> bool:
     """Whether the trace is outside ``shard_map`` and its mesh (if any) has one device."""
     mesh = traced_mesh()
-    return not _under_shard_map() and (mesh is None or math.prod(mesh.shape.values()) == 1)
+    return not _under_shard_map() and (mesh is None or mesh.size == 1)
 
 
 def _cudnn_causal(q_BTNH, k_BTKH, v_BTKH):
