@@ -6,7 +6,7 @@ compiler options), compiled for abstract inputs: no parameters, optimizer state 
 allocated, so a full-size config compiles on a laptop CPU as well as on its GPU.
 
     python benchmarks/compile_cost.py configs/dense-1p3b.yaml configs/precision/nvfp4.yaml \\
-        [key=value ...] [--top 12] [--json out.json]
+        [key=value ...] [--top 12] [--json out.json] [--hlo-out hlo.txt.gz]
 
 Arguments are those of ``python -m maxfp4.train`` (YAML files, then dotted overrides).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import re
 import sys
@@ -62,7 +63,7 @@ def abstract(shapes, shardings):
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def compile_cost(cfg: Config, top: int) -> dict:
+def compile_cost(cfg: Config, top: int, hlo_out: str | None = None) -> dict:
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     mesh = make_mesh(cfg.mesh, None)
     optimizer = make_optimizer(cfg)
@@ -81,9 +82,13 @@ def compile_cost(cfg: Config, top: int) -> dict:
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
+    text = compiled.as_text()
+    if hlo_out:
+        with gzip.open(hlo_out, "wt") as f:
+            f.write(text)
     return {"platform": platform, "devices": int(mesh.devices.size),
             "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
-            **hlo_census(compiled.as_text(), top)}
+            **hlo_census(text, top)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     add_config_arguments(parser)
     parser.add_argument("--top", type=int, default=12, help="origins listed")
     parser.add_argument("--json", help="also write the result here")
+    parser.add_argument("--hlo-out", help="also write the optimized HLO here, gzipped (e.g. hlo.txt.gz)")
     ns = parser.parse_args(argv)
-    result = {"args": [ns.config, *ns.overrides], **compile_cost(config_from_arguments(ns), ns.top)}
+    result = {"args": [ns.config, *ns.overrides], **compile_cost(config_from_arguments(ns), ns.top, ns.hlo_out)}
     print(f"{' '.join(result['args'])} on {result['devices']} {result['platform']} device(s): lower "
           f"{result['lower_s']} s, compile {result['compile_s']} s, {result['instructions']} HLO "
           f"instructions, {result['fusions']} fusions")

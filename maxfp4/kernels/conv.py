@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from maxfp4.kernels.epilogue import Quantize, Quantized
-from maxfp4.kernels.launch import triton_params
+from maxfp4.kernels.launch import pallas_call, triton_params
 
 _TILE_T = (64, 32, 16, 8)
 _TILE_C = (128, 64, 32, 16)
@@ -157,7 +157,7 @@ def _launch(kernel, x_shape, out_specs, out_shape, n_whole, interpret, *args, ti
     if t % tb or c % cb:
         raise ValueError(f"convolution tile {tb} x {cb} does not divide T x channels {t} x {c}")
     params = triton_params(interpret, num_warps)
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(kernel, tb=tb, cb=cb, width=args[2].shape[0]),
         grid=(b, t // tb, c // cb),
         in_specs=[pl.no_block_spec] * n_whole + [(tiled_specs or _tile_spec)(tb, cb)] * (len(args) - n_whole),

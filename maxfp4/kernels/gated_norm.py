@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from maxfp4.kernels.epilogue import Quantize, Quantized
-from maxfp4.kernels.launch import triton_params
+from maxfp4.kernels.launch import pallas_call, triton_params
 
 _TILE_ELEMENTS = 4096  # elements of one [Tr, Eg] tile: a row block of one group, held whole
 _BLOCK_ROWS = 16  # rows one backward program walks (its parameter-gradient partial sums cover them)
@@ -141,7 +141,7 @@ def _launch(kernel, rows_per_program, num_warps, b, t, e, groups, eps, interpret
     params = triton_params(interpret, num_warps)
     whole = [pl.no_block_spec] * len(args)
     outs = [pl.no_block_spec] * len(out_shape)
-    return pl.pallas_call(kernel, grid=(b, t // rows_per_program, groups), in_specs=whole, out_specs=outs,
+    return pallas_call(kernel, grid=(b, t // rows_per_program, groups), in_specs=whole, out_specs=outs,
                           out_shape=out_shape, interpret=interpret, **params)(*args)
 
 

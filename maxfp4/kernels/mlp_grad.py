@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec
 
 from maxfp4.parallel.mesh import batch_split_axes
 from maxfp4.kernels.epilogue import Quantized
-from maxfp4.kernels.launch import triton_params
+from maxfp4.kernels.launch import pallas_call, triton_params
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2
 
 # Tiles (block_m tokens, block_f features: SwiGLU's (gate, up) pairs) and warps: the fastest of
@@ -100,7 +100,7 @@ def _local(y_BTK, dh_BTF, scales, *, kind, block_m, block_f, num_warps, interpre
                  jax.ShapeDtypeStruct((f, gates, m), jnp.uint8), jax.ShapeDtypeStruct((f, m), jnp.uint8),
                  jax.ShapeDtypeStruct((m // block_m, f), jnp.float32))
     kernel = functools.partial(_kernel, block_m=block_m, block_f=block_f, kind=kind)
-    return pl.pallas_call(kernel, grid=(m // block_m, f // block_f), in_specs=[pl.no_block_spec] * 3,
+    return pallas_call(kernel, grid=(m // block_m, f // block_f), in_specs=[pl.no_block_spec] * 3,
                           out_specs=[pl.no_block_spec] * 4, out_shape=out_shape, interpret=interpret,
                           **triton_params(interpret, num_warps))(y_MF, dh_BTF.reshape(m, f), scales)
 

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec
 
 from maxfp4.parallel.mesh import batch_split_axes
 from maxfp4.kernels.epilogue import Quantize, Quantized
-from maxfp4.kernels.launch import triton_params
+from maxfp4.kernels.launch import pallas_call, triton_params
 
 ROWS = 16  # tokens a program assembles
 NUM_WARPS = 4
@@ -104,7 +104,7 @@ def _assemble_local(*arrays, out_dtype, rows, num_warps, rope, quantized, interp
     out_shape = [jax.ShapeDtypeStruct((b, t, kv, g + 2, h), out_dtype)]
     if quantized is not None:
         out_shape.append(jax.ShapeDtypeStruct((b, t // rows, kv, h // 2), jnp.float32))
-    return tuple(pl.pallas_call(kernel, grid=(b, t // rows, kv), in_specs=[pl.no_block_spec] * len(arrays),
+    return tuple(pallas_call(kernel, grid=(b, t // rows, kv), in_specs=[pl.no_block_spec] * len(arrays),
                                 out_specs=[pl.no_block_spec] * len(out_shape), out_shape=out_shape,
                                 interpret=interpret, **triton_params(interpret, num_warps))(*arrays))
 

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
 from maxfp4.parallel.mesh import split_size
-from maxfp4.kernels.launch import triton_params
+from maxfp4.kernels.launch import pallas_call, triton_params
 from maxfp4.precision import formats as F
 
 _GROUP = F.NVFP4_BLOCK  # rows of a Hadamard group, which is also an NVFP4 block
@@ -111,7 +111,7 @@ def _quantize_kernel(x_ref, enc_ref, scale_ref, *refs, bk, groups, stochastic, r
 
 def _launch(kernel, grid, out_shape, interpret, *args):
     whole = [pl.no_block_spec] * len(args)
-    return pl.pallas_call(kernel, grid=grid, in_specs=whole, out_specs=pl.no_block_spec, out_shape=out_shape,
+    return pallas_call(kernel, grid=grid, in_specs=whole, out_specs=pl.no_block_spec, out_shape=out_shape,
                           interpret=interpret, **triton_params(interpret, _NUM_WARPS))(*args)
 
 

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from maxfp4.kernels.launch import on_gpu, triton_params
+from maxfp4.kernels.launch import on_gpu, pallas_call, triton_params
 from maxfp4.kernels.ssd_ops import (check_shapes, compute_dtype, lowp_einsum, lowp_einsum_grads, masked_exp,
                                     ordered_dot, segment_starts)
 from maxfp4.kernels.state_passing import (entry_states_backward, entry_states_forward, pad_chunks,
@@ -195,7 +195,7 @@ class _Launch:
 
     def call(self, kernel, in_specs, out_specs, out_shape, *args, **kwargs):
         kwargs.update(triton_params(self.interpret, self.tiling.num_warps, self.tiling.num_stages))
-        return pl.pallas_call(kernel, grid=self.grid, in_specs=in_specs, out_specs=out_specs,
+        return pallas_call(kernel, grid=self.grid, in_specs=in_specs, out_specs=out_specs,
                               out_shape=out_shape, interpret=self.interpret, **kwargs)(*args)
 
 

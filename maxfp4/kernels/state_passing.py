@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from maxfp4.kernels.launch import triton_params
+from maxfp4.kernels.launch import pallas_call, triton_params
 
 # Elements of one program's state slice: 16 KiB in FP32, held in registers across the K steps.
 _SLICE_ELEMENTS = 4096
@@ -78,7 +78,7 @@ def _launch(kernel, states_shape, interpret, in_kinds, out_kinds, out_shape, *ar
         "decay": pl.BlockSpec((sq, kp, sq, r_t), lambda bi, gi, ni, ri: (bi, 0, gi, ri)),
         "partial": pl.BlockSpec((sq, kp, sq, sq, r_t), lambda bi, gi, ni, ri: (bi, 0, gi, ni, ri)),
     }
-    return pl.pallas_call(kernel, grid=(b, g, n, r // r_t), in_specs=[specs[s] for s in in_kinds],
+    return pallas_call(kernel, grid=(b, g, n, r // r_t), in_specs=[specs[s] for s in in_kinds],
                           out_specs=[specs[s] for s in out_kinds], out_shape=out_shape,
                           interpret=interpret, **triton_params(interpret, num_warps=4))(*args)
 

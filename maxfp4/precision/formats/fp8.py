@@ -35,16 +35,21 @@ def scale_from_amax(amax, fp8_dtype, margin=0, old_scale=None, power_2=False) ->
     A zero, negative or non-finite ``amax`` keeps ``old_scale`` (1.0 when None), so an all-zero
     or diverged step does not wreck the scale. An ``amax`` so small that the quotient overflows
     gives float32's max instead of inf (as Transformer Engine does), so ``0 * scale`` stays 0.
-    Works elementwise on arrays of amaxes. ``margin`` is an integer (Python or traced).
+    Works elementwise on arrays of amaxes; ``fp8_dtype`` may be a sequence of dtypes, one for
+    each entry of the last axis. ``margin`` is an integer (Python or traced).
     ``power_2``: round the new scale down to a power of two (:func:`power_2_floor`).
     """
     amax = jnp.asarray(amax, jnp.float32)
+    if isinstance(fp8_dtype, (tuple, list)):
+        top = jnp.asarray([fp8_max(d) for d in fp8_dtype], jnp.float32)
+    else:
+        top = fp8_max(fp8_dtype)
     old = jnp.ones_like(amax) if old_scale is None else jnp.asarray(old_scale, jnp.float32)
     if isinstance(margin, (int, np.integer)):
         pow2 = jnp.float32(2.0 ** -int(margin))
     else:  # a traced integer margin: build 2**-margin from exponent bits (exp2 may be inexact)
         pow2 = exp2_int(-jnp.asarray(margin, jnp.int32))
-    new = div_rn(fp8_max(fp8_dtype), amax) * pow2
+    new = div_rn(top, amax) * pow2
     new = jnp.where(jnp.isinf(new), jnp.float32(F32_MAX), new)
     if power_2:
         new = power_2_floor(new)

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxfp4.precision.formats.arith import div_rn
 from maxfp4.precision.formats.dtypes import (DEC_SHIFT, DEC_SHIFT_BELOW, E2M1_MAX, E4M3_MAX, F32_MAX, FP4_E2M1,
@@ -148,18 +149,34 @@ def nvfp4_block_scales(block_amax: jax.Array, amax: jax.Array | None = None):
     shift = jnp.where(s_dec < DEC_SHIFT_BELOW, jnp.float32(DEC_SHIFT), jnp.float32(1.0))
     # The barrier keeps XLA's simplifier from reassociating block_amax * (s_enc * (1/6)) into
     # (block_amax * s_enc) * (1/6), which rounds differently (and s * (s_dec * shift) likewise).
-    block_enc, s_dec_shifted, shift = jax.lax.optimization_barrier(
-        (s_enc * jnp.float32(1.0 / E2M1_MAX), s_dec * shift, shift)
+    # It also keeps the scalars computed once: without it XLA copied the divisions that make
+    # them into every fusion that reads them (a weight gradient's scaling fusion held four).
+    block_enc, s_dec_shifted, shift, s_dec = jax.lax.optimization_barrier(
+        (s_enc * jnp.float32(1.0 / E2M1_MAX), s_dec * shift, shift, s_dec)
     )
 
     s_f32 = jnp.minimum(block_amax * block_enc, jnp.float32(E4M3_MAX))
-    # The barrier keeps XLA from folding the f32 -> e4m3 -> f32 round trip below away.
+    # The barrier keeps XLA from folding the f32 -> e4m3 -> f32 round trip of the callers away.
     s_e4m3 = jax.lax.optimization_barrier(s_f32.astype(FP8_E4M3))
-    s_dq = s_e4m3.astype(jnp.float32)
 
-    # TE: fminf(1 / (s * S_dec), f32_max); a zero scale gives 1/0 = inf, hence f32_max.
-    enc = jnp.minimum(div_rn(1.0, s_dq * s_dec_shifted) * shift, F32_MAX)
+    # TE: fminf(1 / (s * S_dec), f32_max); a zero scale gives 1/0 = inf, hence f32_max. A block's
+    # factor depends only on its scale's byte, so it is computed once for each of the 256 E4M3
+    # codes and looked up by the byte: the same float32 operations on the same values, so the
+    # same bits, but one exact division of 256 elements per tensor instead of one per block (the
+    # division is ~100 integer instructions, which XLA copied into every fusion that read a
+    # factor: two thirds of an unrolled NVFP4 step's instructions and of its compile time).
+    # The barrier keeps the table a table: XLA would fuse its computation into the lookup,
+    # which computes the looked-up entry, one division per block again.
+    enc_of_code = jax.lax.optimization_barrier(
+        jnp.minimum(div_rn(1.0, _E4M3_VALUES * s_dec_shifted) * shift, F32_MAX))
+    codes = jax.lax.bitcast_convert_type(s_e4m3, jnp.uint8).astype(jnp.int32)
+    enc = enc_of_code.at[codes].get(mode="promise_in_bounds")
     return s_e4m3, enc, s_dec
+
+
+# Every E4M3 code's value in float32, indexed by the code's byte (NaN for the two NaN codes);
+# NumPy, so that importing the module starts no JAX backend.
+_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(np.dtype(FP8_E4M3)).astype(np.float32)
 
 
 def scale_to_e2m1_range(x: jax.Array, enc: jax.Array) -> jax.Array:
