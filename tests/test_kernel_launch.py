@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.experimental import pallas as pl
 
 from maxfp4.kernels import launch
@@ -65,3 +66,32 @@ def test_repeated_launches_in_a_program_lower_to_one_function():
     assert text.count("func.func private @wrapped(") == 1, text
     assert text.count("call @wrapped(") == 6, text
     np.testing.assert_array_equal(jax.jit(program)(jnp.ones(8, jnp.float32)), np.full(8, 64.0, np.float32))
+
+
+def test_without_the_triton_backend_auto_takes_xla_and_forced_kernels_are_refused(monkeypatch):
+    """jax 0.11 deprecates Pallas's Triton backend. On a GPU whose jax lacks it, every ``auto``
+    kernel choice falls to the XLA form and a forced ``model.mamba.kernels=pallas`` is one line."""
+    from maxfp4.config import ConfigError, load_config
+    from maxfp4.kernels import support
+    from maxfp4.model import fp8_mlp, mamba
+
+    shapes = ["model.mamba.head_dim=16", "model.mamba.d_state=16", "model.mamba.chunk_size=16"]
+    cfg = load_config("configs/hybrid-tiny.yaml", shapes)
+
+    def choices():
+        return (mamba.use_ssd_kernel(cfg.model), mamba.use_conv_kernel(cfg.model, 32, 192),
+                mamba.use_norm_kernel(cfg.model, 32, 64), fp8_mlp._kernel_applies(4096, 14336, 1, "swiglu"))
+
+    assert launch.triton_available()  # the jax installed here has the backend
+    monkeypatch.setattr(launch, "on_gpu", lambda: True)
+    monkeypatch.setattr(launch, "triton_available", lambda: True)
+    assert choices() == (True, True, True, True)  # a GPU with the backend: every kernel
+    monkeypatch.setattr(launch, "triton_available", lambda: False)
+    assert choices() == (False, False, False, False)  # without it: XLA everywhere
+
+    forced = load_config("configs/hybrid-tiny.yaml", [*shapes, "model.mamba.kernels=pallas"])
+    monkeypatch.setattr(support, "on_gpu", lambda: True)
+    monkeypatch.setattr(support, "triton_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^model.mamba.kernels='pallas': expected xla or auto: this jax has no "
+                                          r"Pallas Triton backend"):
+        support.check_mamba_kernels(forced.model, forced.data.seq_len)

@@ -28,6 +28,23 @@ def on_gpu() -> bool:
     return jax.devices()[0].platform in ("gpu", "cuda")
 
 
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether this jax has Pallas's Triton backend, which the kernels compile for on a GPU. jax
+    0.11 deprecates it and says it will be removed; where it is gone, ``auto`` gives every
+    kernel's place to its XLA form (slower, the same arithmetic) instead of failing."""
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except Exception:  # removed, or failing to import: either way, no kernels
+        return False
+    return True
+
+
+def kernels_on_gpu() -> bool:
+    """Whether ``auto`` picks the Pallas kernels: on a GPU whose jax has their backend."""
+    return on_gpu() and triton_available()
+
+
 def pallas_call(kernel: Callable, **launch: Any) -> Callable:
     """``pl.pallas_call(kernel, **launch)``, traced and lowered once for every launch of the
     same kernel, settings and operand types in a program.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from maxfp4.config import ModelConfig, describe
 from maxfp4.errors import ConfigError
 from maxfp4.kernels import conv, grouped_gemm, ssd
+from maxfp4.kernels.launch import on_gpu, triton_available
 from maxfp4.model_spec import mamba_dims, model_spec
 
 
@@ -16,6 +17,9 @@ def check_mamba_kernels(model: ModelConfig, seq_len: int) -> None:
     if not model_spec(model).blocks_with("mamba") or mb.kernels != "pallas":
         return
     value = describe(mb.kernels)
+    if on_gpu() and not triton_available():
+        raise ConfigError(f"model.mamba.kernels={value}: expected xla or auto: this jax has no Pallas Triton "
+                          f"backend to compile the kernels for the GPU")
     if not ssd.supported(mb.chunk_size, mb.head_dim, mb.d_state):
         raise ConfigError(f"model.mamba.kernels={value}: expected xla or auto unless chunk_size, head_dim and "
                           f"d_state are powers of two >= 16")

@@ -48,7 +48,7 @@ from maxfp4.kernels.epilogue import Quantize
 from maxfp4.model.layers import linear, rope_tables, rotate
 from maxfp4.model_spec import mixer_linears
 from maxfp4.model.remat import tag_attention_output
-from maxfp4.kernels.launch import on_gpu
+from maxfp4.kernels.launch import kernels_on_gpu, on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision
 from maxfp4.precision.formats import quantize_fp8
 
@@ -257,7 +257,7 @@ def assemble_qkv_grad(dq_BTNH: jax.Array, dk_BTKH: jax.Array, dv_BTKH: jax.Array
     b, t, n, h = dq_BTNH.shape
     kv = dk_BTKH.shape[2]
     if kernel is None:
-        kernel = (on_gpu() and qkv_grad_kernel.supported(t, n // kv, h)
+        kernel = (kernels_on_gpu() and qkv_grad_kernel.supported(t, n // kv, h)
                   and batch_split_axes(b) is not None)
     if kernel:
         return qkv_grad_kernel.assemble(dq_BTNH, dk_BTKH, dv_BTKH, tables, not on_gpu(), quantize)

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxfp4.parallel.mesh import batch_split_axes, split_size
 from maxfp4.model import activations
 from maxfp4.kernels import mlp_grad as mlp_grad_kernel
-from maxfp4.kernels.launch import on_gpu
+from maxfp4.kernels.launch import kernels_on_gpu, on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision
 from maxfp4.precision.formats import FP8_E4M3, FP8_E5M2, cast_fp8
 
@@ -70,7 +70,7 @@ def mlp(x_BTD: jax.Array, w_up_DK: jax.Array, w_down_FD: jax.Array, lp: LayerPre
 def _kernel_applies(m: int, f: int, batch: int, kind: str) -> bool:
     """On GPU, under no mesh or one that splits only the batch, with each device's tokens and
     the features (SwiGLU's pairs) in whole tiles of the kind's size."""
-    if not on_gpu():
+    if not kernels_on_gpu():
         return False
     split = batch_split_axes(batch)
     return split is not None and mlp_grad_kernel.supported(m // split_size(*split), f, *mlp_grad_kernel.TILES[kind])

@@ -39,7 +39,7 @@ from maxfp4.kernels.conv import causal_conv_silu, conv_kernel_supported
 from maxfp4.kernels.gated_norm import gated_norm_fused, gated_norm_supported
 from maxfp4.kernels.ssd import kernel_supported, ssd_fused
 from maxfp4.kernels.epilogue import Quantize, quantize_rounded
-from maxfp4.kernels.launch import on_gpu
+from maxfp4.kernels.launch import kernels_on_gpu, on_gpu
 from maxfp4.precision import GEMM_OUT, LayerPrecision
 
 Params = dict[str, Any]
@@ -125,7 +125,7 @@ def use_ssd_kernel(cfg: ModelConfig) -> bool:
     mb = cfg.mamba
     if mb.kernels != "auto":
         return mb.kernels == "pallas"
-    return on_gpu() and kernel_supported(mb.chunk_size, mb.head_dim, mb.d_state)
+    return kernels_on_gpu() and kernel_supported(mb.chunk_size, mb.head_dim, mb.d_state)
 
 
 def use_conv_kernel(cfg: ModelConfig, t: int, channels: int) -> bool:
@@ -134,14 +134,14 @@ def use_conv_kernel(cfg: ModelConfig, t: int, channels: int) -> bool:
     check makes pallas tile the training length; another length falls back to XLA)."""
     if cfg.mamba.kernels == "xla" or not conv_kernel_supported(t, channels):
         return False
-    return cfg.mamba.kernels == "pallas" or on_gpu()
+    return cfg.mamba.kernels == "pallas" or kernels_on_gpu()
 
 
 def use_norm_kernel(cfg: ModelConfig, t: int, e: int) -> bool:
     """model.mamba.kernels resolved for the gated norm epilogue, as for the convolution."""
     if cfg.mamba.kernels == "xla" or not gated_norm_supported(t, e, cfg.mamba.n_groups):
         return False
-    return cfg.mamba.kernels == "pallas" or on_gpu()
+    return cfg.mamba.kernels == "pallas" or kernels_on_gpu()
 
 
 def mamba_mixer(x_BTD: jax.Array, p: Params, segment_ids_BT: jax.Array, cfg: ModelConfig,

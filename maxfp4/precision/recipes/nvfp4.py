@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxfp4.kernels.launch import on_gpu
+from maxfp4.kernels.launch import kernels_on_gpu, on_gpu
 from maxfp4.kernels.rht import hadamard_block_dequantize_nvfp4_columns, rht_columns_supported
 from maxfp4.parallel.mesh import batch_split, split_size, splits_only
 from maxfp4.precision import catalog
@@ -125,7 +125,7 @@ def nvfp4_wgrad(x_MK: jax.Array, dy_MN: jax.Array, rht: bool, key: jax.Array | N
         # XLA cannot partition a kernel: on a mesh it would gather the whole operands onto every
         # device. The kernels run per device when the step is traced under a mesh whose only
         # split axes are the ones splitting the tokens (maxfp4.train traces it so).
-        kernels = gpu and (jax.device_count() == 1 or (mesh is not None and splits_only(mesh, row_axes)))
+        kernels = kernels_on_gpu() and (jax.device_count() == 1 or (mesh is not None and splits_only(mesh, row_axes)))
     v_x, s_x = _emulated_wgrad_operand(x_MK, rht, None, kernels, not gpu, mesh, row_axes, rht_bf16)
     v_dy, s_dy = _emulated_wgrad_operand(dy_MN, rht, key, kernels, not gpu, mesh, row_axes, rht_bf16)
     dw = jax.lax.dot_general(v_x, v_dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
