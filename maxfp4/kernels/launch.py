@@ -58,7 +58,9 @@ def pallas_call(kernel: Callable, **launch: Any) -> Callable:
 
     The key is the launch's structure: the kernel function (with a ``functools.partial``'s
     arguments), grid, block specs (their index maps by code and captured values), output
-    shapes and compiler settings. A launch with something unhashable in it is called uncached.
+    shapes and compiler settings. Values a kernel reads from its module's globals are taken as
+    constants, as the kernels here use them. A launch with something unhashable in it is called
+    uncached.
     """
     from jax.experimental import pallas as pl
     try:
