@@ -66,7 +66,7 @@ def pallas_call(kernel: Callable, **launch: Any) -> Callable:
     try:
         key = _structure((kernel, launch))
         hash(key)
-    except TypeError:
+    except (TypeError, RecursionError):  # an unhashable value, or a closure that reaches itself
         return pl.pallas_call(kernel, **launch)
     return _jitted(_Launch(key, lambda: pl.pallas_call(kernel, **launch)))
 
