@@ -77,6 +77,9 @@ def measure_one(args: list[str], steps: int, warmup: int) -> dict:
         # the first step of the process: tracing, compiling (or loading from the persistent
         # cache, run.compile_cache_dir) and running it
         "first_step_s": records[0].get("first_step_s"),
+        # its two compile phases: jax's tracing and lowering, XLA's compile (maxfp4.step_memory)
+        "lower_s": records[0].get("lower_s"),
+        "xla_compile_s": records[0].get("xla_compile_s"),
     }
 
 
@@ -105,7 +108,7 @@ def write_results(results: list[dict], json_path: str | None) -> int:
 
 def format_table(results: list[dict]) -> str:
     head = (f"{'run':<28}{'dev':>4}{'recipes':>22}{'remat':>10}{'step ms':>9}{'tok/s':>10}"
-            f"{'tok/s/dev':>10}{'TFLOP/s':>9}{'MFU':>7}{'MFU pol':>8}{'peak GiB':>9}{'1st s':>7}")
+            f"{'tok/s/dev':>10}{'TFLOP/s':>9}{'MFU':>7}{'MFU pol':>8}{'peak GiB':>9}{'1st s':>7}{'lower s':>8}{'XLA s':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         if "error" in r:
@@ -116,7 +119,8 @@ def format_table(results: list[dict]) -> str:
             f"{r['label']:<28}{r['devices']:>4}{','.join(r['recipes']):>22}{r['remat']:>10}"
             f"{1e3 * r['step_time_s']:>9.1f}{r['tokens_per_s']:>10.0f}{r['tokens_per_s_per_device']:>10.0f}"
             f"{r['tflops_per_device']:>9.1f}{pct(r['mfu']):>7}{pct(r['mfu_policy_peak']):>8}"
-            f"{(r['peak_memory_gib'] or 0):>9.1f}{(r.get('first_step_s') or 0):>7.1f}")
+            f"{(r['peak_memory_gib'] or 0):>9.1f}{(r.get('first_step_s') or 0):>7.1f}"
+            f"{(r.get('lower_s') or 0):>8.1f}{(r.get('xla_compile_s') or 0):>7.1f}")
     return "\n".join(lines)
 
 

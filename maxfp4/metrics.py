@@ -171,8 +171,10 @@ class MetricsLogger:
         if "eval_loss" in r:
             parts.append(f"eval {r['eval_loss']:.4f}")
         if "compile_s" in r:  # the first step of this process: said once, never counted in tok/s
+            split = (f" (lowering {r['lower_s']:.1f} s, XLA {r['xla_compile_s']:.1f} s)"
+                     if "xla_compile_s" in r else "")
             parts.append(f"first step {r['first_step_s']:.1f} s, {r['compile_s']:.1f} s of it tracing and "
-                         f"compiling (not counted in tok/s)")
+                         f"compiling{split} (not counted in tok/s)")
         if r.get("step_time_s") is None:
             return " | ".join(parts)
         parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
@@ -244,7 +246,8 @@ class MetricsHook(Hook):
             self._first_step = step
             dispatched = time.perf_counter()
             done = self._ends[step] = self.clock.ended_at(self._tickets.pop(step))
-            self._first = {"compile_s": loop.dispatch_s, "first_step_s": loop.dispatch_s + done - dispatched}
+            self._first = {"compile_s": loop.dispatch_s, "first_step_s": loop.dispatch_s + done - dispatched,
+                           **getattr(loop.step_fn, "phases", {})}
             self._mark = (step, done)
 
     def on_rewind(self, loop, step: int) -> None:

@@ -16,6 +16,8 @@ and a batch of fixed shapes).
 
 from __future__ import annotations
 
+import time
+
 from typing import Any, Callable
 
 from maxfp4.errors import UserError
@@ -63,10 +65,17 @@ class CheckedStep:
         self._remedy = remedy
         self._compiled = None
         self.planned: int | None = None
+        # Host seconds of the first call's two phases: jax's tracing and lowering, then XLA's
+        # compile (or the persistent cache's load); empty until then.
+        self.phases: dict[str, float] = {}
 
     def __call__(self, state, batch):
         if self._compiled is None:
-            compiled = self._jitted.lower(state, batch).compile()
+            start = time.perf_counter()
+            lowered = self._jitted.lower(state, batch)
+            lowered_at = time.perf_counter()
+            compiled = lowered.compile()
+            self.phases = {"lower_s": lowered_at - start, "xla_compile_s": time.perf_counter() - lowered_at}
             self.planned = planned_bytes(compiled.memory_analysis())
             if self._limit and self.planned > self._limit:
                 raise StepDoesNotFit(

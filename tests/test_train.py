@@ -119,13 +119,17 @@ def test_two_step_run_measures_its_rate_without_the_compile_and_says_so(tiny_cfg
     first, second = records
     assert first["step"] == 1 and first["tokens_per_s"] is None and first["step_time_s"] is None
     assert 0 < first["compile_s"] <= first["first_step_s"] < wall_s
+    # The compile's two phases, timed inside the first dispatch.
+    assert 0 < first["lower_s"] and 0 < first["xla_compile_s"]
+    assert first["lower_s"] + first["xla_compile_s"] <= first["compile_s"]
     tokens = cfg.data.global_batch * cfg.data.seq_len
     assert 0.5 <= second["step_time_s"] < wall_s - first["first_step_s"]
     assert 0 < second["tokens_per_s"] <= tokens / 0.5
     assert second["tflops_per_device"] > 0 and second["mfu"] is None  # measured, but no CPU peak to divide by
     text = out.getvalue()
     lines = [l for l in text.splitlines() if l.startswith("step ")]
-    assert "tracing and compiling (not counted in tok/s)" in lines[0] and "tok/s |" not in lines[0]
+    assert "tracing and compiling (lowering " in lines[0] and " s, XLA " in lines[0]
+    assert "(not counted in tok/s)" in lines[0] and "tok/s |" not in lines[0]
     assert text.count("compiling") == 1
     assert "tok/s" in lines[1] and "TFLOP" not in text and "MFU" not in text
     assert "measured 1 step(s)" in text and "not counted" in text.splitlines()[-1]
