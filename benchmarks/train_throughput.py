@@ -8,7 +8,10 @@ Prints one table and writes JSON:
     python benchmarks/train_throughput.py \\
         --run "dense-1p3b bf16=configs/dense-1p3b.yaml configs/precision/bf16.yaml" \\
         --run "dense-1p3b fp8=configs/dense-1p3b.yaml configs/precision/fp8.yaml train.remat=save_gemm" \\
-        [--steps 10 --warmup 3 --timeout 600 --json out.json]
+        [--steps 10 --warmup 3 --timeout 600 --json out.json] [--cold]
+
+Each row also gives the first step's time (``1st s``) and its compile split into jax's tracing
+and lowering and XLA's compile; ``--cold`` gives each run an empty compilation cache of its own.
 
 A run is ``LABEL=ARGS``: ARGS are what ``python -m maxfp4.train`` takes (YAML files, then
 dotted overrides). All visible devices are used, with the config's mesh.
@@ -131,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--cold", action="store_true",
+                        help="each run with an empty compilation cache of its own (a cold first step)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
@@ -143,12 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     if not ns.run:
         parser.error("give at least one --run LABEL=ARGS")
     results = []
-    for spec in ns.run:
-        label, _, args = spec.partition("=")
-        if not args:
-            parser.error(f"--run {spec!r}: expected LABEL=ARGS")
-        results.append(run_child(label.strip(), shlex.split(args), ns.steps, ns.warmup, ns.timeout))
-        print(format_table(results[-1:]).splitlines()[-1], flush=True)
+    with tempfile.TemporaryDirectory(prefix="maxfp4-cold-") as caches:
+        for i, spec in enumerate(ns.run):
+            label, _, args = spec.partition("=")
+            if not args:
+                parser.error(f"--run {spec!r}: expected LABEL=ARGS")
+            run_args = shlex.split(args) + ([f"run.compile_cache_dir={caches}/{i}"] if ns.cold else [])
+            results.append(run_child(label.strip(), run_args, ns.steps, ns.warmup, ns.timeout))
+            print(format_table(results[-1:]).splitlines()[-1], flush=True)
     print()
     print(format_table(results))
     return write_results(results, ns.json)
