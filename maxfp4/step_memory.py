@@ -17,7 +17,6 @@ and a batch of fixed shapes).
 from __future__ import annotations
 
 import time
-
 from typing import Any, Callable
 
 from maxfp4.errors import UserError

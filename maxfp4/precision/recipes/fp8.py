@@ -194,25 +194,20 @@ def fp8_delayed_scales(options, scales) -> jax.Array:
     return _delayed_scales(scales, options)
 
 
-def _inverses(s: jax.Array) -> jax.Array:
-    """``1 / s`` of a layer's (x, w, dY) scales, f32[3], in one exact division: the forward and
-    backward GEMMs take their factors from it (the backward's, from the same residual, is the
-    same computation, which XLA merges with the forward's). Dividing each GEMM's two scalars
-    on their own made six divisions a layer, each ~100 instructions, which XLA gathered into a
-    few fusions of thousands (mamba2-1p3b's FP8 step: 37k of its 83k instructions)."""
-    return F.div_rn(1.0, s)
-
-
 def fp8_delayed_forward_quantized(qx, amax_x, x_dtype, w, options, scales):
     """``fp8_delayed_forward`` for x already quantized with ``fp8_delayed_scales(...)[0]`` by
     its producer, which also reports ``amax_x``, the max of |x| in ``x_dtype`` (the dtype the
     BF16 path would have handed the recipe, and the dtype of dx)."""
     s = _delayed_scales(scales, options)  # kept for the backward pass as used here
-    inv = _inverses(s)
+    # 1/s of the three scales in one exact division, kept for the backward GEMMs too. Dividing
+    # each GEMM's two scalars on its own made six divisions a layer, each ~100 instructions,
+    # which XLA gathered into a few fusions of thousands (mamba2-1p3b's FP8 step, H200: 37k of
+    # its 83k instructions).
+    inv = F.div_rn(1.0, s)
     y, (qx_MK, qw) = _fp8_forward_quantized(qx, s[0], w, s[1], _power_2(options), fast_accumulation(options).forward,
                                             _layer_class(options), (inv[0], inv[1]))
     amax_xw = jnp.stack([jnp.asarray(amax_x, jnp.float32), amax(w)])
-    return y, (qx_MK, qw, s, amax_xw, dtype_token(x_dtype))
+    return y, (qx_MK, qw, s, amax_xw, dtype_token(x_dtype), inv)
 
 
 def fp8_delayed_dy_scale(residuals) -> jax.Array:
@@ -246,8 +241,7 @@ def fp8_delayed_backward_quantized(options, residuals, qdy, amax_dy, qdy_t_NM=No
 def fp8_delayed_dgrad(options, residuals, qdy):
     """dx alone, from dY quantized as for ``fp8_delayed_backward_quantized``: for a producer of
     the wgrad's operands that needs dx first (the MLP's activation needs mlp_down's dx)."""
-    _, qw, s, _, x_token = residuals
-    inv = _inverses(s)
+    _, qw, s, _, x_token, inv = residuals
     return _fp8_dgrad(qdy, s[2], qw, s[1], _power_2(options), fast_accumulation(options).backward,
                       _layer_class(options), (inv[2], inv[1])).astype(x_token.dtype)
 
@@ -255,8 +249,7 @@ def fp8_delayed_dgrad(options, residuals, qdy):
 def fp8_delayed_wgrad(options, residuals, qdy, amax_dy, qdy_t_NM=None, qx_t_KM=None):
     """``(dw, amaxes)``, the rest of ``fp8_delayed_backward_quantized``; ``qx_t_KM``: x as quantized
     in the forward, stored transposed ([K, M]) by the code that also produced it."""
-    qx, _, s, amax_xw, _ = residuals
-    inv = _inverses(s)
+    qx, _, s, amax_xw, _, inv = residuals
     dw = _fp8_wgrad(qdy, s[2], qx, s[0], _power_2(options), fast_accumulation(options).backward, qdy_t_NM, qx_t_KM,
                     (inv[0], inv[2]))
     # The scales' "gradient" is this step's amaxes (x, w, dY): see the module docstring.
@@ -322,12 +315,8 @@ def _next_slot(slot: dict[str, jax.Array], amax_new: jax.Array, margin: int, alg
     or non-finite amax_h keeps the old scale."""
     history = jnp.roll(slot["amax_history"], 1, axis=-1).at[..., 0].set(amax_new)
     amax_h = jnp.max(history, axis=-1) if algo == "max" else history[..., 0]
-    # One exact division for the whole [L, 3] array. With unrolled blocks each block's amaxes
-    # arrive as separate scalars, and XLA moved the arithmetic into each of them: 3 L copies of
-    # the division's ~100 instructions (in mamba2-1p3b's FP8 step, 37k of its 83k instructions
-    # and a large part of its compile time). The barrier keeps the array whole.
-    amax_h, old = jax.lax.optimization_barrier((amax_h, slot["scale"]))
-    scales = F.scale_from_amax(amax_h, SLOT_DTYPES, margin, old, power_2)
+    # One exact division for the whole [L, 3] array, each slot with its format's max.
+    scales = F.scale_from_amax(amax_h, SLOT_DTYPES, margin, slot["scale"], power_2)
     return {"scale": scales, "amax_history": history}
 
 
