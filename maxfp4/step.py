@@ -29,7 +29,7 @@ from maxfp4.parallel.pipeline import make_pipelined_loss
 from maxfp4.optim import global_norm
 from maxfp4.precision import PrecisionPolicy
 from maxfp4.precision.catalog import SPECS
-from maxfp4.precision.state import scales_of, update_precision_state
+from maxfp4.precision.state import scales_of, update_precision_state, with_reciprocals
 from maxfp4.model.router_state import combine_cotangents, router_metrics, update_router_state, with_aux_weight
 from maxfp4.model_spec import model_spec
 from maxfp4.state import TrainState
@@ -64,6 +64,7 @@ def make_loss_fn(cfg: Config, policy: PrecisionPolicy, mesh: Mesh | None = None,
         # mesh.context > 1: every per-token array in the load-balanced order the context split
         # needs (maxfp4.parallel.context); the summed loss does not depend on the order.
         batch = to_zigzag(batch, cfg.mesh.context)
+        scales = with_reciprocals(scales, policy)
         out = forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
                       cfg=cfg.model, policy=policy, scales=scales, key=key, remat=cfg.train.remat,
                       scan_layers=cfg.train.scan_layers, logits=chunks == 1,

@@ -4,6 +4,7 @@ policy resolution; a tiny model trains with every recipe."""
 import io
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -13,7 +14,7 @@ from maxfp4.config import ConfigError, load_config
 from maxfp4.precision import formats as F
 from maxfp4.precision import resolve_policy
 from maxfp4.precision.recipes.bf16 import bf16_dot
-from maxfp4.precision.recipes.fp8 import fp8_current_dot, fp8_delayed_dot
+from maxfp4.precision.recipes.fp8 import fp8_current_dot, fp8_delayed_dot, fp8_delayed_with_reciprocals
 from maxfp4.precision.recipes.nvfp4 import _hadamard_tokens, nvfp4_dot, nvfp4_gemm_tn, nvfp4_wgrad
 from maxfp4.precision.state import init_precision_state, scales_of, update_precision_state
 from maxfp4.kernels.rht import rht_columns_supported
@@ -92,6 +93,68 @@ def test_fp8_delayed_uses_the_given_scales_and_reports_amaxes():
     _assert_bf16_close(_f64(dw), rdw, "wgrad")
     expected = [np.abs(_f64(a)).max() for a in (x, w, dy)]
     np.testing.assert_allclose(np.asarray(amaxes), expected, rtol=0)
+
+
+@pytest.mark.parametrize("options", [(), (("power_2_scale", True),)])
+def test_fp8_delayed_scales_with_reciprocals_give_the_same_bits(options):
+    """A layer given its scales with their reciprocals (one division for a class's whole [L, 3]
+    array) computes what it computes from the three alone, and returns the amaxes in the six's
+    shape, zero for the reciprocals."""
+    x, w, dy = _operands(3)
+    scales_L3 = jnp.asarray([[3.0, 500.0, 2.0e6], [0.7, 1.0e-3, 3.3e4]], jnp.float32)
+    with_inv_L6 = fp8_delayed_with_reciprocals(scales_L3, options)
+    assert with_inv_L6.shape == (2, 6)
+    np.testing.assert_array_equal(with_inv_L6[:, :3], scales_L3)
+    used = np.asarray(F.power_2_floor(scales_L3) if options else scales_L3)
+    np.testing.assert_array_equal(with_inv_L6[:, 3:], F.div_rn(1.0, used))
+    for i in range(2):
+        (y3, vjp3) = jax.vjp(lambda x, w, s: fp8_delayed_dot(x, w, options, s), x, w, scales_L3[i])
+        (y6, vjp6) = jax.vjp(lambda x, w, s: fp8_delayed_dot(x, w, options, s), x, w, with_inv_L6[i])
+        np.testing.assert_array_equal(np.asarray(y6, np.float32), np.asarray(y3, np.float32))
+        dx3, dw3, amax3 = vjp3(dy)
+        dx6, dw6, amax6 = vjp6(dy)
+        np.testing.assert_array_equal(np.asarray(dx6, np.float32), np.asarray(dx3, np.float32))
+        np.testing.assert_array_equal(dw6, dw3)
+        assert amax6.shape == (6,)
+        np.testing.assert_array_equal(amax6, np.concatenate([amax3, np.zeros(3, np.float32)]))
+
+
+def _calls_named(jaxpr, name: str) -> int:
+    """Calls of the jitted function ``name`` anywhere in ``jaxpr``, its sub-jaxprs included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.params.get("name") == name:
+            count += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _calls_named(sub, name)
+    return count
+
+
+def test_train_step_divides_fp8_scales_once_per_class_not_per_layer(tiny_cfg):
+    """With unrolled blocks the step's exact divisions do not grow with depth: each class's
+    reciprocals are one division of its [L, 3] array (maxfp4.precision.state.with_reciprocals),
+    not one per layer (XLA gathered those into fusions of thousands of instructions)."""
+    from maxfp4.optim import make_optimizer, make_schedule
+    from maxfp4.parallel.mesh import make_mesh
+    from maxfp4.step import make_train_step
+    from maxfp4.train import init_state
+
+    def divisions(n_layers):
+        cfg = tiny_cfg(f"model.n_layers={n_layers}", "train.scan_layers=false", "precision.default=fp8_delayed")
+        mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+        optimizer = make_optimizer(cfg)
+        state, _ = init_state(cfg, mesh, optimizer)
+        step = make_train_step(cfg, resolve_policy(cfg.precision, n_layers), optimizer, make_schedule(cfg), mesh)
+        b, t = cfg.data.global_batch, cfg.data.seq_len
+        tokens = jnp.zeros((b, t), jnp.int32)
+        batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens + 1,
+                 "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                 "loss_mask": jnp.ones((b, t), jnp.float32)}
+        return _calls_named(jax.make_jaxpr(step)(state, batch).jaxpr, "div_rn")
+
+    two, four = divisions(2), divisions(4)
+    assert two > 0
+    assert four == two, (two, four)
 
 
 def _pow2_floor_reference(v):

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from maxfp4.errors import ConfigError
+from maxfp4.model_spec import CLASS_GROUPS
 from maxfp4.precision.policy import BLOCK_CLASSES, PrecisionPolicy
 from maxfp4.precision.recipes import Recipe
 from maxfp4.model.router_state import STATE_KEY as ROUTER_KEY, router_inputs
@@ -73,6 +74,23 @@ def scales_of(state: dict[str, Any]) -> dict[str, Any]:
     if ROUTER_KEY in state:
         out["blocks"] = {**out.get("blocks", {}), **router_inputs(state[ROUTER_KEY])}
     return out
+
+
+def with_reciprocals(scales: dict[str, Any], policy: PrecisionPolicy) -> dict[str, Any]:
+    """:func:`scales_of`'s output as the model's layers take it: each block class's [L, 3] scales
+    with what the stateful recipe computes from them once for all layers appended
+    (``Recipe.with_reciprocals``: [L, 6] for fp8_delayed; the same values a layer would compute
+    alone). Inside the differentiated loss, so the scales' cotangent keeps :func:`scales_of`'s
+    layout. The expert classes go as they are (their grouped GEMM takes [L, 3]), as do the LM
+    head's single scales and the routers' inputs."""
+    recipe = state_recipe(policy)
+    if recipe is None or recipe.with_reciprocals is None or "blocks" not in scales:
+        return scales
+    options = policy.options_tuple(recipe.name)
+    skip = set(CLASS_GROUPS["expert"])
+    blocks = {c: recipe.with_reciprocals(s, options) if c in BLOCK_CLASSES and c not in skip else s
+              for c, s in scales["blocks"].items()}
+    return {**scales, "blocks": blocks}
 
 
 def update_precision_state(state: dict[str, Any], amaxes: dict[str, Any],

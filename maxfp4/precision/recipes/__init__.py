@@ -59,6 +59,11 @@ class Recipe:
     # ``grouped(x[M, K], w[G, K, N], sizes[G], options, scales, key) -> y[M, N]``; None: the
     # recipe cannot run expert layers.
     grouped: Callable | None = None
+    # ``with_reciprocals(scales[..., 3], options) -> [..., 6]``: a stateful recipe's scales with
+    # what its layers would otherwise compute from them one layer at a time (the exact
+    # reciprocals), computed once over a class's [L, 3] array; its dot and operand hooks take
+    # either width (maxfp4.precision.state.with_reciprocals). None: the scales go as they are.
+    with_reciprocals: Callable | None = None
 
     def __post_init__(self):
         if self.spec.stateful != (self.init_state is not None and self.update_state is not None):

@@ -167,7 +167,26 @@ def _delayed_scales(scales, options):
     # With power_2_scale the state's scales are already powers of two (state.py rounds them);
     # rounding again here is a no-op then, and keeps the BF16 GEMM form exact for scales that
     # are not (a state initialised or restored by other code, scales passed in by a caller).
+    scales = scales[..., :3]  # a layer's scales may come with their reciprocals appended
     return F.power_2_floor(scales) if _power_2(options) else scales
+
+
+def fp8_delayed_with_reciprocals(scales_X3: jax.Array, options) -> jax.Array:
+    """[..., 3] scales -> [..., 6]: the scales, then the exact reciprocals (``formats.div_rn``)
+    of the scales a step quantizes with, computed once for a whole class's [L, 3] array. A layer
+    given the six reads its reciprocals instead of dividing its own three: one division of ~100
+    instructions per scale and layer, which XLA gathered into multi-output fusions of thousands
+    of instructions and whose compile dominated (mamba2-1p3b FP8 on an H200: 15.8k of its 62.8k
+    instructions). The reciprocals carry no gradient: the scales' cotangent (this step's amaxes)
+    reaches the first three only."""
+    inv = F.div_rn(1.0, _delayed_scales(scales_X3, options))
+    return jnp.concatenate([scales_X3, jax.lax.stop_gradient(inv)], axis=-1)
+
+
+def _scales_and_reciprocals(scales, options) -> tuple[jax.Array, jax.Array]:
+    """``(s, 1/s)`` of a layer's three scales, given as [3] or with their reciprocals as [6]."""
+    s = _delayed_scales(scales, options)
+    return s, (scales[3:] if scales.shape[-1] == 6 else F.div_rn(1.0, s))
 
 
 def _fp8_delayed_fwd(x, w, options, scales, key):
@@ -198,16 +217,15 @@ def fp8_delayed_forward_quantized(qx, amax_x, x_dtype, w, options, scales):
     """``fp8_delayed_forward`` for x already quantized with ``fp8_delayed_scales(...)[0]`` by
     its producer, which also reports ``amax_x``, the max of |x| in ``x_dtype`` (the dtype the
     BF16 path would have handed the recipe, and the dtype of dx)."""
-    s = _delayed_scales(scales, options)  # kept for the backward pass as used here
-    # 1/s of the three scales in one exact division, kept for the backward GEMMs too. Dividing
-    # each GEMM's two scalars on its own made six divisions a layer, each ~100 instructions,
-    # which XLA gathered into a few fusions of thousands (mamba2-1p3b's FP8 step, H200: 37k of
-    # its 83k instructions).
-    inv = F.div_rn(1.0, s)
+    # The scales as used here, and their reciprocals, kept for the backward GEMMs too (given
+    # with the scales by fp8_delayed_with_reciprocals, else one exact division of the three).
+    s, inv = _scales_and_reciprocals(scales, options)
     y, (qx_MK, qw) = _fp8_forward_quantized(qx, s[0], w, s[1], _power_2(options), fast_accumulation(options).forward,
                                             _layer_class(options), (inv[0], inv[1]))
     amax_xw = jnp.stack([jnp.asarray(amax_x, jnp.float32), amax(w)])
-    return y, (qx_MK, qw, s, amax_xw, dtype_token(x_dtype), inv)
+    # The residual scales keep the width the scales came in (3 or 6), so the backward pass
+    # returns their cotangent in the same shape (the reciprocals' part zero).
+    return y, (qx_MK, qw, jnp.concatenate([s, inv[:scales.shape[-1] - 3]]), amax_xw, dtype_token(x_dtype), inv)
 
 
 def fp8_delayed_dy_scale(residuals) -> jax.Array:
@@ -252,8 +270,9 @@ def fp8_delayed_wgrad(options, residuals, qdy, amax_dy, qdy_t_NM=None, qx_t_KM=N
     qx, _, s, amax_xw, _, inv = residuals
     dw = _fp8_wgrad(qdy, s[2], qx, s[0], _power_2(options), fast_accumulation(options).backward, qdy_t_NM, qx_t_KM,
                     (inv[0], inv[2]))
-    # The scales' "gradient" is this step's amaxes (x, w, dY): see the module docstring.
-    return dw, jnp.concatenate([amax_xw, jnp.asarray(amax_dy, jnp.float32)[None]])
+    # The scales' "gradient" is this step's amaxes (x, w, dY): see the module docstring; zero
+    # for the reciprocals where the scales came with them.
+    return dw, jnp.concatenate([amax_xw, jnp.asarray(amax_dy, jnp.float32)[None], jnp.zeros_like(s[3:])])
 
 
 _fp8_delayed.defvjp(_fp8_delayed_fwd, _fp8_delayed_bwd)
@@ -334,5 +353,6 @@ FP8_DELAYED_FUSED = FusedOperands(
     backward_quantized=fp8_delayed_backward_quantized, dgrad=fp8_delayed_dgrad, wgrad=fp8_delayed_wgrad)
 
 FP8_DELAYED = Recipe(catalog.FP8_DELAYED, fp8_delayed_dot, fused=FP8_DELAYED_FUSED, init_state=init_slot,
-                     update_state=update_slot, grouped=fp8_delayed_grouped)
+                     update_state=update_slot, grouped=fp8_delayed_grouped,
+                     with_reciprocals=fp8_delayed_with_reciprocals)
 FP8_CURRENT = Recipe(catalog.FP8_CURRENT, fp8_current_dot, grouped=fp8_current_grouped)
