@@ -59,6 +59,7 @@ from maxfp4.model.loss import chunked_loss_sum, token_losses
 from maxfp4.model.router_state import PROBE
 from maxfp4.model_spec import model_spec
 from maxfp4.precision import PrecisionPolicy
+from maxfp4.precision.state import with_reciprocals
 
 AXIS = "pipeline"
 # The start-up check and the bubble live beside the cuts and the schedule; callers import them here.
@@ -204,6 +205,7 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         # mesh.context > 1: the load-balanced token order the context split needs, as unpipelined
         micro = split_microbatches(to_zigzag(batch, cfg.mesh.context), m)
         micro["loss_mask"] = micro["loss_mask"].astype(jnp.float32)
+        scales = with_reciprocals(scales, policy)  # as unpipelined: one division a class
         blocks = {g: params[g] for g in groups}
         others = {k: v for k, v in params.items() if k not in groups}
         block_scales = scales.get("blocks", {})
