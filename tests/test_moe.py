@@ -117,6 +117,27 @@ def test_grouped_fp8_delayed_quantizes_with_the_state_and_reports_amaxes():
     np.testing.assert_array_equal(np.asarray(amaxes), [np.abs(x).max(), np.abs(w).max(), np.abs(dy).max()])
 
 
+@pytest.mark.parametrize("options", [(), (("power_2_scale", True),)])
+def test_grouped_fp8_delayed_scales_with_reciprocals_give_the_same_bits(options):
+    """Expert layers given their scales with the reciprocals of the products they dequantize by
+    (one division for a class's [L, 3] array) compute what the three alone give, and return the
+    amaxes in the six's shape, zero for the reciprocals."""
+    x, w, dy = _operands(4)
+    dy = _bf16(dy)
+    scales_L3 = jnp.asarray([[32.0, 64.0, 2.0], [3.3, 0.07, 9.1e3]], jnp.float32)
+    with_inv_L6 = RECIPES["fp8_delayed"].grouped_with_reciprocals(scales_L3, options)
+    used = F.power_2_floor(scales_L3) if options else scales_L3
+    np.testing.assert_array_equal(with_inv_L6[:, :3], scales_L3)
+    np.testing.assert_array_equal(with_inv_L6[:, 3:], F.div_rn(1.0, jnp.stack(
+        [used[:, 0] * used[:, 1], used[:, 2] * used[:, 1], used[:, 0] * used[:, 2]], axis=-1)))
+    for i in range(2):
+        *three, amax3 = _run("fp8_delayed", x, w, dy, options, scales=scales_L3[i])
+        *six, amax6 = _run("fp8_delayed", x, w, dy, options, scales=with_inv_L6[i])
+        for a, b in zip(six, three):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(amax6, np.concatenate([amax3, np.zeros(3, np.float32)]))
+
+
 def test_grouped_nvfp4_matches_float64_of_the_quantized_operands():
     x, w, dy = _operands(3)
     x, dy = _bf16(x), _bf16(dy)  # activations and gradients arrive in BF16

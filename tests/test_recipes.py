@@ -139,8 +139,9 @@ def test_train_step_divides_fp8_scales_once_per_class_not_per_layer(tiny_cfg):
     from maxfp4.step import make_train_step
     from maxfp4.train import init_state
 
-    def divisions(n_layers):
-        cfg = tiny_cfg(f"model.n_layers={n_layers}", "train.scan_layers=false", "precision.default=fp8_delayed")
+    def divisions(n_layers, *overrides):
+        cfg = tiny_cfg(f"model.n_layers={n_layers}", "train.scan_layers=false", "precision.default=fp8_delayed",
+                       *overrides)
         mesh = make_mesh(cfg.mesh, jax.devices()[:1])
         optimizer = make_optimizer(cfg)
         state, _ = init_state(cfg, mesh, optimizer)
@@ -154,6 +155,10 @@ def test_train_step_divides_fp8_scales_once_per_class_not_per_layer(tiny_cfg):
 
     two, four = divisions(2), divisions(4)
     assert two > 0
+    assert four == two, (two, four)
+    # mixture-of-experts blocks too: their grouped GEMMs' reciprocals come with the scales
+    moe = ("model.kind=hybrid", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=32")
+    two, four = divisions(2, "model.pattern=*E", *moe), divisions(4, "model.pattern=*E*E", *moe)
     assert four == two, (two, four)
 
 

@@ -80,17 +80,20 @@ def with_reciprocals(scales: dict[str, Any], policy: PrecisionPolicy) -> dict[st
     """:func:`scales_of`'s output as the model's layers take it: each block class's [L, 3] scales
     with what the stateful recipe computes from them once for all layers appended
     (``Recipe.with_reciprocals``: [L, 6] for fp8_delayed; the same values a layer would compute
-    alone). Inside the differentiated loss, so the scales' cotangent keeps :func:`scales_of`'s
-    layout. The expert classes go as they are (their grouped GEMM takes [L, 3]), as do the LM
-    head's single scales and the routers' inputs."""
+    alone); the expert classes in their grouped GEMM's form (``Recipe.grouped_with_reciprocals``).
+    Inside the differentiated loss, so the scales' cotangent keeps :func:`scales_of`'s layout.
+    The LM head's single scales and the routers' inputs go as they are."""
     recipe = state_recipe(policy)
-    if recipe is None or recipe.with_reciprocals is None or "blocks" not in scales:
+    if recipe is None or "blocks" not in scales:
         return scales
     options = policy.options_tuple(recipe.name)
-    skip = set(CLASS_GROUPS["expert"])
-    blocks = {c: recipe.with_reciprocals(s, options) if c in BLOCK_CLASSES and c not in skip else s
-              for c, s in scales["blocks"].items()}
-    return {**scales, "blocks": blocks}
+    experts = set(CLASS_GROUPS["expert"])
+
+    def prepared(c, s):
+        fn = recipe.grouped_with_reciprocals if c in experts else recipe.with_reciprocals
+        return fn(s, options) if fn is not None and c in BLOCK_CLASSES else s
+
+    return {**scales, "blocks": {c: prepared(c, s) for c, s in scales["blocks"].items()}}
 
 
 def update_precision_state(state: dict[str, Any], amaxes: dict[str, Any],

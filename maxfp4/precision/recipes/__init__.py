@@ -64,6 +64,8 @@ class Recipe:
     # reciprocals), computed once over a class's [L, 3] array; its dot and operand hooks take
     # either width (maxfp4.precision.state.with_reciprocals). None: the scales go as they are.
     with_reciprocals: Callable | None = None
+    # The same for the expert classes, in the form ``grouped`` takes (None: they go as they are).
+    grouped_with_reciprocals: Callable | None = None
 
     def __post_init__(self):
         if self.spec.stateful != (self.init_state is not None and self.update_state is not None):

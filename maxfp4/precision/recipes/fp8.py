@@ -24,7 +24,8 @@ from maxfp4.precision import catalog
 from maxfp4.precision import formats as F
 from maxfp4.precision.catalog import FAST_ACCUMULATION_DEFAULT, LAYER_CLASS_OPTION
 from maxfp4.precision.fused import FusedOperands
-from maxfp4.precision.recipes.grouped import fp8_current_grouped, fp8_delayed_grouped
+from maxfp4.precision.recipes.grouped import (fp8_current_grouped, fp8_delayed_grouped,
+                                               fp8_delayed_grouped_with_reciprocals)
 from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, amax, dtype_token, flat, unflat
 
 
@@ -354,5 +355,6 @@ FP8_DELAYED_FUSED = FusedOperands(
 
 FP8_DELAYED = Recipe(catalog.FP8_DELAYED, fp8_delayed_dot, fused=FP8_DELAYED_FUSED, init_state=init_slot,
                      update_state=update_slot, grouped=fp8_delayed_grouped,
-                     with_reciprocals=fp8_delayed_with_reciprocals)
+                     with_reciprocals=fp8_delayed_with_reciprocals,
+                     grouped_with_reciprocals=fp8_delayed_grouped_with_reciprocals)
 FP8_CURRENT = Recipe(catalog.FP8_CURRENT, fp8_current_dot, grouped=fp8_current_grouped)

@@ -112,16 +112,24 @@ def _quantize_experts(w_GKN, sw_G):
     return F.quantize_fp8(w_GKN, sw_G[:, None, None], F.FP8_E4M3)
 
 
-def _fp8_fprop(qx_MK, sx, qw_GKN, sw_G, sizes_G, gemm):
+def _reciprocal(a, b, given=None):
+    """``1 / (a * b)`` correctly rounded (``formats.div_rn``), or ``given`` (the same value
+    computed once for a class's layers by :func:`fp8_delayed_grouped_with_reciprocals`)
+    broadcast to the product's shape."""
+    product = a * b
+    return F.div_rn(1.0, product) if given is None else jnp.broadcast_to(given, product.shape)
+
+
+def _fp8_fprop(qx_MK, sx, qw_GKN, sw_G, sizes_G, gemm, inv_xw=None):
     groups_M = row_groups(sizes_G, qx_MK.shape[0])
-    inv_M = F.div_rn(1.0, sx * sw_G)[groups_M]
+    inv_M = _reciprocal(sx, sw_G, inv_xw)[groups_M]
     return (ragged(qx_MK, qw_GKN, sizes_G, gemm) * inv_M[:, None]).astype(COMPUTE_DTYPE)
 
 
-def _fp8_backward(qdy_MN, sdy, qx_MK, sx, qw_GKN, sw_G, sizes_G, gemm):
+def _fp8_backward(qdy_MN, sdy, qx_MK, sx, qw_GKN, sw_G, sizes_G, gemm, inv_dyw=None, inv_xdy=None):
     groups_M = row_groups(sizes_G, qdy_MN.shape[0])
-    dx = ragged_t(qdy_MN, qw_GKN, sizes_G, gemm) * F.div_rn(1.0, sdy * sw_G)[groups_M][:, None]
-    dw = ragged_wgrad(qx_MK, qdy_MN, sizes_G, gemm) * F.div_rn(1.0, sx * sdy)
+    dx = ragged_t(qdy_MN, qw_GKN, sizes_G, gemm) * _reciprocal(sdy, sw_G, inv_dyw)[groups_M][:, None]
+    dw = ragged_wgrad(qx_MK, qdy_MN, sizes_G, gemm) * _reciprocal(sx, sdy, inv_xdy)
     return dx, dw
 
 
@@ -157,33 +165,54 @@ def _fp8_delayed(x_MK, w_GKN, sizes_G, scales, gemm):
     return _fp8_delayed_fwd(x_MK, w_GKN, sizes_G, scales, gemm)[0]
 
 
+def _given_reciprocals(scales):
+    """The three reciprocals (x w, dY w, x dY) that came with the scales, else Nones."""
+    return tuple(scales[3:]) if scales.shape[-1] == 6 else (None, None, None)
+
+
 def _fp8_delayed_fwd(x_MK, w_GKN, sizes_G, scales, gemm):
     sx, sw, _ = scales[0], scales[1], scales[2]
     sw_G = jnp.broadcast_to(sw, (w_GKN.shape[0],))
     qx, qw = F.quantize_fp8(x_MK, sx, F.FP8_E4M3), _quantize_experts(w_GKN, sw_G)
     amax_xw = jnp.stack([amax(x_MK), amax(w_GKN)])
-    return (_fp8_fprop(qx, sx, qw, sw_G, sizes_G, gemm),
+    return (_fp8_fprop(qx, sx, qw, sw_G, sizes_G, gemm, _given_reciprocals(scales)[0]),
             (qx, qw, sw_G, sizes_G, scales, amax_xw, dtype_token(x_MK.dtype)))
 
 
 def _fp8_delayed_bwd(gemm, res, dy_MN):
     qx, qw, sw_G, sizes_G, scales, amax_xw, x_token = res
     sdy = scales[2]
-    dx, dw = _fp8_backward(F.quantize_fp8(dy_MN, sdy, F.FP8_E5M2), sdy, qx, scales[0], qw, sw_G, sizes_G, gemm)
-    # The scales' "gradient" is this step's amaxes (x, w, dY), as in recipes.fp8.
-    return dx.astype(x_token.dtype), dw, None, jnp.concatenate([amax_xw, amax(dy_MN)[None]])
+    _, inv_dyw, inv_xdy = _given_reciprocals(scales)
+    dx, dw = _fp8_backward(F.quantize_fp8(dy_MN, sdy, F.FP8_E5M2), sdy, qx, scales[0], qw, sw_G, sizes_G, gemm,
+                           inv_dyw, inv_xdy)
+    # The scales' "gradient" is this step's amaxes (x, w, dY), as in recipes.fp8; zero for the
+    # reciprocals where the scales came with them.
+    return dx.astype(x_token.dtype), dw, None, jnp.concatenate([amax_xw, amax(dy_MN)[None], jnp.zeros_like(scales[3:])])
 
 
 _fp8_delayed.defvjp(_fp8_delayed_fwd, _fp8_delayed_bwd)
 
 
 def fp8_delayed_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None, gemm="xla"):
+    """``scales``: f32[3] (x, w, dY), or f32[6] with the reciprocals of
+    :func:`fp8_delayed_grouped_with_reciprocals` appended."""
     del key
     if scales is None:
         raise ValueError("fp8_delayed needs its scaling state (scales f32[3])")
     if bool(dict(options).get("power_2_scale", False)):
-        scales = F.power_2_floor(scales)
+        scales = jnp.concatenate([F.power_2_floor(scales[:3]), scales[3:]])
     return _fp8_delayed(x_MK, w_GKN, sizes_G, scales, gemm)
+
+
+def fp8_delayed_grouped_with_reciprocals(scales_X3: jax.Array, options) -> jax.Array:
+    """[..., 3] scales of an expert class -> [..., 6]: the scales, then the exact reciprocals of
+    the products its three GEMMs dequantize with (x w, dY w, x dY), computed once for the
+    class's [L, 3] array rather than in every layer (recipes.fp8.fp8_delayed_with_reciprocals
+    says why). No gradient reaches them."""
+    s = F.power_2_floor(scales_X3) if bool(dict(options).get("power_2_scale", False)) else scales_X3
+    sx, sw, sdy = s[..., 0], s[..., 1], s[..., 2]
+    inv = F.div_rn(1.0, jnp.stack([sx * sw, sdy * sw, sx * sdy], axis=-1))
+    return jnp.concatenate([scales_X3, jax.lax.stop_gradient(inv)], axis=-1)
 
 
 # ----------------------------------------------------------------------------- nvfp4
