@@ -127,6 +127,20 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def split_run(spec: str) -> tuple[str, list[str]]:
+    """``LABEL=ARGS`` -> (label, the arguments): the label ends at the first ``=``, so ARGS must
+    begin with a YAML file or a dotted ``key=value``; anything else means the label had an ``=``."""
+    label, _, args = spec.partition("=")
+    words = shlex.split(args)
+    first = words[0] if words else ""
+    key = first.partition("=")[0]
+    yaml_file = "=" not in first and first.endswith((".yaml", ".yml"))
+    if not (yaml_file or ("=" in first and "." in key)):
+        raise ValueError(f"--run {spec!r}: expected LABEL=ARGS, a label without '=' and ARGS beginning with a "
+                         f"YAML file or a dotted key=value (got {first!r} after the label {label!r})")
+    return label.strip(), words
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", action="append", default=[], help="LABEL=ARGS (repeatable)")
@@ -147,14 +161,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not ns.run:
         parser.error("give at least one --run LABEL=ARGS")
+    try:  # every run checked before the first starts
+        runs = [split_run(spec) for spec in ns.run]
+    except ValueError as e:
+        parser.error(str(e))
     results = []
     with tempfile.TemporaryDirectory(prefix="maxfp4-cold-") as caches:
-        for i, spec in enumerate(ns.run):
-            label, _, args = spec.partition("=")
-            if not args:
-                parser.error(f"--run {spec!r}: expected LABEL=ARGS")
-            run_args = shlex.split(args) + ([f"run.compile_cache_dir={caches}/{i}"] if ns.cold else [])
-            results.append(run_child(label.strip(), run_args, ns.steps, ns.warmup, ns.timeout))
+        for i, (label, args) in enumerate(runs):
+            run_args = args + ([f"run.compile_cache_dir={caches}/{i}"] if ns.cold else [])
+            results.append(run_child(label, run_args, ns.steps, ns.warmup, ns.timeout))
             print(format_table(results[-1:]).splitlines()[-1], flush=True)
     print()
     print(format_table(results))
