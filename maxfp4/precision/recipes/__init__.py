@@ -111,6 +111,11 @@ def unflat(y_MN: jax.Array, lead: tuple[int, ...]) -> jax.Array:
     return y_MN.reshape(*lead, y_MN.shape[-1])
 
 
+def power_2_scale(options) -> bool:
+    """The FP8 recipes' ``power_2_scale`` option (scales rounded down to powers of two)."""
+    return bool(dict(options).get("power_2_scale", False))
+
+
 def dtype_token(dtype) -> jax.Array:
     """A zero-size array that carries a dtype (of x, whose gradient takes it) through the
     residuals: dtypes are not JAX types."""

@@ -26,7 +26,8 @@ from maxfp4.precision.catalog import FAST_ACCUMULATION_DEFAULT, LAYER_CLASS_OPTI
 from maxfp4.precision.fused import FusedOperands
 from maxfp4.precision.recipes.grouped import (fp8_current_grouped, fp8_delayed_grouped,
                                                fp8_delayed_grouped_with_reciprocals)
-from maxfp4.precision.recipes import COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, amax, dtype_token, flat, unflat
+from maxfp4.precision.recipes import (COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, amax, dtype_token, flat,
+                                      power_2_scale, unflat)
 
 
 # FP8 accumulation, as XLA hands it to cuBLASLt: a dot whose operand precisions are all DEFAULT
@@ -143,10 +144,6 @@ def _fp8_wgrad(qdy, sdy, qx_MK, sx, power_2, fast, qdy_t_NM=None, qx_t_KM=None, 
     return fp8_gemm_tn(qx_t_KM, sx, qdy_t_NM, sdy, jnp.float32, power_2, fast, inverses)
 
 
-def _power_2(options) -> bool:
-    return bool(dict(options).get("power_2_scale", False))
-
-
 class Accumulation(NamedTuple):
     forward: bool  # fprop
     backward: bool  # dgrad and wgrad
@@ -169,7 +166,7 @@ def _delayed_scales(scales, options):
     # rounding again here is a no-op then, and keeps the BF16 GEMM form exact for scales that
     # are not (a state initialised or restored by other code, scales passed in by a caller).
     scales = scales[..., :3]  # a layer's scales may come with their reciprocals appended
-    return F.power_2_floor(scales) if _power_2(options) else scales
+    return F.power_2_floor(scales) if power_2_scale(options) else scales
 
 
 def fp8_delayed_with_reciprocals(scales_X3: jax.Array, options) -> jax.Array:
@@ -221,8 +218,9 @@ def fp8_delayed_forward_quantized(qx, amax_x, x_dtype, w, options, scales):
     # The scales as used here, and their reciprocals, kept for the backward GEMMs too (given
     # with the scales by fp8_delayed_with_reciprocals, else one exact division of the three).
     s, inv = _scales_and_reciprocals(scales, options)
-    y, (qx_MK, qw) = _fp8_forward_quantized(qx, s[0], w, s[1], _power_2(options), fast_accumulation(options).forward,
-                                            _layer_class(options), (inv[0], inv[1]))
+    y, (qx_MK, qw) = _fp8_forward_quantized(qx, s[0], w, s[1], power_2_scale(options),
+                                            fast_accumulation(options).forward, _layer_class(options),
+                                            (inv[0], inv[1]))
     amax_xw = jnp.stack([jnp.asarray(amax_x, jnp.float32), amax(w)])
     # The residual scales keep the width the scales came in (3 or 6), so the backward pass
     # returns their cotangent in the same shape (the reciprocals' part zero).
@@ -261,7 +259,7 @@ def fp8_delayed_dgrad(options, residuals, qdy):
     """dx alone, from dY quantized as for ``fp8_delayed_backward_quantized``: for a producer of
     the wgrad's operands that needs dx first (the MLP's activation needs mlp_down's dx)."""
     _, qw, s, _, x_token, inv = residuals
-    return _fp8_dgrad(qdy, s[2], qw, s[1], _power_2(options), fast_accumulation(options).backward,
+    return _fp8_dgrad(qdy, s[2], qw, s[1], power_2_scale(options), fast_accumulation(options).backward,
                       _layer_class(options), (inv[2], inv[1])).astype(x_token.dtype)
 
 
@@ -269,7 +267,7 @@ def fp8_delayed_wgrad(options, residuals, qdy, amax_dy, qdy_t_NM=None, qx_t_KM=N
     """``(dw, amaxes)``, the rest of ``fp8_delayed_backward_quantized``; ``qx_t_KM``: x as quantized
     in the forward, stored transposed ([K, M]) by the code that also produced it."""
     qx, _, s, amax_xw, _, inv = residuals
-    dw = _fp8_wgrad(qdy, s[2], qx, s[0], _power_2(options), fast_accumulation(options).backward, qdy_t_NM, qx_t_KM,
+    dw = _fp8_wgrad(qdy, s[2], qx, s[0], power_2_scale(options), fast_accumulation(options).backward, qdy_t_NM, qx_t_KM,
                     (inv[0], inv[2]))
     # The scales' "gradient" is this step's amaxes (x, w, dY): see the module docstring; zero
     # for the reciprocals where the scales came with them.
@@ -312,7 +310,7 @@ _fp8_current.defvjp(_fp8_current_fwd, _fp8_current_bwd)
 def fp8_current_dot(x, w, options=(), scales=None, key=None):
     """Per-tensor FP8 with each scale from the tensor's own current amax (no state)."""
     del scales, key
-    return _fp8_current(x, w, _power_2(options), fast_accumulation(options), _layer_class(options))
+    return _fp8_current(x, w, power_2_scale(options), fast_accumulation(options), _layer_class(options))
 
 
 # ----------------------------------------------------------------------------- delayed-scaling state
