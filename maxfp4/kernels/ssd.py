@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from maxfp4.kernels import ssd_mosaic
 from maxfp4.kernels.launch import on_gpu, pallas_call, triton_params
 from maxfp4.kernels.ssd_ops import (check_shapes, compute_dtype, lowp_einsum, lowp_einsum_grads, masked_exp,
                                     ordered_dot, segment_starts)
@@ -154,6 +155,9 @@ class Tiling(NamedTuple):
     num_warps: int = 8
     heads: int = 1
     num_stages: int = 1
+    # The forward's kernel: "triton" (here), or "mosaic" (maxfp4.kernels.ssd_mosaic, Mosaic GPU,
+    # which takes its own program shape; the backward stays here either way).
+    forward: str = "triton"
 
 
 def default_tiling(chunk_size: int, heads_per_group: int) -> Tiling:
@@ -210,6 +214,9 @@ def chunk_outputs(cb, x, dt, cs, seg, c_entry, d, out_dtype, matmul_dtype, inter
 
 
 def _chunk_outputs_fwd(cb, x, dt, cs, seg, c_entry, d, out_dtype, matmul_dtype, interpret, tiling):
+    if tiling.forward == "mosaic":
+        y = ssd_mosaic.chunk_outputs_forward(cb, x, dt, cs, seg, c_entry, d, out_dtype, interpret)
+        return y, (cb, x, dt, cs, seg, c_entry, d)
     launch = _Launch(c_entry, cb, interpret, tiling)
     cdt = dt.dtype
     kernel = functools.partial(_forward_kernel, matmul_dtype=matmul_dtype, cdt=cdt)
@@ -259,13 +266,16 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
               C_BTGN: jax.Array, segment_ids_BT: jax.Array, chunk_size: int,
               matmul_dtype: jnp.dtype | None = None, interpret: bool | None = None,
               tiling: Tiling | None = None, D_H: jax.Array | None = None,
-              x_within_BTC: jax.Array | None = None) -> jax.Array:
+              x_within_BTC: jax.Array | None = None, forward: str = "auto") -> jax.Array:
     """Drop-in for ``ssd_chunked`` (same arguments, same result to rounding) with the intra-chunk
     and entry-state outputs computed by the Pallas kernel. ``interpret`` defaults to True off GPU;
     ``tiling`` to ``default_tiling``. With ``D_H`` the output includes the mixer's D skip,
     y + D_h x_h, added by the kernel that holds x anyway (so no later pass reads x for it).
     ``x_within_BTC``: an array whose first H x P columns are x (the convolution output, say);
     the kernels then read x there in place instead of from a sliced copy, where they can.
+    ``forward``: the forward's kernel, "triton", "mosaic" (``maxfp4.kernels.ssd_mosaic``; off GPU
+    under Mosaic GPU's interpreter) or "auto" (mosaic on a Hopper GPU where it takes the shapes
+    and operand dtypes, else triton); it sets ``tiling.forward``.
     """
     g, r = check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     if chunk_size < 1:
@@ -284,8 +294,24 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
         x_kernel = x_within_BTC.reshape(b, t, -1, p).astype(x_kernel.dtype)
     # D repeated over each head's columns, in the compute dtype (zero: no skip).
     d_HP = jnp.broadcast_to((jnp.zeros((h,), dt.dtype) if D_H is None else D_H.astype(dt.dtype))[:, None], (h, p))
+    if forward == "auto":
+        forward = "mosaic" if (not interpret and ssd_mosaic.available()
+                               and mosaic_forward_takes(chunk_size, p, h // g, x_kernel.dtype, dt.dtype,
+                                                        x_BTHP.dtype)) else "triton"
+    if forward not in ("triton", "mosaic"):
+        raise ValueError(f"forward: expected auto, triton or mosaic, got {forward!r}")
+    tiling = tiling._replace(forward=forward)
     y_BTHP = chunk_outputs(cb, x_kernel, dt, *rest, d_HP, x_BTHP.dtype, matmul_dtype, interpret, tiling)
     return y_BTHP[:, :t]
+
+
+def mosaic_forward_takes(chunk_size: int, head_dim: int, heads_per_group: int, operand_dtype, compute_dtype,
+                         out_dtype) -> bool:
+    """Whether ``auto`` runs this forward on ``ssd_mosaic``: its shapes, BF16 operands
+    (``ssd_matmul=bf16``), FP32 decays and a BF16 output (the model's; the GPU runs checked that)."""
+    return (ssd_mosaic.forward_supported(chunk_size, head_dim, heads_per_group)
+            and jnp.dtype(operand_dtype) == jnp.bfloat16 and jnp.dtype(compute_dtype) == jnp.float32
+            and jnp.dtype(out_dtype) == jnp.bfloat16)
 
 
 _CHUNK_STATES = "bksgn,bksgrp->bkgnrp"

@@ -1,0 +1,100 @@
+"""The SSD forward's Mosaic GPU kernel (maxfp4.kernels.ssd_mosaic) without a GPU: under Mosaic
+GPU's interpreter it gives the Triton kernel's output (interpreted) and, through ``ssd_fused``,
+the sequential scan's to the BF16 operands' bound; the gradients through it are the Triton
+path's; and it lowers for CUDA at mamba2-1p3b's shapes, which checks its register layouts and
+shared-memory budget as the GPU compile would. The compiled kernel against the Triton one:
+tests/test_gpu_mamba_kernels.py (GPU).
+
+Bounds: the two kernels add a row's 128 products in different orders (FP32) before one BF16
+rounding, so an output may differ by one BF16 step: max |a - b| <= 2^-8 max |b| (a step of
+values up to half the largest; near zero a step is relative to the products summed, not to the
+output), and nearly all are equal (>= 99% asserted). Against the FP32 reference, BF16 operands: 2e-2 of
+max |y|, the bound of test_ssd_kernel.py's BF16 test.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxfp4.config import ConfigError, load_config
+from maxfp4.kernels import ssd_mosaic
+from maxfp4.kernels.ssd import Tiling, chunk_outputs, kernel_inputs, mosaic_forward_takes, ssd_fused
+from maxfp4.model.ssd import ssd_reference
+from tests.test_ssd import ARG_NAMES, _inputs, _rel
+
+B, T, H, P, G, N, Q = 1, 256, 4, 64, 1, 32, 128
+# Two documents in the row, the second starting inside the first chunk, so masks and the
+# entry-state factor are exercised.
+IDS = np.repeat(np.array([[1, 2]], np.int32), [100, T - 100], axis=1)
+
+
+def _kernel_inputs():
+    x, dt, A, Bm, C = _inputs(3, B, T, H, P, G, N, dtype=np.float32, dt_range=(0.01, 0.3))
+    inputs = kernel_inputs(x, dt, A, Bm, C, jnp.asarray(IDS), Q, jnp.bfloat16, interpret=True)
+    d = jnp.broadcast_to(jnp.linspace(0.5, 1.5, H, dtype=jnp.float32)[:, None], (H, P))
+    return (*inputs, d)
+
+
+def test_interpreted_kernel_gives_the_triton_kernels_output():
+    inputs = _kernel_inputs()
+    y_triton = chunk_outputs(*inputs, jnp.bfloat16, jnp.bfloat16, True, Tiling(heads=2))
+    y_mosaic = ssd_mosaic.chunk_outputs_forward(*inputs, jnp.bfloat16, interpret=True)
+    a, b = np.asarray(y_mosaic, np.float64), np.asarray(y_triton, np.float64)
+    assert a.shape == (B, T, H, P) and np.abs(b).max() > 1
+    assert np.abs(a - b).max() <= 2.0 ** -8 * np.abs(b).max()
+    assert np.mean(a == b) >= 0.99
+
+
+def test_ssd_fused_with_the_mosaic_forward_matches_the_scan_and_the_triton_gradients():
+    args = _inputs(5, B, T, H, P, G, N, dtype=np.float32, dt_range=(0.01, 0.3))
+    ids = jnp.asarray(IDS)
+    w = jnp.cos(jnp.arange(B * T * H * P, dtype=jnp.float32).reshape(B, T, H, P))
+
+    def fused(forward):
+        return lambda *a: ssd_fused(*a, ids, Q, matmul_dtype=jnp.bfloat16, interpret=True, forward=forward)
+
+    y_ref = ssd_reference(*args, ids)
+    assert 0 < _rel(fused("mosaic")(*args), y_ref) < 2e-2
+
+    def grads(fn):
+        return jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=range(5))(*args)
+    # The backward kernels read the forward's inputs, not its output: the same gradients.
+    for name, got, want in zip(ARG_NAMES, grads(fused("mosaic")), grads(fused("triton"))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+
+
+def test_kernel_lowers_for_cuda_at_the_benchmark_shapes():
+    """mamba2-1p3b a layer: 2 of its 8 rows, 64 heads of 64 in one group, chunks of 128."""
+    b, t, h, p, g = 2, 2048, 64, 64, 1
+    k = t // Q
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    shapes = [((b, k, g, Q, Q), f32), ((b, t, h, p), bf16), ((b, h, t), f32), ((b, h, t), f32), ((b, t), jnp.int32),
+              ((b, t, h, p), bf16), ((h, p), f32)]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    lowered = jax.jit(lambda *a: ssd_mosaic.chunk_outputs_forward(*a, bf16)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_shapes_dtypes_and_program_size():
+    assert ssd_mosaic.forward_supported(128, 64, 64) and ssd_mosaic.forward_supported(128, 64, 2)
+    assert not ssd_mosaic.forward_supported(256, 64, 64)  # the [Q, Q] FP32 tile would not fit
+    assert not ssd_mosaic.forward_supported(64, 64, 2)  # no register layouts for [64, 64] tiles (jax 0.11.2)
+    assert not ssd_mosaic.forward_supported(128, 128, 64) and not ssd_mosaic.forward_supported(128, 64, 3)
+    assert [ssd_mosaic.heads_per_program(r) for r in (2, 6, 8, 64)] == [2, 2, 8, 16]
+    assert mosaic_forward_takes(128, 64, 64, jnp.bfloat16, jnp.float32, jnp.bfloat16)
+    assert not mosaic_forward_takes(128, 64, 64, jnp.float32, jnp.float32, jnp.bfloat16)  # ssd_matmul=fp32
+    assert not mosaic_forward_takes(128, 64, 64, jnp.bfloat16, jnp.float32, jnp.float32)  # FP32 activations
+    if jax.devices()[0].platform == "cpu":  # off a Hopper GPU, auto keeps the Triton forward
+        assert not ssd_mosaic.available()
+    with pytest.raises(ValueError, match="forward: expected auto, triton or mosaic, got 'cuda'"):
+        ssd_fused(*_inputs(1, 1, 16, 4, 4, 2, 4, dtype=np.float32), jnp.ones((1, 16), jnp.int32), 8,
+                  interpret=True, forward="cuda")
+
+
+def test_kernel_backend_key():
+    cfg = load_config(None, ["model.kind=hybrid", "model.pattern=M*", "model.mamba.kernel_backend=triton"])
+    assert cfg.model.mamba.kernel_backend == "triton"
+    with pytest.raises(ConfigError, match=r"model\.mamba\.kernel_backend.*'mosaik'.*auto or triton"):
+        load_config(None, ["model.kind=hybrid", "model.pattern=M*", "model.mamba.kernel_backend=mosaik"])
