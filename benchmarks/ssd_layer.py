@@ -5,9 +5,11 @@ matmul FLOPs that maxfp4.metrics charges (training FLOPs per token x tokens).
 
 One row per variant (``--variants``): implementation (model.mamba.kernels: XLA's chunked form,
 or the Pallas kernel), operand precision of the token-length matmuls (model.mamba.ssd_matmul),
-chunk size and kernel tiling (Triton warps, heads per program, stages); each row also gives its
-largest difference from the first row, output and gradients, relative to that row's largest
-magnitude.
+chunk size and kernel tiling (Triton warps, heads per program, stages, and which kernel runs the
+forward and the backward's input gradients: ``triton``, the default, or ``mosaic``, e.g.
+``pallas:bf16:128:8:16:1:mosaic:mosaic``); each
+row also gives its largest difference from the first row, output and gradients, relative to that
+row's largest magnitude.
 
 ``--split`` instead times the Pallas variant's two parts apart: the XLA part around the kernel
 (``kernel_inputs``) and the kernel itself (``chunk_outputs``), forward and forward+backward.
@@ -28,6 +30,13 @@ from maxfp4.model_spec import mamba_dims as dims
 from maxfp4.model.ssd import ssd_chunked
 from maxfp4.kernels.ssd import Tiling, chunk_outputs, kernel_inputs, ssd_fused
 from timing import median_ms
+
+
+def parse_tiling(fields: list[str]) -> Tiling:
+    """WARPS[:HEADS[:STAGES]][:FORWARD[:BACKWARD]] (each triton or mosaic) as a Tiling."""
+    numbers = [int(f) for f in fields if f not in ("triton", "mosaic")]
+    kernels = [f for f in fields if f in ("triton", "mosaic")] + ["triton", "triton"]
+    return Tiling(*numbers, forward=kernels[0], backward=kernels[1])
 
 
 def split(x, dt, A, B, C, ids, q: int, tiling: Tiling, iters: int) -> list[tuple[str, float]]:
@@ -71,7 +80,7 @@ def main() -> None:
                          "OPERANDS fp32 or bf16, HEADS per kernel program, STAGES Triton pipelining "
                          "stages; the first is the reference of the diff column")
     ap.add_argument("--split", action="store_true", help="time the Pallas SSD's XLA part and kernel apart")
-    ap.add_argument("--tiling", default="8:1:1", help="WARPS:HEADS:STAGES of the kernel, with --split")
+    ap.add_argument("--tiling", default="8:1:1", help="WARPS:HEADS:STAGES[:FORWARD[:BACKWARD]], with --split")
     a = ap.parse_args()
     cfg = load_config(a.config)
     m = cfg.model
@@ -90,7 +99,7 @@ def main() -> None:
     if a.split:
         print(f"SSD split, {a.config}: B={b} T={t} H={h} P={p} G={g} N={n} Q={m.mamba.chunk_size} "
               f"tiling={a.tiling}, {jax.devices()[0].device_kind}")
-        tiling = Tiling(*map(int, a.tiling.split(":")))
+        tiling = parse_tiling(a.tiling.split(":"))
         for label, ms in split(x, dt, A, B, C, ids, m.mamba.chunk_size, tiling, a.iters):
             print(f"{label:<30}{ms:>9.2f} ms")
         return
@@ -101,12 +110,14 @@ def main() -> None:
     for spec in a.variants.split(","):
         impl, operands, q, *launch = spec.split(":")
         mdt, q = (None if operands == "fp32" else jnp.bfloat16), int(q)
-        tiling = Tiling(*map(int, launch)) if launch else None
+        tiling = parse_tiling(launch) if launch else None
 
         def forward(x, dt, B, C, impl=impl, mdt=mdt, q=q, tiling=tiling):
             if impl == "xla":
                 return ssd_chunked(x, dt, A, B, C, ids, q, matmul_dtype=mdt)
-            return ssd_fused(x, dt, A, B, C, ids, q, matmul_dtype=mdt, tiling=tiling)
+            return ssd_fused(x, dt, A, B, C, ids, q, matmul_dtype=mdt, tiling=tiling,
+                             forward="auto" if tiling is None else tiling.forward,
+                             backward="triton" if tiling is None else tiling.backward)
 
         def loss(x, dt, B, C, forward=forward):
             y = forward(x, dt, B, C)

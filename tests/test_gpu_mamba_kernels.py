@@ -217,3 +217,22 @@ def test_mosaic_forward_matches_the_triton_kernel_at_the_benchmark_shapes():
     assert np.abs(y_t).max() > 1
     assert np.abs(y_m - y_t).max() <= 2.0 ** -8 * np.abs(y_t).max()
     assert np.mean(y_m == y_t) >= 0.99
+
+
+def test_mosaic_input_gradients_match_the_triton_kernel_at_the_benchmark_shapes():
+    """The backward's Mosaic GPU input-gradient kernel (``ssd_fused(backward="mosaic")``), compiled,
+    against the Triton kernel's gradients through the whole SSD; bound as for BF16 operands on
+    CPU (test_ssd_kernel.py: 2e-2 of the largest, 1e-1 for dL/dA)."""
+    b, t, h, p, g, n, q = 2, 2048, 64, 64, 1, 128, 128
+    x, dt, A, B, C = _inputs(9, b, t, h, p, g, n, dtype=np.float32, dt_range=(0.01, 0.3))
+    args = (x.astype(jnp.bfloat16), dt, A, B.astype(jnp.bfloat16), C.astype(jnp.bfloat16))
+    ids = jnp.asarray(np.repeat(np.array([[1, 2, 3], [4, 4, 4]], np.int32), [700, 1000, 348], axis=1))
+    w = jnp.cos(jnp.arange(b * t * h * p, dtype=jnp.float32).reshape(b, t, h, p))
+
+    def grads(backward):
+        def loss(*a):
+            y = ssd_fused(*a, ids, q, matmul_dtype=jnp.bfloat16, interpret=False, backward=backward)
+            return jnp.sum(y.astype(jnp.float32) * w)
+        return jax.jit(jax.grad(loss, argnums=range(5)))(*args)
+    for name, got, want in zip(ARG_NAMES, grads("mosaic"), grads("triton")):
+        assert _rel(got, want) < (1e-1 if name == "A" else 2e-2), name

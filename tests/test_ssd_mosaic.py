@@ -1,8 +1,9 @@
-"""The SSD forward's Mosaic GPU kernel (maxfp4.kernels.ssd_mosaic) without a GPU: under Mosaic
-GPU's interpreter it gives the Triton kernel's output (interpreted) and, through ``ssd_fused``,
-the sequential scan's to the BF16 operands' bound; the gradients through it are the Triton
-path's; and it lowers for CUDA at mamba2-1p3b's shapes, which checks its register layouts and
-shared-memory budget as the GPU compile would. The compiled kernel against the Triton one:
+"""The SSD's Mosaic GPU kernels (maxfp4.kernels.ssd_mosaic) without a GPU: under Mosaic GPU's
+interpreter the forward gives the Triton kernel's output (interpreted) and, through ``ssd_fused``,
+the sequential scan's to the BF16 operands' bound; the backward's input-gradient kernel gives
+the Triton ``_backward_dx_kernel``'s four outputs; the gradients through them are the Triton
+path's; and both lower for CUDA at mamba2-1p3b's shapes, which checks their register layouts and
+shared-memory budgets as the GPU compile would. The compiled kernels against the Triton ones:
 tests/test_gpu_mamba_kernels.py (GPU).
 
 Bounds: the two kernels add a row's 128 products in different orders (FP32) before one BF16
@@ -19,6 +20,9 @@ import pytest
 
 from maxfp4.config import ConfigError, load_config
 from maxfp4.kernels import ssd_mosaic
+import functools
+
+from maxfp4.kernels import ssd as triton_ssd
 from maxfp4.kernels.ssd import Tiling, chunk_outputs, kernel_inputs, mosaic_forward_takes, ssd_fused
 from maxfp4.model.ssd import ssd_reference
 from tests.test_ssd import ARG_NAMES, _inputs, _rel
@@ -46,6 +50,31 @@ def test_interpreted_kernel_gives_the_triton_kernels_output():
     assert np.mean(a == b) >= 0.99
 
 
+def _close_to(got, want):
+    """The module docstring's bound: one BF16 step of values up to half the largest, >= 99% equal."""
+    a, b = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert a.shape == b.shape and np.abs(b).max() > 0
+    assert np.abs(a - b).max() <= 2.0 ** -8 * np.abs(b).max()
+    assert np.mean(a == b) >= 0.99
+
+
+def test_interpreted_input_gradients_give_the_triton_kernels():
+    cb, x, dt, cs, seg, c_entry, d = _kernel_inputs()
+    dy = jnp.cos(jnp.arange(x.size, dtype=jnp.float32).reshape(c_entry.shape)).astype(jnp.bfloat16)
+    launch = triton_ssd._Launch(c_entry, cb, True, Tiling(heads=2))
+    want = launch.call(
+        functools.partial(triton_ssd._backward_dx_kernel, matmul_dtype=jnp.bfloat16, cdt=jnp.float32),
+        [launch.group_QQ, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP, launch.heads_P,
+         launch.heads_QP, launch.heads_QP],
+        [launch.heads_QP, launch.heads_QP, launch.heads_Q, launch.heads_Q],
+        [jax.ShapeDtypeStruct(c_entry.shape, x.dtype), jax.ShapeDtypeStruct(c_entry.shape, c_entry.dtype),
+         jax.ShapeDtypeStruct(cs.shape, jnp.float32), jax.ShapeDtypeStruct(cs.shape, jnp.float32)],
+        cb, dt, cs, seg, c_entry, d, dy, x)
+    got = ssd_mosaic.chunk_input_gradients(cb, dt, cs, seg, c_entry, d, dy, x, interpret=True)
+    for g, w in zip(got, want):
+        _close_to(g, w)
+
+
 def test_ssd_fused_with_the_mosaic_forward_matches_the_scan_and_the_triton_gradients():
     args = _inputs(5, B, T, H, P, G, N, dtype=np.float32, dt_range=(0.01, 0.3))
     ids = jnp.asarray(IDS)
@@ -60,8 +89,18 @@ def test_ssd_fused_with_the_mosaic_forward_matches_the_scan_and_the_triton_gradi
     def grads(fn):
         return jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=range(5))(*args)
     # The backward kernels read the forward's inputs, not its output: the same gradients.
-    for name, got, want in zip(ARG_NAMES, grads(fused("mosaic")), grads(fused("triton"))):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+    want = grads(fused("triton"))
+    for name, got, w_ in zip(ARG_NAMES, grads(fused("mosaic")), want):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(w_), err_msg=name)
+    # With the Mosaic input-gradient kernel too (BF16 activations, so a BF16 dy, as in the model):
+    # its outputs within the bound, so the gradients within the BF16 operands' bound
+    # (test_ssd_kernel.py) of the Triton path's.
+    args = (args[0].astype(jnp.bfloat16),) + args[1:]
+
+    def both(*a):
+        return ssd_fused(*a, ids, Q, matmul_dtype=jnp.bfloat16, interpret=True, forward="mosaic", backward="mosaic")
+    for name, got, w_ in zip(ARG_NAMES, grads(both), grads(fused("triton"))):
+        assert _rel(got, w_) < 2e-2, name
 
 
 def test_kernel_lowers_for_cuda_at_the_benchmark_shapes():
@@ -73,6 +112,10 @@ def test_kernel_lowers_for_cuda_at_the_benchmark_shapes():
               ((b, t, h, p), bf16), ((h, p), f32)]
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
     lowered = jax.jit(lambda *a: ssd_mosaic.chunk_outputs_forward(*a, bf16)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    cb, x, dt, cs, seg, c_entry, d = args
+    lowered = jax.jit(ssd_mosaic.chunk_input_gradients).trace(cb, dt, cs, seg, c_entry, d, x, x).lower(
         lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
@@ -91,6 +134,9 @@ def test_shapes_dtypes_and_program_size():
     with pytest.raises(ValueError, match="forward: expected auto, triton or mosaic, got 'cuda'"):
         ssd_fused(*_inputs(1, 1, 16, 4, 4, 2, 4, dtype=np.float32), jnp.ones((1, 16), jnp.int32), 8,
                   interpret=True, forward="cuda")
+    with pytest.raises(ValueError, match="backward: expected triton or mosaic, got 'auto'"):
+        ssd_fused(*_inputs(1, 1, 16, 4, 4, 2, 4, dtype=np.float32), jnp.ones((1, 16), jnp.int32), 8,
+                  interpret=True, backward="auto")
 
 
 def test_kernel_backend_key():

@@ -156,8 +156,11 @@ class Tiling(NamedTuple):
     heads: int = 1
     num_stages: int = 1
     # The forward's kernel: "triton" (here), or "mosaic" (maxfp4.kernels.ssd_mosaic, Mosaic GPU,
-    # which takes its own program shape; the backward stays here either way).
+    # which takes its own program shape).
     forward: str = "triton"
+    # The backward's kernel for the gradients through dy alone (dx, the entry term): "triton"
+    # (here) or "mosaic" (ssd_mosaic.chunk_input_gradients); the scores' gradients stay here.
+    backward: str = "triton"
 
 
 def default_tiling(chunk_size: int, heads_per_group: int) -> Tiling:
@@ -235,14 +238,17 @@ def _chunk_outputs_bwd(out_dtype, matmul_dtype, interpret, tiling, residuals, dy
     h = c_entry.shape[2]
     params = {"matmul_dtype": matmul_dtype, "cdt": cdt}
     per_head_Q = jax.ShapeDtypeStruct(cs.shape, cdt)
-    dx, dc_entry, dcs_entry, ddt = launch.call(
-        functools.partial(_backward_dx_kernel, **params),
-        [launch.group_QQ, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP, launch.heads_P,
-         launch.heads_QP, launch.heads_QP],
-        [launch.heads_QP, launch.heads_QP, launch.heads_Q, launch.heads_Q],
-        [jax.ShapeDtypeStruct(c_entry.shape, x.dtype), jax.ShapeDtypeStruct(c_entry.shape, c_entry.dtype),
-         per_head_Q, per_head_Q],
-        cb, dt, cs, seg, c_entry, d, dy, x)
+    if tiling.backward == "mosaic":
+        dx, dc_entry, dcs_entry, ddt = ssd_mosaic.chunk_input_gradients(cb, dt, cs, seg, c_entry, d, dy, x, interpret)
+    else:
+        dx, dc_entry, dcs_entry, ddt = launch.call(
+            functools.partial(_backward_dx_kernel, **params),
+            [launch.group_QQ, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP, launch.heads_P,
+             launch.heads_QP, launch.heads_QP],
+            [launch.heads_QP, launch.heads_QP, launch.heads_Q, launch.heads_Q],
+            [jax.ShapeDtypeStruct(c_entry.shape, x.dtype), jax.ShapeDtypeStruct(c_entry.shape, c_entry.dtype),
+             per_head_Q, per_head_Q],
+            cb, dt, cs, seg, c_entry, d, dy, x)
     # d(C.B) comes out per block of heads, summed in the kernel; the blocks of a group are
     # summed here, in cdt, in a fixed order (deterministic).
     blocks = h // tiling.heads
@@ -266,7 +272,7 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
               C_BTGN: jax.Array, segment_ids_BT: jax.Array, chunk_size: int,
               matmul_dtype: jnp.dtype | None = None, interpret: bool | None = None,
               tiling: Tiling | None = None, D_H: jax.Array | None = None,
-              x_within_BTC: jax.Array | None = None, forward: str = "auto") -> jax.Array:
+              x_within_BTC: jax.Array | None = None, forward: str = "auto", backward: str = "triton") -> jax.Array:
     """Drop-in for ``ssd_chunked`` (same arguments, same result to rounding) with the intra-chunk
     and entry-state outputs computed by the Pallas kernel. ``interpret`` defaults to True off GPU;
     ``tiling`` to ``default_tiling``. With ``D_H`` the output includes the mixer's D skip,
@@ -275,7 +281,10 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     the kernels then read x there in place instead of from a sliced copy, where they can.
     ``forward``: the forward's kernel, "triton", "mosaic" (``maxfp4.kernels.ssd_mosaic``; off GPU
     under Mosaic GPU's interpreter) or "auto" (mosaic on a Hopper GPU where it takes the shapes
-    and operand dtypes, else triton); it sets ``tiling.forward``.
+    and operand dtypes, else triton); it sets ``tiling.forward``. ``backward``: the kernel for the
+    gradients through dy alone, "triton" or "mosaic" (``ssd_mosaic.chunk_input_gradients``: the
+    same shapes and dtypes as the Mosaic forward; not yet measured on a GPU, so never chosen by
+    itself); it sets ``tiling.backward``.
     """
     g, r = check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     if chunk_size < 1:
@@ -300,7 +309,9 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
                                                         x_BTHP.dtype)) else "triton"
     if forward not in ("triton", "mosaic"):
         raise ValueError(f"forward: expected auto, triton or mosaic, got {forward!r}")
-    tiling = tiling._replace(forward=forward)
+    if backward not in ("triton", "mosaic"):
+        raise ValueError(f"backward: expected triton or mosaic, got {backward!r}")
+    tiling = tiling._replace(forward=forward, backward=backward)
     y_BTHP = chunk_outputs(cb, x_kernel, dt, *rest, d_HP, x_BTHP.dtype, matmul_dtype, interpret, tiling)
     return y_BTHP[:, :t]
 

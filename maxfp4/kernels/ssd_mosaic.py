@@ -1,4 +1,5 @@
-"""The SSD's intra-chunk forward (``maxfp4.kernels.ssd.chunk_outputs``) as a Mosaic GPU kernel.
+"""The SSD's intra-chunk forward (``maxfp4.kernels.ssd.chunk_outputs``) and its input gradients as
+Mosaic GPU kernels.
 
 The same output as the Triton kernel of ``maxfp4.kernels.ssd`` (read its module docstring first):
 
@@ -18,7 +19,15 @@ elementwise chain (one H200, mamba2-1p3b's shapes: 240.6 us with one, 162.7 with
 in FP32), which changed 1 in 25,000 BF16 outputs against the Triton kernel's ``expf`` (each by 1
 ulp), as summation order alone did 1 in 33,000.
 
-Shapes it takes (``forward_supported``): chunks of 128 and head dim 64 (the [Q, Q] FP32 tile
+The backward's gradients through dy alone (``chunk_input_gradients``: dx, the intra-chunk dt
+gradient and the entry term's, the Triton ``_backward_dx_kernel``'s outputs) run the same program
+shape (``_run_per_head``): S^T is built from C.B^T (formed in XLA, so no register tile is
+transposed) and multiplied with dy by a wgmma; dx and d(C_i . entry) go into x's and C_i . entry's
+buffers, over the rows just read, which keeps the kernel inside shared memory. It has run under
+the interpreter and lowered, not yet on a GPU: ``ssd_fused(backward="mosaic")`` selects it, auto
+never does.
+
+Shapes they take (``forward_supported``): chunks of 128 and head dim 64 (the [Q, Q] FP32 tile
 and two warpgroups' [Q, P] buffers fill the 227 KB of shared memory; with chunks of 64, jax
 0.11.2's Mosaic GPU found no register layouts for the [64, 64] tiles), BF16 x and C_i . entry,
 FP32 C.B, dt and cumulative sums, and an even number of heads per group. Off a GPU
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +145,176 @@ def _head_outputs(ops: _Ops, cb_ref, scores_ref, x_ref, dt_ref, cs_ref, seg_ref,
         y_ref[rows, :] = y_RP.astype(y_ref.dtype)
 
 
+def _head_input_gradients(ops: _Ops, cbT_ref, scores_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, dy_ref, x_ref,
+                          dx_ref, dc_entry_ref, dcs_entry_ref, ddt_ref):
+    """The gradients that flow through dy alone, for one head, 64 rows (tokens j) at a time: with
+    S^T[j, i] = (C_i . B_j) exp(cs_i - cs_j) on i >= j in one segment (built from C.B^T, so no
+    register tile is transposed) and sdy = S^T dy, dx_j = dt_j sdy_j + d dy_j, the intra-chunk dt
+    gradient x_j . sdy_j; the entry term's C_i . entry and cumulative-sum gradients (the Triton
+    kernel ``_backward_dx_kernel``'s arithmetic)."""
+    plgpu = ops.plgpu
+    q, p = dy_ref.shape
+    cs_c, seg_c, d_c = ops.load(cs_ref, (), ops.cols), ops.load(seg_ref, (), ops.cols), ops.load(d_ref, (), ops.cols)
+    by_row = functools.partial(lax.broadcast_in_dim, shape=(ROWS, q), broadcast_dimensions=[0])
+    by_col = functools.partial(lax.broadcast_in_dim, shape=(ROWS, q), broadcast_dimensions=[1])
+    rows_p = functools.partial(lax.broadcast_in_dim, shape=(ROWS, p), broadcast_dimensions=[0])
+    for r0 in range(0, q, ROWS):
+        rows = pl.ds(r0, ROWS)
+        cbT_RQ = ops.load(cbT_ref, (rows, slice(None)), ops.tile)
+        cs_r, seg_r = ops.load(cs_ref, (rows,), ops.rows), ops.load(seg_ref, (rows,), ops.rows)
+        keep = (ops.iota((ROWS, q), 1) >= ops.iota((ROWS, q), 0) + r0) & (by_row(seg_r) == by_col(seg_c))
+        sT_RQ = (cbT_RQ * jnp.exp(jnp.where(keep, by_col(cs_c) - by_row(cs_r), -jnp.inf))).astype(dy_ref.dtype)
+        if not ops.interpret:
+            a = sT_RQ
+        else:
+            scores_ref[...] = sT_RQ
+            plgpu.commit_smem()
+            a = scores_ref
+
+        def matmul(acc_ref, a=a):  # acc_ref starts zeroed
+            plgpu.wgmma(acc_ref, a, dy_ref)
+            return acc_ref[...]
+
+        sdy_RP = pl.run_scoped(matmul, plgpu.ACC((ROWS, p), jnp.float32))
+        dy_RP = ops.load(dy_ref, (rows, slice(None)), ops.tile).astype(jnp.float32)
+        x_RP = ops.load(x_ref, (rows, slice(None)), ops.tile).astype(jnp.float32)
+        dt_r = ops.load(dt_ref, (rows,), ops.rows)
+        dx_ref[rows, :] = (rows_p(dt_r) * sdy_RP + lax.broadcast_in_dim(d_c, (ROWS, p), [1]) * dy_RP
+                           ).astype(dx_ref.dtype)
+        ddt_ref[rows] = jnp.sum(sdy_RP * x_RP, axis=1)
+        entry_r = jnp.exp(jnp.where(seg_r == 0, cs_r, -jnp.inf))
+        c_entry_RP = ops.load(c_entry_ref, (rows, slice(None)), ops.tile).astype(jnp.float32)
+        dcs_entry_ref[rows] = entry_r * jnp.sum(dy_RP * c_entry_RP, axis=1)
+        dc_entry_ref[rows, :] = (rows_p(entry_r) * dy_RP).astype(dc_entry_ref.dtype)
+
+
+class Block(NamedTuple):
+    """An operand's block in shared memory: its shape and dtype, and where it lies in the operand's
+    global array, ``view(ref, bi, ki, index, tokens)`` (``index``: the head for per-head blocks,
+    the program's head block for per-program ones; ``tokens``: the chunk's slice of T)."""
+    shape: tuple[int, ...]
+    dtype: Any
+    view: Callable
+
+
+def _run_per_head(body: Callable, once: list[tuple[jax.Array, Block]], inputs: list[tuple[jax.Array, Block]],
+                  outputs: list[Block | int], out_shapes: list[jax.ShapeDtypeStruct], grid: tuple[int, int, int],
+                  heads: int, chunk: int, interpret: bool) -> list[jax.Array]:
+    """One program per (batch row, chunk, block of ``heads`` heads): the ``once`` blocks are copied
+    into shared memory for the program, then two warpgroups take alternate heads, each with its
+    own buffers: the head's ``inputs`` arrive by TMA, ``body(ops, once_refs, input_refs,
+    output_refs, scores_ref)`` computes, the ``outputs`` leave by TMA. A warpgroup starts the
+    copies of its next head once ``body`` has returned (its inputs have been read), and waits for
+    a buffer's previous store before ``body`` writes it again. An output given as the index of an
+    input is written into that input's buffer (``body`` writes the rows it has read; shared
+    memory holds no separate buffer for it): then the next head's copies wait for its store."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    ops = _Ops(interpret)
+    steps = heads // WARPGROUPS
+    own = [block for block in outputs if not isinstance(block, int)]  # outputs with buffers of their own
+    n_once, n_in, n_out = len(once), len(inputs), len(own)
+    out_views = [inputs[block][1].view if isinstance(block, int) else block.view for block in outputs]
+
+    def kernel(*refs):
+        n_res = len(outputs)
+        once_g, in_g, out_g = refs[:n_once], refs[n_once:n_once + n_in], refs[n_once + n_in:n_once + n_in + n_res]
+        scratch = refs[n_once + n_in + n_res:]
+        once_s, in_s = scratch[:n_once], scratch[n_once:n_once + n_in]
+        out_s = scratch[n_once + n_in:n_once + n_in + n_out]
+        scores_s, once_bar, loaded = scratch[n_once + n_in + n_out:]
+        bi, ki, hi = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("h")
+        w = lax.axis_index("wg")
+        tokens = pl.ds(ki * chunk, chunk)
+
+        @pl.when(w == 0)
+        def _():
+            for ref, buf, (_, block) in zip(once_g, once_s, once):
+                plgpu.copy_gmem_to_smem(block.view(ref, bi, ki, hi, tokens), buf, once_bar)
+
+        def fetch(j):  # head j of the program into warpgroup w's buffers
+            for ref, buf, (_, block) in zip(in_g, in_s, inputs):
+                plgpu.copy_gmem_to_smem(block.view(ref, bi, ki, hi * heads + j, tokens), buf.at[w], loaded.at[w])
+
+        fetch(w)
+        plgpu.barrier_wait(once_bar)
+
+        own_s = iter(out_s)
+        out_buffers = [in_s[block] if isinstance(block, int) else next(own_s) for block in outputs]
+        aliased = len(outputs) > len(own)
+
+        def step(i, carry):
+            j = w + WARPGROUPS * i
+            plgpu.barrier_wait(loaded.at[w])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the output buffers' previous stores have read them
+            body(ops, once_s, [buf.at[w] for buf in in_s], [buf.at[w] for buf in out_buffers], scores_s.at[w])
+            if not aliased:
+                @pl.when(i + 1 < steps)
+                def _():
+                    fetch(j + WARPGROUPS)
+
+            plgpu.commit_smem()
+            for ref, buf, view in zip(out_g, out_buffers, out_views):
+                plgpu.copy_smem_to_gmem(buf.at[w], view(ref, bi, ki, hi * heads + j, tokens))
+            if aliased:
+                @pl.when(i + 1 < steps)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the input buffers
+                    fetch(j + WARPGROUPS)
+            return carry
+
+        lax.fori_loop(0, steps, step, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    def smem(block: Block, copies: int | None):
+        shape = block.shape if copies is None else (copies, *block.shape)
+        tiled = len(block.shape) == 2  # wgmma operands and [Q, P] tiles: 8-row tiles of 128 bytes, swizzled
+        transforms = (plgpu.TilingTransform((8, 128 // jnp.dtype(block.dtype).itemsize)),
+                      plgpu.SwizzleTransform(128)) if tiled else ()
+        return plgpu.SMEM(shape, block.dtype, transforms=transforms)
+
+    n = WARPGROUPS
+    # The interpreter's scores: its wgmma reads shared memory only (compiled, a placeholder).
+    scores = Block((ROWS, chunk), jnp.bfloat16, None) if interpret else Block((8,), jnp.float32, None)
+    scratch = ([smem(block, None) for _, block in once] + [smem(block, n) for _, block in inputs]
+               + [smem(block, n) for block in own]
+               + [smem(scores, n), plgpu.Barrier(num_arrivals=n_once), plgpu.Barrier(num_arrivals=n_in, num_barriers=n)])
+    if interpret:
+        # Mosaic GPU's interpreter; jax exports its parameters only under jax._src for now.
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        launch = {"interpret": InterpretGPUParams()}
+    else:
+        launch = {"compiler_params": plgpu.CompilerParams(approx_math=True)}
+    run = plgpu.kernel(kernel, out_type=list(out_shapes), grid=grid, grid_names=("b", "k", "h"), num_threads=n,
+                       thread_name="wg", scratch_types=scratch, **launch)
+    return run(*[a for a, _ in once], *[a for a, _ in inputs])
+
+
+def _check(cb, x, dt, cs, c_entry):
+    b, k, g, q, _ = cb.shape
+    h, p = c_entry.shape[2:]
+    if not forward_supported(q, p, h // g):
+        raise ValueError(f"the Mosaic GPU SSD kernels need a chunk of 128, head dim 64 and an even number "
+                         f"of heads per group, got {q}, {p}, {h // g}")
+    if x.dtype != jnp.bfloat16 or c_entry.dtype != jnp.bfloat16 or {cb.dtype, dt.dtype, cs.dtype} != {jnp.dtype(jnp.float32)}:
+        raise ValueError(f"the Mosaic GPU SSD kernels need BF16 x and C . entry and FP32 C.B, dt and cumulative sums, "
+                         f"got {x.dtype}, {c_entry.dtype}, {cb.dtype}, {dt.dtype}, {cs.dtype}")
+    return b, k, g, q, h, p, heads_per_program(h // g)
+
+
+def _blocks(q: int, p: int, hb: int, r: int):
+    """The blocks the kernels read: C.B of the program's group, segment counts of its chunk, and a
+    head's [Q, P] tiles of x-like arrays ([B, T, H, P]) and [Q] rows of dt-like ones ([B, H, T])."""
+    group_QQ = Block((q, q), jnp.float32, lambda ref, bi, ki, hi, t: ref.at[bi, ki, hi * hb // r])
+    seg_Q = Block((q,), jnp.int32, lambda ref, bi, ki, hi, t: ref.at[bi, t])
+
+    def head_QP(dtype):
+        return Block((q, p), dtype, lambda ref, bi, ki, head, t: ref.at[bi, t, head])
+
+    head_Q = Block((q,), jnp.float32, lambda ref, bi, ki, head, t: ref.at[bi, head, t])
+    head_P = Block((p,), jnp.float32, lambda ref, bi, ki, head, t: ref.at[head])
+    return group_QQ, seg_Q, head_QP, head_Q, head_P
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def chunk_outputs_forward(cb, x, dt, cs, seg, c_entry, d, out_dtype, interpret: bool = False) -> jax.Array:
     """``maxfp4.kernels.ssd.chunk_outputs``'s value (same arguments and layouts: C.B [B, K, G, Q, Q],
@@ -143,77 +323,42 @@ def chunk_outputs_forward(cb, x, dt, cs, seg, c_entry, d, out_dtype, interpret: 
 
     Jitted, so that the layers of a step call one lowered kernel: lowered once a layer, it took
     37 of mamba2-1p3b's 42 s of lowering and gave XLA 48 kernels to build (one H200, 2026-11-29)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    b, k, g, q, _ = cb.shape
-    h, p = c_entry.shape[2:]
-    if not forward_supported(q, p, h // g):
-        raise ValueError(f"the Mosaic GPU SSD kernel needs a chunk of 128, head dim 64 and an even number "
-                         f"of heads per group, got {q}, {p}, {h // g}")
-    hb = heads_per_program(h // g)
-    steps = hb // WARPGROUPS
-    ops = _Ops(interpret)
-    if x.dtype != jnp.bfloat16 or c_entry.dtype != jnp.bfloat16 or {cb.dtype, dt.dtype, cs.dtype} != {jnp.dtype(jnp.float32)}:
-        raise ValueError(f"the Mosaic GPU SSD kernel needs BF16 x and C . entry and FP32 C.B, dt and cumulative sums, "
-                         f"got {x.dtype}, {c_entry.dtype}, {cb.dtype}, {dt.dtype}, {cs.dtype}")
+    b, k, g, q, h, p, hb = _check(cb, x, dt, cs, c_entry)
+    group_QQ, seg_Q, head_QP, head_Q, head_P = _blocks(q, p, hb, h // g)
 
-    def tiles(dtype):  # the shared-memory layout wgmma and TMA use: 8-row tiles of 128 bytes, swizzled
-        return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
-    operand = tiles(x.dtype)
+    def body(ops, once, ins, outs, scores):
+        (cb_s, seg_s), (x_s, c_entry_s, dt_s, cs_s, d_s), (y_s,) = once, ins, outs
+        _head_outputs(ops, cb_s, scores, x_s, dt_s, cs_s, seg_s, c_entry_s, d_s, y_s)
 
-    def kernel(cb_g, x_g, dt_g, cs_g, seg_g, c_entry_g, d_g, y_g, cb_s, scores_s, seg_s, x_s, c_entry_s, dt_s,
-               cs_s, d_s, y_s, once, loaded):
-        bi, ki, hi = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("h")
-        w = lax.axis_index("wg")
-        tokens = pl.ds(ki * q, q)
+    (y,) = _run_per_head(body, [(cb, group_QQ), (seg, seg_Q)],
+                         [(x, head_QP(x.dtype)), (c_entry, head_QP(c_entry.dtype)), (dt, head_Q), (cs, head_Q),
+                          (d, head_P)],
+                         [head_QP(out_dtype)], [jax.ShapeDtypeStruct(c_entry.shape, out_dtype)], (b, k, h // hb), hb,
+                         q, interpret)
+    return y
 
-        @pl.when(w == 0)
-        def _():
-            plgpu.copy_gmem_to_smem(cb_g.at[bi, ki, hi * hb // (h // g)], cb_s, once)
-            plgpu.copy_gmem_to_smem(seg_g.at[bi, tokens], seg_s, once)
 
-        def fetch(j):  # head j of the program into warpgroup w's buffers
-            head = hi * hb + j
-            plgpu.copy_gmem_to_smem(x_g.at[bi, tokens, head], x_s.at[w], loaded.at[w])
-            plgpu.copy_gmem_to_smem(c_entry_g.at[bi, tokens, head], c_entry_s.at[w], loaded.at[w])
-            plgpu.copy_gmem_to_smem(dt_g.at[bi, head, tokens], dt_s.at[w], loaded.at[w])
-            plgpu.copy_gmem_to_smem(cs_g.at[bi, head, tokens], cs_s.at[w], loaded.at[w])
-            plgpu.copy_gmem_to_smem(d_g.at[head], d_s.at[w], loaded.at[w])
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def chunk_input_gradients(cb, dt, cs, seg, c_entry, d, dy, x, interpret: bool = False):
+    """(dx, d(C_i . entry), the entry term's cumulative-sum gradient, the intra-chunk dt gradient):
+    the outputs of ``maxfp4.kernels.ssd``'s ``_backward_dx_kernel``, same arguments and layouts
+    (dy [B, T, H, P] BF16); dx in x's dtype, [B, T, H, P]. C.B^T is formed here (an [B, K, G, Q, Q]
+    transpose, small beside the [B, T, H, P] operands)."""
+    b, k, g, q, h, p, hb = _check(cb, x, dt, cs, c_entry)
+    if dy.dtype != jnp.bfloat16:
+        raise ValueError(f"the Mosaic GPU SSD kernels need a BF16 dy, got {dy.dtype}")
+    group_QQ, seg_Q, head_QP, head_Q, head_P = _blocks(q, p, hb, h // g)
 
-        fetch(w)
-        plgpu.barrier_wait(once)
+    def body(ops, once, ins, outs, scores):
+        (cbT_s, seg_s), (dt_s, cs_s, c_entry_s, d_s, dy_s, x_s), (dx_s, dc_entry_s, dcs_entry_s, ddt_s) = once, ins, outs
+        _head_input_gradients(ops, cbT_s, scores, dt_s, cs_s, seg_s, c_entry_s, d_s, dy_s, x_s, dx_s, dc_entry_s,
+                              dcs_entry_s, ddt_s)
 
-        def step(i, carry):
-            j = w + WARPGROUPS * i
-            plgpu.barrier_wait(loaded.at[w])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # y_s[w]'s previous store has read it
-            _head_outputs(ops, cb_s, scores_s.at[w], x_s.at[w], dt_s.at[w], cs_s.at[w], seg_s, c_entry_s.at[w],
-                          d_s.at[w], y_s.at[w])
-
-            @pl.when(i + 1 < steps)
-            def _():
-                fetch(j + WARPGROUPS)  # the operands of head j have been read
-
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(y_s.at[w], y_g.at[bi, tokens, hi * hb + j])
-            return carry
-
-        lax.fori_loop(0, steps, step, 0)
-        plgpu.wait_smem_to_gmem(0)
-
-    n = WARPGROUPS
-    scratch = [plgpu.SMEM((q, q), cb.dtype, transforms=tiles(cb.dtype)),
-               plgpu.SMEM((n, ROWS, q), x.dtype, transforms=operand),  # the interpreter's scores
-               plgpu.SMEM((q,), seg.dtype),
-               plgpu.SMEM((n, q, p), x.dtype, transforms=operand),
-               plgpu.SMEM((n, q, p), c_entry.dtype, transforms=operand),
-               plgpu.SMEM((n, q), dt.dtype), plgpu.SMEM((n, q), cs.dtype), plgpu.SMEM((n, p), d.dtype),
-               plgpu.SMEM((n, q, p), out_dtype, transforms=tiles(out_dtype)),
-               plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=_TMA_ARRIVALS, num_barriers=n)]
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        launch = {"interpret": InterpretGPUParams()}
-    else:
-        launch = {"compiler_params": plgpu.CompilerParams(approx_math=True)}
-    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(c_entry.shape, out_dtype), grid=(b, k, h // hb),
-                        grid_names=("b", "k", "h"), num_threads=n, thread_name="wg", scratch_types=scratch,
-                        **launch)(cb, x, dt, cs, seg, c_entry, d)
+    per_head_Q = jax.ShapeDtypeStruct(cs.shape, jnp.float32)
+    return tuple(_run_per_head(
+        body, [(jnp.swapaxes(cb, -1, -2), group_QQ), (seg, seg_Q)],
+        [(dt, head_Q), (cs, head_Q), (c_entry, head_QP(c_entry.dtype)), (d, head_P), (dy, head_QP(dy.dtype)),
+         (x, head_QP(x.dtype))],
+        [5, 2, head_Q, head_Q],  # dx into x's buffer, d(C_i . entry) into C_i . entry's
+        [jax.ShapeDtypeStruct(c_entry.shape, x.dtype), jax.ShapeDtypeStruct(c_entry.shape, c_entry.dtype),
+         per_head_Q, per_head_Q], (b, k, h // hb), hb, q, interpret))
