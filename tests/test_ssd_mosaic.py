@@ -1,8 +1,8 @@
 """The SSD's Mosaic GPU kernels (maxfp4.kernels.ssd_mosaic) without a GPU: under Mosaic GPU's
 interpreter the forward gives the Triton kernel's output (interpreted) and, through ``ssd_fused``,
-the sequential scan's to the BF16 operands' bound; the backward's input-gradient kernel gives
-the Triton ``_backward_dx_kernel``'s four outputs; the gradients through them are the Triton
-path's; and both lower for CUDA at mamba2-1p3b's shapes, which checks their register layouts and
+the sequential scan's to the BF16 operands' bound; the backward's two kernels give the Triton
+``_backward_dx_kernel``'s and ``_backward_scores_kernel``'s outputs; the gradients through them
+are the Triton path's; and all three lower for CUDA at mamba2-1p3b's shapes, which checks their register layouts and
 shared-memory budgets as the GPU compile would. The compiled kernels against the Triton ones:
 tests/test_gpu_mamba_kernels.py (GPU).
 
@@ -75,6 +75,29 @@ def test_interpreted_input_gradients_give_the_triton_kernels():
         _close_to(g, w)
 
 
+def test_interpreted_score_gradients_give_the_triton_kernels():
+    cb, x, dt, cs, seg, c_entry, d = _kernel_inputs()
+    dy = jnp.sin(jnp.arange(x.size, dtype=jnp.float32).reshape(c_entry.shape)).astype(jnp.bfloat16)
+    heads = ssd_mosaic.heads_per_program(H // G)
+    launch = triton_ssd._Launch(c_entry, cb, True, Tiling(heads=heads))
+    b, k, g, q, _ = cb.shape
+    want = launch.call(
+        functools.partial(triton_ssd._backward_scores_kernel, matmul_dtype=jnp.bfloat16, cdt=jnp.float32),
+        [launch.group_QQ, launch.heads_QP, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP],
+        [launch.block_QQ, launch.heads_Q, launch.block_heads_P],
+        [jax.ShapeDtypeStruct((b, k, H // heads, q, q), jnp.float32), jax.ShapeDtypeStruct(cs.shape, jnp.float32),
+         jax.ShapeDtypeStruct((b, k, H, P), jnp.float32)],
+        cb, x, dt, cs, seg, dy)
+    dcb, g_rows, dd_parts = ssd_mosaic.chunk_score_gradients(cb, x, dt, cs, seg, dy, interpret=True)
+    assert dd_parts.shape == (b, k, 2, H, P)  # a part per warpgroup's rows
+    # FP32 outputs: the D skip's gradient is summed in two parts of 64 rows here, over 128 rows
+    # there; a reordered FP32 sum of 128 terms is within 1e-5 of the largest.
+    for got, w in zip((dcb, g_rows, dd_parts.sum(axis=2)), want):
+        a, b_ = np.asarray(got, np.float64), np.asarray(w, np.float64)
+        assert a.shape == b_.shape and np.abs(a - b_).max() <= 1e-5 * np.abs(b_).max()
+    np.testing.assert_array_equal(np.asarray(dcb), np.asarray(want[0]))  # the same sums in the same order
+
+
 def test_ssd_fused_with_the_mosaic_forward_matches_the_scan_and_the_triton_gradients():
     args = _inputs(5, B, T, H, P, G, N, dtype=np.float32, dt_range=(0.01, 0.3))
     ids = jnp.asarray(IDS)
@@ -115,9 +138,10 @@ def test_kernel_lowers_for_cuda_at_the_benchmark_shapes():
         lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     cb, x, dt, cs, seg, c_entry, d = args
-    lowered = jax.jit(ssd_mosaic.chunk_input_gradients).trace(cb, dt, cs, seg, c_entry, d, x, x).lower(
-        lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    for kernel, operands in ((ssd_mosaic.chunk_input_gradients, (cb, dt, cs, seg, c_entry, d, x, x)),
+                             (ssd_mosaic.chunk_score_gradients, (cb, x, dt, cs, seg, x))):
+        lowered = jax.jit(kernel).trace(*operands).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_shapes_dtypes_and_program_size():

@@ -158,8 +158,8 @@ class Tiling(NamedTuple):
     # The forward's kernel: "triton" (here), or "mosaic" (maxfp4.kernels.ssd_mosaic, Mosaic GPU,
     # which takes its own program shape).
     forward: str = "triton"
-    # The backward's kernel for the gradients through dy alone (dx, the entry term): "triton"
-    # (here) or "mosaic" (ssd_mosaic.chunk_input_gradients); the scores' gradients stay here.
+    # The backward's kernels: "triton" (here) or "mosaic" (ssd_mosaic.chunk_input_gradients for
+    # the gradients through dy alone, ssd_mosaic.chunk_score_gradients for the scores').
     backward: str = "triton"
 
 
@@ -251,18 +251,25 @@ def _chunk_outputs_bwd(out_dtype, matmul_dtype, interpret, tiling, residuals, dy
             cb, dt, cs, seg, c_entry, d, dy, x)
     # d(C.B) comes out per block of heads, summed in the kernel; the blocks of a group are
     # summed here, in cdt, in a fixed order (deterministic).
-    blocks = h // tiling.heads
-    dcb_blocks, g_rows, dd_parts = launch.call(
-        functools.partial(_backward_scores_kernel, **params),
-        [launch.group_QQ, launch.heads_QP, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP],
-        [launch.block_QQ, launch.heads_Q, launch.block_heads_P],
-        [jax.ShapeDtypeStruct((b, k, blocks, q, q), cdt), per_head_Q, jax.ShapeDtypeStruct((b, k) + d.shape, cdt)],
-        cb, x, dt, cs, seg, dy)
+    if tiling.backward == "mosaic":
+        # d(C.B) per program's heads, g_rows, and the D skip's gradient in parts [B, K, 2, H, P].
+        dcb_blocks, g_rows, dd_parts = ssd_mosaic.chunk_score_gradients(cb, x, dt, cs, seg, dy, interpret)
+        dd = dd_parts.sum(axis=(0, 1, 2))
+    else:
+        dcb_blocks, g_rows, dd_parts = launch.call(
+            functools.partial(_backward_scores_kernel, **params),
+            [launch.group_QQ, launch.heads_QP, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP],
+            [launch.block_QQ, launch.heads_Q, launch.block_heads_P],
+            [jax.ShapeDtypeStruct((b, k, h // tiling.heads, q, q), cdt), per_head_Q,
+             jax.ShapeDtypeStruct((b, k) + d.shape, cdt)],
+            cb, x, dt, cs, seg, dy)
+        dd = dd_parts.sum(axis=(0, 1))
+    blocks = dcb_blocks.shape[2]
     dcs = g_rows - dt * ddt
     dcb = dcb_blocks.reshape(b, k, g, blocks // g, q, q).sum(axis=3).astype(cb.dtype)
     if x.shape[2] > h:  # x was read in place from the first H head-sized column blocks of a wider array
         dx = jnp.pad(dx, ((0, 0), (0, 0), (0, x.shape[2] - h), (0, 0)))
-    return dcb, dx, ddt, dcs + dcs_entry, None, dc_entry, dd_parts.sum(axis=(0, 1)).astype(d.dtype)
+    return dcb, dx, ddt, dcs + dcs_entry, None, dc_entry, dd.astype(d.dtype)
 
 
 chunk_outputs.defvjp(_chunk_outputs_fwd, _chunk_outputs_bwd)
@@ -281,10 +288,9 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     the kernels then read x there in place instead of from a sliced copy, where they can.
     ``forward``: the forward's kernel, "triton", "mosaic" (``maxfp4.kernels.ssd_mosaic``; off GPU
     under Mosaic GPU's interpreter) or "auto" (mosaic on a Hopper GPU where it takes the shapes
-    and operand dtypes, else triton); it sets ``tiling.forward``. ``backward``: the kernel for the
-    gradients through dy alone, "triton" or "mosaic" (``ssd_mosaic.chunk_input_gradients``: the
-    same shapes and dtypes as the Mosaic forward; not yet measured on a GPU, so never chosen by
-    itself); it sets ``tiling.backward``.
+    and operand dtypes, else triton); it sets ``tiling.forward``. ``backward``: the backward's
+    kernels, "triton" or "mosaic" (``ssd_mosaic``'s: the same shapes and dtypes as its forward; not
+    yet measured on a GPU, so never chosen by itself); it sets ``tiling.backward``.
     """
     g, r = check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     if chunk_size < 1:

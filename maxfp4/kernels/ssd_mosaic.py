@@ -19,12 +19,15 @@ elementwise chain (one H200, mamba2-1p3b's shapes: 240.6 us with one, 162.7 with
 in FP32), which changed 1 in 25,000 BF16 outputs against the Triton kernel's ``expf`` (each by 1
 ulp), as summation order alone did 1 in 33,000.
 
-The backward's gradients through dy alone (``chunk_input_gradients``: dx, the intra-chunk dt
-gradient and the entry term's, the Triton ``_backward_dx_kernel``'s outputs) run the same program
-shape (``_run_per_head``): S^T is built from C.B^T (formed in XLA, so no register tile is
-transposed) and multiplied with dy by a wgmma; dx and d(C_i . entry) go into x's and C_i . entry's
-buffers, over the rows just read, which keeps the kernel inside shared memory. It has run under
-the interpreter and lowered, not yet on a GPU: ``ssd_fused(backward="mosaic")`` selects it, auto
+The backward is two kernels, as the Triton one. The gradients through dy alone
+(``chunk_input_gradients``: dx, the intra-chunk dt gradient and the entry term's) run the same
+program shape (``_run_per_head``): S^T is built from C.B^T (formed in XLA, so no register tile
+is transposed) and multiplied with dy by a wgmma; dx and d(C_i . entry) go into x's and
+C_i . entry's buffers, over the rows just read, which keeps the kernel inside shared memory. The
+scores' gradients (``chunk_score_gradients``: d(C.B) summed over a program's heads, the rows
+sums behind the cumulative sums' gradient, the D skip's) keep d(C.B) in registers, so there the
+two warpgroups split the rows and share each head's buffers. Both have run under the
+interpreter and lowered, not yet on a GPU: ``ssd_fused(backward="mosaic")`` selects them, auto
 never does.
 
 Shapes they take (``forward_supported``): chunks of 128 and head dim 64 (the [Q, Q] FP32 tile
@@ -362,3 +365,138 @@ def chunk_input_gradients(cb, dt, cs, seg, c_entry, d, dy, x, interpret: bool = 
         [5, 2, head_Q, head_Q],  # dx into x's buffer, d(C_i . entry) into C_i . entry's
         [jax.ShapeDtypeStruct(c_entry.shape, x.dtype), jax.ShapeDtypeStruct(c_entry.shape, c_entry.dtype),
          per_head_Q, per_head_Q], (b, k, h // hb), hb, q, interpret))
+
+
+def _score_gradient_rows(ops: _Ops, r0: int, cb_ref, seg_ref, x_ref, dt_ref, cs_ref, dy_ref, g_rows_ref, dd_ref,
+                         xT_ref, dcb_RQ):
+    """One head's contribution to rows r0..r0+63 of the scores' gradients (the Triton kernel
+    ``_backward_scores_kernel``'s arithmetic): with E = (dy x^T) exp(cs_i - cs_j) masked, the row
+    sums of E C.B dt_j (``g_rows``), the column sums of dy x over the rows (``dd``, the D skip's),
+    and d(C.B) += E dt_j, returned. ``xT_ref``: where the interpreter, whose wgmma reads no
+    transposed view, gets x^T (compiled, the wgmma reads x's buffer transposed)."""
+    plgpu = ops.plgpu
+    q, p = x_ref.shape
+    rows = pl.ds(r0, ROWS)
+    by_row = functools.partial(lax.broadcast_in_dim, shape=(ROWS, q), broadcast_dimensions=[0])
+    by_col = functools.partial(lax.broadcast_in_dim, shape=(ROWS, q), broadcast_dimensions=[1])
+
+    if ops.interpret:
+        xT_ref[...] = x_ref[...].T
+        plgpu.commit_smem()
+        xT = xT_ref
+    else:
+        xT = plgpu.transpose_ref(x_ref, (1, 0))
+
+    def matmul(acc_ref):  # acc_ref starts zeroed: dy[rows] x^T
+        plgpu.wgmma(acc_ref, dy_ref.at[rows], xT)
+        return acc_ref[...]
+
+    dscores_RQ = pl.run_scoped(matmul, plgpu.ACC((ROWS, q), jnp.float32))
+    cs_r, seg_r = ops.load(cs_ref, (rows,), ops.rows), ops.load(seg_ref, (rows,), ops.rows)
+    cs_c, seg_c, dt_c = ops.load(cs_ref, (), ops.cols), ops.load(seg_ref, (), ops.cols), ops.load(dt_ref, (), ops.cols)
+    keep = (ops.iota((ROWS, q), 0) + r0 >= ops.iota((ROWS, q), 1)) & (by_row(seg_r) == by_col(seg_c))
+    e_RQ = dscores_RQ * jnp.exp(jnp.where(keep, by_row(cs_r) - by_col(cs_c), -jnp.inf))
+    cb_RQ = ops.load(cb_ref, (rows, slice(None)), ops.tile)
+    g_rows_ref[rows] = jnp.sum(e_RQ * cb_RQ * by_col(dt_c), axis=1)
+    dy_RP = ops.load(dy_ref, (rows, slice(None)), ops.tile).astype(jnp.float32)
+    x_RP = ops.load(x_ref, (rows, slice(None)), ops.tile).astype(jnp.float32)
+    dd_ref[...] = jnp.sum(dy_RP * x_RP, axis=0)
+    return dcb_RQ + e_RQ * by_col(dt_c)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def chunk_score_gradients(cb, x, dt, cs, seg, dy, interpret: bool = False):
+    """(d(C.B) summed over each program's heads [B, K, H / heads, Q, Q], the row sums ``g_rows``
+    [B, H, T], the D skip's gradient in parts [B, K, 2, H, P] to sum over their first three axes):
+    the Triton ``_backward_scores_kernel``'s outputs, all FP32, from the same arguments.
+
+    Its program holds d(C.B) for the heads it walks, so the two warpgroups split the rows, not the
+    heads: warpgroup w keeps rows 64w..64w+63 of it in registers, and both take every head from
+    one pair of buffers, which the first warpgroup refills once both have read a head (a barrier
+    each warpgroup arrives at). At the end each writes its rows over its rows of the C.B tile in
+    shared memory (the only ones it read), and they leave from there."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    b, k, g, q, h, p, hb = _check(cb, x, dt, cs, dy)
+    r = h // g
+    f32 = jnp.float32
+
+    def kernel(cb_g, seg_g, x_g, dt_g, cs_g, dy_g, dcb_g, g_rows_g, dd_g, cb_s, seg_s, x_s, dt_s, cs_s, dy_s,
+               g_rows_s, dd_s, xT_s, once, loaded, consumed):
+        bi, ki, hi = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("h")
+        w = lax.axis_index("wg")
+        tokens = pl.ds(ki * q, q)
+        ops = _Ops(interpret)
+
+        def fetch(j, slot):  # head j of the program into buffer pair `slot`
+            head = hi * hb + j
+            plgpu.copy_gmem_to_smem(x_g.at[bi, tokens, head], x_s.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(dy_g.at[bi, tokens, head], dy_s.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(dt_g.at[bi, head, tokens], dt_s.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(cs_g.at[bi, head, tokens], cs_s.at[slot], loaded.at[slot])
+
+        @pl.when(w == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(cb_g.at[bi, ki, hi * hb // r], cb_s, once)
+            plgpu.copy_gmem_to_smem(seg_g.at[bi, tokens], seg_s, once)
+            for j in range(min(2, hb)):
+                fetch(j, j)
+
+        plgpu.barrier_wait(once)
+
+        def rows_of(r0):
+            rows = pl.ds(r0, ROWS)
+
+            def step(j, dcb_RQ):
+                slot = lax.rem(j, 2)
+                head = hi * hb + j
+                plgpu.barrier_wait(loaded.at[slot])
+                plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # head j - 2's stores have read slot's rows
+                dcb_RQ = _score_gradient_rows(ops, r0, cb_s, seg_s, x_s.at[slot], dt_s.at[slot], cs_s.at[slot],
+                                              dy_s.at[slot], g_rows_s.at[slot], dd_s.at[slot, r0 // ROWS],
+                                              xT_s.at[r0 // ROWS], dcb_RQ)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(consumed.at[slot])
+                plgpu.copy_smem_to_gmem(g_rows_s.at[slot, rows], g_rows_g.at[bi, head, pl.ds(ki * q + r0, ROWS)])
+                plgpu.copy_smem_to_gmem(dd_s.at[slot, r0 // ROWS], dd_g.at[bi, ki, r0 // ROWS, head])
+                if r0 == 0:  # the first warpgroup refills the pair once both have read head j
+                    @pl.when(j + 2 < hb)
+                    def _():
+                        plgpu.barrier_wait(consumed.at[slot])
+                        fetch(j + 2, slot)
+                return dcb_RQ
+
+            zeros = jnp.zeros((ROWS, q), f32)
+            dcb_RQ = lax.fori_loop(0, hb, step, zeros if interpret else plgpu.layout_cast(zeros, ops.tile))
+            if r0 == 0:  # the reads of the last heads, whose buffers were not refilled
+                for j in range(max(0, hb - 2), hb):
+                    plgpu.barrier_wait(consumed.at[j % 2])
+            cb_s[rows, :] = dcb_RQ  # over the C.B rows this warpgroup alone read
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(cb_s.at[rows], dcb_g.at[bi, ki, hi, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        for wg in range(WARPGROUPS):
+            pl.when(w == wg)(functools.partial(rows_of, wg * ROWS))
+
+    def tiles(dtype):
+        return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
+
+    scratch = [plgpu.SMEM((q, q), f32, transforms=tiles(f32)), plgpu.SMEM((q,), seg.dtype),
+               plgpu.SMEM((2, q, p), x.dtype, transforms=tiles(x.dtype)), plgpu.SMEM((2, q), f32),
+               plgpu.SMEM((2, q), f32), plgpu.SMEM((2, q, p), dy.dtype, transforms=tiles(dy.dtype)),
+               plgpu.SMEM((2, q), f32), plgpu.SMEM((2, WARPGROUPS, p), f32),
+               # the interpreter's x^T (compiled, a placeholder)
+               plgpu.SMEM((WARPGROUPS, p, q), x.dtype, transforms=tiles(x.dtype)) if interpret
+               else plgpu.SMEM((WARPGROUPS, 8), f32),
+               plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=4, num_barriers=2),
+               plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=2)]
+    out_shapes = [jax.ShapeDtypeStruct((b, k, h // hb, q, q), f32), jax.ShapeDtypeStruct(cs.shape, f32),
+                  jax.ShapeDtypeStruct((b, k, WARPGROUPS, h, p), f32)]
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        launch = {"interpret": InterpretGPUParams()}
+    else:
+        launch = {"compiler_params": plgpu.CompilerParams(approx_math=True)}
+    return tuple(plgpu.kernel(kernel, out_type=out_shapes, grid=(b, k, h // hb), grid_names=("b", "k", "h"),
+                              num_threads=WARPGROUPS, thread_name="wg", scratch_types=scratch, **launch)(
+        cb, seg, x, dt, cs, dy))
