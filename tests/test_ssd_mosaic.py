@@ -158,13 +158,14 @@ def test_shapes_dtypes_and_program_size():
     with pytest.raises(ValueError, match="forward: expected auto, triton or mosaic, got 'cuda'"):
         ssd_fused(*_inputs(1, 1, 16, 4, 4, 2, 4, dtype=np.float32), jnp.ones((1, 16), jnp.int32), 8,
                   interpret=True, forward="cuda")
-    with pytest.raises(ValueError, match="backward: expected triton or mosaic, got 'auto'"):
+    with pytest.raises(ValueError, match="backward: expected auto, triton or mosaic, got 'cuda'"):
         ssd_fused(*_inputs(1, 1, 16, 4, 4, 2, 4, dtype=np.float32), jnp.ones((1, 16), jnp.int32), 8,
-                  interpret=True, backward="auto")
+                  interpret=True, backward="cuda")
 
 
 def test_kernel_backend_key():
-    cfg = load_config(None, ["model.kind=hybrid", "model.pattern=M*", "model.mamba.kernel_backend=triton"])
-    assert cfg.model.mamba.kernel_backend == "triton"
-    with pytest.raises(ConfigError, match=r"model\.mamba\.kernel_backend.*'mosaik'.*auto or triton"):
+    for backend in ("triton", "mosaic"):
+        cfg = load_config(None, ["model.kind=hybrid", "model.pattern=M*", f"model.mamba.kernel_backend={backend}"])
+        assert cfg.model.mamba.kernel_backend == backend
+    with pytest.raises(ConfigError, match=r"model\.mamba\.kernel_backend.*'mosaik'.*auto, mosaic or triton"):
         load_config(None, ["model.kind=hybrid", "model.pattern=M*", "model.mamba.kernel_backend=mosaik"])

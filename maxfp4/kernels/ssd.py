@@ -289,8 +289,8 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     ``forward``: the forward's kernel, "triton", "mosaic" (``maxfp4.kernels.ssd_mosaic``; off GPU
     under Mosaic GPU's interpreter) or "auto" (mosaic on a Hopper GPU where it takes the shapes
     and operand dtypes, else triton); it sets ``tiling.forward``. ``backward``: the backward's
-    kernels, "triton" or "mosaic" (``ssd_mosaic``'s: the same shapes and dtypes as its forward; not
-    yet measured on a GPU, so never chosen by itself); it sets ``tiling.backward``.
+    kernels, "triton" (the default: ``ssd_mosaic``'s are not yet measured on a GPU), "mosaic", or
+    "auto" (mosaic where auto's forward is); it sets ``tiling.backward``.
     """
     g, r = check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     if chunk_size < 1:
@@ -309,14 +309,16 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
         x_kernel = x_within_BTC.reshape(b, t, -1, p).astype(x_kernel.dtype)
     # D repeated over each head's columns, in the compute dtype (zero: no skip).
     d_HP = jnp.broadcast_to((jnp.zeros((h,), dt.dtype) if D_H is None else D_H.astype(dt.dtype))[:, None], (h, p))
+    mosaic_runs = (not interpret and ssd_mosaic.available()
+                   and mosaic_forward_takes(chunk_size, p, h // g, x_kernel.dtype, dt.dtype, x_BTHP.dtype))
     if forward == "auto":
-        forward = "mosaic" if (not interpret and ssd_mosaic.available()
-                               and mosaic_forward_takes(chunk_size, p, h // g, x_kernel.dtype, dt.dtype,
-                                                        x_BTHP.dtype)) else "triton"
+        forward = "mosaic" if mosaic_runs else "triton"
+    if backward == "auto":
+        backward = "mosaic" if mosaic_runs else "triton"
     if forward not in ("triton", "mosaic"):
         raise ValueError(f"forward: expected auto, triton or mosaic, got {forward!r}")
     if backward not in ("triton", "mosaic"):
-        raise ValueError(f"backward: expected triton or mosaic, got {backward!r}")
+        raise ValueError(f"backward: expected auto, triton or mosaic, got {backward!r}")
     tiling = tiling._replace(forward=forward, backward=backward)
     y_BTHP = chunk_outputs(cb, x_kernel, dt, *rest, d_HP, x_BTHP.dtype, matmul_dtype, interpret, tiling)
     return y_BTHP[:, :t]
