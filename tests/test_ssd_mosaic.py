@@ -13,16 +13,16 @@ output), and nearly all are equal (>= 99% asserted). Against the FP32 reference,
 max |y|, the bound of test_ssd_kernel.py's BF16 test.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from maxfp4.config import ConfigError, load_config
-from maxfp4.kernels import ssd_mosaic
-import functools
-
 from maxfp4.kernels import ssd as triton_ssd
+from maxfp4.kernels import ssd_mosaic
 from maxfp4.kernels.ssd import Tiling, chunk_outputs, kernel_inputs, mosaic_forward_takes, ssd_fused
 from maxfp4.model.ssd import ssd_reference
 from tests.test_ssd import ARG_NAMES, _inputs, _rel
@@ -33,19 +33,25 @@ B, T, H, P, G, N, Q = 1, 256, 4, 64, 1, 32, 128
 IDS = np.repeat(np.array([[1, 2]], np.int32), [100, T - 100], axis=1)
 
 
-def _kernel_inputs():
-    x, dt, A, Bm, C = _inputs(3, B, T, H, P, G, N, dtype=np.float32, dt_range=(0.01, 0.3))
+# (heads, groups): one program a chunk walking 4 heads, and 2 groups of 6 heads in programs of 2
+# heads (3 a group), so each program must find its group's C.B tile.
+HEAD_LAYOUTS = pytest.mark.parametrize("h, g", [(H, G), (12, 2)])
+
+
+def _kernel_inputs(h=H, g=G):
+    x, dt, A, Bm, C = _inputs(3, B, T, h, P, g, N, dtype=np.float32, dt_range=(0.01, 0.3))
     inputs = kernel_inputs(x, dt, A, Bm, C, jnp.asarray(IDS), Q, jnp.bfloat16, interpret=True)
-    d = jnp.broadcast_to(jnp.linspace(0.5, 1.5, H, dtype=jnp.float32)[:, None], (H, P))
+    d = jnp.broadcast_to(jnp.linspace(0.5, 1.5, h, dtype=jnp.float32)[:, None], (h, P))
     return (*inputs, d)
 
 
-def test_interpreted_kernel_gives_the_triton_kernels_output():
-    inputs = _kernel_inputs()
+@HEAD_LAYOUTS
+def test_interpreted_kernel_gives_the_triton_kernels_output(h, g):
+    inputs = _kernel_inputs(h, g)
     y_triton = chunk_outputs(*inputs, jnp.bfloat16, jnp.bfloat16, True, Tiling(heads=2))
     y_mosaic = ssd_mosaic.chunk_outputs_forward(*inputs, jnp.bfloat16, interpret=True)
     a, b = np.asarray(y_mosaic, np.float64), np.asarray(y_triton, np.float64)
-    assert a.shape == (B, T, H, P) and np.abs(b).max() > 1
+    assert a.shape == (B, T, h, P) and np.abs(b).max() > 1
     assert np.abs(a - b).max() <= 2.0 ** -8 * np.abs(b).max()
     assert np.mean(a == b) >= 0.99
 
@@ -58,8 +64,9 @@ def _close_to(got, want):
     assert np.mean(a == b) >= 0.99
 
 
-def test_interpreted_input_gradients_give_the_triton_kernels():
-    cb, x, dt, cs, seg, c_entry, d = _kernel_inputs()
+@HEAD_LAYOUTS
+def test_interpreted_input_gradients_give_the_triton_kernels(h, g):
+    cb, x, dt, cs, seg, c_entry, d = _kernel_inputs(h, g)
     dy = jnp.cos(jnp.arange(x.size, dtype=jnp.float32).reshape(c_entry.shape)).astype(jnp.bfloat16)
     launch = triton_ssd._Launch(c_entry, cb, True, Tiling(heads=2))
     want = launch.call(
@@ -75,21 +82,22 @@ def test_interpreted_input_gradients_give_the_triton_kernels():
         _close_to(g, w)
 
 
-def test_interpreted_score_gradients_give_the_triton_kernels():
-    cb, x, dt, cs, seg, c_entry, d = _kernel_inputs()
+@HEAD_LAYOUTS
+def test_interpreted_score_gradients_give_the_triton_kernels(h, g):
+    cb, x, dt, cs, seg, c_entry, d = _kernel_inputs(h, g)
     dy = jnp.sin(jnp.arange(x.size, dtype=jnp.float32).reshape(c_entry.shape)).astype(jnp.bfloat16)
-    heads = ssd_mosaic.heads_per_program(H // G)
+    heads = ssd_mosaic.heads_per_program(h // g)
     launch = triton_ssd._Launch(c_entry, cb, True, Tiling(heads=heads))
     b, k, g, q, _ = cb.shape
     want = launch.call(
         functools.partial(triton_ssd._backward_scores_kernel, matmul_dtype=jnp.bfloat16, cdt=jnp.float32),
         [launch.group_QQ, launch.heads_QP, launch.heads_Q, launch.heads_Q, launch.seg_Q, launch.heads_QP],
         [launch.block_QQ, launch.heads_Q, launch.block_heads_P],
-        [jax.ShapeDtypeStruct((b, k, H // heads, q, q), jnp.float32), jax.ShapeDtypeStruct(cs.shape, jnp.float32),
-         jax.ShapeDtypeStruct((b, k, H, P), jnp.float32)],
+        [jax.ShapeDtypeStruct((b, k, h // heads, q, q), jnp.float32), jax.ShapeDtypeStruct(cs.shape, jnp.float32),
+         jax.ShapeDtypeStruct((b, k, h, P), jnp.float32)],
         cb, x, dt, cs, seg, dy)
     dcb, g_rows, dd_parts = ssd_mosaic.chunk_score_gradients(cb, x, dt, cs, seg, dy, interpret=True)
-    assert dd_parts.shape == (b, k, 2, H, P)  # a part per warpgroup's rows
+    assert dd_parts.shape == (b, k, 2, h, P)  # a part per warpgroup's rows
     # FP32 outputs: the D skip's gradient is summed in two parts of 64 rows here, over 128 rows
     # there; a reordered FP32 sum of 128 terms is within 1e-5 of the largest.
     for got, w in zip((dcb, g_rows, dd_parts.sum(axis=2)), want):
