@@ -14,6 +14,7 @@ max |y|, the bound of test_ssd_kernel.py's BF16 test.
 """
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -177,3 +178,18 @@ def test_kernel_backend_key():
         assert cfg.model.mamba.kernel_backend == backend
     with pytest.raises(ConfigError, match=r"model\.mamba\.kernel_backend.*'mosaik'.*auto, mosaic or triton"):
         load_config(None, ["model.kind=hybrid", "model.pattern=M*", "model.mamba.kernel_backend=mosaik"])
+
+
+def test_a_kernel_that_does_not_lower_leaves_auto_on_triton(caplog):
+    """``lowers`` is what ``ssd_fused``'s auto asks before it picks a Mosaic kernel on a GPU."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+
+    def operands(q):
+        b, t, h, p, g = 1, 2 * q, 4, 64, 1
+        shapes = [((b, t // q, g, q, q), f32), ((b, t, h, p), bf16), ((b, h, t), f32), ((b, h, t), f32),
+                  ((b, t), jnp.int32), ((b, t, h, p), bf16), ((h, p), f32)]
+        return [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    assert ssd_mosaic.lowers(ssd_mosaic.chunk_outputs_forward, *operands(128), out_dtype=bf16)
+    with caplog.at_level(logging.WARNING, logger="maxfp4.kernels.ssd_mosaic"):
+        assert not ssd_mosaic.lowers(ssd_mosaic.chunk_outputs_forward, *operands(256), out_dtype=bf16)
+    assert "chunk_outputs_forward does not lower" in caplog.text and "the Triton kernel runs instead" in caplog.text

@@ -288,9 +288,10 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     the kernels then read x there in place instead of from a sliced copy, where they can.
     ``forward``: the forward's kernel, "triton", "mosaic" (``maxfp4.kernels.ssd_mosaic``; off GPU
     under Mosaic GPU's interpreter) or "auto" (mosaic on a Hopper GPU where it takes the shapes
-    and operand dtypes, else triton); it sets ``tiling.forward``. ``backward``: the backward's
-    kernels, "triton" (the default: ``ssd_mosaic``'s are not yet measured on a GPU), "mosaic", or
-    "auto" (mosaic where auto's forward is); it sets ``tiling.backward``.
+    and operand dtypes and this jax lowers it, ``ssd_mosaic.lowers``; else triton); it sets
+    ``tiling.forward``. ``backward``: the backward's kernels, "triton" (the default:
+    ``ssd_mosaic``'s are not yet measured on a GPU), "mosaic", or "auto" (mosaic on a Hopper GPU
+    where the forward's conditions hold and both lower); it sets ``tiling.backward``.
     """
     g, r = check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     if chunk_size < 1:
@@ -311,10 +312,17 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     d_HP = jnp.broadcast_to((jnp.zeros((h,), dt.dtype) if D_H is None else D_H.astype(dt.dtype))[:, None], (h, p))
     mosaic_runs = (not interpret and ssd_mosaic.available()
                    and mosaic_forward_takes(chunk_size, p, h // g, x_kernel.dtype, dt.dtype, x_BTHP.dtype))
+    operands = (cb, x_kernel, dt, *rest, d_HP)  # C.B, x, dt, cumulative sums, segments, C_i . entry, D
     if forward == "auto":
-        forward = "mosaic" if mosaic_runs else "triton"
+        forward = ("mosaic" if mosaic_runs and ssd_mosaic.lowers(ssd_mosaic.chunk_outputs_forward, *operands,
+                                                                  out_dtype=x_BTHP.dtype) else "triton")
     if backward == "auto":
-        backward = "mosaic" if mosaic_runs else "triton"
+        cb_, x_, dt_, cs_, seg_, c_entry_, d_ = operands
+        dy = jax.ShapeDtypeStruct(c_entry_.shape, x_BTHP.dtype)
+        backward = ("mosaic" if mosaic_runs
+                    and ssd_mosaic.lowers(ssd_mosaic.chunk_input_gradients, cb_, dt_, cs_, seg_, c_entry_, d_, dy, x_)
+                    and ssd_mosaic.lowers(ssd_mosaic.chunk_score_gradients, cb_, x_, dt_, cs_, seg_, dy)
+                    else "triton")
     if forward not in ("triton", "mosaic"):
         raise ValueError(f"forward: expected auto, triton or mosaic, got {forward!r}")
     if backward not in ("triton", "mosaic"):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -500,3 +501,29 @@ def chunk_score_gradients(cb, x, dt, cs, seg, dy, interpret: bool = False):
     return tuple(plgpu.kernel(kernel, out_type=out_shapes, grid=(b, k, h // hb), grid_names=("b", "k", "h"),
                               num_threads=WARPGROUPS, thread_name="wg", scratch_types=scratch, **launch)(
         cb, seg, x, dt, cs, dy))
+
+
+def lowers(kernel: Callable, *operands: jax.Array, **static: Any) -> bool:
+    """Whether ``kernel`` (one of this module's) lowers for CUDA with this jax at these operands'
+    shapes and dtypes. Mosaic GPU's lowering (register layouts, shared-memory budget) runs in
+    Python, and its API moves between jax releases (jax 0.11.2 found no layouts for chunks of 64
+    where 0.10.2 did): a jax that rejects a kernel says so here, before the step compiles, and
+    ``auto`` keeps the Triton kernel with one warning line instead of failing the run."""
+    key = (kernel.__name__, tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in operands),
+           tuple(sorted(static.items())))
+    return _lowers(kernel, key)
+
+
+@functools.lru_cache(maxsize=64)
+def _lowers(kernel: Callable, key) -> bool:
+    _, operands, static = key
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in operands]
+    try:
+        jax.jit(functools.partial(kernel, **dict(static))).trace(*args).lower(lowering_platforms=("cuda",))
+    except Exception as exc:  # any lowering failure: the Triton kernel runs instead
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        logging.getLogger(__name__).warning("the Mosaic GPU kernel %s does not lower with jax %s (%s: %s); "
+                                            "the Triton kernel runs instead", kernel.__name__, jax.__version__,
+                                            type(exc).__name__, first[:200])
+        return False
+    return True
