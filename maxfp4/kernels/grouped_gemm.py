@@ -31,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from maxfp4.kernels.launch import on_hopper
 from maxfp4.model_spec import mixer_linears
 
 
@@ -48,8 +49,7 @@ def _tiles(n: int, wgrad: bool) -> dict:
 def available() -> bool:
     """A Hopper GPU (sm_90) and the kernels' module in this jax."""
     try:
-        device = jax.devices()[0]
-        if device.platform != "gpu" or getattr(device, "compute_capability", "") != "9.0":
+        if not on_hopper():
             return False
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu  # noqa: F401
     except Exception:  # any import or backend failure means: use XLA's ragged_dot

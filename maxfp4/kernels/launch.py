@@ -28,6 +28,13 @@ def on_gpu() -> bool:
     return jax.devices()[0].platform in ("gpu", "cuda")
 
 
+def on_hopper() -> bool:
+    """Whether the device is a Hopper GPU (sm_90), whose wgmma the Mosaic GPU kernels use."""
+    import jax
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     """Whether this jax has Pallas's Triton backend, which the kernels compile for on a GPU. jax

@@ -50,6 +50,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from maxfp4.kernels.launch import on_hopper
+
 ROWS = 64  # rows of one wgmma: the scores are built and multiplied 64 rows at a time
 WARPGROUPS = 2  # compute warpgroups a program, taking alternate heads
 _MAX_HEADS_PER_PROGRAM = 16  # heads a program walks (16: 162.7 us, 8: 168.6; H200, 2026-11-29)
@@ -72,13 +74,12 @@ def heads_per_program(heads_per_group: int) -> int:
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
-    """A Hopper GPU (sm_90, whose wgmma the kernel uses) and Pallas's Mosaic GPU module."""
+    """A Hopper GPU (sm_90, whose wgmma the kernels use) and Pallas's Mosaic GPU module."""
     try:
-        device = jax.devices()[0]
-        if device.platform != "gpu" or getattr(device, "compute_capability", "") != "9.0":
+        if not on_hopper():
             return False
         from jax.experimental.pallas import mosaic_gpu  # noqa: F401
-    except Exception:  # any import or backend failure: the Triton kernel stays
+    except Exception:  # any import or backend failure: the Triton kernels stay
         return False
     return True
 
@@ -107,6 +108,20 @@ class _Ops:
             return self.plgpu.load(ref, (), layout=layout)
         return self.plgpu.load(ref, layout=layout)
 
+    def matmul(self, a_RK: jax.Array, b_ref, staging_ref) -> jax.Array:
+        """``a @ b`` in FP32 by a wgmma: ``a`` from registers; under the interpreter, whose wgmma
+        reads shared memory only, through ``staging_ref`` (a's shape and dtype)."""
+        plgpu = self.plgpu
+        if self.interpret:
+            staging_ref[...] = a_RK
+            plgpu.commit_smem()
+            a_RK = staging_ref
+
+        def run(acc_ref):  # acc_ref starts zeroed
+            plgpu.wgmma(acc_ref, a_RK, b_ref)
+            return acc_ref[...]
+        return pl.run_scoped(run, plgpu.ACC((a_RK.shape[0], b_ref.shape[1]), jnp.float32))
+
     def iota(self, shape, dim):
         if self.interpret:
             return lax.broadcasted_iota(jnp.int32, shape, dim)
@@ -115,7 +130,6 @@ class _Ops:
 
 def _head_outputs(ops: _Ops, cb_ref, scores_ref, x_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, y_ref):
     """y [Q, P] of one head of the chunk, 64 rows at a time, from its buffers in shared memory."""
-    plgpu = ops.plgpu
     q, p = x_ref.shape
     cs_c, dt_c = ops.load(cs_ref, (), ops.cols), ops.load(dt_ref, (), ops.cols)
     seg_c, d_c = ops.load(seg_ref, (), ops.cols), ops.load(d_ref, (), ops.cols)
@@ -129,18 +143,7 @@ def _head_outputs(ops: _Ops, cb_ref, scores_ref, x_ref, dt_ref, cs_ref, seg_ref,
         keep = (ops.iota((ROWS, q), 0) + r0 >= ops.iota((ROWS, q), 1)) & (by_row(seg_r) == by_col(seg_c))
         decay_RQ = jnp.exp(jnp.where(keep, by_row(cs_r) - by_col(cs_c), -jnp.inf))
         scores_RQ = (cb_RQ * decay_RQ * by_col(dt_c)).astype(x_ref.dtype)
-        if not ops.interpret:
-            a = scores_RQ
-        else:
-            scores_ref[...] = scores_RQ
-            plgpu.commit_smem()
-            a = scores_ref
-
-        def matmul(acc_ref, a=a):  # acc_ref starts zeroed
-            plgpu.wgmma(acc_ref, a, x_ref)
-            return acc_ref[...]
-
-        y_RP = pl.run_scoped(matmul, plgpu.ACC((ROWS, p), jnp.float32))
+        y_RP = ops.matmul(scores_RQ, x_ref, scores_ref)
         entry_r = jnp.exp(jnp.where(seg_r == 0, cs_r, -jnp.inf))
         c_entry_RP = ops.load(c_entry_ref, (rows, slice(None)), ops.tile).astype(jnp.float32)
         x_RP = ops.load(x_ref, (rows, slice(None)), ops.tile).astype(jnp.float32)
@@ -156,7 +159,6 @@ def _head_input_gradients(ops: _Ops, cbT_ref, scores_ref, dt_ref, cs_ref, seg_re
     register tile is transposed) and sdy = S^T dy, dx_j = dt_j sdy_j + d dy_j, the intra-chunk dt
     gradient x_j . sdy_j; the entry term's C_i . entry and cumulative-sum gradients (the Triton
     kernel ``_backward_dx_kernel``'s arithmetic)."""
-    plgpu = ops.plgpu
     q, p = dy_ref.shape
     cs_c, seg_c, d_c = ops.load(cs_ref, (), ops.cols), ops.load(seg_ref, (), ops.cols), ops.load(d_ref, (), ops.cols)
     by_row = functools.partial(lax.broadcast_in_dim, shape=(ROWS, q), broadcast_dimensions=[0])
@@ -168,18 +170,7 @@ def _head_input_gradients(ops: _Ops, cbT_ref, scores_ref, dt_ref, cs_ref, seg_re
         cs_r, seg_r = ops.load(cs_ref, (rows,), ops.rows), ops.load(seg_ref, (rows,), ops.rows)
         keep = (ops.iota((ROWS, q), 1) >= ops.iota((ROWS, q), 0) + r0) & (by_row(seg_r) == by_col(seg_c))
         sT_RQ = (cbT_RQ * jnp.exp(jnp.where(keep, by_col(cs_c) - by_row(cs_r), -jnp.inf))).astype(dy_ref.dtype)
-        if not ops.interpret:
-            a = sT_RQ
-        else:
-            scores_ref[...] = sT_RQ
-            plgpu.commit_smem()
-            a = scores_ref
-
-        def matmul(acc_ref, a=a):  # acc_ref starts zeroed
-            plgpu.wgmma(acc_ref, a, dy_ref)
-            return acc_ref[...]
-
-        sdy_RP = pl.run_scoped(matmul, plgpu.ACC((ROWS, p), jnp.float32))
+        sdy_RP = ops.matmul(sT_RQ, dy_ref, scores_ref)
         dy_RP = ops.load(dy_ref, (rows, slice(None)), ops.tile).astype(jnp.float32)
         x_RP = ops.load(x_ref, (rows, slice(None)), ops.tile).astype(jnp.float32)
         dt_r = ops.load(dt_ref, (rows,), ops.rows)
