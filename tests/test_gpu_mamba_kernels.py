@@ -221,7 +221,7 @@ def test_mosaic_forward_matches_the_triton_kernel_at_the_benchmark_shapes():
 
 def test_mosaic_input_gradients_match_the_triton_kernel_at_the_benchmark_shapes():
     """The backward's Mosaic GPU kernels (``ssd_fused(backward="mosaic")``: input and score
-    gradients), compiled, against the Triton kernels' gradients through the whole SSD; bound as
+    gradients, and the recurrence between chunks, forward and backward), compiled, against the Triton kernels' gradients through the whole SSD; bound as
     for BF16 operands on CPU (test_ssd_kernel.py: 2e-2 of the largest, 1e-1 for dL/dA)."""
     b, t, h, p, g, n, q = 2, 2048, 64, 64, 1, 128, 128
     x, dt, A, B, C = _inputs(9, b, t, h, p, g, n, dtype=np.float32, dt_range=(0.01, 0.3))

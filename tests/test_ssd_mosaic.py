@@ -23,8 +23,9 @@ import pytest
 
 from maxfp4.config import ConfigError, load_config
 from maxfp4.kernels import ssd as triton_ssd
-from maxfp4.kernels import ssd_mosaic
-from maxfp4.kernels.ssd import Tiling, chunk_outputs, kernel_inputs, mosaic_forward_takes, ssd_fused
+from maxfp4.kernels import ssd_mosaic, state_passing, state_passing_mosaic
+from maxfp4.kernels.ssd import (Tiling, chunk_entry_states, chunk_outputs, kernel_inputs, mosaic_forward_takes,
+                               ssd_fused)
 from maxfp4.model.ssd import ssd_reference
 from tests.test_ssd import ARG_NAMES, _inputs, _rel
 
@@ -151,6 +152,12 @@ def test_kernel_lowers_for_cuda_at_the_benchmark_shapes():
                              (ssd_mosaic.chunk_score_gradients, (cb, x, dt, cs, seg, x))):
         lowered = jax.jit(kernel).trace(*operands).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
+    # The recurrence between chunks: [B, K, G, N, R, P] states, N = 128.
+    states = jax.ShapeDtypeStruct((b, k, g, 128, h, p), f32)
+    decay = jax.ShapeDtypeStruct((b, k, g, h), f32)
+    entry = jax.ShapeDtypeStruct(states.shape, bf16)
+    assert ssd_mosaic.lowers(state_passing_mosaic.entry_states_forward, states, decay, out_dtype=bf16)
+    assert ssd_mosaic.lowers(state_passing_mosaic.entry_states_backward, decay, entry, entry, dstates_dtype=bf16)
 
 
 def test_shapes_dtypes_and_program_size():
@@ -193,3 +200,35 @@ def test_a_kernel_that_does_not_lower_leaves_auto_on_triton(caplog):
     with caplog.at_level(logging.WARNING, logger="maxfp4.kernels.ssd_mosaic"):
         assert not ssd_mosaic.lowers(ssd_mosaic.chunk_outputs_forward, *operands(256), out_dtype=bf16)
     assert "chunk_outputs_forward does not lower" in caplog.text and "the Triton kernel runs instead" in caplog.text
+
+
+def test_interpreted_recurrence_kernels_give_the_triton_kernels_and_the_same_gradients():
+    """The recurrence runs the same operations in the same order in both (and the decays' row
+    sums are XLA's under both interpreters): equal bits, entries, their gradients and, through
+    ``chunk_entry_states``, the chunk states' gradients."""
+    rng = np.random.default_rng(0)
+    b, kp, g, n, r, p = 1, 4, 1, 2, 64, 64  # one 64-head block
+    states = jnp.asarray(rng.standard_normal((b, kp, g, n, r, p)), jnp.float32)
+    decay = jnp.asarray(rng.uniform(0, 1, (b, kp, g, r)), jnp.float32)
+    entry = state_passing.entry_states_forward(states, decay, jnp.bfloat16, True)
+    np.testing.assert_array_equal(
+        np.asarray(state_passing_mosaic.entry_states_forward(states, decay, jnp.bfloat16, interpret=True)),
+        np.asarray(entry))
+    dentry = jnp.asarray(rng.standard_normal(states.shape), jnp.bfloat16)
+    want = state_passing.entry_states_backward(decay, entry, dentry, jnp.bfloat16, True)
+    got = state_passing_mosaic.entry_states_backward(decay, entry, dentry, jnp.bfloat16, interpret=True)
+    for a, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+
+    q = 8
+    Bm = jnp.asarray(rng.standard_normal((b, 3, q, g, n)), jnp.bfloat16)
+    wx = jnp.asarray(rng.standard_normal((b, 3, q, g, r, p)), jnp.bfloat16)
+    decay3 = decay[:, :3]
+    w_ = jnp.asarray(rng.standard_normal((b, 3, g, n, r, p)), jnp.float32)
+
+    def loss(kernel):
+        return lambda *a: jnp.sum(chunk_entry_states(*a, True, kernel).astype(jnp.float32) * w_)
+    for a, w in zip(jax.grad(loss("mosaic"), argnums=range(3))(Bm, wx, decay3),
+                    jax.grad(loss("triton"), argnums=range(3))(Bm, wx, decay3)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+    assert state_passing_mosaic.supported(64, 64) and not state_passing_mosaic.supported(16, 64)

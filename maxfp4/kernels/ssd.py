@@ -36,12 +36,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from maxfp4.kernels import ssd_mosaic
+from maxfp4.kernels import ssd_mosaic, state_passing, state_passing_mosaic
 from maxfp4.kernels.launch import on_gpu, pallas_call, triton_params
 from maxfp4.kernels.ssd_ops import (check_shapes, compute_dtype, lowp_einsum, lowp_einsum_grads, masked_exp,
                                     ordered_dot, segment_starts)
-from maxfp4.kernels.state_passing import (entry_states_backward, entry_states_forward, pad_chunks,
-                                               state_passing_supported)
+from maxfp4.kernels.state_passing import pad_chunks, state_passing_supported
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Heads one program walks at most: 16 was the fastest of 1 to 32 on an H200 at the 1.3B benchmark
@@ -304,14 +303,21 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     if not interpret and not kernel_supported(chunk_size, p, n):
         raise ValueError(f"the Pallas SSD kernel needs chunk size, head dim and state size to be "
                          f"powers of two >= 16, got {chunk_size}, {p}, {n}")
+    cdt = compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
+    operand_dtype = jnp.dtype(matmul_dtype or cdt)
+    mosaic_runs = (not interpret and ssd_mosaic.available()
+                   and mosaic_forward_takes(chunk_size, p, h // g, operand_dtype, cdt, x_BTHP.dtype))
+    state_kernel = "triton"
+    if state_passing_mosaic.supported(r, p) and (backward == "mosaic" or (
+            backward == "auto" and mosaic_runs and _state_passing_lowers(b, t, g, n, r, p, chunk_size, cdt,
+                                                                         operand_dtype))):
+        state_kernel = "mosaic"
     cb, x_kernel, dt, *rest = kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size,
-                                            matmul_dtype, interpret)
+                                            matmul_dtype, interpret, state_kernel)
     if x_within_BTC is not None and t % chunk_size == 0 and x_within_BTC.shape[-1] % p == 0:
         x_kernel = x_within_BTC.reshape(b, t, -1, p).astype(x_kernel.dtype)
     # D repeated over each head's columns, in the compute dtype (zero: no skip).
     d_HP = jnp.broadcast_to((jnp.zeros((h,), dt.dtype) if D_H is None else D_H.astype(dt.dtype))[:, None], (h, p))
-    mosaic_runs = (not interpret and ssd_mosaic.available()
-                   and mosaic_forward_takes(chunk_size, p, h // g, x_kernel.dtype, dt.dtype, x_BTHP.dtype))
     operands = (cb, x_kernel, dt, *rest, d_HP)  # C.B, x, dt, cumulative sums, segments, C_i . entry, D
     if forward == "auto":
         forward = ("mosaic" if mosaic_runs and ssd_mosaic.lowers(ssd_mosaic.chunk_outputs_forward, *operands,
@@ -332,6 +338,18 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     return y_BTHP[:, :t]
 
 
+def _state_passing_lowers(b, t, g, n, r, p, chunk_size, cdt, operand_dtype) -> bool:
+    """Whether both Mosaic recurrence kernels lower for these shapes (``ssd_mosaic.lowers``)."""
+    k = -(-t // chunk_size)
+    kp = 1 << (k - 1).bit_length()
+    states = jax.ShapeDtypeStruct((b, kp, g, n, r, p), cdt)
+    entry = jax.ShapeDtypeStruct(states.shape, operand_dtype)
+    decay = jax.ShapeDtypeStruct((b, kp, g, r), cdt)
+    return (ssd_mosaic.lowers(state_passing_mosaic.entry_states_forward, states, decay, out_dtype=operand_dtype)
+            and ssd_mosaic.lowers(state_passing_mosaic.entry_states_backward, decay, entry, entry,
+                                  dstates_dtype=operand_dtype))
+
+
 def mosaic_forward_takes(chunk_size: int, head_dim: int, heads_per_group: int, operand_dtype, compute_dtype,
                          out_dtype) -> bool:
     """Whether ``auto`` runs this forward on ``ssd_mosaic``: its shapes, BF16 operands
@@ -349,8 +367,8 @@ def _operand_precision(dtype):
     return _HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def chunk_entry_states(B_BKQGN, wx_BKQGRP, decay_BKGR, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def chunk_entry_states(B_BKQGN, wx_BKQGRP, decay_BKGR, interpret, state_kernel="triton"):
     """The state entering each chunk, [B, K, G, N, R, P] in the operands' dtype: each chunk's
     own end state sum_s B_s (x) wx_s (a batched matmul accumulated in the decay's dtype, FP32),
     then the recurrence between chunks (``state_passing_kernel``).
@@ -358,25 +376,31 @@ def chunk_entry_states(B_BKQGN, wx_BKQGRP, decay_BKGR, interpret):
     One VJP for both, so that the states' gradient, which the matmul's backward rounds to the
     operands' dtype anyway, is written rounded by the recurrence kernel: as the gradient of an
     FP32 array it had to be written in FP32 and cast in a pass of its own (4.6 ms a step for
-    mamba2-1p3b on an H200)."""
-    return _chunk_entry_states_fwd(B_BKQGN, wx_BKQGRP, decay_BKGR, interpret)[0]
+    mamba2-1p3b on an H200). ``state_kernel``: the recurrence's kernels, "triton"
+    (``state_passing``) or "mosaic" (``state_passing_mosaic``)."""
+    return _chunk_entry_states_fwd(B_BKQGN, wx_BKQGRP, decay_BKGR, interpret, state_kernel)[0]
 
 
-def _chunk_entry_states_fwd(B_BKQGN, wx_BKQGRP, decay_BKGR, interpret):
+def _state_passing(state_kernel):
+    return state_passing_mosaic if state_kernel == "mosaic" else state_passing
+
+
+def _chunk_entry_states_fwd(B_BKQGN, wx_BKQGRP, decay_BKGR, interpret, state_kernel="triton"):
     k = B_BKQGN.shape[1]
     states_BKGNRP = ordered_dot(_CHUNK_STATES, B_BKQGN, wx_BKQGRP, decay_BKGR.dtype,
                                 _operand_precision(B_BKQGN.dtype))
     states_BKGNRP, decay_BKGR = pad_chunks(states_BKGNRP, decay_BKGR)
-    entry_BKGNRP = entry_states_forward(states_BKGNRP, decay_BKGR, B_BKQGN.dtype, interpret)
+    entry_BKGNRP = _state_passing(state_kernel).entry_states_forward(states_BKGNRP, decay_BKGR, B_BKQGN.dtype,
+                                                                     interpret=interpret)
     return entry_BKGNRP[:, :k], (B_BKQGN, wx_BKQGRP, decay_BKGR, entry_BKGNRP)
 
 
-def _chunk_entry_states_bwd(interpret, residuals, dentry_BKGNRP):
+def _chunk_entry_states_bwd(interpret, state_kernel, residuals, dentry_BKGNRP):
     B_BKQGN, wx_BKQGRP, decay_BKGR, entry_BKGNRP = residuals
     k = B_BKQGN.shape[1]
     dentry_BKGNRP = jnp.pad(dentry_BKGNRP, [(0, 0), (0, entry_BKGNRP.shape[1] - k)] + [(0, 0)] * 4)
-    dstates_BKGNRP, ddecay_BKGR = entry_states_backward(decay_BKGR, entry_BKGNRP, dentry_BKGNRP,
-                                                        B_BKQGN.dtype, interpret)
+    dstates_BKGNRP, ddecay_BKGR = _state_passing(state_kernel).entry_states_backward(
+        decay_BKGR, entry_BKGNRP, dentry_BKGNRP, B_BKQGN.dtype, interpret=interpret)
     dB, dwx = lowp_einsum_grads(_CHUNK_STATES, B_BKQGN, wx_BKQGRP, dstates_BKGNRP[:, :k],
                                 _operand_precision(B_BKQGN.dtype))
     return dB, dwx, ddecay_BKGR[:, :k]
@@ -394,7 +418,7 @@ def _entry_states_unrolled(states_BKGNRP, decay_BKGR):
 
 
 def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_size, matmul_dtype,
-                  interpret=None):
+                  interpret=None, state_kernel="triton"):
     """Everything the kernel reads, computed in XLA (differentiable by XLA): the C.B tiles per
     group, x, dt and the chunk cumulative sums of dt*A per head, segment counts, and C_i . entry
     state per head (undecayed). T is padded to a multiple of the chunk size. ``interpret`` is
@@ -448,7 +472,7 @@ def kernel_inputs(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, chunk_siz
     chunk_decay_BKGR = jnp.where(crosses_BK[:, :, None, None], chunk_decay_BKGR, 0.0)
     if state_passing_supported(r, p):
         entry_BKGNRP = chunk_entry_states(B_BKQGN.astype(operand_dtype), weighted_x_BKQGRP.astype(operand_dtype),
-                                          chunk_decay_BKGR, interpret)
+                                          chunk_decay_BKGR, interpret, state_kernel)
     else:
         entry_BKGNRP = _entry_states_unrolled(mm(_CHUNK_STATES, B_BKQGN, weighted_x_BKQGRP), chunk_decay_BKGR)
 

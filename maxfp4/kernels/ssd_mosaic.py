@@ -26,9 +26,9 @@ is transposed) and multiplied with dy by a wgmma; dx and d(C_i . entry) go into 
 C_i . entry's buffers, over the rows just read, which keeps the kernel inside shared memory. The
 scores' gradients (``chunk_score_gradients``: d(C.B) summed over a program's heads, the rows
 sums behind the cumulative sums' gradient, the D skip's) keep d(C.B) in registers, so there the
-two warpgroups split the rows and share each head's buffers. Both have run under the
-interpreter and lowered, not yet on a GPU: ``ssd_fused(backward="mosaic")`` selects them, auto
-never does.
+two warpgroups split the rows and share each head's buffers. Both, and the recurrence between
+chunks (``maxfp4.kernels.state_passing_mosaic``), have run under the interpreter and lowered, not
+yet on a GPU: ``ssd_fused(backward="mosaic")`` selects them, auto never does.
 
 Shapes they take (``forward_supported``): chunks of 128 and head dim 64 (the [Q, Q] FP32 tile
 and two warpgroups' [Q, P] buffers fill the 227 KB of shared memory; with chunks of 64, jax
@@ -84,7 +84,23 @@ def available() -> bool:
     return True
 
 
-class _Ops:
+def tiles(dtype) -> tuple:
+    """The shared-memory layout wgmma and TMA use for a 2D block: 8-row tiles of 128 bytes, swizzled."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
+
+
+def launch_params(interpret: bool) -> dict:
+    """``plgpu.kernel`` arguments: Mosaic GPU's interpreter off a GPU (jax exports its parameters
+    only under jax._src for now), else the compiler's with ``approx_math`` (module docstring)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        return {"interpret": InterpretGPUParams()}
+    return {"compiler_params": plgpu.CompilerParams(approx_math=True)}
+
+
+class Ops:
     """Loads and iotas with the register layouts the compiled kernel needs; plain ones under the
     interpreter, which runs neither ``plgpu.load`` nor layout casts."""
 
@@ -128,7 +144,7 @@ class _Ops:
         return self.plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=self.tile)
 
 
-def _head_outputs(ops: _Ops, cb_ref, scores_ref, x_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, y_ref):
+def _head_outputs(ops: Ops, cb_ref, scores_ref, x_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, y_ref):
     """y [Q, P] of one head of the chunk, 64 rows at a time, from its buffers in shared memory."""
     q, p = x_ref.shape
     cs_c, dt_c = ops.load(cs_ref, (), ops.cols), ops.load(dt_ref, (), ops.cols)
@@ -152,7 +168,7 @@ def _head_outputs(ops: _Ops, cb_ref, scores_ref, x_ref, dt_ref, cs_ref, seg_ref,
         y_ref[rows, :] = y_RP.astype(y_ref.dtype)
 
 
-def _head_input_gradients(ops: _Ops, cbT_ref, scores_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, dy_ref, x_ref,
+def _head_input_gradients(ops: Ops, cbT_ref, scores_ref, dt_ref, cs_ref, seg_ref, c_entry_ref, d_ref, dy_ref, x_ref,
                           dx_ref, dc_entry_ref, dcs_entry_ref, ddt_ref):
     """The gradients that flow through dy alone, for one head, 64 rows (tokens j) at a time: with
     S^T[j, i] = (C_i . B_j) exp(cs_i - cs_j) on i >= j in one segment (built from C.B^T, so no
@@ -204,7 +220,7 @@ def _run_per_head(body: Callable, once: list[tuple[jax.Array, Block]], inputs: l
     input is written into that input's buffer (``body`` writes the rows it has read; shared
     memory holds no separate buffer for it): then the next head's copies wait for its store."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    ops = _Ops(interpret)
+    ops = Ops(interpret)
     steps = heads // WARPGROUPS
     own = [block for block in outputs if not isinstance(block, int)]  # outputs with buffers of their own
     n_once, n_in, n_out = len(once), len(inputs), len(own)
@@ -262,10 +278,7 @@ def _run_per_head(body: Callable, once: list[tuple[jax.Array, Block]], inputs: l
 
     def smem(block: Block, copies: int | None):
         shape = block.shape if copies is None else (copies, *block.shape)
-        tiled = len(block.shape) == 2  # wgmma operands and [Q, P] tiles: 8-row tiles of 128 bytes, swizzled
-        transforms = (plgpu.TilingTransform((8, 128 // jnp.dtype(block.dtype).itemsize)),
-                      plgpu.SwizzleTransform(128)) if tiled else ()
-        return plgpu.SMEM(shape, block.dtype, transforms=transforms)
+        return plgpu.SMEM(shape, block.dtype, transforms=tiles(block.dtype) if len(block.shape) == 2 else ())
 
     n = WARPGROUPS
     # The interpreter's scores: its wgmma reads shared memory only (compiled, a placeholder).
@@ -273,12 +286,7 @@ def _run_per_head(body: Callable, once: list[tuple[jax.Array, Block]], inputs: l
     scratch = ([smem(block, None) for _, block in once] + [smem(block, n) for _, block in inputs]
                + [smem(block, n) for block in own]
                + [smem(scores, n), plgpu.Barrier(num_arrivals=n_once), plgpu.Barrier(num_arrivals=n_in, num_barriers=n)])
-    if interpret:
-        # Mosaic GPU's interpreter; jax exports its parameters only under jax._src for now.
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        launch = {"interpret": InterpretGPUParams()}
-    else:
-        launch = {"compiler_params": plgpu.CompilerParams(approx_math=True)}
+    launch = launch_params(interpret)
     run = plgpu.kernel(kernel, out_type=list(out_shapes), grid=grid, grid_names=("b", "k", "h"), num_threads=n,
                        thread_name="wg", scratch_types=scratch, **launch)
     return run(*[a for a, _ in once], *[a for a, _ in inputs])
@@ -359,7 +367,7 @@ def chunk_input_gradients(cb, dt, cs, seg, c_entry, d, dy, x, interpret: bool = 
          per_head_Q, per_head_Q], (b, k, h // hb), hb, q, interpret))
 
 
-def _score_gradient_rows(ops: _Ops, r0: int, cb_ref, seg_ref, x_ref, dt_ref, cs_ref, dy_ref, g_rows_ref, dd_ref,
+def _score_gradient_rows(ops: Ops, r0: int, cb_ref, seg_ref, x_ref, dt_ref, cs_ref, dy_ref, g_rows_ref, dd_ref,
                          xT_ref, dcb_RQ):
     """One head's contribution to rows r0..r0+63 of the scores' gradients (the Triton kernel
     ``_backward_scores_kernel``'s arithmetic): with E = (dy x^T) exp(cs_i - cs_j) masked, the row
@@ -417,7 +425,7 @@ def chunk_score_gradients(cb, x, dt, cs, seg, dy, interpret: bool = False):
         bi, ki, hi = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("h")
         w = lax.axis_index("wg")
         tokens = pl.ds(ki * q, q)
-        ops = _Ops(interpret)
+        ops = Ops(interpret)
 
         def fetch(j, slot):  # head j of the program into buffer pair `slot`
             head = hi * hb + j
@@ -470,9 +478,6 @@ def chunk_score_gradients(cb, x, dt, cs, seg, dy, interpret: bool = False):
         for wg in range(WARPGROUPS):
             pl.when(w == wg)(functools.partial(rows_of, wg * ROWS))
 
-    def tiles(dtype):
-        return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
-
     scratch = [plgpu.SMEM((q, q), f32, transforms=tiles(f32)), plgpu.SMEM((q,), seg.dtype),
                plgpu.SMEM((2, q, p), x.dtype, transforms=tiles(x.dtype)), plgpu.SMEM((2, q), f32),
                plgpu.SMEM((2, q), f32), plgpu.SMEM((2, q, p), dy.dtype, transforms=tiles(dy.dtype)),
@@ -484,11 +489,7 @@ def chunk_score_gradients(cb, x, dt, cs, seg, dy, interpret: bool = False):
                plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=2)]
     out_shapes = [jax.ShapeDtypeStruct((b, k, h // hb, q, q), f32), jax.ShapeDtypeStruct(cs.shape, f32),
                   jax.ShapeDtypeStruct((b, k, WARPGROUPS, h, p), f32)]
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        launch = {"interpret": InterpretGPUParams()}
-    else:
-        launch = {"compiler_params": plgpu.CompilerParams(approx_math=True)}
+    launch = launch_params(interpret)
     return tuple(plgpu.kernel(kernel, out_type=out_shapes, grid=(b, k, h // hb), grid_names=("b", "k", "h"),
                               num_threads=WARPGROUPS, thread_name="wg", scratch_types=scratch, **launch)(
         cb, seg, x, dt, cs, dy))
