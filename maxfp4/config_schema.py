@@ -89,9 +89,8 @@ class MambaConfig:
     kernels: str = "auto"
     # Which Pallas backend the GPU kernels compile for: auto (Mosaic GPU, the backend jax supports,
     # for each measured kernel that has a Mosaic form taking the shapes, today the SSD's forward on
-    # Hopper; Triton for the rest), mosaic (also the SSD's backward and recurrence between chunks, not
-    # yet measured on a GPU) or
-    # triton (every kernel on Triton, as before the Mosaic forms).
+    # Hopper; Triton for the rest), mosaic (also the SSD's backward and recurrence between chunks,
+    # not yet measured on a GPU) or triton (every kernel on Triton, as before the Mosaic forms).
     kernel_backend: str = "auto"
     # With FP8 delayed scaling on in_proj and out_proj and the kernels on: the kernels that
     # write in_proj's output gradient and out_proj's input store them in FP8 themselves (same

@@ -55,7 +55,6 @@ from maxfp4.kernels.launch import on_hopper
 ROWS = 64  # rows of one wgmma: the scores are built and multiplied 64 rows at a time
 WARPGROUPS = 2  # compute warpgroups a program, taking alternate heads
 _MAX_HEADS_PER_PROGRAM = 16  # heads a program walks (16: 162.7 us, 8: 168.6; H200, 2026-11-29)
-_TMA_ARRIVALS = 5  # copies a head's buffers wait for: x, C_i . entry, dt, cumulative sums, D
 
 
 def forward_supported(chunk_size: int, head_dim: int, heads_per_group: int) -> bool:
@@ -292,15 +291,17 @@ def _run_per_head(body: Callable, once: list[tuple[jax.Array, Block]], inputs: l
     return run(*[a for a, _ in once], *[a for a, _ in inputs])
 
 
-def _check(cb, x, dt, cs, c_entry):
+def _check(cb, x, dt, cs, operand_BTHP):
+    """The shapes and dtypes every kernel here takes; ``operand_BTHP``: C_i . entry, or dy."""
     b, k, g, q, _ = cb.shape
-    h, p = c_entry.shape[2:]
+    h, p = operand_BTHP.shape[2:]
     if not forward_supported(q, p, h // g):
         raise ValueError(f"the Mosaic GPU SSD kernels need a chunk of 128, head dim 64 and an even number "
                          f"of heads per group, got {q}, {p}, {h // g}")
-    if x.dtype != jnp.bfloat16 or c_entry.dtype != jnp.bfloat16 or {cb.dtype, dt.dtype, cs.dtype} != {jnp.dtype(jnp.float32)}:
-        raise ValueError(f"the Mosaic GPU SSD kernels need BF16 x and C . entry and FP32 C.B, dt and cumulative sums, "
-                         f"got {x.dtype}, {c_entry.dtype}, {cb.dtype}, {dt.dtype}, {cs.dtype}")
+    if (x.dtype != jnp.bfloat16 or operand_BTHP.dtype != jnp.bfloat16
+            or {cb.dtype, dt.dtype, cs.dtype} != {jnp.dtype(jnp.float32)}):
+        raise ValueError(f"the Mosaic GPU SSD kernels need BF16 x and C_i . entry (or dy) and FP32 C.B, dt and "
+                         f"cumulative sums, got {x.dtype}, {operand_BTHP.dtype}, {cb.dtype}, {dt.dtype}, {cs.dtype}")
     return b, k, g, q, h, p, heads_per_program(h // g)
 
 

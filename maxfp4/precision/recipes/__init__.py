@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from maxfp4.parallel.mesh import traced_mesh
 from maxfp4.precision.catalog import RecipeSpec
+from maxfp4.precision.formats import power_2_floor
 from maxfp4.precision.fused import FusedOperands
 
 COMPUTE_DTYPE = jnp.bfloat16
@@ -114,6 +115,16 @@ def unflat(y_MN: jax.Array, lead: tuple[int, ...]) -> jax.Array:
 def power_2_scale(options) -> bool:
     """The FP8 recipes' ``power_2_scale`` option (scales rounded down to powers of two)."""
     return bool(dict(options).get("power_2_scale", False))
+
+
+def delayed_scales(scales: jax.Array, options) -> jax.Array:
+    """The three delayed-scaling scales (x, w, dY) a step quantizes with, from ``[..., 3]`` or
+    ``[..., 6]`` (with their reciprocals appended). With power_2_scale the state's scales are
+    already powers of two (state.py rounds them); rounding again is a no-op then, and keeps the
+    BF16 GEMM form exact for scales that are not (a state initialised or restored by other code,
+    scales passed in by a caller)."""
+    scales = scales[..., :3]
+    return power_2_floor(scales) if power_2_scale(options) else scales
 
 
 def dtype_token(dtype) -> jax.Array:

@@ -26,8 +26,8 @@ from maxfp4.precision.catalog import FAST_ACCUMULATION_DEFAULT, LAYER_CLASS_OPTI
 from maxfp4.precision.fused import FusedOperands
 from maxfp4.precision.recipes.grouped import (fp8_current_grouped, fp8_delayed_grouped,
                                                fp8_delayed_grouped_with_reciprocals)
-from maxfp4.precision.recipes import (COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, amax, dtype_token, flat,
-                                      power_2_scale, unflat)
+from maxfp4.precision.recipes import (COMPUTE_DTYPE, GEMM_IN, GEMM_WEIGHT, TN, Recipe, amax, delayed_scales,
+                                      dtype_token, flat, power_2_scale, unflat)
 
 
 # FP8 accumulation, as XLA hands it to cuBLASLt: a dot whose operand precisions are all DEFAULT
@@ -161,13 +161,6 @@ def _fp8_delayed(x, w, options, scales, key):
     return _fp8_delayed_fwd(x, w, options, scales, key)[0]
 
 
-def _delayed_scales(scales, options):
-    # With power_2_scale the state's scales are already powers of two (state.py rounds them);
-    # rounding again here is a no-op then, and keeps the BF16 GEMM form exact for scales that
-    # are not (a state initialised or restored by other code, scales passed in by a caller).
-    scales = scales[..., :3]  # a layer's scales may come with their reciprocals appended
-    return F.power_2_floor(scales) if power_2_scale(options) else scales
-
 
 def fp8_delayed_with_reciprocals(scales_X3: jax.Array, options) -> jax.Array:
     """[..., 3] scales -> [..., 6]: the scales, then the exact reciprocals (``formats.div_rn``)
@@ -177,13 +170,13 @@ def fp8_delayed_with_reciprocals(scales_X3: jax.Array, options) -> jax.Array:
     of instructions and whose compile dominated (mamba2-1p3b FP8 on an H200: 15.8k of its 62.8k
     instructions). The reciprocals carry no gradient: the scales' cotangent (this step's amaxes)
     reaches the first three only."""
-    inv = F.div_rn(1.0, _delayed_scales(scales_X3, options))
+    inv = F.div_rn(1.0, delayed_scales(scales_X3, options))
     return jnp.concatenate([scales_X3, jax.lax.stop_gradient(inv)], axis=-1)
 
 
 def _scales_and_reciprocals(scales, options) -> tuple[jax.Array, jax.Array]:
     """``(s, 1/s)`` of a layer's three scales, given as [3] or with their reciprocals as [6]."""
-    s = _delayed_scales(scales, options)
+    s = delayed_scales(scales, options)
     return s, (scales[3:] if scales.shape[-1] == 6 else F.div_rn(1.0, s))
 
 
@@ -208,7 +201,7 @@ def fp8_delayed_forward(x, w, options, scales):
 
 def fp8_delayed_scales(options, scales) -> jax.Array:
     """The (x, w, dY) scales a step quantizes with, from the layer's delayed-scaling state."""
-    return _delayed_scales(scales, options)
+    return delayed_scales(scales, options)
 
 
 def fp8_delayed_forward_quantized(qx, amax_x, x_dtype, w, options, scales):

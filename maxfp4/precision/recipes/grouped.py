@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from maxfp4.kernels import grouped_gemm
 from maxfp4.precision import formats as F
-from maxfp4.precision.recipes import COMPUTE_DTYPE, amax, dtype_token, power_2_scale
+from maxfp4.precision.recipes import COMPUTE_DTYPE, amax, delayed_scales, dtype_token, power_2_scale
 
 _WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
@@ -199,9 +199,7 @@ def fp8_delayed_grouped(x_MK, w_GKN, sizes_G, options=(), scales=None, key=None,
     del key
     if scales is None:
         raise ValueError("fp8_delayed needs its scaling state (scales f32[3])")
-    if power_2_scale(options):
-        scales = jnp.concatenate([F.power_2_floor(scales[:3]), scales[3:]])
-    return _fp8_delayed(x_MK, w_GKN, sizes_G, scales, gemm)
+    return _fp8_delayed(x_MK, w_GKN, sizes_G, jnp.concatenate([delayed_scales(scales, options), scales[3:]]), gemm)
 
 
 def fp8_delayed_grouped_with_reciprocals(scales_X3: jax.Array, options) -> jax.Array:
@@ -209,7 +207,7 @@ def fp8_delayed_grouped_with_reciprocals(scales_X3: jax.Array, options) -> jax.A
     the products its three GEMMs dequantize with (x w, dY w, x dY), computed once for the
     class's [L, 3] array rather than in every layer (recipes.fp8.fp8_delayed_with_reciprocals
     says why). No gradient reaches them."""
-    s = F.power_2_floor(scales_X3) if power_2_scale(options) else scales_X3
+    s = delayed_scales(scales_X3, options)
     sx, sw, sdy = s[..., 0], s[..., 1], s[..., 2]
     inv = F.div_rn(1.0, jnp.stack([sx * sw, sdy * sw, sx * sdy], axis=-1))
     return jnp.concatenate([scales_X3, jax.lax.stop_gradient(inv)], axis=-1)
