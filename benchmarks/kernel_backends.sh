@@ -2,7 +2,7 @@
 # The Mamba-2 kernels on each Pallas backend, one device-machine call (one GPU, ~8 min): the
 # GPU tests of the Mosaic GPU kernels, the SSD alone at mamba2-1p3b's shapes (Triton kernels /
 # Mosaic forward / Mosaic forward and backward: benchmarks/ssd_layer.py), and whole mamba2-1p3b
-# steps with model.mamba.kernel_backend triton / auto / mosaic in BF16 and FP8
+# steps with model.mamba.kernel_backend triton / auto in BF16 and FP8
 # (benchmarks/train_throughput.py). Writes tests.txt, ssd_layer.txt and steps.txt to OUT_DIR.
 #   bash benchmarks/kernel_backends.sh [OUT_DIR]
 set -uo pipefail
@@ -18,7 +18,7 @@ timeout 150 python3 benchmarks/ssd_layer.py --iters 20 --json "$OUT_DIR/ssd_laye
 cat "$OUT_DIR/ssd_layer.txt"
 runs=()
 for precision in bf16 fp8; do
-  for backend in triton auto mosaic; do
+  for backend in triton auto; do
     runs+=(--run "$precision $backend=configs/mamba2-1p3b.yaml configs/precision/$precision.yaml model.mamba.kernel_backend=$backend")
   done
 done

@@ -278,7 +278,7 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
               C_BTGN: jax.Array, segment_ids_BT: jax.Array, chunk_size: int,
               matmul_dtype: jnp.dtype | None = None, interpret: bool | None = None,
               tiling: Tiling | None = None, D_H: jax.Array | None = None,
-              x_within_BTC: jax.Array | None = None, forward: str = "auto", backward: str = "triton") -> jax.Array:
+              x_within_BTC: jax.Array | None = None, forward: str = "auto", backward: str = "auto") -> jax.Array:
     """Drop-in for ``ssd_chunked`` (same arguments, same result to rounding) with the intra-chunk
     and entry-state outputs computed by the Pallas kernel. ``interpret`` defaults to True off GPU;
     ``tiling`` to ``default_tiling``. With ``D_H`` the output includes the mixer's D skip,
@@ -288,9 +288,9 @@ def ssd_fused(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.
     ``forward``: the forward's kernel, "triton", "mosaic" (``maxfp4.kernels.ssd_mosaic``; off GPU
     under Mosaic GPU's interpreter) or "auto" (mosaic on a Hopper GPU where it takes the shapes
     and operand dtypes and this jax lowers it, ``ssd_mosaic.lowers``; else triton); it sets
-    ``tiling.forward``. ``backward``: the backward's kernels, "triton" (the default:
-    ``ssd_mosaic``'s are not yet measured on a GPU), "mosaic", or "auto" (mosaic on a Hopper GPU
-    where the forward's conditions hold and both lower); it sets ``tiling.backward``.
+    ``tiling.forward``. ``backward``: the backward's kernels, "triton", "mosaic", or "auto" (mosaic
+    on a Hopper GPU where the forward's conditions hold and both lower; with them the recurrence
+    between chunks runs on Mosaic GPU where 64-head blocks tile); it sets ``tiling.backward``.
     """
     g, r = check_shapes(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT)
     if chunk_size < 1:

@@ -386,7 +386,7 @@ def _score_gradient_rows(ops: Ops, r0: int, cb_ref, seg_ref, x_ref, dt_ref, cs_r
         plgpu.commit_smem()
         xT = xT_ref
     else:
-        xT = plgpu.transpose_ref(x_ref, (1, 0))
+        xT = x_ref.transpose((1, 0))
 
     def matmul(acc_ref):  # acc_ref starts zeroed: dy[rows] x^T
         plgpu.wgmma(acc_ref, dy_ref.at[rows], xT)

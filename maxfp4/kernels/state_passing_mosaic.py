@@ -10,9 +10,8 @@ the entries and their gradient, writes of the states' gradient and of the decays
 n (summed over N by XLA).
 
 Shapes they take (``supported``): 64-head blocks (heads per group a multiple of 64) and head
-dim 64. Off a GPU they run under Mosaic GPU's interpreter. Not yet measured on a GPU:
-``entry_states(..., mosaic=True)`` in ``maxfp4.kernels.ssd`` selects them under
-``model.mamba.kernel_backend=mosaic`` only.
+dim 64. Off a GPU they run under Mosaic GPU's interpreter. ``maxfp4.kernels.ssd.ssd_fused``
+takes them with the SSD's Mosaic backward (``model.mamba.kernel_backend: auto``).
 """
 
 from __future__ import annotations

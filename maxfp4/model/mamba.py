@@ -355,8 +355,7 @@ def _ssd_with_skip(xbc_BTC: jax.Array, dt_BTH: jax.Array, A_log_H: jax.Array, D_
         # the convolution output (a sliced copy cost a [B, T, E] pass a layer).
         u_BTHP = ssd_fused(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
                            matmul_dtype=matmul_dtype, D_H=D_H, x_within_BTC=xbc_BTC,
-                           forward="triton" if cfg.mamba.kernel_backend == "triton" else "auto",
-                           backward="auto" if cfg.mamba.kernel_backend == "mosaic" else "triton")
+                           forward=cfg.mamba.kernel_backend, backward=cfg.mamba.kernel_backend)
     else:
         y_BTHP = ssd_chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
                              matmul_dtype=matmul_dtype)
