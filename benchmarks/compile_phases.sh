@@ -25,7 +25,7 @@ for run in "$@"; do
   n=$((n + 1))
   log="$OUT_DIR/compile_$n.log"
   # shellcheck disable=SC2086  # a run is a list of arguments
-  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_compiler=1,hlo_pass_pipeline=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" \
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_compiler=1,hlo_pass_pipeline=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
     python3 "$HERE/compile_cost.py" $run --top 1 --json "$OUT_DIR/compile_$n.json" \
     --hlo-out "$OUT_DIR/hlo_$n.txt.gz" > "$log" 2>&1
   python3 - "$log" "$OUT_DIR/compile_$n.json" "$run" <<'PY'

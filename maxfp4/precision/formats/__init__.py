@@ -55,7 +55,7 @@ there. Non-finite inputs give unspecified (but non-crashing) results.
 from maxfp4.precision.formats.dtypes import (DEC_SHIFT, DEC_SHIFT_BELOW, E2M1_MAX, E4M3_MAX, E5M2_MAX, E8M0,
                                              F32_MAX, FP4_E2M1, FP8_E4M3, FP8_E5M2, MX_BLOCK, NVFP4_BLOCK,
                                              NVFP4_S_ENC_MAX)  # noqa: F401
-from maxfp4.precision.formats.arith import div_rn, exp2_int, reciprocal_from_below  # noqa: F401
+from maxfp4.precision.formats.arith import div_rn, exp2_int  # noqa: F401
 from maxfp4.precision.formats.fp8 import (cast_fp8, dequantize_fp8, fp8_max, power_2_floor, qdq_fp8, quantize_fp8,
                                           scale_from_amax)  # noqa: F401
 from maxfp4.precision.formats.random_bits import (SR_BITS, byte_of_word, check_word_count, random_bytes,
