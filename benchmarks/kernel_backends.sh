@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The Mamba-2 kernels on each Pallas backend, one device-machine call (one GPU, ~8 min): the
 # GPU tests of the Mosaic GPU kernels, the SSD alone at mamba2-1p3b's shapes (Triton kernels /
-# Mosaic forward / Mosaic forward and backward: benchmarks/ssd_layer.py), and whole mamba2-1p3b
-# steps with model.mamba.kernel_backend triton / auto in BF16 and FP8
-# (benchmarks/train_throughput.py). Writes tests.txt, ssd_layer.txt and steps.txt to OUT_DIR.
+# Mosaic forward / Mosaic forward and backward: benchmarks/ssd_layer.py), the convolution's
+# forward on Triton and Mosaic GPU (benchmarks/conv_layer.py), and whole mamba2-1p3b steps with
+# model.mamba.kernel_backend triton / auto in BF16 and FP8 (benchmarks/train_throughput.py).
+# Writes tests.txt, ssd_layer.txt, conv_layer.txt and steps.txt to OUT_DIR.
 #   bash benchmarks/kernel_backends.sh [OUT_DIR]
 set -uo pipefail
 OUT_DIR=${1:-${OUT:-/tmp/maxfp4-backends}}
@@ -16,6 +17,8 @@ tiling=pallas:bf16:128:8:16:1
 timeout 150 python3 benchmarks/ssd_layer.py --iters 20 --json "$OUT_DIR/ssd_layer.json" \
   --variants "$tiling,$tiling:mosaic,$tiling:mosaic:mosaic" > "$OUT_DIR/ssd_layer.txt" 2>&1
 cat "$OUT_DIR/ssd_layer.txt"
+timeout 100 python3 benchmarks/conv_layer.py --json "$OUT_DIR/conv_layer.json" > "$OUT_DIR/conv_layer.txt" 2>&1
+cat "$OUT_DIR/conv_layer.txt"
 runs=()
 for precision in bf16 fp8; do
   for backend in triton auto; do

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from maxfp4.kernels import conv_mosaic
 from maxfp4.kernels.epilogue import Quantize, Quantized
 from maxfp4.kernels.launch import pallas_call, triton_params
 
@@ -180,13 +181,21 @@ def causal_conv_silu(x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array, segment_
     return conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret)[0]
 
 
-def conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret, tiling: ConvTiling | None = None):
+def conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret, tiling: ConvTiling | None = None,
+                 kernel: str = "triton"):
     """(``causal_conv_silu``'s value, the residuals ``conv_backward`` takes). ``tiling``: the
-    launch (default ``default_conv_tiling``)."""
+    launch (default ``default_conv_tiling``). ``kernel``: "triton" (here) or "mosaic"
+    (``maxfp4.kernels.conv_mosaic``, the same values; not yet measured on a GPU, so nothing
+    selects it by default)."""
     width = w_WC.shape[0]
     tiling = tiling or default_conv_tiling(*x_BTC.shape[1:])
     # The padded copy is the backward pass's residual too, so it is made once.
     x_pad = jnp.pad(x_BTC, ((0, 0), (width - 1, 0), (0, 0)))
+    if kernel == "mosaic":
+        out = conv_mosaic.conv_silu_forward(x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, interpret)
+        return out, (x_pad, w_WC, b_C, segment_ids_BT)
+    if kernel != "triton":
+        raise ValueError(f"conv_forward: kernel must be triton or mosaic, got {kernel!r}")
     out = _launch(_forward_kernel, x_BTC.shape, _tile_spec, jax.ShapeDtypeStruct(x_BTC.shape, x_BTC.dtype),
                   4, interpret, x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C,
                   tiling=tiling, num_warps=tiling.forward_warps)

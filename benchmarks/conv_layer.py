@@ -1,0 +1,64 @@
+"""The Mamba-2 mixer's causal convolution + SiLU alone, at a model's shapes: the forward kernel on
+Triton and on Mosaic GPU (``maxfp4.kernels.conv_mosaic``), and the Triton backward, each timed
+alone, with the Mosaic forward's largest difference from the Triton one and the memory floor
+(bytes each kernel must move at the GPU's bandwidth).
+
+    python benchmarks/conv_layer.py [--config configs/mamba2-1p3b.yaml] [--iters 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxfp4.config import load_config
+from maxfp4.kernels.conv import conv_backward, conv_forward
+from maxfp4.model_spec import mamba_dims as dims
+from timing import median_ms
+
+HBM_BYTES_PER_S = 4.8e12  # H200
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/mamba2-1p3b.yaml")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    cfg = load_config(args.config, [])
+    b, t, c, width = cfg.data.global_batch, cfg.data.seq_len, dims(cfg.model)["conv"], cfg.model.mamba.conv_kernel
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((b, t, c)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((width, c)) * 0.3, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(c) * 0.1, jnp.float32)
+    ids = jnp.asarray(np.repeat(np.arange(b * 4).reshape(b, 4), t // 4, axis=1), jnp.int32)  # 4 documents a row
+    dout = jnp.asarray(rng.standard_normal((b, t, c)), jnp.bfloat16)
+    forward = {k: jax.jit(lambda x, w, bias, k=k: conv_forward(x, w, bias, ids, False, kernel=k)[0])
+               for k in ("triton", "mosaic")}
+    residuals = jax.jit(lambda x, w, bias: conv_forward(x, w, bias, ids, False)[1])(x, w, bias)
+    backward = jax.jit(lambda res, dout: conv_backward(res, dout, False))
+    y = {k: np.asarray(f(x, w, bias), np.float32) for k, f in forward.items()}
+    diff = float(np.abs(y["mosaic"] - y["triton"]).max() / np.abs(y["triton"]).max())
+    same = float(np.mean(y["mosaic"] == y["triton"]))
+    tensor = b * t * c * 2
+    rows = [("forward, Triton", median_ms(forward["triton"], x, w, bias, iters=args.iters), 2 * tensor),
+            ("forward, Mosaic GPU", median_ms(forward["mosaic"], x, w, bias, iters=args.iters), 2 * tensor),
+            ("backward, Triton (both kernels)", median_ms(backward, residuals, dout, iters=args.iters), 5 * tensor)]
+    print(f"causal conv + SiLU, {args.config}: B={b} T={t} C={c} W={width}, {jax.devices()[0].device_kind}, "
+          f"jax {jax.__version__}")
+    print(f"{'kernel':34} {'ms':>8} {'floor ms':>9}")
+    for name, ms, moved in rows:
+        print(f"{name:34} {ms:8.3f} {1e3 * moved / HBM_BYTES_PER_S:9.3f}")
+    print(f"Mosaic forward against Triton: {same:.4%} of outputs identical, largest difference {diff:.1e} "
+          "of the largest output")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "identical": same, "max_rel_diff": diff}, f)
+
+
+if __name__ == "__main__":
+    main()
