@@ -1,6 +1,6 @@
 """The Mamba-2 mixer's causal convolution + SiLU alone, at a model's shapes: the forward kernel on
-Triton and on Mosaic GPU (``maxfp4.kernels.conv_mosaic``), and the Triton backward, each timed
-alone, with the Mosaic forward's largest difference from the Triton one and the memory floor
+Triton and on Mosaic GPU (``maxfp4.kernels.conv_mosaic``), and the backward with its first kernel
+on each, each timed alone, with the Mosaic forward's largest difference from the Triton one and the memory floor
 (bytes each kernel must move at the GPU's bandwidth).
 
     python benchmarks/conv_layer.py [--config configs/mamba2-1p3b.yaml] [--iters 30] [--json out.json]
@@ -40,14 +40,18 @@ def main() -> None:
     forward = {k: jax.jit(lambda x, w, bias, k=k: conv_forward(x, w, bias, ids, False, kernel=k)[0])
                for k in ("triton", "mosaic")}
     residuals = jax.jit(lambda x, w, bias: conv_forward(x, w, bias, ids, False)[1])(x, w, bias)
-    backward = jax.jit(lambda res, dout: conv_backward(res, dout, False))
+    backward = {k: jax.jit(lambda res, dout, k=k: conv_backward(res, dout, False, kernel=k))
+                for k in ("triton", "mosaic")}
     y = {k: np.asarray(f(x, w, bias), np.float32) for k, f in forward.items()}
     diff = float(np.abs(y["mosaic"] - y["triton"]).max() / np.abs(y["triton"]).max())
     same = float(np.mean(y["mosaic"] == y["triton"]))
     tensor = b * t * c * 2
     rows = [("forward, Triton", median_ms(forward["triton"], x, w, bias, iters=args.iters), 2 * tensor),
             ("forward, Mosaic GPU", median_ms(forward["mosaic"], x, w, bias, iters=args.iters), 2 * tensor),
-            ("backward, Triton (both kernels)", median_ms(backward, residuals, dout, iters=args.iters), 5 * tensor)]
+            ("backward, Triton (both kernels)", median_ms(backward["triton"], residuals, dout, iters=args.iters),
+             5 * tensor),
+            ("backward, first kernel Mosaic GPU", median_ms(backward["mosaic"], residuals, dout, iters=args.iters),
+             5 * tensor)]
     print(f"causal conv + SiLU, {args.config}: B={b} T={t} C={c} W={width}, {jax.devices()[0].device_kind}, "
           f"jax {jax.__version__}")
     print(f"{'kernel':34} {'ms':>8} {'floor ms':>9}")

@@ -1,8 +1,8 @@
-"""The Mosaic GPU forward of the causal convolution + SiLU (maxfp4.kernels.conv_mosaic) under Mosaic
-GPU's interpreter against the Triton kernel under its own: the same bits (both sum the bias and the
-W lags in the same order in FP32, and the interpreter's sigmoid is the exact one), with packed
-documents that cross the 64-row tiles; the backward that follows it is the Triton one, on the same
-residuals. And that it lowers for CUDA at mamba2-1p3b's shapes (register layouts, TMA strides)."""
+"""The Mosaic GPU kernels of the causal convolution + SiLU (maxfp4.kernels.conv_mosaic: the forward
+and the backward's first kernel) under Mosaic GPU's interpreter against the Triton kernels under
+theirs: the same bits (both sum the bias and the W lags in the same order in FP32, and the
+interpreter's sigmoid is the exact one), with packed documents that cross the 64-row tiles. And
+that they lower for CUDA at mamba2-1p3b's shapes (register layouts, TMA strides)."""
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,24 @@ def test_interpreted_mosaic_forward_gives_the_triton_kernels_bits(width):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
 
 
+@pytest.mark.parametrize("width", [4, 2])
+def test_interpreted_mosaic_preactivation_gradients_give_the_triton_kernels_bits(width):
+    """The backward's first kernel on Mosaic GPU, the input gradient's on Triton: dx equal to both
+    Triton kernels' (the same pre-activation gradient, elementwise); dw and db, FP32 column sums
+    of a 64 x 128 tile each reduced by its interpreter in its own order, within 1e-5 of the
+    largest (as tests/test_conv_kernel.py bounds orders of summation)."""
+    x, w, bias, ids = _operands(width, seed=3)
+    _, residuals = conv_forward(x, w, bias, ids, True)
+    dout = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape), jnp.bfloat16)
+    want = conv_backward(residuals, dout, True)
+    got = conv_backward(residuals, dout, True, kernel="mosaic")
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    for name, a, e in zip(("dw", "db"), got[1:], want[1:]):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert np.abs(e).max() > 1, name
+        assert np.abs(a - e).max() <= 1e-5 * np.abs(e).max(), name
+
+
 def test_an_earlier_document_never_reaches_a_later_one():
     """Changing the previous document's tokens leaves a document's outputs as they were."""
     x, w, bias, ids = _operands(4, seed=2)
@@ -59,6 +77,9 @@ def test_lowers_for_cuda_at_mamba2_1p3b_shapes():
             jax.ShapeDtypeStruct((width, c), jnp.float32), jax.ShapeDtypeStruct((c,), jnp.float32)]
     lowered = jax.jit(conv_mosaic.conv_silu_forward).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+    dout = jax.ShapeDtypeStruct((b, t, c), jnp.bfloat16)
+    lowered = jax.jit(conv_mosaic.preactivation_gradients).trace(*args, dout).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_shapes_it_takes_and_bad_choices():
@@ -70,3 +91,5 @@ def test_shapes_it_takes_and_bad_choices():
                                       bias[:128], interpret=True)
     with pytest.raises(ValueError, match="kernel must be triton or mosaic, got 'cuda'"):
         conv_forward(x, w, bias, ids, True, kernel="cuda")
+    with pytest.raises(ValueError, match="kernel must be triton or mosaic, got 'cuda'"):
+        conv_backward(conv_forward(x, w, bias, ids, True)[1], x, True, kernel="cuda")

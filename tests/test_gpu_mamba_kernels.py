@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxfp4.kernels.conv import causal_conv_silu, conv_forward
+from maxfp4.kernels.conv import causal_conv_silu, conv_backward, conv_forward
 from maxfp4.kernels.gated_norm import gated_norm_fused
 from maxfp4.model.mamba import causal_conv, gated_group_norm
 from maxfp4.model.ssd import ssd_reference
@@ -253,3 +253,12 @@ def test_mosaic_conv_forward_matches_the_triton_kernel_at_the_benchmark_shapes()
     assert np.abs(y["triton"]).max() > 1
     assert np.abs(y["mosaic"] - y["triton"]).max() <= 2.0 ** -7 * np.abs(y["triton"]).max()
     assert np.mean(y["mosaic"] == y["triton"]) >= 0.99
+    # The backward's first kernel: dx within one BF16 step, dw and db to FP32 summation order.
+    _, residuals = jax.jit(lambda *a: conv_forward(*a, ids, False))(x, w, bias)
+    dout = jnp.asarray(rng.standard_normal((b, t, c)), jnp.bfloat16)
+    grads = {k: jax.jit(lambda res, d, k=k: conv_backward(res, d, False, kernel=k))(residuals, dout)
+             for k in ("triton", "mosaic")}
+    for name, got, want in zip(("dx", "dw", "db"), grads["mosaic"], grads["triton"]):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        bound = 2.0 ** -7 if name == "dx" else 1e-5
+        assert np.abs(got - want).max() <= bound * np.abs(want).max(), name

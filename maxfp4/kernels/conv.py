@@ -214,7 +214,8 @@ def into_columns_supported(channels: int, column_offset: int) -> bool:
 
 
 def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax.Array | None = None,
-                  column_offset: int = 0, tiling: ConvTiling | None = None, quantize: Quantize | None = None):
+                  column_offset: int = 0, tiling: ConvTiling | None = None, quantize: Quantize | None = None,
+                  kernel: str = "triton"):
     """(dx, dw, db) of ``causal_conv_silu`` from its forward residuals (``conv_forward``).
 
     With ``into_BTI``, a wider [B, T, I] array, dx is written into its columns
@@ -223,7 +224,12 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     instead of adding zero-padded pieces (``into_columns_supported`` says where it can).
     ``quantize`` (with ``into_BTI`` of its FP8 dtype): dx is stored as FP8 as
     ``fp8_epilogue.Quantize`` says, and a fourth value comes back, ``max |dx|`` in FP32.
-    ``tiling``: the launch (default ``default_conv_tiling``)."""
+    ``tiling``: the launch (default ``default_conv_tiling``). ``kernel``: "triton", or "mosaic"
+    for the first kernel (the pre-activation's gradient and the weights' and bias's partial sums,
+    ``conv_mosaic.preactivation_gradients``; the input gradient stays Triton's; not yet measured
+    on a GPU, so nothing selects it by default)."""
+    if kernel not in ("triton", "mosaic"):
+        raise ValueError(f"conv_backward: kernel must be triton or mosaic, got {kernel!r}")
     x_pad, w_WC, b_C, segment_ids_BT = residuals
     width = w_WC.shape[0]
     b, t, c = x_pad.shape[0], x_pad.shape[1] - (width - 1), x_pad.shape[2]
@@ -244,9 +250,13 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     # a W-tap sum of it, is rounded to that dtype anyway; the weight and bias gradients are
     # summed from the FP32 values inside the first kernel.
     shapes = [jax.ShapeDtypeStruct((b, t + width - 1, c), x_pad.dtype)] + [partial_sums] * (1 + width)
-    dpre_pad, db_parts, *dw_parts = launch(
-        _preactivation_grad_kernel, (b, t, c), grad_specs, shapes, 4, interpret,
-        x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, dout_BTC)
+    if kernel == "mosaic":
+        dpre_pad, db_parts, dw_parts = conv_mosaic.preactivation_gradients(
+            x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, dout_BTC, interpret)
+    else:
+        dpre_pad, db_parts, *dw_parts = launch(
+            _preactivation_grad_kernel, (b, t, c), grad_specs, shapes, 4, interpret,
+            x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, dout_BTC)
     grad_inputs = (dpre_pad, _padded_ids(segment_ids_BT, 0, width - 1), w_WC)
     amax = None
     if into_BTI is None:
