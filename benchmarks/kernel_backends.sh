@@ -1,29 +1,38 @@
 #!/usr/bin/env bash
-# The Mamba-2 kernels on each Pallas backend, one device-machine call (one GPU, ~8 min): the
+# The Mamba-2 kernels on each Pallas backend (one GPU): the
 # GPU tests of the Mosaic GPU kernels, the SSD alone at mamba2-1p3b's shapes (Triton kernels /
 # Mosaic forward / Mosaic forward and backward: benchmarks/ssd_layer.py), the convolution's
-# forward on Triton and Mosaic GPU (benchmarks/conv_layer.py), and whole mamba2-1p3b steps with
-# model.mamba.kernel_backend triton / auto in BF16 and FP8 (benchmarks/train_throughput.py).
-# Writes tests.txt, ssd_layer.txt, conv_layer.txt and steps.txt to OUT_DIR.
+# kernels on Triton and Mosaic GPU (benchmarks/conv_layer.py), and whole mamba2-1p3b steps with
+# model.mamba.kernel_backend triton / auto / mosaic in BF16 and FP8 (benchmarks/train_throughput.py).
+# Writes tests.txt, ssd_layer.txt, conv_layer.txt and steps_PRECISIONS.txt to OUT_DIR.
 #   bash benchmarks/kernel_backends.sh [OUT_DIR]
+# All of it runs past one call's 10 minutes: PARTS picks (default "kernels steps"), PRECISIONS the
+# steps' presets (default "bf16 fp8"), e.g. PARTS="kernels steps" PRECISIONS=bf16, then
+# PARTS=steps PRECISIONS=fp8 in a second call (~5 min each).
 set -uo pipefail
 OUT_DIR=${1:-${OUT:-/tmp/maxfp4-backends}}
+PARTS=${PARTS:-kernels steps}
+PRECISIONS=${PRECISIONS:-bf16 fp8}
 mkdir -p "$OUT_DIR"
 . benchmarks/device_env.sh
-timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_mamba_kernels.py -k mosaic \
-  > "$OUT_DIR/tests.txt" 2>&1
-tail -3 "$OUT_DIR/tests.txt"
-tiling=pallas:bf16:128:8:16:1
-timeout 150 python3 benchmarks/ssd_layer.py --iters 20 --json "$OUT_DIR/ssd_layer.json" \
-  --variants "$tiling,$tiling:mosaic,$tiling:mosaic:mosaic" > "$OUT_DIR/ssd_layer.txt" 2>&1
-cat "$OUT_DIR/ssd_layer.txt"
-timeout 100 python3 benchmarks/conv_layer.py --json "$OUT_DIR/conv_layer.json" > "$OUT_DIR/conv_layer.txt" 2>&1
-cat "$OUT_DIR/conv_layer.txt"
-runs=()
-for precision in bf16 fp8; do
-  for backend in triton auto; do
-    runs+=(--run "$precision $backend=configs/mamba2-1p3b.yaml configs/precision/$precision.yaml model.mamba.kernel_backend=$backend")
+if [[ " $PARTS " == *" kernels "* ]]; then
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_mamba_kernels.py -k mosaic \
+    > "$OUT_DIR/tests.txt" 2>&1
+  tail -3 "$OUT_DIR/tests.txt"
+  tiling=pallas:bf16:128:8:16:1
+  timeout 150 python3 benchmarks/ssd_layer.py --iters 20 --json "$OUT_DIR/ssd_layer.json" \
+    --variants "$tiling,$tiling:mosaic,$tiling:mosaic:mosaic" > "$OUT_DIR/ssd_layer.txt" 2>&1
+  cat "$OUT_DIR/ssd_layer.txt"
+  timeout 100 python3 benchmarks/conv_layer.py --json "$OUT_DIR/conv_layer.json" > "$OUT_DIR/conv_layer.txt" 2>&1
+  cat "$OUT_DIR/conv_layer.txt"
+fi
+if [[ " $PARTS " == *" steps "* ]]; then
+  runs=()
+  for precision in $PRECISIONS; do
+    for backend in triton auto mosaic; do
+      runs+=(--run "$precision $backend=configs/mamba2-1p3b.yaml configs/precision/$precision.yaml model.mamba.kernel_backend=$backend")
+    done
   done
-done
-timeout 420 python3 benchmarks/train_throughput.py --steps 8 --warmup 2 "${runs[@]}" > "$OUT_DIR/steps.txt" 2>&1
-grep -v '^\s*$' "$OUT_DIR/steps.txt" | tail -8
+  timeout 330 python3 benchmarks/train_throughput.py --steps 8 --warmup 2 "${runs[@]}" > "$OUT_DIR/steps_${PRECISIONS// /_}.txt" 2>&1
+  grep -v '^\s*$' "$OUT_DIR/steps_${PRECISIONS// /_}.txt" | tail -5
+fi

@@ -88,8 +88,9 @@ class MambaConfig:
     # kernels; interpreted off GPU, slowly).
     kernels: str = "auto"
     # Which Pallas backend the GPU kernels compile for: auto (Mosaic GPU, the backend jax supports,
-    # for each kernel that has a Mosaic form taking the shapes, today the SSD's forward, backward
-    # and recurrence between chunks on Hopper; Triton for the rest) or triton (every kernel on
+    # for each kernel whose Mosaic form is measured and takes the shapes, today the SSD's forward,
+    # backward and recurrence between chunks on Hopper; Triton for the rest), mosaic (also the
+    # Mosaic forms not yet measured on a GPU: the convolution's) or triton (every kernel on
     # Triton, as before the Mosaic forms).
     kernel_backend: str = "auto"
     # With FP8 delayed scaling on in_proj and out_proj and the kernels on: the kernels that
@@ -104,8 +105,8 @@ class MambaConfig:
         _require(self.ssd_matmul in ("bf16", "fp32"), "model.mamba.ssd_matmul", self.ssd_matmul, "bf16 or fp32")
         _require(isinstance(self.fp8_in_kernels, bool), "model.mamba.fp8_in_kernels",
                  self.fp8_in_kernels, "true or false")
-        _require(self.kernel_backend in ("auto", "triton"), "model.mamba.kernel_backend",
-                 self.kernel_backend, "auto or triton")
+        _require(self.kernel_backend in ("auto", "mosaic", "triton"), "model.mamba.kernel_backend",
+                 self.kernel_backend, "auto, mosaic or triton")
         _require(self.kernels in ("auto", "xla", "pallas"), "model.mamba.kernels", self.kernels,
                  "auto, xla or pallas")
         inner = self.expand * d_model

@@ -11,6 +11,7 @@ import pytest
 
 from maxfp4.kernels import conv_mosaic
 from maxfp4.kernels.conv import _padded_ids, conv_backward, conv_forward
+from maxfp4.kernels.epilogue import Quantize
 
 
 def _operands(width, seed=0, b=2, t=128, c=256):
@@ -40,11 +41,11 @@ def test_interpreted_mosaic_forward_gives_the_triton_kernels_bits(width):
 
 
 @pytest.mark.parametrize("width", [4, 2])
-def test_interpreted_mosaic_preactivation_gradients_give_the_triton_kernels_bits(width):
-    """The backward's first kernel on Mosaic GPU, the input gradient's on Triton: dx equal to both
-    Triton kernels' (the same pre-activation gradient, elementwise); dw and db, FP32 column sums
-    of a 64 x 128 tile each reduced by its interpreter in its own order, within 1e-5 of the
-    largest (as tests/test_conv_kernel.py bounds orders of summation)."""
+def test_interpreted_mosaic_backward_gives_the_triton_kernels_values(width):
+    """The backward's two kernels on Mosaic GPU: dx equal to the Triton kernels' (the same
+    elementwise pre-activation gradient, the same W-tap sums); dw and db, FP32 column sums of a
+    64 x 128 tile each reduced by its interpreter in its own order, within 1e-5 of the largest
+    (as tests/test_conv_kernel.py bounds orders of summation)."""
     x, w, bias, ids = _operands(width, seed=3)
     _, residuals = conv_forward(x, w, bias, ids, True)
     dout = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape), jnp.bfloat16)
@@ -55,6 +56,25 @@ def test_interpreted_mosaic_preactivation_gradients_give_the_triton_kernels_bits
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
         assert np.abs(e).max() > 1, name
         assert np.abs(a - e).max() <= 1e-5 * np.abs(e).max(), name
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_interpreted_mosaic_input_gradient_into_a_wider_array(fp8):
+    """dx written into columns [128, 384) of a wider array (the in_proj output's gradient), in BF16
+    or stored as E5M2 with its scale as epilogue.Quantized does, with max |dx|: the Triton kernel's
+    bits, and the other columns the wider array's own."""
+    x, w, bias, ids = _operands(4, seed=5)
+    _, residuals = conv_forward(x, w, bias, ids, True)
+    dout = jnp.asarray(np.random.default_rng(6).standard_normal(x.shape), jnp.bfloat16)
+    into = jnp.full((2, 128, 512), 3.0, jnp.float8_e5m2 if fp8 else jnp.bfloat16)
+    quantize = Quantize(jnp.float32(4.0), jnp.float8_e5m2) if fp8 else None
+    want = conv_backward(residuals, dout, True, into_BTI=into, column_offset=128, quantize=quantize)
+    got = conv_backward(residuals, dout, True, into_BTI=into, column_offset=128, quantize=quantize, kernel="mosaic")
+    assert np.abs(np.asarray(want[0][..., 128:384], np.float32)).max() > 1
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    assert (np.asarray(got[0][..., :128], np.float32) == 3.0).all()
+    if fp8:
+        assert float(got[3]) == float(want[3]) > 0
 
 
 def test_an_earlier_document_never_reaches_a_later_one():
@@ -80,6 +100,19 @@ def test_lowers_for_cuda_at_mamba2_1p3b_shapes():
     dout = jax.ShapeDtypeStruct((b, t, c), jnp.bfloat16)
     lowered = jax.jit(conv_mosaic.preactivation_gradients).trace(*args, dout).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+    # The input gradient: alone, into in_proj's [B, T, I] gradient at column E (aliased, through
+    # pallas_call), and stored as E5M2 there (I = 8,512 is not whole 128-byte FP8 tiles).
+    dpre = jax.ShapeDtypeStruct((b, t + 8, c), jnp.bfloat16)
+    ids_back, w = args[1], args[2]
+    for into_dtype, fp8 in ((None, False), (jnp.bfloat16, False), (jnp.float8_e5m2, True)):
+        into = None if into_dtype is None else jax.ShapeDtypeStruct((b, t, 8512), into_dtype)
+
+        def grad(dpre, ids, w, into, scale, fp8=fp8):
+            return conv_mosaic.input_gradient(dpre, ids, w, False, into, 0 if into is None else 4096,
+                                              (scale, jnp.float8_e5m2) if fp8 else None)
+        lowered = jax.jit(grad).trace(dpre, ids_back, w, into, jax.ShapeDtypeStruct((), jnp.float32)).lower(
+            lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_shapes_it_takes_and_bad_choices():
@@ -93,3 +126,40 @@ def test_shapes_it_takes_and_bad_choices():
         conv_forward(x, w, bias, ids, True, kernel="cuda")
     with pytest.raises(ValueError, match="kernel must be triton or mosaic, got 'cuda'"):
         conv_backward(conv_forward(x, w, bias, ids, True)[1], x, True, kernel="cuda")
+
+
+def _mixer_core(backend):
+    """One Mamba-2 mixer core (maxfp4.model.mamba's ``_kernel_core``, the kernels interpreted) at
+    shapes the Mosaic convolution tiles (64 tokens, 256 convolution channels, E = 128), two
+    packed documents in a row: its output and gradients with model.mamba.kernel_backend."""
+    from maxfp4.config import load_config
+    from maxfp4.model import mamba
+    from tests.test_hybrid import TINY
+
+    cfg = load_config(TINY, ["model.mamba.kernels=pallas", "model.mamba.head_dim=16", "model.mamba.d_state=32",
+                             f"model.mamba.kernel_backend={backend}"]).model
+    d = mamba.dims(cfg)
+    assert conv_mosaic.supported(64, d["conv"]) and d["E"] % conv_mosaic.COLUMNS == 0
+    p = {k: v[0] for k, v in mamba.init_mamba(cfg, jax.random.key(2), 1).items()}
+    core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
+    zxbcdt = jax.random.normal(jax.random.key(3), (2, 64, d["in"]), jnp.float32).astype(jnp.bfloat16)
+    seg = jnp.asarray(np.repeat(np.array([[1, 2], [3, 3]], np.int32), [23, 41], axis=1))
+    weights = jax.random.normal(jax.random.key(4), (2, 64, d["E"]), jnp.float32)
+    assert mamba._conv_kernels(cfg, 64) == ("mosaic" if backend == "mosaic" else "triton")
+
+    def loss(zxbcdt, params):
+        return jnp.sum(mamba._kernel_core(zxbcdt, seg, params, cfg).astype(jnp.float32) * weights)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(zxbcdt, core_params)
+
+
+def test_the_mixer_core_with_kernel_backend_mosaic_runs_the_mosaic_convolution():
+    """kernel_backend=mosaic puts the convolution on Mosaic GPU (forward and both backward kernels,
+    dx into the in_proj gradient): the same output and in_proj gradient as triton, bit for bit,
+    the convolution weights' and bias's gradients within 1e-5 (FP32 summation order)."""
+    value, (dz, dparams) = _mixer_core("mosaic")
+    value_ref, (dz_ref, dparams_ref) = _mixer_core("triton")
+    assert value == value_ref
+    np.testing.assert_array_equal(np.asarray(dz, np.float32), np.asarray(dz_ref, np.float32))
+    for name in dparams_ref:
+        got, want = np.asarray(dparams[name], np.float64), np.asarray(dparams_ref[name], np.float64)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), name

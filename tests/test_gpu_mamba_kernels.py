@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from maxfp4.kernels.conv import causal_conv_silu, conv_backward, conv_forward
+from maxfp4.kernels.epilogue import Quantize
 from maxfp4.kernels.gated_norm import gated_norm_fused
 from maxfp4.model.mamba import causal_conv, gated_group_norm
 from maxfp4.model.ssd import ssd_reference
@@ -262,3 +263,17 @@ def test_mosaic_conv_forward_matches_the_triton_kernel_at_the_benchmark_shapes()
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         bound = 2.0 ** -7 if name == "dx" else 1e-5
         assert np.abs(got - want).max() <= bound * np.abs(want).max(), name
+    # Into in_proj's gradient at column 4096 of 8512, BF16 and E5M2 (the FP8 recipe's store):
+    # the other columns are the wider array's own (the output is its buffer), dx's as above.
+    for dtype in (jnp.bfloat16, jnp.float8_e5m2):
+        into = jnp.full((b, t, 8512), 3.0, dtype)
+        quantize = Quantize(jnp.float32(2.0), dtype) if dtype == jnp.float8_e5m2 else None
+        out = {k: jax.jit(lambda res, d, into, k=k: conv_backward(res, d, False, into_BTI=into, column_offset=4096,
+                                                                   quantize=quantize, kernel=k))(residuals, dout, into)
+               for k in ("triton", "mosaic")}
+        got, want = np.asarray(out["mosaic"][0], np.float32), np.asarray(out["triton"][0], np.float32)
+        assert (got[..., :4096] == 3.0).all() and (got[..., 4096 + c:] == 3.0).all()
+        step = 2.0 ** -2 if quantize else 2.0 ** -7  # one E5M2 (or BF16) step of the largest
+        assert np.abs(got - want).max() <= step * np.abs(want).max()
+        if quantize:
+            assert abs(float(out["mosaic"][3]) - float(out["triton"][3])) <= 2.0 ** -7 * float(out["triton"][3])

@@ -180,10 +180,10 @@ def test_shapes_dtypes_and_program_size():
 
 
 def test_kernel_backend_key():
-    for backend in ("triton", "auto"):
+    for backend in ("triton", "auto", "mosaic"):
         cfg = load_config(None, ["model.kind=hybrid", "model.pattern=M*", f"model.mamba.kernel_backend={backend}"])
         assert cfg.model.mamba.kernel_backend == backend
-    with pytest.raises(ConfigError, match=r"model\.mamba\.kernel_backend.*'mosaik'.*auto or triton"):
+    with pytest.raises(ConfigError, match=r"model\.mamba\.kernel_backend.*'mosaik'.*auto, mosaic or triton"):
         load_config(None, ["model.kind=hybrid", "model.pattern=M*", "model.mamba.kernel_backend=mosaik"])
 
 

@@ -225,9 +225,8 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     ``quantize`` (with ``into_BTI`` of its FP8 dtype): dx is stored as FP8 as
     ``fp8_epilogue.Quantize`` says, and a fourth value comes back, ``max |dx|`` in FP32.
     ``tiling``: the launch (default ``default_conv_tiling``). ``kernel``: "triton", or "mosaic"
-    for the first kernel (the pre-activation's gradient and the weights' and bias's partial sums,
-    ``conv_mosaic.preactivation_gradients``; the input gradient stays Triton's; not yet measured
-    on a GPU, so nothing selects it by default)."""
+    (``conv_mosaic.preactivation_gradients`` and ``conv_mosaic.input_gradient``, every variant;
+    not yet measured on a GPU, so nothing selects them by default)."""
     if kernel not in ("triton", "mosaic"):
         raise ValueError(f"conv_backward: kernel must be triton or mosaic, got {kernel!r}")
     x_pad, w_WC, b_C, segment_ids_BT = residuals
@@ -259,9 +258,14 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
             x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, dout_BTC)
     grad_inputs = (dpre_pad, _padded_ids(segment_ids_BT, 0, width - 1), w_WC)
     amax = None
-    if into_BTI is None:
+    if into_BTI is None and quantize is not None:
+        raise ValueError("conv_backward: quantize needs into_BTI")
+    if kernel == "mosaic":
+        dx = conv_mosaic.input_gradient(dpre_pad, grad_inputs[1], w_WC, interpret, into_BTI, column_offset,
+                                        None if quantize is None else (quantize.scale, into_BTI.dtype))
         if quantize is not None:
-            raise ValueError("conv_backward: quantize needs into_BTI")
+            dx, amax = dx
+    elif into_BTI is None:
         dx = launch(_input_grad_kernel, (b, t, c), _tile_spec, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype),
                      3, interpret, *grad_inputs)
     else:
@@ -279,9 +283,9 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
             dx = launch(_input_grad_kernel_into, (b, t, c), into_spec, into_shape, 3, interpret, *grad_inputs,
                         into_BTI, tiled_specs=into_spec, input_output_aliases={3: 0})
         else:
-            kernel = functools.partial(_input_grad_kernel_into_fp8, quantized=Quantized(x_pad.dtype))
+            fp8_kernel = functools.partial(_input_grad_kernel_into_fp8, quantized=Quantized(x_pad.dtype))
             dx, amax_parts = launch(
-                kernel, (b, t, c), lambda tb, cb: [into_spec(tb, cb), per_tile(tb, cb)], [into_shape, partial_sums],
+                fp8_kernel, (b, t, c), lambda tb, cb: [into_spec(tb, cb), per_tile(tb, cb)], [into_shape, partial_sums],
                 4, interpret, *grad_inputs, jnp.reshape(quantize.scale, (1,)).astype(jnp.float32), into_BTI,
                 tiled_specs=into_spec, input_output_aliases={4: 0})
             amax = jnp.max(amax_parts)

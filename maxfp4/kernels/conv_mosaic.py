@@ -1,6 +1,6 @@
 """Mamba-2's causal depthwise convolution + SiLU as Mosaic GPU kernels: the forward and the
-backward's first kernel (the pre-activation's gradient with the weights' and bias's partial
-sums), the values of the Triton kernels of ``maxfp4.kernels.conv`` (read its module docstring
+backward's two (the pre-activation's gradient with the weights' and bias's partial sums; the
+input gradient, alone, into a wider array or stored as FP8), the values of the Triton kernels of ``maxfp4.kernels.conv`` (read its module docstring
 first) from the same operands (x padded with W - 1 rows in front, its segment ids with -1).
 
 One program per (batch row, 64 rows of T, 128 channels). The W windows of x that its outputs
@@ -9,8 +9,13 @@ shared-memory buffers (a copy into tiled, swizzled memory must start on a whole 
 the source); the copies after the first mostly come from L2. Their
 segment ids, the weights' and the bias's columns arrive alike. The pre-activation is summed in
 FP32 in the Triton kernel's order (bias, then lags 0 .. W-1), SiLU applied, and the tile leaves by
-TMA. The backward's kernel recomputes it, forms the pre-activation's gradient and sums its
-columns (and the inputs' times it, one sum per weight row) over the tile's 64 rows. ``approx_math``: the sigmoid's ``exp`` is ``ex2.approx``, as in ``maxfp4.kernels.ssd_mosaic``.
+TMA. The backward's first kernel recomputes it, forms the pre-activation's gradient and sums
+its columns (and the inputs' times it, one sum per weight row) over the tile's 64 rows; the
+second reads W windows of that gradient, forward in T, as the first reads x's. Writing into a
+wider array needs its buffer as the output (``input_output_aliases``), which only
+``pallas_call`` offers: compiled, that kernel launches through it, under the interpreter (whose
+``pallas_call`` allocates no barriers) through ``plgpu.kernel`` into a fresh array whose dx
+columns XLA then sets into the wider one. ``approx_math``: the sigmoid's ``exp`` is ``ex2.approx``, as in ``maxfp4.kernels.ssd_mosaic``.
 
 Shapes it takes (``supported``): T a multiple of 64 and the channels of 128 (Mosaic GPU's wgmma
 register layout of [64, N] tiles, the one layout whose row and column vectors broadcast). Off a
@@ -23,12 +28,14 @@ values. Not yet measured on a GPU: ``conv.conv_forward(..., kernel="mosaic")`` a
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from maxfp4.kernels.epilogue import Quantized
 from maxfp4.kernels.ssd_mosaic import ROWS, Ops, launch_params, tiles
 
 COLUMNS = 128  # channels a program: one 128-byte swizzle row of BF16 is 64, so two tiles across
@@ -36,6 +43,65 @@ COLUMNS = 128  # channels a program: one 128-byte swizzle row of BF16 is 64, so 
 
 def supported(t: int, channels: int) -> bool:
     return t % ROWS == 0 and channels % COLUMNS == 0
+
+
+def _by_row(v: jax.Array) -> jax.Array:
+    return lax.broadcast_in_dim(v, (ROWS, COLUMNS), [0])
+
+
+def _by_col(v: jax.Array) -> jax.Array:
+    return lax.broadcast_in_dim(v.astype(jnp.float32), (ROWS, COLUMNS), [1])
+
+
+def _checked_length(name: str, t_pad: int, width: int, c: int) -> int:
+    """T from a padded length, if the kernels tile it and the channels."""
+    t = t_pad - (width - 1)
+    if not supported(t, c):
+        raise ValueError(f"{name}: T {t} and channels {c} must be multiples of {ROWS} and {COLUMNS}")
+    return t
+
+
+def _ids_rows(ids_pad: jax.Array) -> jax.Array:
+    """TMA needs each row of a copy's source to start on 16 bytes: the ids' rows padded to 4 words."""
+    return jnp.pad(ids_pad.astype(jnp.int32), ((0, 0), (0, -ids_pad.shape[1] % 4)), constant_values=-1)
+
+
+def _fetch_windows(plgpu, src_g, ids_g, bi, t0, cols, src_s, ids_s, loaded, width: int) -> None:
+    """Window ``k`` of a tile: rows t0 + k .. t0 + k + 63 of ``src`` (its columns ``cols``) and
+    their segment ids, by TMA into buffer k."""
+    for k in range(width):
+        plgpu.copy_gmem_to_smem(src_g.at[bi, pl.ds(t0 + k, ROWS), cols], src_s.at[k], loaded)
+        plgpu.copy_gmem_to_smem(ids_g.at[bi, pl.ds(t0 + k, ROWS)], ids_s.at[k], loaded)
+
+
+def _fetch_conv_operands(plgpu, x_g, ids_g, w_g, b_g, x_s, ids_s, w_s, bias_s, loaded, width: int):
+    """A program's (batch row, first row, columns) and the copies of what the pre-activation
+    reads: x's W windows with their segment ids, the weights' and the bias's columns."""
+    bi, ti, ci = lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")
+    t0, cols = ti * ROWS, pl.ds(ci * COLUMNS, COLUMNS)
+    # window k holds the rows W - 1 - k positions back
+    _fetch_windows(plgpu, x_g, ids_g, bi, t0, cols, x_s, ids_s, loaded, width)
+    plgpu.copy_gmem_to_smem(w_g.at[:, cols], w_s, loaded)
+    plgpu.copy_gmem_to_smem(b_g.at[cols], bias_s, loaded)
+    return bi, ti, t0, cols
+
+
+def _masked_window(ops: Ops, src_s, ids_s, k: int, ids_now: jax.Array) -> jax.Array:
+    """Window k in FP32, zero in rows of another document than ``ids_now``'s. Untiled buffers:
+    the WGMMA layout's 2-element reads conflict in shared-memory banks."""
+    v_RC = ops.load(src_s.at[k], (), ops.tile, optimized=False).astype(jnp.float32)
+    return jnp.where(_by_row(ops.load(ids_s.at[k], (), ops.rows)) == ids_now, v_RC, 0.0)
+
+
+def _pre_activation(ops: Ops, x_s, ids_s, w_s, bias_s, width: int) -> tuple[jax.Array, jax.Array]:
+    """(conv + b over the tile in FP32, bias first then lags 0 .. W-1 as the Triton kernel sums,
+    the tile's own segment ids by row)."""
+    ids_now = _by_row(ops.load(ids_s.at[width - 1], (), ops.rows))
+    pre_RC = _by_col(ops.load(bias_s, (), ops.cols))
+    for lag in range(width):
+        pre_RC = pre_RC + (_masked_window(ops, x_s, ids_s, width - 1 - lag, ids_now)
+                           * _by_col(ops.load(w_s.at[width - 1 - lag], (), ops.cols)))
+    return pre_RC, ids_now
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -46,38 +112,13 @@ def conv_silu_forward(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
     from jax.experimental.pallas import mosaic_gpu as plgpu
     b, t_pad, c = x_pad.shape
     width = w_WC.shape[0]
-    t = t_pad - (width - 1)
-    if not supported(t, c):
-        raise ValueError(f"conv_silu_forward: T {t} and channels {c} must be multiples of {ROWS} and {COLUMNS}")
+    t = _checked_length("conv_silu_forward", t_pad, width, c)
     ops = Ops(interpret)
-    f32 = jnp.float32
-    # TMA needs each row of a copy's source to start on 16 bytes: the ids' rows padded to 4 words.
-    ids_rows = jnp.pad(ids_pad.astype(jnp.int32), ((0, 0), (0, -t_pad % 4)), constant_values=-1)
-
-    def by_row(v):
-        return lax.broadcast_in_dim(v, (ROWS, COLUMNS), [0])
-
-    def by_col(v):
-        return lax.broadcast_in_dim(v.astype(f32), (ROWS, COLUMNS), [1])
 
     def kernel(x_g, ids_g, w_g, b_g, out_g, x_s, ids_s, w_s, bias_s, out_s, loaded):
-        bi, ti, ci = lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")
-        t0 = ti * ROWS
-        cols = pl.ds(ci * COLUMNS, COLUMNS)
-        for offset in range(width):  # window `offset` holds the rows W - 1 - offset positions back
-            plgpu.copy_gmem_to_smem(x_g.at[bi, pl.ds(t0 + offset, ROWS), cols], x_s.at[offset], loaded)
-            plgpu.copy_gmem_to_smem(ids_g.at[bi, pl.ds(t0 + offset, ROWS)], ids_s.at[offset], loaded)
-        plgpu.copy_gmem_to_smem(w_g.at[:, cols], w_s, loaded)
-        plgpu.copy_gmem_to_smem(b_g.at[cols], bias_s, loaded)
+        bi, _, t0, cols = _fetch_conv_operands(plgpu, x_g, ids_g, w_g, b_g, x_s, ids_s, w_s, bias_s, loaded, width)
         plgpu.barrier_wait(loaded)
-        ids_now = by_row(ops.load(ids_s.at[width - 1], (), ops.rows))
-        pre_RC = by_col(ops.load(bias_s, (), ops.cols))
-        for lag in range(width):
-            offset = width - 1 - lag
-            # Untiled: the WGMMA layout's 2-element reads conflict in shared-memory banks.
-            x_RC = ops.load(x_s.at[offset], (), ops.tile, optimized=False).astype(f32)
-            keep_RC = by_row(ops.load(ids_s.at[offset], (), ops.rows)) == ids_now
-            pre_RC = pre_RC + jnp.where(keep_RC, x_RC, 0.0) * by_col(ops.load(w_s.at[width - 1 - lag], (), ops.cols))
+        pre_RC, _ = _pre_activation(ops, x_s, ids_s, w_s, bias_s, width)
         out_s[...] = (pre_RC * jax.nn.sigmoid(pre_RC)).astype(out_s.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, ROWS), cols])
@@ -93,7 +134,7 @@ def conv_silu_forward(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
                plgpu.Barrier(num_arrivals=2 * width + 2)]
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((b, t, c), x_pad.dtype),
                         grid=(b, t // ROWS, c // COLUMNS), grid_names=("b", "t", "c"), scratch_types=scratch,
-                        **launch_params(interpret))(x_pad, ids_rows, w_WC, b_C)
+                        **launch_params(interpret))(x_pad, _ids_rows(ids_pad), w_WC, b_C)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -106,47 +147,22 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
     from jax.experimental.pallas import mosaic_gpu as plgpu
     b, t_pad, c = x_pad.shape
     width = w_WC.shape[0]
-    t = t_pad - (width - 1)
-    if not supported(t, c):
-        raise ValueError(f"preactivation_gradients: T {t} and channels {c} must be multiples of {ROWS} and {COLUMNS}")
+    t = _checked_length("preactivation_gradients", t_pad, width, c)
     ops = Ops(interpret)
     f32 = jnp.float32
-    ids_rows = jnp.pad(ids_pad.astype(jnp.int32), ((0, 0), (0, -t_pad % 4)), constant_values=-1)
-
-    def by_row(v):
-        return lax.broadcast_in_dim(v, (ROWS, COLUMNS), [0])
-
-    def by_col(v):
-        return lax.broadcast_in_dim(v.astype(f32), (ROWS, COLUMNS), [1])
 
     def kernel(x_g, ids_g, w_g, b_g, dout_g, dpre_g, db_g, dw_g, x_s, ids_s, w_s, bias_s, dout_s, dpre_s, sums_s,
                loaded):
-        bi, ti, ci = lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")
-        t0 = ti * ROWS
-        cols = pl.ds(ci * COLUMNS, COLUMNS)
-        for offset in range(width):
-            plgpu.copy_gmem_to_smem(x_g.at[bi, pl.ds(t0 + offset, ROWS), cols], x_s.at[offset], loaded)
-            plgpu.copy_gmem_to_smem(ids_g.at[bi, pl.ds(t0 + offset, ROWS)], ids_s.at[offset], loaded)
-        plgpu.copy_gmem_to_smem(w_g.at[:, cols], w_s, loaded)
-        plgpu.copy_gmem_to_smem(b_g.at[cols], bias_s, loaded)
+        bi, ti, t0, cols = _fetch_conv_operands(plgpu, x_g, ids_g, w_g, b_g, x_s, ids_s, w_s, bias_s, loaded, width)
         plgpu.copy_gmem_to_smem(dout_g.at[bi, pl.ds(t0, ROWS), cols], dout_s, loaded)
         plgpu.barrier_wait(loaded)
-        ids_now = by_row(ops.load(ids_s.at[width - 1], (), ops.rows))
-
-        def masked_input(lag):
-            offset = width - 1 - lag
-            x_RC = ops.load(x_s.at[offset], (), ops.tile, optimized=False).astype(f32)
-            return jnp.where(by_row(ops.load(ids_s.at[offset], (), ops.rows)) == ids_now, x_RC, 0.0)
-
-        pre_RC = by_col(ops.load(bias_s, (), ops.cols))
-        for lag in range(width):
-            pre_RC = pre_RC + masked_input(lag) * by_col(ops.load(w_s.at[width - 1 - lag], (), ops.cols))
+        pre_RC, ids_now = _pre_activation(ops, x_s, ids_s, w_s, bias_s, width)
         sig_RC = jax.nn.sigmoid(pre_RC)
         dpre_RC = ops.load(dout_s, (), ops.tile).astype(f32) * sig_RC * (1.0 + pre_RC * (1.0 - sig_RC))
         dpre_s[...] = dpre_RC.astype(dpre_s.dtype)
         sums_s[0] = jnp.sum(dpre_RC, axis=0)
-        for row in range(width):  # weight row W-1-lag multiplies the input lag positions back
-            sums_s[1 + row] = jnp.sum(masked_input(width - 1 - row) * dpre_RC, axis=0)
+        for row in range(width):  # weight row k multiplies window k (the input W - 1 - k positions back)
+            sums_s[1 + row] = jnp.sum(_masked_window(ops, x_s, ids_s, row, ids_now) * dpre_RC, axis=0)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dpre_s, dpre_g.at[bi, pl.ds(t0, ROWS), cols])
         plgpu.copy_smem_to_gmem(sums_s.at[0], db_g.at[bi, ti, cols])
@@ -167,5 +183,113 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
                 jax.ShapeDtypeStruct((width, b, t // ROWS, c), f32)]
     dpre, db_parts, dw_parts = plgpu.kernel(
         kernel, out_type=out_type, grid=(b, t // ROWS, c // COLUMNS), grid_names=("b", "t", "c"),
-        scratch_types=scratch, **launch_params(interpret))(x_pad, ids_rows, w_WC, b_C, dout_BTC)
+        scratch_types=scratch, **launch_params(interpret))(x_pad, _ids_rows(ids_pad), w_WC, b_C, dout_BTC)
     return dpre, db_parts, list(dw_parts)
+
+
+def input_gradient(dpre_pad: jax.Array, ids_back: jax.Array, w_WC: jax.Array, interpret: bool = False,
+                   into_BTI: jax.Array | None = None, column_offset: int = 0,
+                   quantize: tuple[jax.Array, Any] | None = None):
+    """The backward's second kernel (``conv._input_grad``): dx[s] = sum over lag of
+    dpre[s + lag] w[W-1-lag] where s + lag is in s's document, from ``preactivation_gradients``'s
+    buffer (at least T + W - 1 rows) and the segment ids padded with W - 1 rows of -1 at the end
+    ([B, T + W - 1]).
+
+    Returns dx [B, T, C] in dpre's dtype; with ``into_BTI`` ([B, T, I]) dx is written into its
+    columns [column_offset, column_offset + C) and the whole array returned (compiled, the
+    output is that array's buffer); with ``quantize`` = (scale, FP8 dtype), into an FP8
+    ``into_BTI``, stored as ``epilogue.Quantized`` does, and (dx, max |dx rounded|) returned."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    b, t_pad, c = ids_back.shape[0], ids_back.shape[1], w_WC.shape[1]
+    width = w_WC.shape[0]
+    t = _checked_length("input_gradient", t_pad, width, c)
+    if quantize is not None and into_BTI is None:
+        raise ValueError("input_gradient: quantize needs into_BTI")
+    if column_offset % COLUMNS:
+        raise ValueError(f"input_gradient: column offset {column_offset} is not a multiple of {COLUMNS}")
+    ops = Ops(interpret)
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((b, t, c), dpre_pad.dtype) if into_BTI is None
+           else jax.ShapeDtypeStruct(into_BTI.shape, into_BTI.dtype))
+    quantized = None if quantize is None else Quantized(dpre_pad.dtype)
+    # A tiled (swizzled) store needs the output's rows in whole tiles of 128 bytes.
+    out_tiled = out.shape[-1] % (128 // jnp.dtype(out.dtype).itemsize) == 0
+
+    def body(ids, dpre_g, ids_g, w_g, scale_g, out_g, amax_g, d_s, ids_s, w_s, scale_s, out_s, amax_s, loaded):
+        bi, ti, ci = ids
+        t0 = ti * ROWS
+        cols = pl.ds(ci * COLUMNS, COLUMNS)
+        _fetch_windows(plgpu, dpre_g, ids_g, bi, t0, cols, d_s, ids_s, loaded, width)  # window lag: lag ahead
+        plgpu.copy_gmem_to_smem(w_g.at[:, cols], w_s, loaded)
+        if scale_g is not None:
+            plgpu.copy_gmem_to_smem(scale_g, scale_s, loaded)
+        plgpu.barrier_wait(loaded)
+        ids_now = _by_row(ops.load(ids_s.at[0], (), ops.rows))
+        zeros = jnp.zeros((ROWS, COLUMNS), f32)
+        dx_RC = zeros if interpret else plgpu.layout_cast(zeros, ops.tile)
+        for lag in range(width):
+            dx_RC = dx_RC + (_masked_window(ops, d_s, ids_s, lag, ids_now)
+                             * _by_col(ops.load(w_s.at[width - 1 - lag], (), ops.cols)))
+        if quantized is None:
+            out_s[...] = dx_RC.astype(out_s.dtype)
+        else:
+            dx_RC = quantized.round(dx_RC)
+            out_s[...] = quantized.cast(dx_RC, scale_s[0], out_s.dtype)
+            amax_s[...] = jnp.max(jnp.abs(dx_RC), axis=0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, ROWS), pl.ds(column_offset + ci * COLUMNS, COLUMNS)])
+        if amax_g is not None:
+            plgpu.copy_smem_to_gmem(amax_s, amax_g.at[bi, ti, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [plgpu.SMEM((width, ROWS, COLUMNS), dpre_pad.dtype),
+               plgpu.SMEM((width, ROWS), jnp.int32),
+               plgpu.SMEM((width, COLUMNS), w_WC.dtype)]
+    operands = [dpre_pad, _ids_rows(ids_back), w_WC]
+    outs = [out]
+    if quantize is not None:
+        # A copy moves a multiple of 128 bytes (one per thread of the warpgroup): the scale padded.
+        operands.append(jnp.pad(jnp.reshape(quantize[0], (1,)).astype(f32), (0, 31)))
+        scratch.append(plgpu.SMEM((32,), f32))
+        outs.append(jax.ShapeDtypeStruct((b, t // ROWS, c), f32))
+    scratch.append(plgpu.SMEM((ROWS, COLUMNS), out.dtype, transforms=tiles(out.dtype) if out_tiled else ()))
+    if quantize is not None:
+        scratch.append(plgpu.SMEM((COLUMNS,), f32))
+    scratch.append(plgpu.Barrier(num_arrivals=2 * width + 1 + (quantize is not None)))
+
+    def unpack(refs, program):
+        n_in = len(operands)
+        ins, rest = list(refs[:n_in]), list(refs[n_in:])
+        scale_g = ins.pop() if quantize is not None else None
+        if into_BTI is not None and len(rest) > len(outs) + len(scratch):  # pallas_call: the aliased input
+            rest.pop(0)
+        out_refs, scr = rest[:len(outs)], rest[len(outs):]
+        amax_g = out_refs[1] if quantize is not None else None
+        d_s, ids_s, w_s, *scr = scr
+        scale_s = scr.pop(0) if quantize is not None else None
+        out_s = scr.pop(0)
+        amax_s = scr.pop(0) if quantize is not None else None
+        body(program, *ins, scale_g, out_refs[0], amax_g, d_s, ids_s, w_s, scale_s, out_s, amax_s, scr[0])
+
+    grid = (b, t // ROWS, c // COLUMNS)
+    if into_BTI is None or interpret:
+        # The interpreter runs plgpu.kernel (its pallas_call path allocates no barriers): there
+        # the output is a fresh array, whose dx columns are set into the wider one after.
+        def kernel(*refs):
+            unpack(refs, (lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")))
+        results = plgpu.kernel(kernel, out_type=outs, grid=grid, grid_names=("b", "t", "c"), scratch_types=scratch,
+                               **launch_params(interpret))(*operands)
+        if into_BTI is not None:
+            dx = lax.slice_in_dim(results[0], column_offset, column_offset + c, axis=2)
+            results = [lax.dynamic_update_slice_in_dim(into_BTI, dx, column_offset, axis=2), *results[1:]]
+    else:
+        def kernel(*refs):
+            unpack(refs, (pl.program_id(0), pl.program_id(1), pl.program_id(2)))
+        gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+        results = pl.pallas_call(
+            kernel, out_shape=outs, grid=grid, in_specs=[gmem] * (len(operands) + 1), out_specs=[gmem] * len(outs),
+            scratch_shapes=scratch, input_output_aliases={len(operands): 0},
+            **launch_params(interpret))(*operands, into_BTI)
+    if quantize is None:
+        return results[0]
+    return results[0], jnp.max(results[1])

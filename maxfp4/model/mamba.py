@@ -35,6 +35,7 @@ from maxfp4.parallel.context import context_ranks, from_previous_chunk, gather_c
 from maxfp4.model_spec import mamba_dims as dims, mamba_splits_over_tensor as splits_over_tensor, mixer_linears
 from maxfp4.kernels import conv as conv_kernel
 from maxfp4.kernels import gated_norm as gated_norm_kernel
+from maxfp4.kernels import conv_mosaic, ssd_mosaic
 from maxfp4.kernels.conv import causal_conv_silu, conv_kernel_supported
 from maxfp4.kernels.gated_norm import gated_norm_fused, gated_norm_supported
 from maxfp4.kernels.ssd import kernel_supported, ssd_fused
@@ -253,6 +254,21 @@ def _fp8_in_kernels(x_BTD: jax.Array, cfg: ModelConfig, lp: LayerPrecision) -> b
             and conv_kernel.into_columns_supported(d["conv"], d["E"]))
 
 
+def _ssd_kernels(cfg: ModelConfig) -> str:
+    """``ssd_fused``'s forward and backward choice: triton, or auto (Mosaic GPU where it fits)."""
+    return "triton" if cfg.mamba.kernel_backend == "triton" else "auto"
+
+
+def _conv_kernels(cfg: ModelConfig, t: int) -> str:
+    """The convolution's kernels: Mosaic GPU's (``maxfp4.kernels.conv_mosaic``, not yet measured)
+    only under ``model.mamba.kernel_backend=mosaic``, where they tile, on Hopper (off a GPU under
+    Mosaic GPU's interpreter, as the other kernels run interpreted there); else Triton's."""
+    d = dims(cfg)
+    take = (cfg.mamba.kernel_backend == "mosaic" and conv_mosaic.supported(t, d["conv"])
+            and d["E"] % conv_mosaic.COLUMNS == 0 and (not on_gpu() or ssd_mosaic.available()))
+    return "mosaic" if take else "triton"
+
+
 def _mixer_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, *, cfg: ModelConfig) -> jax.Array:
     """conv -> SiLU -> SSD -> D skip -> gated norm, from the in_proj output to out_proj's input;
     each batch row on its own."""
@@ -355,7 +371,7 @@ def _ssd_with_skip(xbc_BTC: jax.Array, dt_BTH: jax.Array, A_log_H: jax.Array, D_
         # the convolution output (a sliced copy cost a [B, T, E] pass a layer).
         u_BTHP = ssd_fused(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
                            matmul_dtype=matmul_dtype, D_H=D_H, x_within_BTC=xbc_BTC,
-                           forward=cfg.mamba.kernel_backend, backward=cfg.mamba.kernel_backend)
+                           forward=_ssd_kernels(cfg), backward=_ssd_kernels(cfg))
     else:
         y_BTHP = ssd_chunked(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN, segment_ids_BT, cfg.mamba.chunk_size,
                              matmul_dtype=matmul_dtype)
@@ -383,7 +399,8 @@ def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg, quantize: Quantize | No
     interpret = not on_gpu()
     dt_BTH, dt_pull = jax.vjp(_dt, zxbcdt_BTI[..., e + c:], p["dt_bias"])
     xbc_BTC, conv_res = conv_kernel.conv_forward(zxbcdt_BTI[..., e:e + c], p["conv_w"], p["conv_b"],
-                                                 segment_ids_BT, interpret)
+                                                 segment_ids_BT, interpret,
+                                                 kernel=_conv_kernels(cfg, zxbcdt_BTI.shape[1]))
     u_BTE, ssd_pull = jax.vjp(
         lambda xbc, dt, A_log, D: _ssd_with_skip(xbc, dt, A_log, D, segment_ids_BT, cfg),
         xbc_BTC, dt_BTH, p["A_log"], p["D_skip"])
@@ -416,7 +433,8 @@ def _core_backward(cfg, residuals, dout_BTE, quantize: Quantize | None = None):
         q_dt, amax_dt = quantize_rounded(ddt_raw_BTH, ACT_DTYPE, quantize)
         dzxbcdt_BTI, amax_dt = dzxbcdt_BTI.at[..., e + c:].set(q_dt), [amax_dt]
     dzxbcdt_BTI, dconv_w, dconv_b, *amax_xbc = conv_kernel.conv_backward(
-        conv_res, dxbc_BTC, interpret, into_BTI=dzxbcdt_BTI, column_offset=e, quantize=quantize)
+        conv_res, dxbc_BTC, interpret, into_BTI=dzxbcdt_BTI, column_offset=e, quantize=quantize,
+        kernel=_conv_kernels(cfg, dzxbcdt_BTI.shape[1]))
     grads = {"conv_w": dconv_w, "conv_b": dconv_b, "A_log": dA_log, "D_skip": dD, "dt_bias": ddt_bias,
              "norm": dnorm}
     if quantize is None:
