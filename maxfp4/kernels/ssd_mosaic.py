@@ -26,9 +26,9 @@ is transposed) and multiplied with dy by a wgmma; dx and d(C_i . entry) go into 
 C_i . entry's buffers, over the rows just read, which keeps the kernel inside shared memory. The
 scores' gradients (``chunk_score_gradients``: d(C.B) summed over a program's heads, the rows
 sums behind the cumulative sums' gradient, the D skip's) keep d(C.B) in registers, so there the
-two warpgroups split the rows and share each head's buffers. Both, and the recurrence between
-chunks (``maxfp4.kernels.state_passing_mosaic``), have run under the interpreter and lowered, not
-yet on a GPU: ``ssd_fused(backward="mosaic")`` selects them, auto never does.
+two warpgroups split the rows and share each head's buffers. With the recurrence between chunks
+(``maxfp4.kernels.state_passing_mosaic``), the whole SSD of a mamba2-1p3b layer takes 2.08 ms
+forward and backward against 2.55 on Triton (one H200, 2026-11-29): ``ssd_fused``'s auto takes them.
 
 Shapes they take (``forward_supported``): chunks of 128 and head dim 64 (the [Q, Q] FP32 tile
 and two warpgroups' [Q, P] buffers fill the 227 KB of shared memory; with chunks of 64, jax
