@@ -115,6 +115,17 @@ def test_lowers_for_cuda_at_mamba2_1p3b_shapes():
         assert "mosaic_gpu" in lowered.as_text()
 
 
+def test_lowering_check_at_mamba2_1p3b_shapes_and_where_it_fails(caplog):
+    """What kernel_backend=mosaic asks on a GPU before it takes the kernels: true at mamba2-1p3b's
+    shapes; where Mosaic GPU cannot lower them (a 64-tap kernel: its 64 windows of 16 KB overflow
+    shared memory), one warning and false."""
+    import logging
+    assert conv_mosaic.lowers_at(8, 2048, 4352, 4, jnp.bfloat16, jnp.float32, jnp.float32)
+    with caplog.at_level(logging.WARNING, logger="maxfp4.kernels.ssd_mosaic"):
+        assert not conv_mosaic.lowers_at(1, 64, 128, 64, jnp.bfloat16, jnp.float32, jnp.float32)
+    assert "does not lower" in caplog.text
+
+
 def test_shapes_it_takes_and_bad_choices():
     assert conv_mosaic.supported(2048, 4352) and not conv_mosaic.supported(2048, 4336)
     assert not conv_mosaic.supported(2000, 4352)
@@ -145,7 +156,8 @@ def _mixer_core(backend):
     zxbcdt = jax.random.normal(jax.random.key(3), (2, 64, d["in"]), jnp.float32).astype(jnp.bfloat16)
     seg = jnp.asarray(np.repeat(np.array([[1, 2], [3, 3]], np.int32), [23, 41], axis=1))
     weights = jax.random.normal(jax.random.key(4), (2, 64, d["E"]), jnp.float32)
-    assert mamba._conv_kernels(cfg, 64) == ("mosaic" if backend == "mosaic" else "triton")
+    x = jnp.zeros((2, 64, d["conv"]), jnp.bfloat16)
+    assert mamba._conv_kernels(cfg, x, p["conv_w"], p["conv_b"]) == ("mosaic" if backend == "mosaic" else "triton")
 
     def loss(zxbcdt, params):
         return jnp.sum(mamba._kernel_core(zxbcdt, seg, params, cfg).astype(jnp.float32) * weights)

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from maxfp4.kernels.epilogue import Quantized
-from maxfp4.kernels.ssd_mosaic import ROWS, Ops, launch_params, tiles
+from maxfp4.kernels.ssd_mosaic import ROWS, Ops, launch_params, lowers, tiles
 
 COLUMNS = 128  # channels a program: one 128-byte swizzle row of BF16 is 64, so two tiles across
 
@@ -293,3 +293,14 @@ def input_gradient(dpre_pad: jax.Array, ids_back: jax.Array, w_WC: jax.Array, in
     if quantize is None:
         return results[0]
     return results[0], jnp.max(results[1])
+
+
+def lowers_at(b: int, t: int, c: int, width: int, x_dtype, w_dtype, b_dtype) -> bool:
+    """Whether this jax lowers the three kernels for CUDA at these shapes (``ssd_mosaic.lowers``:
+    one warning and False where it does not, so the caller keeps the Triton kernels)."""
+    sds = jax.ShapeDtypeStruct
+    x_pad, ids = sds((b, t + width - 1, c), x_dtype), sds((b, t + width - 1), jnp.int32)
+    w, bias = sds((width, c), w_dtype), sds((c,), b_dtype)
+    return (lowers(conv_silu_forward, x_pad, ids, w, bias)
+            and lowers(preactivation_gradients, x_pad, ids, w, bias, sds((b, t, c), x_dtype))
+            and lowers(input_gradient, sds((b, t + 8, c), x_dtype), ids, w))

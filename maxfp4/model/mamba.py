@@ -259,13 +259,20 @@ def _ssd_kernels(cfg: ModelConfig) -> str:
     return "triton" if cfg.mamba.kernel_backend == "triton" else "auto"
 
 
-def _conv_kernels(cfg: ModelConfig, t: int) -> str:
-    """The convolution's kernels: Mosaic GPU's (``maxfp4.kernels.conv_mosaic``, not yet measured)
-    only under ``model.mamba.kernel_backend=mosaic``, where they tile, on Hopper (off a GPU under
-    Mosaic GPU's interpreter, as the other kernels run interpreted there); else Triton's."""
+def _conv_kernels(cfg: ModelConfig, x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array) -> str:
+    """The convolution's kernels for its input x [B, T, C]: Mosaic GPU's
+    (``maxfp4.kernels.conv_mosaic``, not yet measured) only under
+    ``model.mamba.kernel_backend=mosaic``, where they tile, on Hopper where this jax lowers them
+    (off a GPU under Mosaic GPU's interpreter, as the other kernels run interpreted there); else
+    Triton's."""
     d = dims(cfg)
-    take = (cfg.mamba.kernel_backend == "mosaic" and conv_mosaic.supported(t, d["conv"])
-            and d["E"] % conv_mosaic.COLUMNS == 0 and (not on_gpu() or ssd_mosaic.available()))
+    (b, t, c), width = x_BTC.shape, w_WC.shape[0]
+    if not (cfg.mamba.kernel_backend == "mosaic" and conv_mosaic.supported(t, c)
+            and d["E"] % conv_mosaic.COLUMNS == 0):
+        return "triton"
+    if not on_gpu():
+        return "mosaic"
+    take = ssd_mosaic.available() and conv_mosaic.lowers_at(b, t, c, width, x_BTC.dtype, w_WC.dtype, b_C.dtype)
     return "mosaic" if take else "triton"
 
 
@@ -398,9 +405,9 @@ def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg, quantize: Quantize | No
     e, c = d["E"], d["conv"]
     interpret = not on_gpu()
     dt_BTH, dt_pull = jax.vjp(_dt, zxbcdt_BTI[..., e + c:], p["dt_bias"])
-    xbc_BTC, conv_res = conv_kernel.conv_forward(zxbcdt_BTI[..., e:e + c], p["conv_w"], p["conv_b"],
-                                                 segment_ids_BT, interpret,
-                                                 kernel=_conv_kernels(cfg, zxbcdt_BTI.shape[1]))
+    xbc_in_BTC = zxbcdt_BTI[..., e:e + c]
+    xbc_BTC, conv_res = conv_kernel.conv_forward(xbc_in_BTC, p["conv_w"], p["conv_b"], segment_ids_BT, interpret,
+                                                 kernel=_conv_kernels(cfg, xbc_in_BTC, p["conv_w"], p["conv_b"]))
     u_BTE, ssd_pull = jax.vjp(
         lambda xbc, dt, A_log, D: _ssd_with_skip(xbc, dt, A_log, D, segment_ids_BT, cfg),
         xbc_BTC, dt_BTH, p["A_log"], p["D_skip"])
@@ -434,7 +441,7 @@ def _core_backward(cfg, residuals, dout_BTE, quantize: Quantize | None = None):
         dzxbcdt_BTI, amax_dt = dzxbcdt_BTI.at[..., e + c:].set(q_dt), [amax_dt]
     dzxbcdt_BTI, dconv_w, dconv_b, *amax_xbc = conv_kernel.conv_backward(
         conv_res, dxbc_BTC, interpret, into_BTI=dzxbcdt_BTI, column_offset=e, quantize=quantize,
-        kernel=_conv_kernels(cfg, dzxbcdt_BTI.shape[1]))
+        kernel=_conv_kernels(cfg, dxbc_BTC, conv_res[1], conv_res[2]))
     grads = {"conv_w": dconv_w, "conv_b": dconv_b, "A_log": dA_log, "D_skip": dD, "dt_bias": ddt_bias,
              "norm": dnorm}
     if quantize is None:
