@@ -117,7 +117,7 @@ def main() -> None:
                 return ssd_chunked(x, dt, A, B, C, ids, q, matmul_dtype=mdt)
             return ssd_fused(x, dt, A, B, C, ids, q, matmul_dtype=mdt, tiling=tiling,
                              forward="auto" if tiling is None else tiling.forward,
-                             backward="triton" if tiling is None else tiling.backward)
+                             backward="auto" if tiling is None else tiling.backward)
 
         def loss(x, dt, B, C, forward=forward):
             y = forward(x, dt, B, C)

@@ -120,9 +120,9 @@ def test_lowering_check_at_mamba2_1p3b_shapes_and_where_it_fails(caplog):
     shapes; where Mosaic GPU cannot lower them (a 64-tap kernel: its 64 windows of 16 KB overflow
     shared memory), one warning and false."""
     import logging
-    assert conv_mosaic.lowers_at(8, 2048, 4352, 4, jnp.bfloat16, jnp.float32, jnp.float32)
+    assert conv_mosaic.lowers_at(8, 2048, 4352, 4, jnp.bfloat16, jnp.float32, jnp.float32, 8512, 4096)
     with caplog.at_level(logging.WARNING, logger="maxfp4.kernels.ssd_mosaic"):
-        assert not conv_mosaic.lowers_at(1, 64, 128, 64, jnp.bfloat16, jnp.float32, jnp.float32)
+        assert not conv_mosaic.lowers_at(1, 64, 128, 64, jnp.bfloat16, jnp.float32, jnp.float32, 256, 128)
     assert "does not lower" in caplog.text
 
 

@@ -191,14 +191,14 @@ def conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret, tiling: ConvTiling
     tiling = tiling or default_conv_tiling(*x_BTC.shape[1:])
     # The padded copy is the backward pass's residual too, so it is made once.
     x_pad = jnp.pad(x_BTC, ((0, 0), (width - 1, 0), (0, 0)))
+    ids_front = _padded_ids(segment_ids_BT, width - 1, 0)
     if kernel == "mosaic":
-        out = conv_mosaic.conv_silu_forward(x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, interpret)
-        return out, (x_pad, w_WC, b_C, segment_ids_BT)
-    if kernel != "triton":
+        out = conv_mosaic.conv_silu_forward(x_pad, ids_front, w_WC, b_C, interpret)
+    elif kernel == "triton":
+        out = _launch(_forward_kernel, x_BTC.shape, _tile_spec, jax.ShapeDtypeStruct(x_BTC.shape, x_BTC.dtype),
+                      4, interpret, x_pad, ids_front, w_WC, b_C, tiling=tiling, num_warps=tiling.forward_warps)
+    else:
         raise ValueError(f"conv_forward: kernel must be triton or mosaic, got {kernel!r}")
-    out = _launch(_forward_kernel, x_BTC.shape, _tile_spec, jax.ShapeDtypeStruct(x_BTC.shape, x_BTC.dtype),
-                  4, interpret, x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C,
-                  tiling=tiling, num_warps=tiling.forward_warps)
     return out, (x_pad, w_WC, b_C, segment_ids_BT)
 
 
@@ -249,13 +249,13 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     # a W-tap sum of it, is rounded to that dtype anyway; the weight and bias gradients are
     # summed from the FP32 values inside the first kernel.
     shapes = [jax.ShapeDtypeStruct((b, t + width - 1, c), x_pad.dtype)] + [partial_sums] * (1 + width)
+    ids_front = _padded_ids(segment_ids_BT, width - 1, 0)
     if kernel == "mosaic":
-        dpre_pad, db_parts, dw_parts = conv_mosaic.preactivation_gradients(
-            x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, dout_BTC, interpret)
+        dpre_pad, db_parts, dw_parts = conv_mosaic.preactivation_gradients(x_pad, ids_front, w_WC, b_C, dout_BTC,
+                                                                           interpret)
     else:
-        dpre_pad, db_parts, *dw_parts = launch(
-            _preactivation_grad_kernel, (b, t, c), grad_specs, shapes, 4, interpret,
-            x_pad, _padded_ids(segment_ids_BT, width - 1, 0), w_WC, b_C, dout_BTC)
+        dpre_pad, db_parts, *dw_parts = launch(_preactivation_grad_kernel, (b, t, c), grad_specs, shapes, 4, interpret,
+                                               x_pad, ids_front, w_WC, b_C, dout_BTC)
     grad_inputs = (dpre_pad, _padded_ids(segment_ids_BT, 0, width - 1), w_WC)
     amax = None
     if into_BTI is None and quantize is not None:

@@ -66,6 +66,13 @@ def _ids_rows(ids_pad: jax.Array) -> jax.Array:
     return jnp.pad(ids_pad.astype(jnp.int32), ((0, 0), (0, -ids_pad.shape[1] % 4)), constant_values=-1)
 
 
+def _call(kernel, out_type, grid, scratch, interpret: bool):
+    """``plgpu.kernel`` over a (batch row, 64 rows, 128 channels) grid."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=("b", "t", "c"), scratch_types=scratch,
+                        **launch_params(interpret))
+
+
 def _fetch_windows(plgpu, src_g, ids_g, bi, t0, cols, src_s, ids_s, loaded, width: int) -> None:
     """Window ``k`` of a tile: rows t0 + k .. t0 + k + 63 of ``src`` (its columns ``cols``) and
     their segment ids, by TMA into buffer k."""
@@ -132,9 +139,8 @@ def conv_silu_forward(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
                plgpu.SMEM((COLUMNS,), b_C.dtype),
                plgpu.SMEM((ROWS, COLUMNS), x_pad.dtype, transforms=tiles(x_pad.dtype)),
                plgpu.Barrier(num_arrivals=2 * width + 2)]
-    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((b, t, c), x_pad.dtype),
-                        grid=(b, t // ROWS, c // COLUMNS), grid_names=("b", "t", "c"), scratch_types=scratch,
-                        **launch_params(interpret))(x_pad, _ids_rows(ids_pad), w_WC, b_C)
+    return _call(kernel, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype), (b, t // ROWS, c // COLUMNS), scratch,
+                 interpret)(x_pad, _ids_rows(ids_pad), w_WC, b_C)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -181,9 +187,8 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
                plgpu.Barrier(num_arrivals=2 * width + 3)]
     out_type = [jax.ShapeDtypeStruct((b, t + 8, c), dtype), jax.ShapeDtypeStruct((b, t // ROWS, c), f32),
                 jax.ShapeDtypeStruct((width, b, t // ROWS, c), f32)]
-    dpre, db_parts, dw_parts = plgpu.kernel(
-        kernel, out_type=out_type, grid=(b, t // ROWS, c // COLUMNS), grid_names=("b", "t", "c"),
-        scratch_types=scratch, **launch_params(interpret))(x_pad, _ids_rows(ids_pad), w_WC, b_C, dout_BTC)
+    dpre, db_parts, dw_parts = _call(kernel, out_type, (b, t // ROWS, c // COLUMNS), scratch, interpret)(
+        x_pad, _ids_rows(ids_pad), w_WC, b_C, dout_BTC)
     return dpre, db_parts, list(dw_parts)
 
 
@@ -257,12 +262,12 @@ def input_gradient(dpre_pad: jax.Array, ids_back: jax.Array, w_WC: jax.Array, in
         scratch.append(plgpu.SMEM((COLUMNS,), f32))
     scratch.append(plgpu.Barrier(num_arrivals=2 * width + 1 + (quantize is not None)))
 
-    def unpack(refs, program):
-        n_in = len(operands)
-        ins, rest = list(refs[:n_in]), list(refs[n_in:])
+    def unpack(refs, program, aliased: bool):
+        """Calls ``body`` with the refs of either launch: ``aliased`` (pallas_call) passes the
+        wider array as one more input, before the outputs."""
+        n_in = len(operands) + aliased
+        ins, rest = list(refs[:len(operands)]), list(refs[n_in:])
         scale_g = ins.pop() if quantize is not None else None
-        if into_BTI is not None and len(rest) > len(outs) + len(scratch):  # pallas_call: the aliased input
-            rest.pop(0)
         out_refs, scr = rest[:len(outs)], rest[len(outs):]
         amax_g = out_refs[1] if quantize is not None else None
         d_s, ids_s, w_s, *scr = scr
@@ -276,15 +281,14 @@ def input_gradient(dpre_pad: jax.Array, ids_back: jax.Array, w_WC: jax.Array, in
         # The interpreter runs plgpu.kernel (its pallas_call path allocates no barriers): there
         # the output is a fresh array, whose dx columns are set into the wider one after.
         def kernel(*refs):
-            unpack(refs, (lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")))
-        results = plgpu.kernel(kernel, out_type=outs, grid=grid, grid_names=("b", "t", "c"), scratch_types=scratch,
-                               **launch_params(interpret))(*operands)
+            unpack(refs, (lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")), aliased=False)
+        results = _call(kernel, outs, grid, scratch, interpret)(*operands)
         if into_BTI is not None:
             dx = lax.slice_in_dim(results[0], column_offset, column_offset + c, axis=2)
             results = [lax.dynamic_update_slice_in_dim(into_BTI, dx, column_offset, axis=2), *results[1:]]
     else:
         def kernel(*refs):
-            unpack(refs, (pl.program_id(0), pl.program_id(1), pl.program_id(2)))
+            unpack(refs, (pl.program_id(0), pl.program_id(1), pl.program_id(2)), aliased=True)
         gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
         results = pl.pallas_call(
             kernel, out_shape=outs, grid=grid, in_specs=[gmem] * (len(operands) + 1), out_specs=[gmem] * len(outs),
@@ -295,12 +299,24 @@ def input_gradient(dpre_pad: jax.Array, ids_back: jax.Array, w_WC: jax.Array, in
     return results[0], jnp.max(results[1])
 
 
-def lowers_at(b: int, t: int, c: int, width: int, x_dtype, w_dtype, b_dtype) -> bool:
-    """Whether this jax lowers the three kernels for CUDA at these shapes (``ssd_mosaic.lowers``:
-    one warning and False where it does not, so the caller keeps the Triton kernels)."""
+def _gradient_into(dpre_pad, ids_back, w_WC, into_BTI, scale, column_offset: int, fp8: bool):
+    """``input_gradient`` as the Mamba-2 mixer calls it: into in_proj's gradient, BF16 or FP8."""
+    return input_gradient(dpre_pad, ids_back, w_WC, False, into_BTI, column_offset,
+                          (scale, into_BTI.dtype) if fp8 else None)
+
+
+def lowers_at(b: int, t: int, c: int, width: int, x_dtype, w_dtype, b_dtype, into_columns: int,
+              column_offset: int) -> bool:
+    """Whether this jax lowers the kernels for CUDA as the mixer runs them at these shapes (dx into
+    in_proj's [B, T, into_columns] gradient at ``column_offset``, in x's dtype and in E5M2 for FP8
+    delayed scaling) (``ssd_mosaic.lowers``: one warning and False where it does not, so the
+    caller keeps the Triton kernels)."""
     sds = jax.ShapeDtypeStruct
     x_pad, ids = sds((b, t + width - 1, c), x_dtype), sds((b, t + width - 1), jnp.int32)
     w, bias = sds((width, c), w_dtype), sds((c,), b_dtype)
+    dpre, scale = sds((b, t + 8, c), x_dtype), sds((), jnp.float32)
     return (lowers(conv_silu_forward, x_pad, ids, w, bias)
             and lowers(preactivation_gradients, x_pad, ids, w, bias, sds((b, t, c), x_dtype))
-            and lowers(input_gradient, sds((b, t + 8, c), x_dtype), ids, w))
+            and all(lowers(_gradient_into, dpre, ids, w, sds((b, t, into_columns), dtype), scale,
+                           column_offset=column_offset, fp8=fp8)
+                    for dtype, fp8 in ((x_dtype, False), (jnp.float8_e5m2, True))))

@@ -272,7 +272,8 @@ def _conv_kernels(cfg: ModelConfig, x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.
         return "triton"
     if not on_gpu():
         return "mosaic"
-    take = ssd_mosaic.available() and conv_mosaic.lowers_at(b, t, c, width, x_BTC.dtype, w_WC.dtype, b_C.dtype)
+    take = ssd_mosaic.available() and conv_mosaic.lowers_at(b, t, c, width, x_BTC.dtype, w_WC.dtype, b_C.dtype,
+                                                            d["in"], d["E"])
     return "mosaic" if take else "triton"
 
 

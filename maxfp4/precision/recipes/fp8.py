@@ -161,7 +161,6 @@ def _fp8_delayed(x, w, options, scales, key):
     return _fp8_delayed_fwd(x, w, options, scales, key)[0]
 
 
-
 def fp8_delayed_with_reciprocals(scales_X3: jax.Array, options) -> jax.Array:
     """[..., 3] scales -> [..., 6]: the scales, then the exact reciprocals (``formats.div_rn``)
     of the scales a step quantizes with, computed once for a whole class's [L, 3] array. A layer
