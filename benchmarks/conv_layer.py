@@ -1,9 +1,14 @@
 """The Mamba-2 mixer's causal convolution + SiLU alone, at a model's shapes: the forward kernel on
 Triton and on Mosaic GPU (``maxfp4.kernels.conv_mosaic``), and the backward (both kernels, dx
-into in_proj's gradient as the mixer asks) on each, each timed alone, with the Mosaic forward's largest difference from the Triton one and the memory floor
-(bytes each kernel must move at the GPU's bandwidth).
+into in_proj's gradient as the mixer asks) on each, each timed alone, with the Mosaic forward's
+largest difference from the Triton one and the memory floor (bytes each kernel must move at the
+GPU's bandwidth); and the model's XLA form (``mamba.causal_conv`` in FP32, then SiLU), forward
+and forward + backward, the bar any kernel must clear. A call's time counts its dispatch and wait
+and the XLA work around the kernels (padding, masks; the backward's copy of ``into``, which is
+not donated); ``--kernels`` adds each call's GPU kernels from a profiler trace, the device time
+of each.
 
-    python benchmarks/conv_layer.py [--config configs/mamba2-1p3b.yaml] [--iters 30] [--json out.json]
+    python benchmarks/conv_layer.py [--config configs/mamba2-1p3b.yaml] [--iters 30] [--kernels] [--json out.json]
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import numpy as np
 
 from maxfp4.config import load_config
 from maxfp4.kernels.conv import conv_backward, conv_forward
+from maxfp4.model.mamba import causal_conv
 from maxfp4.model_spec import mamba_dims as dims
+from profile_summary import traced_kernel_times
 from timing import median_ms
 
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -28,6 +35,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/mamba2-1p3b.yaml")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json")
+    parser.add_argument("--kernels", action="store_true", help="each call's GPU kernels, from a trace")
     args = parser.parse_args()
     cfg = load_config(args.config, [])
     d = dims(cfg.model)
@@ -46,15 +54,31 @@ def main() -> None:
     backward = {k: jax.jit(lambda res, dout, into, k=k: conv_backward(res, dout, False, into_BTI=into,
                                                                      column_offset=d["E"], kernel=k))
                 for k in ("triton", "mosaic")}
+
+    def xla_forward(x, w, bias):
+        return jax.nn.silu(causal_conv(x.astype(jnp.float32), w, bias, ids)).astype(x.dtype)
+
+    def xla_forward_backward(x, w, bias, dout):
+        y, pull = jax.vjp(xla_forward, x, w, bias)
+        return pull(dout)
+    xla = (jax.jit(xla_forward), jax.jit(xla_forward_backward))
     y = {k: np.asarray(f(x, w, bias), np.float32) for k, f in forward.items()}
     diff = float(np.abs(y["mosaic"] - y["triton"]).max() / np.abs(y["triton"]).max())
     same = float(np.mean(y["mosaic"] == y["triton"]))
     tensor = b * t * c * 2
+    calls = {"forward, Triton": (forward["triton"], (x, w, bias)),
+             "forward, Mosaic GPU": (forward["mosaic"], (x, w, bias)),
+             "backward, Triton": (backward["triton"], (residuals, dout, into)),
+             "backward, Mosaic GPU": (backward["mosaic"], (residuals, dout, into)),
+             "forward, XLA": (xla[0], (x, w, bias)),
+             "forward + backward, XLA": (xla[1], (x, w, bias, dout))}
     rows = [("forward, Triton", median_ms(forward["triton"], x, w, bias, iters=args.iters), 2 * tensor),
             ("forward, Mosaic GPU", median_ms(forward["mosaic"], x, w, bias, iters=args.iters), 2 * tensor),
             ("backward, Triton", median_ms(backward["triton"], residuals, dout, into, iters=args.iters), 5 * tensor),
             ("backward, Mosaic GPU", median_ms(backward["mosaic"], residuals, dout, into, iters=args.iters),
-             5 * tensor)]
+             5 * tensor),
+            ("forward, XLA", median_ms(xla[0], x, w, bias, iters=args.iters), 2 * tensor),
+            ("forward + backward, XLA", median_ms(xla[1], x, w, bias, dout, iters=args.iters), 5 * tensor)]
     print(f"causal conv + SiLU, {args.config}: B={b} T={t} C={c} W={width}, {jax.devices()[0].device_kind}, "
           f"jax {jax.__version__}")
     print(f"{'kernel':34} {'ms':>8} {'floor ms':>9}")
@@ -62,6 +86,12 @@ def main() -> None:
         print(f"{name:34} {ms:8.3f} {1e3 * moved / HBM_BYTES_PER_S:9.3f}")
     print(f"Mosaic forward against Triton: {same:.4%} of outputs identical, largest difference {diff:.1e} "
           "of the largest output")
+    if args.kernels:
+        for name, (fn, fn_args) in calls.items():
+            totals, counts = traced_kernel_times([lambda fn=fn, fn_args=fn_args: fn(*fn_args)], 10)
+            print(f"{name}: {sum(totals.values()) / 10:.1f} us of kernels a call")
+            for kernel, us in totals.most_common(5):
+                print(f"  {us / 10:8.1f} us  {counts[kernel] // 10} x {kernel[:90]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "identical": same, "max_rel_diff": diff}, f)

@@ -185,8 +185,8 @@ def conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret, tiling: ConvTiling
                  kernel: str = "triton"):
     """(``causal_conv_silu``'s value, the residuals ``conv_backward`` takes). ``tiling``: the
     launch (default ``default_conv_tiling``). ``kernel``: "triton" (here) or "mosaic"
-    (``maxfp4.kernels.conv_mosaic``, the same values; not yet measured on a GPU, so nothing
-    selects it by default)."""
+    (``maxfp4.kernels.conv_mosaic``, the same values; slower on an H200, so only
+    ``model.mamba.kernel_backend=mosaic`` selects it)."""
     width = w_WC.shape[0]
     tiling = tiling or default_conv_tiling(*x_BTC.shape[1:])
     # The padded copy is the backward pass's residual too, so it is made once.
@@ -226,7 +226,7 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     ``fp8_epilogue.Quantize`` says, and a fourth value comes back, ``max |dx|`` in FP32.
     ``tiling``: the launch (default ``default_conv_tiling``). ``kernel``: "triton", or "mosaic"
     (``conv_mosaic.preactivation_gradients`` and ``conv_mosaic.input_gradient``, every variant;
-    not yet measured on a GPU, so nothing selects them by default)."""
+    slower on an H200, so only ``model.mamba.kernel_backend=mosaic`` selects them)."""
     if kernel not in ("triton", "mosaic"):
         raise ValueError(f"conv_backward: kernel must be triton or mosaic, got {kernel!r}")
     x_pad, w_WC, b_C, segment_ids_BT = residuals

@@ -1,28 +1,30 @@
 """Mamba-2's causal depthwise convolution + SiLU as Mosaic GPU kernels: the forward and the
 backward's two (the pre-activation's gradient with the weights' and bias's partial sums; the
-input gradient, alone, into a wider array or stored as FP8), the values of the Triton kernels of ``maxfp4.kernels.conv`` (read its module docstring
-first) from the same operands (x padded with W - 1 rows in front, its segment ids with -1).
+input gradient, alone, into a wider array or stored as FP8), the values of the Triton kernels
+of ``maxfp4.kernels.conv`` (read its module docstring first) from the same operands (x padded
+with W - 1 rows in front, its segment ids with -1).
 
 One program per (batch row, 64 rows of T, 128 channels). The W windows of x that its outputs
 read (the rows ``lag`` positions back, lag = 0 .. W-1) arrive by W TMA copies into W untiled
 shared-memory buffers (a copy into tiled, swizzled memory must start on a whole 8-row tile of
-the source); the copies after the first mostly come from L2. Their
-segment ids, the weights' and the bias's columns arrive alike. The pre-activation is summed in
-FP32 in the Triton kernel's order (bias, then lags 0 .. W-1), SiLU applied, and the tile leaves by
+the source); the copies after the first mostly come from L2. Which window rows are in the
+row's document comes as one bit a window (``_window_masks``, from the segment ids before the
+launch), the weights' and the bias's columns by TMA too. The pre-activation is summed in FP32
+in the Triton kernel's order (bias, then lags 0 .. W-1), SiLU applied, and the tile leaves by
 TMA. The backward's first kernel recomputes it, forms the pre-activation's gradient and sums
 its columns (and the inputs' times it, one sum per weight row) over the tile's 64 rows; the
-second reads W windows of that gradient, forward in T, as the first reads x's. Writing into a
-wider array needs its buffer as the output (``input_output_aliases``), which only
-``pallas_call`` offers: compiled, that kernel launches through it, under the interpreter (whose
-``pallas_call`` allocates no barriers) through ``plgpu.kernel`` into a fresh array whose dx
-columns XLA then sets into the wider one. ``approx_math``: the sigmoid's ``exp`` is ``ex2.approx``, as in ``maxfp4.kernels.ssd_mosaic``.
+second reads W windows of that gradient, forward in T, as the first reads x's, into a fresh
+array that XLA sets into in_proj's gradient (``input_gradient``). ``approx_math``: the
+sigmoid's ``exp`` is ``ex2.approx``, as in ``maxfp4.kernels.ssd_mosaic``.
 
 Shapes it takes (``supported``): T a multiple of 64 and the channels of 128 (Mosaic GPU's wgmma
 register layout of [64, N] tiles, the one layout whose row and column vectors broadcast). Off a
 GPU they run under Mosaic GPU's interpreter, where the tests hold them to the Triton kernels'
-values. Not yet measured on a GPU: ``conv.conv_forward(..., kernel="mosaic")`` and
-``conv.conv_backward(..., kernel="mosaic")`` select them, the model never does
-(``benchmarks/conv_layer.py`` measures them).
+values; on an H200 they match them too (tests/test_gpu_mamba_kernels.py) but run slower
+(mamba2-1p3b's layer, ``benchmarks/conv_layer.py``, 2026-11-29: forward 0.463 against 0.416 ms,
+backward 1.094 against 0.832 ms; both ~7x their memory floor): the window reads conflict in
+shared-memory banks, and each tile waits for its copies alone. So only
+``model.mamba.kernel_backend=mosaic`` takes them, never ``auto``.
 """
 
 from __future__ import annotations
@@ -61,9 +63,16 @@ def _checked_length(name: str, t_pad: int, width: int, c: int) -> int:
     return t
 
 
-def _ids_rows(ids_pad: jax.Array) -> jax.Array:
-    """TMA needs each row of a copy's source to start on 16 bytes: the ids' rows padded to 4 words."""
-    return jnp.pad(ids_pad.astype(jnp.int32), ((0, 0), (0, -ids_pad.shape[1] % 4)), constant_values=-1)
+def _window_masks(ids_pad: jax.Array, width: int, own: int) -> jax.Array:
+    """[B, T] int32 whose bit k says whether window k's row (padded row s + k) is in row s's
+    document (the one at padded row s + ``own``): the Triton kernels' test of segment ids, made
+    once here. A TMA copy starting inside a 16-byte word of the source faults on Hopper, so the
+    kernels cannot fetch the ids' W windows one row apart as they fetch x's; they fetch these
+    masks, 64 aligned rows a tile."""
+    ids = ids_pad.astype(jnp.int32)
+    t = ids.shape[1] - (width - 1)
+    now = ids[:, own:own + t]
+    return sum((ids[:, k:k + t] == now).astype(jnp.int32) << k for k in range(width))
 
 
 def _call(kernel, out_type, grid, scratch, interpret: bool):
@@ -73,42 +82,42 @@ def _call(kernel, out_type, grid, scratch, interpret: bool):
                         **launch_params(interpret))
 
 
-def _fetch_windows(plgpu, src_g, ids_g, bi, t0, cols, src_s, ids_s, loaded, width: int) -> None:
-    """Window ``k`` of a tile: rows t0 + k .. t0 + k + 63 of ``src`` (its columns ``cols``) and
-    their segment ids, by TMA into buffer k."""
+def _fetch_windows(plgpu, src_g, masks_g, bi, t0, cols, src_s, masks_s, loaded, width: int) -> None:
+    """Window ``k`` of a tile: rows t0 + k .. t0 + k + 63 of ``src`` (its columns ``cols``), by
+    TMA into buffer k, and the tile's window masks (``_window_masks``)."""
     for k in range(width):
         plgpu.copy_gmem_to_smem(src_g.at[bi, pl.ds(t0 + k, ROWS), cols], src_s.at[k], loaded)
-        plgpu.copy_gmem_to_smem(ids_g.at[bi, pl.ds(t0 + k, ROWS)], ids_s.at[k], loaded)
+    plgpu.copy_gmem_to_smem(masks_g.at[bi, pl.ds(t0, ROWS)], masks_s, loaded)
 
 
-def _fetch_conv_operands(plgpu, x_g, ids_g, w_g, b_g, x_s, ids_s, w_s, bias_s, loaded, width: int):
+def _fetch_conv_operands(plgpu, x_g, masks_g, w_g, b_g, x_s, masks_s, w_s, bias_s, loaded, width: int):
     """A program's (batch row, first row, columns) and the copies of what the pre-activation
-    reads: x's W windows with their segment ids, the weights' and the bias's columns."""
+    reads: x's W windows with their masks, the weights' and the bias's columns."""
     bi, ti, ci = lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")
     t0, cols = ti * ROWS, pl.ds(ci * COLUMNS, COLUMNS)
     # window k holds the rows W - 1 - k positions back
-    _fetch_windows(plgpu, x_g, ids_g, bi, t0, cols, x_s, ids_s, loaded, width)
+    _fetch_windows(plgpu, x_g, masks_g, bi, t0, cols, x_s, masks_s, loaded, width)
     plgpu.copy_gmem_to_smem(w_g.at[:, cols], w_s, loaded)
     plgpu.copy_gmem_to_smem(b_g.at[cols], bias_s, loaded)
     return bi, ti, t0, cols
 
 
-def _masked_window(ops: Ops, src_s, ids_s, k: int, ids_now: jax.Array) -> jax.Array:
-    """Window k in FP32, zero in rows of another document than ``ids_now``'s. Untiled buffers:
+def _masked_window(ops: Ops, src_s, k: int, masks_RC: jax.Array) -> jax.Array:
+    """Window k in FP32, zero in rows of another document than the row's. Untiled buffers:
     the WGMMA layout's 2-element reads conflict in shared-memory banks."""
     v_RC = ops.load(src_s.at[k], (), ops.tile, optimized=False).astype(jnp.float32)
-    return jnp.where(_by_row(ops.load(ids_s.at[k], (), ops.rows)) == ids_now, v_RC, 0.0)
+    return jnp.where((masks_RC & (1 << k)) != 0, v_RC, 0.0)
 
 
-def _pre_activation(ops: Ops, x_s, ids_s, w_s, bias_s, width: int) -> tuple[jax.Array, jax.Array]:
+def _pre_activation(ops: Ops, x_s, masks_s, w_s, bias_s, width: int) -> tuple[jax.Array, jax.Array]:
     """(conv + b over the tile in FP32, bias first then lags 0 .. W-1 as the Triton kernel sums,
-    the tile's own segment ids by row)."""
-    ids_now = _by_row(ops.load(ids_s.at[width - 1], (), ops.rows))
+    the tile's window masks by row)."""
+    masks_RC = _by_row(ops.load(masks_s, (), ops.rows))
     pre_RC = _by_col(ops.load(bias_s, (), ops.cols))
     for lag in range(width):
-        pre_RC = pre_RC + (_masked_window(ops, x_s, ids_s, width - 1 - lag, ids_now)
+        pre_RC = pre_RC + (_masked_window(ops, x_s, width - 1 - lag, masks_RC)
                            * _by_col(ops.load(w_s.at[width - 1 - lag], (), ops.cols)))
-    return pre_RC, ids_now
+    return pre_RC, masks_RC
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -122,10 +131,11 @@ def conv_silu_forward(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
     t = _checked_length("conv_silu_forward", t_pad, width, c)
     ops = Ops(interpret)
 
-    def kernel(x_g, ids_g, w_g, b_g, out_g, x_s, ids_s, w_s, bias_s, out_s, loaded):
-        bi, _, t0, cols = _fetch_conv_operands(plgpu, x_g, ids_g, w_g, b_g, x_s, ids_s, w_s, bias_s, loaded, width)
+    def kernel(x_g, masks_g, w_g, b_g, out_g, x_s, masks_s, w_s, bias_s, out_s, loaded):
+        bi, _, t0, cols = _fetch_conv_operands(plgpu, x_g, masks_g, w_g, b_g, x_s, masks_s, w_s, bias_s, loaded,
+                                               width)
         plgpu.barrier_wait(loaded)
-        pre_RC, _ = _pre_activation(ops, x_s, ids_s, w_s, bias_s, width)
+        pre_RC, _ = _pre_activation(ops, x_s, masks_s, w_s, bias_s, width)
         out_s[...] = (pre_RC * jax.nn.sigmoid(pre_RC)).astype(out_s.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, ROWS), cols])
@@ -134,13 +144,13 @@ def conv_silu_forward(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
     # The windows start at any row: TMA copies into tiled (swizzled) shared memory need rows in
     # whole 8-row tiles of the source, so they land untiled.
     scratch = [plgpu.SMEM((width, ROWS, COLUMNS), x_pad.dtype),
-               plgpu.SMEM((width, ROWS), jnp.int32),
+               plgpu.SMEM((ROWS,), jnp.int32),
                plgpu.SMEM((width, COLUMNS), w_WC.dtype),
                plgpu.SMEM((COLUMNS,), b_C.dtype),
                plgpu.SMEM((ROWS, COLUMNS), x_pad.dtype, transforms=tiles(x_pad.dtype)),
-               plgpu.Barrier(num_arrivals=2 * width + 2)]
+               plgpu.Barrier(num_arrivals=width + 3)]
     return _call(kernel, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype), (b, t // ROWS, c // COLUMNS), scratch,
-                 interpret)(x_pad, _ids_rows(ids_pad), w_WC, b_C)
+                 interpret)(x_pad, _window_masks(ids_pad, width, width - 1), w_WC, b_C)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -157,18 +167,19 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
     ops = Ops(interpret)
     f32 = jnp.float32
 
-    def kernel(x_g, ids_g, w_g, b_g, dout_g, dpre_g, db_g, dw_g, x_s, ids_s, w_s, bias_s, dout_s, dpre_s, sums_s,
-               loaded):
-        bi, ti, t0, cols = _fetch_conv_operands(plgpu, x_g, ids_g, w_g, b_g, x_s, ids_s, w_s, bias_s, loaded, width)
+    def kernel(x_g, masks_g, w_g, b_g, dout_g, dpre_g, db_g, dw_g, x_s, masks_s, w_s, bias_s, dout_s, dpre_s,
+               sums_s, loaded):
+        bi, ti, t0, cols = _fetch_conv_operands(plgpu, x_g, masks_g, w_g, b_g, x_s, masks_s, w_s, bias_s, loaded,
+                                                width)
         plgpu.copy_gmem_to_smem(dout_g.at[bi, pl.ds(t0, ROWS), cols], dout_s, loaded)
         plgpu.barrier_wait(loaded)
-        pre_RC, ids_now = _pre_activation(ops, x_s, ids_s, w_s, bias_s, width)
+        pre_RC, masks_RC = _pre_activation(ops, x_s, masks_s, w_s, bias_s, width)
         sig_RC = jax.nn.sigmoid(pre_RC)
         dpre_RC = ops.load(dout_s, (), ops.tile).astype(f32) * sig_RC * (1.0 + pre_RC * (1.0 - sig_RC))
         dpre_s[...] = dpre_RC.astype(dpre_s.dtype)
         sums_s[0] = jnp.sum(dpre_RC, axis=0)
         for row in range(width):  # weight row k multiplies window k (the input W - 1 - k positions back)
-            sums_s[1 + row] = jnp.sum(_masked_window(ops, x_s, ids_s, row, ids_now) * dpre_RC, axis=0)
+            sums_s[1 + row] = jnp.sum(_masked_window(ops, x_s, row, masks_RC) * dpre_RC, axis=0)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dpre_s, dpre_g.at[bi, pl.ds(t0, ROWS), cols])
         plgpu.copy_smem_to_gmem(sums_s.at[0], db_g.at[bi, ti, cols])
@@ -178,17 +189,17 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
 
     dtype = x_pad.dtype
     scratch = [plgpu.SMEM((width, ROWS, COLUMNS), dtype),
-               plgpu.SMEM((width, ROWS), jnp.int32),
+               plgpu.SMEM((ROWS,), jnp.int32),
                plgpu.SMEM((width, COLUMNS), w_WC.dtype),
                plgpu.SMEM((COLUMNS,), b_C.dtype),
                plgpu.SMEM((ROWS, COLUMNS), dout_BTC.dtype, transforms=tiles(dout_BTC.dtype)),
                plgpu.SMEM((ROWS, COLUMNS), dtype, transforms=tiles(dtype)),
                plgpu.SMEM((1 + width, COLUMNS), f32),
-               plgpu.Barrier(num_arrivals=2 * width + 3)]
+               plgpu.Barrier(num_arrivals=width + 4)]
     out_type = [jax.ShapeDtypeStruct((b, t + 8, c), dtype), jax.ShapeDtypeStruct((b, t // ROWS, c), f32),
                 jax.ShapeDtypeStruct((width, b, t // ROWS, c), f32)]
     dpre, db_parts, dw_parts = _call(kernel, out_type, (b, t // ROWS, c // COLUMNS), scratch, interpret)(
-        x_pad, _ids_rows(ids_pad), w_WC, b_C, dout_BTC)
+        x_pad, _window_masks(ids_pad, width, width - 1), w_WC, b_C, dout_BTC)
     return dpre, db_parts, list(dw_parts)
 
 
@@ -200,40 +211,42 @@ def input_gradient(dpre_pad: jax.Array, ids_back: jax.Array, w_WC: jax.Array, in
     buffer (at least T + W - 1 rows) and the segment ids padded with W - 1 rows of -1 at the end
     ([B, T + W - 1]).
 
-    Returns dx [B, T, C] in dpre's dtype; with ``into_BTI`` ([B, T, I]) dx is written into its
-    columns [column_offset, column_offset + C) and the whole array returned (compiled, the
-    output is that array's buffer); with ``quantize`` = (scale, FP8 dtype), into an FP8
-    ``into_BTI``, stored as ``epilogue.Quantized`` does, and (dx, max |dx rounded|) returned."""
+    Returns dx [B, T, C] in dpre's dtype; with ``into_BTI`` ([B, T, I]) dx set into its columns
+    [column_offset, column_offset + C) and the whole array returned; with ``quantize`` = (scale,
+    FP8 dtype), into an FP8 ``into_BTI``, stored as ``epilogue.Quantized`` does, and (dx, max |dx
+    rounded|) returned. The kernel writes a [B, T, C] array that XLA then sets into the wider one
+    (in place): writing the wider array's buffer itself needs ``input_output_aliases``, which
+    ``plgpu.kernel`` does not take and jax 0.11's ``pallas_call`` no longer lowers for Mosaic GPU."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     b, t_pad, c = ids_back.shape[0], ids_back.shape[1], w_WC.shape[1]
     width = w_WC.shape[0]
     t = _checked_length("input_gradient", t_pad, width, c)
     if quantize is not None and into_BTI is None:
         raise ValueError("input_gradient: quantize needs into_BTI")
-    if column_offset % COLUMNS:
-        raise ValueError(f"input_gradient: column offset {column_offset} is not a multiple of {COLUMNS}")
     ops = Ops(interpret)
     f32 = jnp.float32
-    out = (jax.ShapeDtypeStruct((b, t, c), dpre_pad.dtype) if into_BTI is None
-           else jax.ShapeDtypeStruct(into_BTI.shape, into_BTI.dtype))
+    out_dtype = dpre_pad.dtype if into_BTI is None else into_BTI.dtype
     quantized = None if quantize is None else Quantized(dpre_pad.dtype)
-    # A tiled (swizzled) store needs the output's rows in whole tiles of 128 bytes.
-    out_tiled = out.shape[-1] % (128 // jnp.dtype(out.dtype).itemsize) == 0
 
-    def body(ids, dpre_g, ids_g, w_g, scale_g, out_g, amax_g, d_s, ids_s, w_s, scale_s, out_s, amax_s, loaded):
-        bi, ti, ci = ids
-        t0 = ti * ROWS
-        cols = pl.ds(ci * COLUMNS, COLUMNS)
-        _fetch_windows(plgpu, dpre_g, ids_g, bi, t0, cols, d_s, ids_s, loaded, width)  # window lag: lag ahead
+    def kernel(dpre_g, masks_g, w_g, *refs):
+        refs = list(refs)
+        scale_g = refs.pop(0) if quantize is not None else None
+        out_g = refs.pop(0)
+        amax_g = refs.pop(0) if quantize is not None else None
+        d_s, masks_s, w_s = refs[:3]
+        scale_s, out_s, amax_s, loaded = refs[3:] if quantize is not None else (None, refs[3], None, refs[4])
+        bi, ti, ci = lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")
+        t0, cols = ti * ROWS, pl.ds(ci * COLUMNS, COLUMNS)
+        _fetch_windows(plgpu, dpre_g, masks_g, bi, t0, cols, d_s, masks_s, loaded, width)  # window lag: lag ahead
         plgpu.copy_gmem_to_smem(w_g.at[:, cols], w_s, loaded)
         if scale_g is not None:
             plgpu.copy_gmem_to_smem(scale_g, scale_s, loaded)
         plgpu.barrier_wait(loaded)
-        ids_now = _by_row(ops.load(ids_s.at[0], (), ops.rows))
+        masks_RC = _by_row(ops.load(masks_s, (), ops.rows))
         zeros = jnp.zeros((ROWS, COLUMNS), f32)
         dx_RC = zeros if interpret else plgpu.layout_cast(zeros, ops.tile)
         for lag in range(width):
-            dx_RC = dx_RC + (_masked_window(ops, d_s, ids_s, lag, ids_now)
+            dx_RC = dx_RC + (_masked_window(ops, d_s, lag, masks_RC)
                              * _by_col(ops.load(w_s.at[width - 1 - lag], (), ops.cols)))
         if quantized is None:
             out_s[...] = dx_RC.astype(out_s.dtype)
@@ -242,61 +255,32 @@ def input_gradient(dpre_pad: jax.Array, ids_back: jax.Array, w_WC: jax.Array, in
             out_s[...] = quantized.cast(dx_RC, scale_s[0], out_s.dtype)
             amax_s[...] = jnp.max(jnp.abs(dx_RC), axis=0)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, ROWS), pl.ds(column_offset + ci * COLUMNS, COLUMNS)])
+        plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, ROWS), cols])
         if amax_g is not None:
             plgpu.copy_smem_to_gmem(amax_s, amax_g.at[bi, ti, cols])
         plgpu.wait_smem_to_gmem(0)
 
+    operands = [dpre_pad, _window_masks(ids_back, width, 0), w_WC]
+    outs = [jax.ShapeDtypeStruct((b, t, c), out_dtype)]
     scratch = [plgpu.SMEM((width, ROWS, COLUMNS), dpre_pad.dtype),
-               plgpu.SMEM((width, ROWS), jnp.int32),
+               plgpu.SMEM((ROWS,), jnp.int32),
                plgpu.SMEM((width, COLUMNS), w_WC.dtype)]
-    operands = [dpre_pad, _ids_rows(ids_back), w_WC]
-    outs = [out]
     if quantize is not None:
         # A copy moves a multiple of 128 bytes (one per thread of the warpgroup): the scale padded.
         operands.append(jnp.pad(jnp.reshape(quantize[0], (1,)).astype(f32), (0, 31)))
-        scratch.append(plgpu.SMEM((32,), f32))
         outs.append(jax.ShapeDtypeStruct((b, t // ROWS, c), f32))
-    scratch.append(plgpu.SMEM((ROWS, COLUMNS), out.dtype, transforms=tiles(out.dtype) if out_tiled else ()))
+        scratch.append(plgpu.SMEM((32,), f32))
+    scratch.append(plgpu.SMEM((ROWS, COLUMNS), out_dtype, transforms=tiles(out_dtype)))
     if quantize is not None:
         scratch.append(plgpu.SMEM((COLUMNS,), f32))
-    scratch.append(plgpu.Barrier(num_arrivals=2 * width + 1 + (quantize is not None)))
-
-    def unpack(refs, program, aliased: bool):
-        """Calls ``body`` with the refs of either launch: ``aliased`` (pallas_call) passes the
-        wider array as one more input, before the outputs."""
-        n_in = len(operands) + aliased
-        ins, rest = list(refs[:len(operands)]), list(refs[n_in:])
-        scale_g = ins.pop() if quantize is not None else None
-        out_refs, scr = rest[:len(outs)], rest[len(outs):]
-        amax_g = out_refs[1] if quantize is not None else None
-        d_s, ids_s, w_s, *scr = scr
-        scale_s = scr.pop(0) if quantize is not None else None
-        out_s = scr.pop(0)
-        amax_s = scr.pop(0) if quantize is not None else None
-        body(program, *ins, scale_g, out_refs[0], amax_g, d_s, ids_s, w_s, scale_s, out_s, amax_s, scr[0])
-
-    grid = (b, t // ROWS, c // COLUMNS)
-    if into_BTI is None or interpret:
-        # The interpreter runs plgpu.kernel (its pallas_call path allocates no barriers): there
-        # the output is a fresh array, whose dx columns are set into the wider one after.
-        def kernel(*refs):
-            unpack(refs, (lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")), aliased=False)
-        results = _call(kernel, outs, grid, scratch, interpret)(*operands)
-        if into_BTI is not None:
-            dx = lax.slice_in_dim(results[0], column_offset, column_offset + c, axis=2)
-            results = [lax.dynamic_update_slice_in_dim(into_BTI, dx, column_offset, axis=2), *results[1:]]
-    else:
-        def kernel(*refs):
-            unpack(refs, (pl.program_id(0), pl.program_id(1), pl.program_id(2)), aliased=True)
-        gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-        results = pl.pallas_call(
-            kernel, out_shape=outs, grid=grid, in_specs=[gmem] * (len(operands) + 1), out_specs=[gmem] * len(outs),
-            scratch_shapes=scratch, input_output_aliases={len(operands): 0},
-            **launch_params(interpret))(*operands, into_BTI)
+    scratch.append(plgpu.Barrier(num_arrivals=width + 2 + (quantize is not None)))
+    results = _call(kernel, outs, (b, t // ROWS, c // COLUMNS), scratch, interpret)(*operands)
+    dx = results[0]
+    if into_BTI is not None:
+        dx = lax.dynamic_update_slice_in_dim(into_BTI, dx, column_offset, axis=2)
     if quantize is None:
-        return results[0]
-    return results[0], jnp.max(results[1])
+        return dx
+    return dx, jnp.max(results[1])
 
 
 def _gradient_into(dpre_pad, ids_back, w_WC, into_BTI, scale, column_offset: int, fp8: bool):

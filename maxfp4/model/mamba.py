@@ -261,7 +261,7 @@ def _ssd_kernels(cfg: ModelConfig) -> str:
 
 def _conv_kernels(cfg: ModelConfig, x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array) -> str:
     """The convolution's kernels for its input x [B, T, C]: Mosaic GPU's
-    (``maxfp4.kernels.conv_mosaic``, not yet measured) only under
+    (``maxfp4.kernels.conv_mosaic``, slower than Triton's on an H200) only under
     ``model.mamba.kernel_backend=mosaic``, where they tile, on Hopper where this jax lowers them
     (off a GPU under Mosaic GPU's interpreter, as the other kernels run interpreted there); else
     Triton's."""
