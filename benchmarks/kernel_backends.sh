@@ -23,7 +23,7 @@ if [[ " $PARTS " == *" kernels "* ]]; then
   timeout 150 python3 benchmarks/ssd_layer.py --iters 20 --json "$OUT_DIR/ssd_layer.json" \
     --variants "$tiling,$tiling:mosaic,$tiling:mosaic:mosaic" > "$OUT_DIR/ssd_layer.txt" 2>&1
   cat "$OUT_DIR/ssd_layer.txt"
-  timeout 100 python3 benchmarks/conv_layer.py --json "$OUT_DIR/conv_layer.json" > "$OUT_DIR/conv_layer.txt" 2>&1
+  timeout 100 python3 benchmarks/conv_layer.py --kernels --json "$OUT_DIR/conv_layer.json" > "$OUT_DIR/conv_layer.txt" 2>&1
   cat "$OUT_DIR/conv_layer.txt"
 fi
 if [[ " $PARTS " == *" steps "* ]]; then

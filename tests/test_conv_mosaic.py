@@ -1,7 +1,7 @@
 """The Mosaic GPU kernels of the causal convolution + SiLU (maxfp4.kernels.conv_mosaic: the forward
 and the backward's first kernel) under Mosaic GPU's interpreter against the Triton kernels under
 theirs: the same bits (both sum the bias and the W lags in the same order in FP32, and the
-interpreter's sigmoid is the exact one), with packed documents that cross the 64-row tiles. And
+interpreter's sigmoid is the exact one), with packed documents that cross the 32-row spans. And
 that they lower for CUDA at mamba2-1p3b's shapes (register layouts, TMA strides)."""
 
 import jax
@@ -43,8 +43,8 @@ def test_interpreted_mosaic_forward_gives_the_triton_kernels_bits(width):
 @pytest.mark.parametrize("width", [4, 2])
 def test_interpreted_mosaic_backward_gives_the_triton_kernels_values(width):
     """The backward's two kernels on Mosaic GPU: dx equal to the Triton kernels' (the same
-    elementwise pre-activation gradient, the same W-tap sums); dw and db, FP32 column sums of a
-    64 x 128 tile each reduced by its interpreter in its own order, within 1e-5 of the largest
+    elementwise pre-activation gradient, the same W-tap sums); dw and db, FP32 column sums in
+    another order (per program, rows 8 apart, then XLA's sum), within 1e-5 of the largest
     (as tests/test_conv_kernel.py bounds orders of summation)."""
     x, w, bias, ids = _operands(width, seed=3)
     _, residuals = conv_forward(x, w, bias, ids, True)
@@ -100,8 +100,8 @@ def test_lowers_for_cuda_at_mamba2_1p3b_shapes():
     dout = jax.ShapeDtypeStruct((b, t, c), jnp.bfloat16)
     lowered = jax.jit(conv_mosaic.preactivation_gradients).trace(*args, dout).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
-    # The input gradient: alone, into in_proj's [B, T, I] gradient at column E (aliased, through
-    # pallas_call), and stored as E5M2 there (I = 8,512 is not whole 128-byte FP8 tiles).
+    # The input gradient: alone, into in_proj's [B, T, I] gradient at column E (in place: the
+    # launch aliases the wider array's buffer), and stored as E5M2 there.
     dpre = jax.ShapeDtypeStruct((b, t + 8, c), jnp.bfloat16)
     ids_back, w = args[1], args[2]
     for into_dtype, fp8 in ((None, False), (jnp.bfloat16, False), (jnp.float8_e5m2, True)):
@@ -111,14 +111,16 @@ def test_lowers_for_cuda_at_mamba2_1p3b_shapes():
             return conv_mosaic.input_gradient(dpre, ids, w, False, into, 0 if into is None else 4096,
                                               (scale, jnp.float8_e5m2) if fp8 else None)
         lowered = jax.jit(grad).trace(dpre, ids_back, w, into, jax.ShapeDtypeStruct((), jnp.float32)).lower(
-            lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in lowered
+        if into is not None:  # dx lands in the wider array's own buffer: no copy of it after
+            assert "output_operand_alias" in lowered and "dynamic_update_slice" not in lowered
 
 
 def test_lowering_check_at_mamba2_1p3b_shapes_and_where_it_fails(caplog):
     """What kernel_backend=mosaic asks on a GPU before it takes the kernels: true at mamba2-1p3b's
-    shapes; where Mosaic GPU cannot lower them (a 64-tap kernel: its 64 windows of 16 KB overflow
-    shared memory), one warning and false."""
+    shapes; where the kernels cannot take them (a 64-tap kernel: more windows than the int8 masks
+    hold), one warning and false."""
     import logging
     assert conv_mosaic.lowers_at(8, 2048, 4352, 4, jnp.bfloat16, jnp.float32, jnp.float32, 8512, 4096)
     with caplog.at_level(logging.WARNING, logger="maxfp4.kernels.ssd_mosaic"):
@@ -130,9 +132,12 @@ def test_shapes_it_takes_and_bad_choices():
     assert conv_mosaic.supported(2048, 4352) and not conv_mosaic.supported(2048, 4336)
     assert not conv_mosaic.supported(2000, 4352)
     x, w, bias, ids = _operands(4)
-    with pytest.raises(ValueError, match="multiples of 64 and 128"):
-        conv_mosaic.conv_silu_forward(jnp.zeros((1, 35, 128), jnp.bfloat16), jnp.zeros((1, 35), jnp.int32), w[:, :128],
+    with pytest.raises(ValueError, match="multiples of 32 and 128"):
+        conv_mosaic.conv_silu_forward(jnp.zeros((1, 51, 128), jnp.bfloat16), jnp.zeros((1, 51), jnp.int32), w[:, :128],
                                       bias[:128], interpret=True)
+    with pytest.raises(ValueError, match="8-tap kernel has more windows than the int8 masks hold"):
+        conv_mosaic.conv_silu_forward(jnp.zeros((1, 71, 128), jnp.bfloat16), jnp.zeros((1, 71), jnp.int32),
+                                      jnp.zeros((8, 128)), bias[:128], interpret=True)
     with pytest.raises(ValueError, match="kernel must be triton or mosaic, got 'cuda'"):
         conv_forward(x, w, bias, ids, True, kernel="cuda")
     with pytest.raises(ValueError, match="kernel must be triton or mosaic, got 'cuda'"):

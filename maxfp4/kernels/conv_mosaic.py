@@ -4,27 +4,29 @@ input gradient, alone, into a wider array or stored as FP8), the values of the T
 of ``maxfp4.kernels.conv`` (read its module docstring first) from the same operands (x padded
 with W - 1 rows in front, its segment ids with -1).
 
-One program per (batch row, 64 rows of T, 128 channels). The W windows of x that its outputs
-read (the rows ``lag`` positions back, lag = 0 .. W-1) arrive by W TMA copies into W untiled
-shared-memory buffers (a copy into tiled, swizzled memory must start on a whole 8-row tile of
-the source); the copies after the first mostly come from L2. Which window rows are in the
-row's document comes as one bit a window (``_window_masks``, from the segment ids before the
-launch), the weights' and the bias's columns by TMA too. The pre-activation is summed in FP32
-in the Triton kernel's order (bias, then lags 0 .. W-1), SiLU applied, and the tile leaves by
-TMA. The backward's first kernel recomputes it, forms the pre-activation's gradient and sums
-its columns (and the inputs' times it, one sum per weight row) over the tile's 64 rows; the
-second reads W windows of that gradient, forward in T, as the first reads x's, into a fresh
-array that XLA sets into in_proj's gradient (``input_gradient``). ``approx_math``: the
-sigmoid's ``exp`` is ``ex2.approx``, as in ``maxfp4.kernels.ssd_mosaic``.
+One program per (batch row, 32 rows of T, 128 channels). Its rows and the W - 1 before them
+arrive by one TMA copy into untiled shared memory; the work goes 8 rows at a time in Mosaic
+GPU's strided register layout, where an [8, 128] block is one 16-byte vector a thread: every
+window (the block's rows ``lag`` positions back) is a vector load at a row offset, with no
+shared-memory bank conflicts. The layout has no broadcasts, so what is per column (weights,
+bias) comes as [8, C] rows repeated by XLA before the launch, and what is per row, whether
+window k's row is in the row's document, as one bit a window in an int8 [B, T, 128] array
+(``_window_masks``), both tiny beside x. The pre-activation is summed in FP32 in the Triton
+kernel's order (bias, then lags 0 .. W-1), SiLU applied, and the block stored. The backward's
+first kernel recomputes it, forms the pre-activation's gradient, and sums it (and the masked
+windows times it, one sum per weight row) over the program's rows into [8, 128] partial sums
+that XLA adds up; the second reads W windows of that gradient, forward in T, and writes dx
+straight into in_proj's gradient: the wider array goes in as a mutable ``jax.Ref``, which the
+launch aliases to its buffer. ``approx_math``: the sigmoid's ``exp`` is ``ex2.approx``, as in
+``maxfp4.kernels.ssd_mosaic``.
 
-Shapes it takes (``supported``): T a multiple of 64 and the channels of 128 (Mosaic GPU's wgmma
-register layout of [64, N] tiles, the one layout whose row and column vectors broadcast). Off a
-GPU they run under Mosaic GPU's interpreter, where the tests hold them to the Triton kernels'
-values; on an H200 they match them too (tests/test_gpu_mamba_kernels.py) but run slower
-(mamba2-1p3b's layer, ``benchmarks/conv_layer.py``, 2026-11-29: forward 0.463 against 0.416 ms,
-backward 1.094 against 0.832 ms; both ~7x their memory floor): the window reads conflict in
-shared-memory banks, and each tile waits for its copies alone. So only
-``model.mamba.kernel_backend=mosaic`` takes them, never ``auto``.
+Shapes it takes (``supported``): T a multiple of 32 and the channels of 128. Off a GPU they run
+under Mosaic GPU's interpreter, where the tests hold them to the Triton kernels' values; on an
+H200 the tests do too (tests/test_gpu_mamba_kernels.py). Measured there (docs/PERFORMANCE.md,
+"The convolution on Mosaic GPU"): the forward as fast as Triton's, both bound by instructions
+rather than memory; the backward's kernels as fast, but the partial sums (8 rows a program of 32)
+are four times the Triton kernel's for XLA to add up, and whole mamba2-1p3b steps came out 1.4%
+slower, so only ``model.mamba.kernel_backend=mosaic`` takes these kernels.
 """
 
 from __future__ import annotations
@@ -38,86 +40,105 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from maxfp4.kernels.epilogue import Quantized
-from maxfp4.kernels.ssd_mosaic import ROWS, Ops, launch_params, lowers, tiles
+from maxfp4.kernels.ssd_mosaic import Ops, launch_params, lowers
 
-COLUMNS = 128  # channels a program: one 128-byte swizzle row of BF16 is 64, so two tiles across
+COLUMNS = 128  # channels a program: an [8, 128] block of BF16 is one 16-byte vector a thread
+SPAN = 32  # rows of T a program (measured on an H200: 112 us for the forward, 117 with 64 rows)
+SUB = 8  # rows a block: the strided layout's [8, 128] shape
+_MAX_WIDTH = 7  # window bits in an int8
 
 
 def supported(t: int, channels: int) -> bool:
-    return t % ROWS == 0 and channels % COLUMNS == 0
-
-
-def _by_row(v: jax.Array) -> jax.Array:
-    return lax.broadcast_in_dim(v, (ROWS, COLUMNS), [0])
-
-
-def _by_col(v: jax.Array) -> jax.Array:
-    return lax.broadcast_in_dim(v.astype(jnp.float32), (ROWS, COLUMNS), [1])
+    return t % SPAN == 0 and channels % COLUMNS == 0
 
 
 def _checked_length(name: str, t_pad: int, width: int, c: int) -> int:
     """T from a padded length, if the kernels tile it and the channels."""
     t = t_pad - (width - 1)
     if not supported(t, c):
-        raise ValueError(f"{name}: T {t} and channels {c} must be multiples of {ROWS} and {COLUMNS}")
+        raise ValueError(f"{name}: T {t} and channels {c} must be multiples of {SPAN} and {COLUMNS}")
+    if width > _MAX_WIDTH:
+        raise ValueError(f"{name}: a {width}-tap kernel has more windows than the int8 masks hold ({_MAX_WIDTH})")
     return t
 
 
 def _window_masks(ids_pad: jax.Array, width: int, own: int) -> jax.Array:
-    """[B, T] int32 whose bit k says whether window k's row (padded row s + k) is in row s's
+    """int8 [B, T, 128] whose bit k says whether window k's row (padded row s + k) is in row s's
     document (the one at padded row s + ``own``): the Triton kernels' test of segment ids, made
-    once here. A TMA copy starting inside a 16-byte word of the source faults on Hopper, so the
-    kernels cannot fetch the ids' W windows one row apart as they fetch x's; they fetch these
-    masks, 64 aligned rows a tile."""
+    once here and repeated across a block's 128 columns (the strided layout cannot broadcast a
+    row's value)."""
     ids = ids_pad.astype(jnp.int32)
     t = ids.shape[1] - (width - 1)
     now = ids[:, own:own + t]
-    return sum((ids[:, k:k + t] == now).astype(jnp.int32) << k for k in range(width))
+    bits = sum((ids[:, k:k + t] == now).astype(jnp.int32) << k for k in range(width)).astype(jnp.int8)
+    return jnp.broadcast_to(bits[:, :, None], (*bits.shape, COLUMNS))
 
 
-def _call(kernel, out_type, grid, scratch, interpret: bool):
-    """``plgpu.kernel`` over a (batch row, 64 rows, 128 channels) grid."""
+def _rows_of(v_XC: jax.Array) -> jax.Array:
+    """[..., C] in FP32 repeated as [..., 8, C]: a block's worth of each column's value."""
+    v = v_XC.astype(jnp.float32)
+    return jnp.broadcast_to(v[..., None, :], (*v.shape[:-1], SUB, v.shape[-1]))
+
+
+class _Blocks:
+    """Loads of [8, 128] blocks in the strided layout (plain reads under the interpreter)."""
+
+    def __init__(self, interpret: bool):
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        self.ops = Ops(interpret)
+        self.layout = None if interpret else plgpu.Layout.WG_STRIDED((SUB, COLUMNS), vec_size=8)
+
+    def load(self, ref) -> jax.Array:
+        return self.ops.load(ref, (), self.layout)
+
+
+def _launch(kernel, out_type, grid, scratch, interpret: bool):
+    """``pl.kernel`` over a (batch row, SPAN rows, 128 channels) grid, the scratch buffers
+    allocated around the body as ``plgpu.kernel`` does; unlike ``plgpu.kernel`` it takes a
+    mutable ``jax.Ref`` operand, aliased to its buffer (what writing into a wider array needs)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=("b", "t", "c"), scratch_types=scratch,
-                        **launch_params(interpret))
+
+    def body(*refs):
+        pl.run_scoped(functools.partial(kernel, *refs), *scratch)
+    return pl.kernel(body, out_type=out_type, mesh=plgpu.Mesh(grid=grid, grid_names=("b", "t", "c")),
+                     **launch_params(interpret))
 
 
-def _fetch_windows(plgpu, src_g, masks_g, bi, t0, cols, src_s, masks_s, loaded, width: int) -> None:
-    """Window ``k`` of a tile: rows t0 + k .. t0 + k + 63 of ``src`` (its columns ``cols``), by
-    TMA into buffer k, and the tile's window masks (``_window_masks``)."""
-    for k in range(width):
-        plgpu.copy_gmem_to_smem(src_g.at[bi, pl.ds(t0 + k, ROWS), cols], src_s.at[k], loaded)
-    plgpu.copy_gmem_to_smem(masks_g.at[bi, pl.ds(t0, ROWS)], masks_s, loaded)
-
-
-def _fetch_conv_operands(plgpu, x_g, masks_g, w_g, b_g, x_s, masks_s, w_s, bias_s, loaded, width: int):
-    """A program's (batch row, first row, columns) and the copies of what the pre-activation
-    reads: x's W windows with their masks, the weights' and the bias's columns."""
+def _program():
+    """(batch row, first row, the channels' slice) of this program."""
     bi, ti, ci = lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")
-    t0, cols = ti * ROWS, pl.ds(ci * COLUMNS, COLUMNS)
-    # window k holds the rows W - 1 - k positions back
-    _fetch_windows(plgpu, x_g, masks_g, bi, t0, cols, x_s, masks_s, loaded, width)
-    plgpu.copy_gmem_to_smem(w_g.at[:, cols], w_s, loaded)
-    plgpu.copy_gmem_to_smem(b_g.at[cols], bias_s, loaded)
-    return bi, ti, t0, cols
+    return bi, ti, ti * SPAN, pl.ds(ci * COLUMNS, COLUMNS)
 
 
-def _masked_window(ops: Ops, src_s, k: int, masks_RC: jax.Array) -> jax.Array:
-    """Window k in FP32, zero in rows of another document than the row's. Untiled buffers:
-    the WGMMA layout's 2-element reads conflict in shared-memory banks."""
-    v_RC = ops.load(src_s.at[k], (), ops.tile, optimized=False).astype(jnp.float32)
-    return jnp.where((masks_RC & (1 << k)) != 0, v_RC, 0.0)
+def _fetch(plgpu, src_g, masks_g, w_g, bi, t0, cols, src_s, masks_s, w_s, loaded, width: int) -> None:
+    """The program's rows of ``src`` with the W - 1 after them (the windows), their masks, and
+    the weights' rows repeated [W, 8, 128], by TMA."""
+    plgpu.copy_gmem_to_smem(src_g.at[bi, pl.ds(t0, SPAN + width - 1), cols], src_s, loaded)
+    plgpu.copy_gmem_to_smem(masks_g.at[bi, pl.ds(t0, SPAN)], masks_s, loaded)
+    plgpu.copy_gmem_to_smem(w_g.at[:, :, cols], w_s, loaded)
 
 
-def _pre_activation(ops: Ops, x_s, masks_s, w_s, bias_s, width: int) -> tuple[jax.Array, jax.Array]:
-    """(conv + b over the tile in FP32, bias first then lags 0 .. W-1 as the Triton kernel sums,
-    the tile's window masks by row)."""
-    masks_RC = _by_row(ops.load(masks_s, (), ops.rows))
-    pre_RC = _by_col(ops.load(bias_s, (), ops.cols))
+def _masked_window(blocks: _Blocks, src_s, r: int, k: int, masks: jax.Array) -> jax.Array:
+    """Window k of the block at row r in FP32 (its rows r + k ..), zero in rows of another document."""
+    v = blocks.load(src_s.at[pl.ds(r + k, SUB)]).astype(jnp.float32)
+    return jnp.where((masks & (1 << k)) != 0, v, 0.0)
+
+
+def _pre_activation(blocks: _Blocks, x_s, masks_s, r: int, w: list, bias: jax.Array, width: int):
+    """(conv + b of the block at row r in FP32, bias first then lags 0 .. W-1 as the Triton kernel
+    sums, and the masked windows by k)."""
+    masks = blocks.load(masks_s.at[pl.ds(r, SUB)]).astype(jnp.int32)
+    windows = [_masked_window(blocks, x_s, r, k, masks) for k in range(width)]
+    pre = bias
     for lag in range(width):
-        pre_RC = pre_RC + (_masked_window(ops, x_s, width - 1 - lag, masks_RC)
-                           * _by_col(ops.load(w_s.at[width - 1 - lag], (), ops.cols)))
-    return pre_RC, masks_RC
+        pre = pre + windows[width - 1 - lag] * w[width - 1 - lag]
+    return pre, windows
+
+
+def _scratch(plgpu, width: int, x_dtype, w_rows: bool = True) -> list:
+    """Buffers of the windows' source, its masks and the weights' rows."""
+    return [plgpu.SMEM((SPAN + width - 1, COLUMNS), x_dtype), plgpu.SMEM((SPAN, COLUMNS), jnp.int8),
+            plgpu.SMEM((width, SUB, COLUMNS), jnp.float32)]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -129,28 +150,26 @@ def conv_silu_forward(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
     b, t_pad, c = x_pad.shape
     width = w_WC.shape[0]
     t = _checked_length("conv_silu_forward", t_pad, width, c)
-    ops = Ops(interpret)
+    blocks = _Blocks(interpret)
 
     def kernel(x_g, masks_g, w_g, b_g, out_g, x_s, masks_s, w_s, bias_s, out_s, loaded):
-        bi, _, t0, cols = _fetch_conv_operands(plgpu, x_g, masks_g, w_g, b_g, x_s, masks_s, w_s, bias_s, loaded,
-                                               width)
+        bi, _, t0, cols = _program()
+        _fetch(plgpu, x_g, masks_g, w_g, bi, t0, cols, x_s, masks_s, w_s, loaded, width)
+        plgpu.copy_gmem_to_smem(b_g.at[:, cols], bias_s, loaded)
         plgpu.barrier_wait(loaded)
-        pre_RC, _ = _pre_activation(ops, x_s, masks_s, w_s, bias_s, width)
-        out_s[...] = (pre_RC * jax.nn.sigmoid(pre_RC)).astype(out_s.dtype)
+        w = [blocks.load(w_s.at[k]) for k in range(width)]
+        bias = blocks.load(bias_s)
+        for r in range(0, SPAN, SUB):
+            pre, _ = _pre_activation(blocks, x_s, masks_s, r, w, bias, width)
+            out_s[pl.ds(r, SUB)] = (pre * jax.nn.sigmoid(pre)).astype(out_s.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, ROWS), cols])
+        plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, SPAN), cols])
         plgpu.wait_smem_to_gmem(0)
 
-    # The windows start at any row: TMA copies into tiled (swizzled) shared memory need rows in
-    # whole 8-row tiles of the source, so they land untiled.
-    scratch = [plgpu.SMEM((width, ROWS, COLUMNS), x_pad.dtype),
-               plgpu.SMEM((ROWS,), jnp.int32),
-               plgpu.SMEM((width, COLUMNS), w_WC.dtype),
-               plgpu.SMEM((COLUMNS,), b_C.dtype),
-               plgpu.SMEM((ROWS, COLUMNS), x_pad.dtype, transforms=tiles(x_pad.dtype)),
-               plgpu.Barrier(num_arrivals=width + 3)]
-    return _call(kernel, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype), (b, t // ROWS, c // COLUMNS), scratch,
-                 interpret)(x_pad, _window_masks(ids_pad, width, width - 1), w_WC, b_C)
+    scratch = [*_scratch(plgpu, width, x_pad.dtype), plgpu.SMEM((SUB, COLUMNS), jnp.float32),
+               plgpu.SMEM((SPAN, COLUMNS), x_pad.dtype), plgpu.Barrier(num_arrivals=4)]
+    return _launch(kernel, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype), (b, t // SPAN, c // COLUMNS), scratch,
+                   interpret)(x_pad, _window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -158,49 +177,49 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
                             dout_BTC: jax.Array, interpret: bool = False):
     """The backward's first kernel (``conv._preactivation_grad_kernel``): the pre-activation's
     gradient in x's dtype, as rows 0..T-1 of a [B, T + 8, C] buffer (the input gradient's kernel
-    reads W - 1 rows past T there, masked; 8 so that its rows tile for TMA), and per 64-row tile
-    the FP32 column sums of the bias's gradient [B, T/64, C] and of each weight row's (W of them)."""
+    reads W - 1 rows past T there, masked), and the FP32 partial sums of the bias's gradient
+    [B, T/32 * 8, C] and of each weight row's (W of them): per program, its rows summed 8 apart."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     b, t_pad, c = x_pad.shape
     width = w_WC.shape[0]
     t = _checked_length("preactivation_gradients", t_pad, width, c)
-    ops = Ops(interpret)
+    blocks = _Blocks(interpret)
     f32 = jnp.float32
 
-    def kernel(x_g, masks_g, w_g, b_g, dout_g, dpre_g, db_g, dw_g, x_s, masks_s, w_s, bias_s, dout_s, dpre_s,
-               sums_s, loaded):
-        bi, ti, t0, cols = _fetch_conv_operands(plgpu, x_g, masks_g, w_g, b_g, x_s, masks_s, w_s, bias_s, loaded,
-                                                width)
-        plgpu.copy_gmem_to_smem(dout_g.at[bi, pl.ds(t0, ROWS), cols], dout_s, loaded)
+    def kernel(x_g, masks_g, w_g, b_g, dout_g, dpre_g, sums_g, x_s, masks_s, w_s, bias_s, dout_s, dpre_s, sums_s,
+               loaded):
+        bi, ti, t0, cols = _program()
+        _fetch(plgpu, x_g, masks_g, w_g, bi, t0, cols, x_s, masks_s, w_s, loaded, width)
+        plgpu.copy_gmem_to_smem(b_g.at[:, cols], bias_s, loaded)
+        plgpu.copy_gmem_to_smem(dout_g.at[bi, pl.ds(t0, SPAN), cols], dout_s, loaded)
         plgpu.barrier_wait(loaded)
-        pre_RC, masks_RC = _pre_activation(ops, x_s, masks_s, w_s, bias_s, width)
-        sig_RC = jax.nn.sigmoid(pre_RC)
-        dpre_RC = ops.load(dout_s, (), ops.tile).astype(f32) * sig_RC * (1.0 + pre_RC * (1.0 - sig_RC))
-        dpre_s[...] = dpre_RC.astype(dpre_s.dtype)
-        sums_s[0] = jnp.sum(dpre_RC, axis=0)
-        for row in range(width):  # weight row k multiplies window k (the input W - 1 - k positions back)
-            sums_s[1 + row] = jnp.sum(_masked_window(ops, x_s, row, masks_RC) * dpre_RC, axis=0)
+        w = [blocks.load(w_s.at[k]) for k in range(width)]
+        bias = blocks.load(bias_s)
+        sums = None  # [dpre, then window k times dpre for each weight row k], summed over blocks
+        for r in range(0, SPAN, SUB):
+            pre, windows = _pre_activation(blocks, x_s, masks_s, r, w, bias, width)
+            sig = jax.nn.sigmoid(pre)
+            dpre = blocks.load(dout_s.at[pl.ds(r, SUB)]).astype(f32) * sig * (1.0 + pre * (1.0 - sig))
+            dpre_s[pl.ds(r, SUB)] = dpre.astype(dpre_s.dtype)
+            terms = [dpre] + [window * dpre for window in windows]
+            sums = terms if sums is None else [a + v for a, v in zip(sums, terms)]
+        for i, total in enumerate(sums):
+            sums_s[i] = total
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dpre_s, dpre_g.at[bi, pl.ds(t0, ROWS), cols])
-        plgpu.copy_smem_to_gmem(sums_s.at[0], db_g.at[bi, ti, cols])
-        for row in range(width):
-            plgpu.copy_smem_to_gmem(sums_s.at[1 + row], dw_g.at[row, bi, ti, cols])
+        plgpu.copy_smem_to_gmem(dpre_s, dpre_g.at[bi, pl.ds(t0, SPAN), cols])
+        for i in range(1 + width):
+            plgpu.copy_smem_to_gmem(sums_s.at[i], sums_g.at[i, bi, ti, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
     dtype = x_pad.dtype
-    scratch = [plgpu.SMEM((width, ROWS, COLUMNS), dtype),
-               plgpu.SMEM((ROWS,), jnp.int32),
-               plgpu.SMEM((width, COLUMNS), w_WC.dtype),
-               plgpu.SMEM((COLUMNS,), b_C.dtype),
-               plgpu.SMEM((ROWS, COLUMNS), dout_BTC.dtype, transforms=tiles(dout_BTC.dtype)),
-               plgpu.SMEM((ROWS, COLUMNS), dtype, transforms=tiles(dtype)),
-               plgpu.SMEM((1 + width, COLUMNS), f32),
-               plgpu.Barrier(num_arrivals=width + 4)]
-    out_type = [jax.ShapeDtypeStruct((b, t + 8, c), dtype), jax.ShapeDtypeStruct((b, t // ROWS, c), f32),
-                jax.ShapeDtypeStruct((width, b, t // ROWS, c), f32)]
-    dpre, db_parts, dw_parts = _call(kernel, out_type, (b, t // ROWS, c // COLUMNS), scratch, interpret)(
-        x_pad, _window_masks(ids_pad, width, width - 1), w_WC, b_C, dout_BTC)
-    return dpre, db_parts, list(dw_parts)
+    scratch = [*_scratch(plgpu, width, dtype), plgpu.SMEM((SUB, COLUMNS), f32),
+               plgpu.SMEM((SPAN, COLUMNS), dout_BTC.dtype), plgpu.SMEM((SPAN, COLUMNS), dtype),
+               plgpu.SMEM((1 + width, SUB, COLUMNS), f32), plgpu.Barrier(num_arrivals=5)]
+    out_type = [jax.ShapeDtypeStruct((b, t + 8, c), dtype), jax.ShapeDtypeStruct((1 + width, b, t // SPAN, SUB, c), f32)]
+    dpre, sums = _launch(kernel, out_type, (b, t // SPAN, c // COLUMNS), scratch, interpret)(
+        x_pad, _window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C), dout_BTC)
+    sums = sums.reshape(1 + width, b, t // SPAN * SUB, c)
+    return dpre, sums[0], list(sums[1:])
 
 
 def input_gradient(dpre_pad: jax.Array, ids_back: jax.Array, w_WC: jax.Array, interpret: bool = False,
@@ -211,76 +230,102 @@ def input_gradient(dpre_pad: jax.Array, ids_back: jax.Array, w_WC: jax.Array, in
     buffer (at least T + W - 1 rows) and the segment ids padded with W - 1 rows of -1 at the end
     ([B, T + W - 1]).
 
-    Returns dx [B, T, C] in dpre's dtype; with ``into_BTI`` ([B, T, I]) dx set into its columns
-    [column_offset, column_offset + C) and the whole array returned; with ``quantize`` = (scale,
-    FP8 dtype), into an FP8 ``into_BTI``, stored as ``epilogue.Quantized`` does, and (dx, max |dx
-    rounded|) returned. The kernel writes a [B, T, C] array that XLA then sets into the wider one
-    (in place): writing the wider array's buffer itself needs ``input_output_aliases``, which
-    ``plgpu.kernel`` does not take and jax 0.11's ``pallas_call`` no longer lowers for Mosaic GPU."""
+    Returns dx [B, T, C] in dpre's dtype; with ``into_BTI`` ([B, T, I]) dx written into its
+    columns [column_offset, column_offset + C) (a multiple of 128) and the whole array returned
+    (the kernel writes that array's buffer: XLA copies it first only where the array is still
+    read after); with ``quantize`` = (scale, FP8 dtype), into an FP8 ``into_BTI``, stored as
+    ``epilogue.Quantized`` does, and (dx, max |dx rounded|) returned. Jitted (as the other two
+    kernels are), so a model's layers share one lowering of it."""
+    scale, fp8_dtype = (None, None) if quantize is None else quantize
+    return _input_gradient(dpre_pad, ids_back, w_WC, into_BTI, scale, interpret=interpret,
+                           column_offset=column_offset, fp8_dtype=fp8_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "column_offset", "fp8_dtype"))
+def _input_gradient(dpre_pad, ids_back, w_WC, into_BTI, scale, *, interpret: bool, column_offset: int, fp8_dtype):
+    quantize = None if fp8_dtype is None else (scale, fp8_dtype)
     from jax.experimental.pallas import mosaic_gpu as plgpu
     b, t_pad, c = ids_back.shape[0], ids_back.shape[1], w_WC.shape[1]
     width = w_WC.shape[0]
     t = _checked_length("input_gradient", t_pad, width, c)
     if quantize is not None and into_BTI is None:
         raise ValueError("input_gradient: quantize needs into_BTI")
-    ops = Ops(interpret)
+    if column_offset % COLUMNS:
+        raise ValueError(f"input_gradient: column offset {column_offset} is not a multiple of {COLUMNS}")
+    blocks = _Blocks(interpret)
     f32 = jnp.float32
     out_dtype = dpre_pad.dtype if into_BTI is None else into_BTI.dtype
     quantized = None if quantize is None else Quantized(dpre_pad.dtype)
 
-    def kernel(dpre_g, masks_g, w_g, *refs):
+    def kernel(d_g, masks_g, w_g, *refs):
         refs = list(refs)
         scale_g = refs.pop(0) if quantize is not None else None
         out_g = refs.pop(0)
         amax_g = refs.pop(0) if quantize is not None else None
-        d_s, masks_s, w_s = refs[:3]
-        scale_s, out_s, amax_s, loaded = refs[3:] if quantize is not None else (None, refs[3], None, refs[4])
-        bi, ti, ci = lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")
-        t0, cols = ti * ROWS, pl.ds(ci * COLUMNS, COLUMNS)
-        _fetch_windows(plgpu, dpre_g, masks_g, bi, t0, cols, d_s, masks_s, loaded, width)  # window lag: lag ahead
-        plgpu.copy_gmem_to_smem(w_g.at[:, cols], w_s, loaded)
+        d_s, masks_s, w_s, *refs = refs
+        scale_s = refs.pop(0) if quantize is not None else None
+        out_s = refs.pop(0)
+        amax_s = refs.pop(0) if quantize is not None else None
+        loaded, = refs
+        bi, ti, t0, cols = _program()
+        _fetch(plgpu, d_g, masks_g, w_g, bi, t0, cols, d_s, masks_s, w_s, loaded, width)  # window lag: lag ahead
         if scale_g is not None:
             plgpu.copy_gmem_to_smem(scale_g, scale_s, loaded)
         plgpu.barrier_wait(loaded)
-        masks_RC = _by_row(ops.load(masks_s, (), ops.rows))
-        zeros = jnp.zeros((ROWS, COLUMNS), f32)
-        dx_RC = zeros if interpret else plgpu.layout_cast(zeros, ops.tile)
-        for lag in range(width):
-            dx_RC = dx_RC + (_masked_window(ops, d_s, lag, masks_RC)
-                             * _by_col(ops.load(w_s.at[width - 1 - lag], (), ops.cols)))
-        if quantized is None:
-            out_s[...] = dx_RC.astype(out_s.dtype)
-        else:
-            dx_RC = quantized.round(dx_RC)
-            out_s[...] = quantized.cast(dx_RC, scale_s[0], out_s.dtype)
-            amax_s[...] = jnp.max(jnp.abs(dx_RC), axis=0)
+        w = [blocks.load(w_s.at[k]) for k in range(width)]
+        amax = None
+        for r in range(0, SPAN, SUB):
+            masks = blocks.load(masks_s.at[pl.ds(r, SUB)]).astype(jnp.int32)
+            dx = None
+            for lag in range(width):
+                term = _masked_window(blocks, d_s, r, lag, masks) * w[width - 1 - lag]
+                dx = term + 0.0 if dx is None else dx + term  # + 0.0: the Triton kernel's sum starts at +0
+            if quantized is None:
+                out_s[pl.ds(r, SUB)] = dx.astype(out_s.dtype)
+            else:
+                dx = quantized.round(dx)
+                out_s[pl.ds(r, SUB)] = quantized.cast(dx, scale_s[0], out_s.dtype)
+                amax = jnp.abs(dx) if amax is None else jnp.maximum(amax, jnp.abs(dx))
+        if amax is not None:
+            amax_s[...] = amax
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, ROWS), cols])
+        out_cols = pl.ds((column_offset if in_place else 0) + lax.axis_index("c") * COLUMNS, COLUMNS)
+        plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, SPAN), out_cols])
         if amax_g is not None:
-            plgpu.copy_smem_to_gmem(amax_s, amax_g.at[bi, ti, cols])
+            plgpu.copy_smem_to_gmem(amax_s, amax_g.at[bi, ti, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
-    operands = [dpre_pad, _window_masks(ids_back, width, 0), w_WC]
-    outs = [jax.ShapeDtypeStruct((b, t, c), out_dtype)]
-    scratch = [plgpu.SMEM((width, ROWS, COLUMNS), dpre_pad.dtype),
-               plgpu.SMEM((ROWS,), jnp.int32),
-               plgpu.SMEM((width, COLUMNS), w_WC.dtype)]
+    operands = [dpre_pad, _window_masks(ids_back, width, 0), _rows_of(w_WC)]
+    scratch = _scratch(plgpu, width, dpre_pad.dtype)
+    out_type = []
     if quantize is not None:
         # A copy moves a multiple of 128 bytes (one per thread of the warpgroup): the scale padded.
         operands.append(jnp.pad(jnp.reshape(quantize[0], (1,)).astype(f32), (0, 31)))
-        outs.append(jax.ShapeDtypeStruct((b, t // ROWS, c), f32))
         scratch.append(plgpu.SMEM((32,), f32))
-    scratch.append(plgpu.SMEM((ROWS, COLUMNS), out_dtype, transforms=tiles(out_dtype)))
+    # Mosaic GPU's interpreter takes no Ref operand: there dx comes back alone and XLA sets it
+    # into the wider array.
+    in_place = into_BTI is not None and not interpret
+    if in_place:
+        into_ref = jax.new_ref(into_BTI)
+        operands.append(into_ref)
+    else:
+        out_type.append(jax.ShapeDtypeStruct((b, t, c), out_dtype))
     if quantize is not None:
-        scratch.append(plgpu.SMEM((COLUMNS,), f32))
-    scratch.append(plgpu.Barrier(num_arrivals=width + 2 + (quantize is not None)))
-    results = _call(kernel, outs, (b, t // ROWS, c // COLUMNS), scratch, interpret)(*operands)
-    dx = results[0]
-    if into_BTI is not None:
-        dx = lax.dynamic_update_slice_in_dim(into_BTI, dx, column_offset, axis=2)
+        out_type.append(jax.ShapeDtypeStruct((b, t // SPAN, SUB, c), f32))
+    scratch.append(plgpu.SMEM((SPAN, COLUMNS), out_dtype))
+    if quantize is not None:
+        scratch.append(plgpu.SMEM((SUB, COLUMNS), f32))
+    scratch.append(plgpu.Barrier(num_arrivals=3 + (quantize is not None)))
+    results = _launch(kernel, out_type, (b, t // SPAN, c // COLUMNS), scratch, interpret)(*operands)
+    if in_place:
+        dx = into_ref[...]
+    else:
+        dx = results[0]
+        if into_BTI is not None:
+            dx = lax.dynamic_update_slice_in_dim(into_BTI, dx, column_offset, axis=2)
     if quantize is None:
         return dx
-    return dx, jnp.max(results[1])
+    return dx, jnp.max(results[-1])
 
 
 def _gradient_into(dpre_pad, ids_back, w_WC, into_BTI, scale, column_offset: int, fp8: bool):
