@@ -14,8 +14,8 @@ window k's row is in the row's document, as one bit a window in an int8 [B, T, 1
 (``_window_masks``), both tiny beside x. The pre-activation is summed in FP32 in the Triton
 kernel's order (bias, then lags 0 .. W-1), SiLU applied, and the block stored. The backward's
 first kernel recomputes it, forms the pre-activation's gradient, and sums it (and the masked
-windows times it, one sum per weight row) over the program's rows into [8, 128] partial sums
-that XLA adds up; the second reads W windows of that gradient, forward in T, and writes dx
+windows times it, one sum per weight row) over the program's rows into one partial sum a
+column that XLA adds up; the second reads W windows of that gradient, forward in T, and writes dx
 straight into in_proj's gradient: the wider array goes in as a mutable ``jax.Ref``, which the
 launch aliases to its buffer. ``approx_math``: the sigmoid's ``exp`` is ``ex2.approx``, as in
 ``maxfp4.kernels.ssd_mosaic``.
@@ -24,9 +24,10 @@ Shapes it takes (``supported``): T a multiple of 32 and the channels of 128. Off
 under Mosaic GPU's interpreter, where the tests hold them to the Triton kernels' values; on an
 H200 the tests do too (tests/test_gpu_mamba_kernels.py). Measured there (docs/PERFORMANCE.md,
 "The convolution on Mosaic GPU"): the forward as fast as Triton's, both bound by instructions
-rather than memory; the backward's kernels as fast, but the partial sums (8 rows a program of 32)
-are four times the Triton kernel's for XLA to add up, and whole mamba2-1p3b steps came out 1.4%
-slower, so only ``model.mamba.kernel_backend=mosaic`` takes these kernels.
+rather than memory; the backward's kernels as fast, but whole mamba2-1p3b steps came out 1.4%
+slower, with partial sums that were then [8, 128] a program (8x today's, 65 us for XLA to add up
+against the Triton kernel's 16), so only ``model.mamba.kernel_backend=mosaic`` takes these
+kernels until they are measured again.
 """
 
 from __future__ import annotations
@@ -87,9 +88,14 @@ class _Blocks:
         from jax.experimental.pallas import mosaic_gpu as plgpu
         self.ops = Ops(interpret)
         self.layout = None if interpret else plgpu.Layout.WG_STRIDED((SUB, COLUMNS), vec_size=8)
+        self.column = None if interpret else plgpu.Layout.WG_STRIDED((COLUMNS,), vec_size=1)
 
     def load(self, ref) -> jax.Array:
         return self.ops.load(ref, (), self.layout)
+
+    def load_column(self, ref) -> jax.Array:
+        """A [128] row of shared memory, one value a thread."""
+        return self.ops.load(ref, (), self.column)
 
 
 def _launch(kernel, out_type, grid, scratch, interpret: bool):
@@ -178,7 +184,8 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
     """The backward's first kernel (``conv._preactivation_grad_kernel``): the pre-activation's
     gradient in x's dtype, as rows 0..T-1 of a [B, T + 8, C] buffer (the input gradient's kernel
     reads W - 1 rows past T there, masked), and the FP32 partial sums of the bias's gradient
-    [B, T/32 * 8, C] and of each weight row's (W of them): per program, its rows summed 8 apart."""
+    [B, T/32, C] and of each weight row's (W of them), one row a program: its rows summed 8
+    apart in registers, then those 8 sums by column through shared memory."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     b, t_pad, c = x_pad.shape
     width = w_WC.shape[0]
@@ -187,7 +194,7 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
     f32 = jnp.float32
 
     def kernel(x_g, masks_g, w_g, b_g, dout_g, dpre_g, sums_g, x_s, masks_s, w_s, bias_s, dout_s, dpre_s, sums_s,
-               loaded):
+               totals_s, loaded):
         bi, ti, t0, cols = _program()
         _fetch(plgpu, x_g, masks_g, w_g, bi, t0, cols, x_s, masks_s, w_s, loaded, width)
         plgpu.copy_gmem_to_smem(b_g.at[:, cols], bias_s, loaded)
@@ -205,20 +212,26 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
             sums = terms if sums is None else [a + v for a, v in zip(sums, terms)]
         for i, total in enumerate(sums):
             sums_s[i] = total
-        plgpu.commit_smem()
+        plgpu.commit_smem()  # (a warpgroup barrier: each column's 8 sums were stored by 8 threads)
         plgpu.copy_smem_to_gmem(dpre_s, dpre_g.at[bi, pl.ds(t0, SPAN), cols])
         for i in range(1 + width):
-            plgpu.copy_smem_to_gmem(sums_s.at[i], sums_g.at[i, bi, ti, :, cols])
+            total = blocks.load_column(sums_s.at[i, 0])
+            for row in range(1, SUB):
+                total = total + blocks.load_column(sums_s.at[i, row])
+            totals_s[i] = total
+        plgpu.commit_smem()
+        for i in range(1 + width):
+            plgpu.copy_smem_to_gmem(totals_s.at[i], sums_g.at[i, bi, ti, cols])
         plgpu.wait_smem_to_gmem(0)
 
     dtype = x_pad.dtype
     scratch = [*_scratch(plgpu, width, dtype), plgpu.SMEM((SUB, COLUMNS), f32),
                plgpu.SMEM((SPAN, COLUMNS), dout_BTC.dtype), plgpu.SMEM((SPAN, COLUMNS), dtype),
-               plgpu.SMEM((1 + width, SUB, COLUMNS), f32), plgpu.Barrier(num_arrivals=5)]
-    out_type = [jax.ShapeDtypeStruct((b, t + 8, c), dtype), jax.ShapeDtypeStruct((1 + width, b, t // SPAN, SUB, c), f32)]
+               plgpu.SMEM((1 + width, SUB, COLUMNS), f32), plgpu.SMEM((1 + width, COLUMNS), f32),
+               plgpu.Barrier(num_arrivals=5)]
+    out_type = [jax.ShapeDtypeStruct((b, t + 8, c), dtype), jax.ShapeDtypeStruct((1 + width, b, t // SPAN, c), f32)]
     dpre, sums = _launch(kernel, out_type, (b, t // SPAN, c // COLUMNS), scratch, interpret)(
         x_pad, _window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C), dout_BTC)
-    sums = sums.reshape(1 + width, b, t // SPAN * SUB, c)
     return dpre, sums[0], list(sums[1:])
 
 
