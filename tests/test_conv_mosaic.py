@@ -1,7 +1,8 @@
 """The Mosaic GPU kernels of the causal convolution + SiLU (maxfp4.kernels.conv_mosaic: the forward
 and the backward's first kernel) under Mosaic GPU's interpreter against the Triton kernels under
 theirs: the same bits (both sum the bias and the W lags in the same order in FP32, and the
-interpreter's sigmoid is the exact one), with packed documents that cross the 32-row spans. And
+interpreter's sigmoid is the exact one), with packed documents that cross the 32-row spans (and
+spans that no document starts in, whose programs skip the masks). And
 that they lower for CUDA at mamba2-1p3b's shapes (register layouts, TMA strides)."""
 
 import jax
@@ -75,6 +76,22 @@ def test_interpreted_mosaic_input_gradient_into_a_wider_array(fp8):
     assert (np.asarray(got[0][..., :128], np.float32) == 3.0).all()
     if fp8:
         assert float(got[3]) == float(want[3]) > 0
+
+
+def test_window_masks_and_the_programs_that_skip_them():
+    """Bit k of a row's mask: window k (the input W - 1 - k rows back) is in the row's document.
+    A program (32 rows) skips the masks only where every window of its rows is: not the first
+    rows of a batch row (the front padding), not a span with a document's start."""
+    _, _, _, ids = _operands(4)
+    masks, flags = conv_mosaic._window_masks(_padded_ids(ids, 3, 0), 4, 3)
+    masks, flags = np.asarray(masks), np.asarray(flags)
+    assert masks.shape == (2, 128, 128) and (masks == masks[..., :1]).all()
+    bits = masks[..., 0].astype(np.int64)
+    # row 0: documents start at 0, 3, 63, 65; row 1 at 0
+    assert bits[0, 0] == 0b1000 and bits[0, 1] == 0b1100 and bits[0, 3] == 0b1000 and bits[0, 5] == 0b1110
+    assert bits[0, 64] == 0b1100 and bits[0, 127] == 0b1111 and bits[1, 2] == 0b1110 and bits[1, 3] == 0b1111
+    np.testing.assert_array_equal(flags[..., 0], [[1, 1, 1, 0], [1, 0, 0, 0]])
+    assert (flags[..., 1:] == 0).all()
 
 
 def test_an_earlier_document_never_reaches_a_later_one():

@@ -11,7 +11,9 @@ window (the block's rows ``lag`` positions back) is a vector load at a row offse
 shared-memory bank conflicts. The layout has no broadcasts, so what is per column (weights,
 bias) comes as [8, C] rows repeated by XLA before the launch, and what is per row, whether
 window k's row is in the row's document, as one bit a window in an int8 [B, T, 128] array
-(``_window_masks``), both tiny beside x. The pre-activation is summed in FP32 in the Triton
+(``_window_masks``), both tiny beside x. The kernels are bound by instructions, not memory, so a
+program whose windows all lie in their rows' documents (a flag a program, made with the masks)
+runs a copy of its code without the masking. The pre-activation is summed in FP32 in the Triton
 kernel's order (bias, then lags 0 .. W-1), SiLU applied, and the block stored. The backward's
 first kernel recomputes it, forms the pre-activation's gradient, and sums it (and the masked
 windows times it, one sum per weight row) over the program's rows into one partial sum a
@@ -63,16 +65,21 @@ def _checked_length(name: str, t_pad: int, width: int, c: int) -> int:
     return t
 
 
-def _window_masks(ids_pad: jax.Array, width: int, own: int) -> jax.Array:
-    """int8 [B, T, 128] whose bit k says whether window k's row (padded row s + k) is in row s's
+def _window_masks(ids_pad: jax.Array, width: int, own: int) -> tuple[jax.Array, jax.Array]:
+    """(int8 [B, T, 128] whose bit k says whether window k's row (padded row s + k) is in row s's
     document (the one at padded row s + ``own``): the Triton kernels' test of segment ids, made
     once here and repeated across a block's 128 columns (the strided layout cannot broadcast a
-    row's value)."""
+    row's value); int32 [B, T/32, 32], word 0 nonzero where a program's rows have a window in
+    another document). The kernels are bound by instructions: a program whose windows all lie in
+    its rows' documents (most, in packed pretraining data) skips the masking, with the same sums."""
     ids = ids_pad.astype(jnp.int32)
-    t = ids.shape[1] - (width - 1)
+    b, t = ids.shape[0], ids.shape[1] - (width - 1)
     now = ids[:, own:own + t]
-    bits = sum((ids[:, k:k + t] == now).astype(jnp.int32) << k for k in range(width)).astype(jnp.int8)
-    return jnp.broadcast_to(bits[:, :, None], (*bits.shape, COLUMNS))
+    bits = sum((ids[:, k:k + t] == now).astype(jnp.int32) << k for k in range(width))
+    crossing = jnp.any(bits.reshape(b, t // SPAN, SPAN) != (1 << width) - 1, axis=2).astype(jnp.int32)
+    # A TMA copy moves a multiple of 128 bytes: the flag padded to 32 words.
+    flags = jnp.pad(crossing[:, :, None], ((0, 0), (0, 0), (0, 31)))
+    return jnp.broadcast_to(bits.astype(jnp.int8)[:, :, None], (b, t, COLUMNS)), flags
 
 
 def _rows_of(v_XC: jax.Array) -> jax.Array:
@@ -116,24 +123,49 @@ def _program():
     return bi, ti, ti * SPAN, pl.ds(ci * COLUMNS, COLUMNS)
 
 
-def _fetch(plgpu, src_g, masks_g, w_g, bi, t0, cols, src_s, masks_s, w_s, loaded, width: int) -> None:
-    """The program's rows of ``src`` with the W - 1 after them (the windows), their masks, and
-    the weights' rows repeated [W, 8, 128], by TMA."""
+# What each kernel's TMA copies arrive at ``loaded``: the window source, masks, flag, weights.
+_FETCHED = 4
+
+
+def _fetch(plgpu, src_g, masks_g, flags_g, w_g, program, src_s, masks_s, flag_s, w_s, loaded, width: int) -> None:
+    """The program's rows of ``src`` with the W - 1 after them (the windows), their masks and
+    flag (``_window_masks``), and the weights' rows repeated [W, 8, 128], by TMA."""
+    bi, ti, t0, cols = program
     plgpu.copy_gmem_to_smem(src_g.at[bi, pl.ds(t0, SPAN + width - 1), cols], src_s, loaded)
     plgpu.copy_gmem_to_smem(masks_g.at[bi, pl.ds(t0, SPAN)], masks_s, loaded)
+    plgpu.copy_gmem_to_smem(flags_g.at[bi, ti], flag_s, loaded)
     plgpu.copy_gmem_to_smem(w_g.at[:, :, cols], w_s, loaded)
 
 
-def _masked_window(blocks: _Blocks, src_s, r: int, k: int, masks: jax.Array) -> jax.Array:
-    """Window k of the block at row r in FP32 (its rows r + k ..), zero in rows of another document."""
+def _masked_or_not(flag_s, compute) -> None:
+    """``compute(masked)``, its code twice: with the window masks where the program's flag says a
+    window crosses into another document, without them (the same values) where none does."""
+    crossing = flag_s[0]
+
+    @pl.when(crossing != 0)
+    def _():
+        compute(True)
+
+    @pl.when(crossing == 0)
+    def _():
+        compute(False)
+
+
+def _masked_window(blocks: _Blocks, src_s, r: int, k: int, masks: jax.Array | None) -> jax.Array:
+    """Window k of the block at row r in FP32 (its rows r + k ..), zero in rows of another
+    document (``masks`` None: every row is in its own)."""
     v = blocks.load(src_s.at[pl.ds(r + k, SUB)]).astype(jnp.float32)
-    return jnp.where((masks & (1 << k)) != 0, v, 0.0)
+    return v if masks is None else jnp.where((masks & (1 << k)) != 0, v, 0.0)
 
 
-def _pre_activation(blocks: _Blocks, x_s, masks_s, r: int, w: list, bias: jax.Array, width: int):
+def _block_masks(blocks: _Blocks, masks_s, r: int, masked: bool) -> jax.Array | None:
+    return blocks.load(masks_s.at[pl.ds(r, SUB)]).astype(jnp.int32) if masked else None
+
+
+def _pre_activation(blocks: _Blocks, x_s, masks_s, r: int, w: list, bias: jax.Array, width: int, masked: bool):
     """(conv + b of the block at row r in FP32, bias first then lags 0 .. W-1 as the Triton kernel
     sums, and the masked windows by k)."""
-    masks = blocks.load(masks_s.at[pl.ds(r, SUB)]).astype(jnp.int32)
+    masks = _block_masks(blocks, masks_s, r, masked)
     windows = [_masked_window(blocks, x_s, r, k, masks) for k in range(width)]
     pre = bias
     for lag in range(width):
@@ -141,10 +173,10 @@ def _pre_activation(blocks: _Blocks, x_s, masks_s, r: int, w: list, bias: jax.Ar
     return pre, windows
 
 
-def _scratch(plgpu, width: int, x_dtype, w_rows: bool = True) -> list:
-    """Buffers of the windows' source, its masks and the weights' rows."""
+def _scratch(plgpu, width: int, x_dtype) -> list:
+    """Buffers of the windows' source, its masks and flag, and the weights' rows."""
     return [plgpu.SMEM((SPAN + width - 1, COLUMNS), x_dtype), plgpu.SMEM((SPAN, COLUMNS), jnp.int8),
-            plgpu.SMEM((width, SUB, COLUMNS), jnp.float32)]
+            plgpu.SMEM((32,), jnp.int32), plgpu.SMEM((width, SUB, COLUMNS), jnp.float32)]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -158,24 +190,27 @@ def conv_silu_forward(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
     t = _checked_length("conv_silu_forward", t_pad, width, c)
     blocks = _Blocks(interpret)
 
-    def kernel(x_g, masks_g, w_g, b_g, out_g, x_s, masks_s, w_s, bias_s, out_s, loaded):
-        bi, _, t0, cols = _program()
-        _fetch(plgpu, x_g, masks_g, w_g, bi, t0, cols, x_s, masks_s, w_s, loaded, width)
+    def kernel(x_g, masks_g, flags_g, w_g, b_g, out_g, x_s, masks_s, flag_s, w_s, bias_s, out_s, loaded):
+        program = bi, _, t0, cols = _program()
+        _fetch(plgpu, x_g, masks_g, flags_g, w_g, program, x_s, masks_s, flag_s, w_s, loaded, width)
         plgpu.copy_gmem_to_smem(b_g.at[:, cols], bias_s, loaded)
         plgpu.barrier_wait(loaded)
         w = [blocks.load(w_s.at[k]) for k in range(width)]
         bias = blocks.load(bias_s)
-        for r in range(0, SPAN, SUB):
-            pre, _ = _pre_activation(blocks, x_s, masks_s, r, w, bias, width)
-            out_s[pl.ds(r, SUB)] = (pre * jax.nn.sigmoid(pre)).astype(out_s.dtype)
+
+        def compute(masked: bool):
+            for r in range(0, SPAN, SUB):
+                pre, _ = _pre_activation(blocks, x_s, masks_s, r, w, bias, width, masked)
+                out_s[pl.ds(r, SUB)] = (pre * jax.nn.sigmoid(pre)).astype(out_s.dtype)
+        _masked_or_not(flag_s, compute)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, SPAN), cols])
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [*_scratch(plgpu, width, x_pad.dtype), plgpu.SMEM((SUB, COLUMNS), jnp.float32),
-               plgpu.SMEM((SPAN, COLUMNS), x_pad.dtype), plgpu.Barrier(num_arrivals=4)]
+               plgpu.SMEM((SPAN, COLUMNS), x_pad.dtype), plgpu.Barrier(num_arrivals=_FETCHED + 1)]
     return _launch(kernel, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype), (b, t // SPAN, c // COLUMNS), scratch,
-                   interpret)(x_pad, _window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C))
+                   interpret)(x_pad, *_window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -193,25 +228,28 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
     blocks = _Blocks(interpret)
     f32 = jnp.float32
 
-    def kernel(x_g, masks_g, w_g, b_g, dout_g, dpre_g, sums_g, x_s, masks_s, w_s, bias_s, dout_s, dpre_s, sums_s,
-               totals_s, loaded):
-        bi, ti, t0, cols = _program()
-        _fetch(plgpu, x_g, masks_g, w_g, bi, t0, cols, x_s, masks_s, w_s, loaded, width)
+    def kernel(x_g, masks_g, flags_g, w_g, b_g, dout_g, dpre_g, sums_g, x_s, masks_s, flag_s, w_s, bias_s, dout_s,
+               dpre_s, sums_s, totals_s, loaded):
+        program = bi, ti, t0, cols = _program()
+        _fetch(plgpu, x_g, masks_g, flags_g, w_g, program, x_s, masks_s, flag_s, w_s, loaded, width)
         plgpu.copy_gmem_to_smem(b_g.at[:, cols], bias_s, loaded)
         plgpu.copy_gmem_to_smem(dout_g.at[bi, pl.ds(t0, SPAN), cols], dout_s, loaded)
         plgpu.barrier_wait(loaded)
         w = [blocks.load(w_s.at[k]) for k in range(width)]
         bias = blocks.load(bias_s)
-        sums = None  # [dpre, then window k times dpre for each weight row k], summed over blocks
-        for r in range(0, SPAN, SUB):
-            pre, windows = _pre_activation(blocks, x_s, masks_s, r, w, bias, width)
-            sig = jax.nn.sigmoid(pre)
-            dpre = blocks.load(dout_s.at[pl.ds(r, SUB)]).astype(f32) * sig * (1.0 + pre * (1.0 - sig))
-            dpre_s[pl.ds(r, SUB)] = dpre.astype(dpre_s.dtype)
-            terms = [dpre] + [window * dpre for window in windows]
-            sums = terms if sums is None else [a + v for a, v in zip(sums, terms)]
-        for i, total in enumerate(sums):
-            sums_s[i] = total
+
+        def compute(masked: bool):
+            sums = None  # [dpre, then window k times dpre for each weight row k], summed over blocks
+            for r in range(0, SPAN, SUB):
+                pre, windows = _pre_activation(blocks, x_s, masks_s, r, w, bias, width, masked)
+                sig = jax.nn.sigmoid(pre)
+                dpre = blocks.load(dout_s.at[pl.ds(r, SUB)]).astype(f32) * sig * (1.0 + pre * (1.0 - sig))
+                dpre_s[pl.ds(r, SUB)] = dpre.astype(dpre_s.dtype)
+                terms = [dpre] + [window * dpre for window in windows]
+                sums = terms if sums is None else [a + v for a, v in zip(sums, terms)]
+            for i, total in enumerate(sums):
+                sums_s[i] = total
+        _masked_or_not(flag_s, compute)
         plgpu.commit_smem()  # (a warpgroup barrier: each column's 8 sums were stored by 8 threads)
         plgpu.copy_smem_to_gmem(dpre_s, dpre_g.at[bi, pl.ds(t0, SPAN), cols])
         for i in range(1 + width):
@@ -228,10 +266,10 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
     scratch = [*_scratch(plgpu, width, dtype), plgpu.SMEM((SUB, COLUMNS), f32),
                plgpu.SMEM((SPAN, COLUMNS), dout_BTC.dtype), plgpu.SMEM((SPAN, COLUMNS), dtype),
                plgpu.SMEM((1 + width, SUB, COLUMNS), f32), plgpu.SMEM((1 + width, COLUMNS), f32),
-               plgpu.Barrier(num_arrivals=5)]
+               plgpu.Barrier(num_arrivals=_FETCHED + 2)]
     out_type = [jax.ShapeDtypeStruct((b, t + 8, c), dtype), jax.ShapeDtypeStruct((1 + width, b, t // SPAN, c), f32)]
     dpre, sums = _launch(kernel, out_type, (b, t // SPAN, c // COLUMNS), scratch, interpret)(
-        x_pad, _window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C), dout_BTC)
+        x_pad, *_window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C), dout_BTC)
     return dpre, sums[0], list(sums[1:])
 
 
@@ -270,37 +308,41 @@ def _input_gradient(dpre_pad, ids_back, w_WC, into_BTI, scale, *, interpret: boo
     out_dtype = dpre_pad.dtype if into_BTI is None else into_BTI.dtype
     quantized = None if quantize is None else Quantized(dpre_pad.dtype)
 
-    def kernel(d_g, masks_g, w_g, *refs):
+    def kernel(d_g, masks_g, flags_g, w_g, *refs):
         refs = list(refs)
         scale_g = refs.pop(0) if quantize is not None else None
         out_g = refs.pop(0)
         amax_g = refs.pop(0) if quantize is not None else None
-        d_s, masks_s, w_s, *refs = refs
+        d_s, masks_s, flag_s, w_s, *refs = refs
         scale_s = refs.pop(0) if quantize is not None else None
         out_s = refs.pop(0)
         amax_s = refs.pop(0) if quantize is not None else None
         loaded, = refs
-        bi, ti, t0, cols = _program()
-        _fetch(plgpu, d_g, masks_g, w_g, bi, t0, cols, d_s, masks_s, w_s, loaded, width)  # window lag: lag ahead
+        program = bi, ti, t0, cols = _program()
+        # window lag: the rows lag ahead
+        _fetch(plgpu, d_g, masks_g, flags_g, w_g, program, d_s, masks_s, flag_s, w_s, loaded, width)
         if scale_g is not None:
             plgpu.copy_gmem_to_smem(scale_g, scale_s, loaded)
         plgpu.barrier_wait(loaded)
         w = [blocks.load(w_s.at[k]) for k in range(width)]
-        amax = None
-        for r in range(0, SPAN, SUB):
-            masks = blocks.load(masks_s.at[pl.ds(r, SUB)]).astype(jnp.int32)
-            dx = None
-            for lag in range(width):
-                term = _masked_window(blocks, d_s, r, lag, masks) * w[width - 1 - lag]
-                dx = term + 0.0 if dx is None else dx + term  # + 0.0: the Triton kernel's sum starts at +0
-            if quantized is None:
-                out_s[pl.ds(r, SUB)] = dx.astype(out_s.dtype)
-            else:
-                dx = quantized.round(dx)
-                out_s[pl.ds(r, SUB)] = quantized.cast(dx, scale_s[0], out_s.dtype)
-                amax = jnp.abs(dx) if amax is None else jnp.maximum(amax, jnp.abs(dx))
-        if amax is not None:
-            amax_s[...] = amax
+
+        def compute(masked: bool):
+            amax = None
+            for r in range(0, SPAN, SUB):
+                masks = _block_masks(blocks, masks_s, r, masked)
+                dx = None
+                for lag in range(width):
+                    term = _masked_window(blocks, d_s, r, lag, masks) * w[width - 1 - lag]
+                    dx = term + 0.0 if dx is None else dx + term  # + 0.0: the Triton kernel's sum starts at +0
+                if quantized is None:
+                    out_s[pl.ds(r, SUB)] = dx.astype(out_s.dtype)
+                else:
+                    dx = quantized.round(dx)
+                    out_s[pl.ds(r, SUB)] = quantized.cast(dx, scale_s[0], out_s.dtype)
+                    amax = jnp.abs(dx) if amax is None else jnp.maximum(amax, jnp.abs(dx))
+            if amax is not None:
+                amax_s[...] = amax
+        _masked_or_not(flag_s, compute)
         plgpu.commit_smem()
         out_cols = pl.ds((column_offset if in_place else 0) + lax.axis_index("c") * COLUMNS, COLUMNS)
         plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, SPAN), out_cols])
@@ -308,7 +350,7 @@ def _input_gradient(dpre_pad, ids_back, w_WC, into_BTI, scale, *, interpret: boo
             plgpu.copy_smem_to_gmem(amax_s, amax_g.at[bi, ti, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
-    operands = [dpre_pad, _window_masks(ids_back, width, 0), _rows_of(w_WC)]
+    operands = [dpre_pad, *_window_masks(ids_back, width, 0), _rows_of(w_WC)]
     scratch = _scratch(plgpu, width, dpre_pad.dtype)
     out_type = []
     if quantize is not None:
@@ -328,7 +370,7 @@ def _input_gradient(dpre_pad, ids_back, w_WC, into_BTI, scale, *, interpret: boo
     scratch.append(plgpu.SMEM((SPAN, COLUMNS), out_dtype))
     if quantize is not None:
         scratch.append(plgpu.SMEM((SUB, COLUMNS), f32))
-    scratch.append(plgpu.Barrier(num_arrivals=3 + (quantize is not None)))
+    scratch.append(plgpu.Barrier(num_arrivals=_FETCHED + (quantize is not None)))
     results = _launch(kernel, out_type, (b, t // SPAN, c // COLUMNS), scratch, interpret)(*operands)
     if in_place:
         dx = into_ref[...]
