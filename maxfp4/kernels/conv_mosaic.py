@@ -43,12 +43,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from maxfp4.kernels.epilogue import Quantized
-from maxfp4.kernels.ssd_mosaic import Ops, launch_params, lowers
+from maxfp4.kernels.ssd_mosaic import Ops, kernel_on_grid, lowers
 
 COLUMNS = 128  # channels a program: an [8, 128] block of BF16 is one 16-byte vector a thread
 SPAN = 32  # rows of T a program (measured on an H200: 112 us for the forward, 117 with 64 rows)
 SUB = 8  # rows a block: the strided layout's [8, 128] shape
 _MAX_WIDTH = 7  # window bits in an int8
+_GRID = ("b", "t", "c")  # a program: batch row, SPAN rows, 128 channels
 
 
 def supported(t: int, channels: int) -> bool:
@@ -103,18 +104,6 @@ class _Blocks:
     def load_column(self, ref) -> jax.Array:
         """A [128] row of shared memory, one value a thread."""
         return self.ops.load(ref, (), self.column)
-
-
-def _launch(kernel, out_type, grid, scratch, interpret: bool):
-    """``pl.kernel`` over a (batch row, SPAN rows, 128 channels) grid, the scratch buffers
-    allocated around the body as ``plgpu.kernel`` does; unlike ``plgpu.kernel`` it takes a
-    mutable ``jax.Ref`` operand, aliased to its buffer (what writing into a wider array needs)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    def body(*refs):
-        pl.run_scoped(functools.partial(kernel, *refs), *scratch)
-    return pl.kernel(body, out_type=out_type, mesh=plgpu.Mesh(grid=grid, grid_names=("b", "t", "c")),
-                     **launch_params(interpret))
 
 
 def _program():
@@ -209,8 +198,9 @@ def conv_silu_forward(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
 
     scratch = [*_scratch(plgpu, width, x_pad.dtype), plgpu.SMEM((SUB, COLUMNS), jnp.float32),
                plgpu.SMEM((SPAN, COLUMNS), x_pad.dtype), plgpu.Barrier(num_arrivals=_FETCHED + 1)]
-    return _launch(kernel, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype), (b, t // SPAN, c // COLUMNS), scratch,
-                   interpret)(x_pad, *_window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C))
+    return kernel_on_grid(kernel, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype), (b, t // SPAN, c // COLUMNS), _GRID,
+                          scratch, interpret)(x_pad, *_window_masks(ids_pad, width, width - 1), _rows_of(w_WC),
+                                              _rows_of(b_C))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -268,7 +258,7 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
                plgpu.SMEM((1 + width, SUB, COLUMNS), f32), plgpu.SMEM((1 + width, COLUMNS), f32),
                plgpu.Barrier(num_arrivals=_FETCHED + 2)]
     out_type = [jax.ShapeDtypeStruct((b, t + 8, c), dtype), jax.ShapeDtypeStruct((1 + width, b, t // SPAN, c), f32)]
-    dpre, sums = _launch(kernel, out_type, (b, t // SPAN, c // COLUMNS), scratch, interpret)(
+    dpre, sums = kernel_on_grid(kernel, out_type, (b, t // SPAN, c // COLUMNS), _GRID, scratch, interpret)(
         x_pad, *_window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C), dout_BTC)
     return dpre, sums[0], list(sums[1:])
 
@@ -371,7 +361,7 @@ def _input_gradient(dpre_pad, ids_back, w_WC, into_BTI, scale, *, interpret: boo
     if quantize is not None:
         scratch.append(plgpu.SMEM((SUB, COLUMNS), f32))
     scratch.append(plgpu.Barrier(num_arrivals=_FETCHED + (quantize is not None)))
-    results = _launch(kernel, out_type, (b, t // SPAN, c // COLUMNS), scratch, interpret)(*operands)
+    results = kernel_on_grid(kernel, out_type, (b, t // SPAN, c // COLUMNS), _GRID, scratch, interpret)(*operands)
     if in_place:
         dx = into_ref[...]
     else:

@@ -99,6 +99,19 @@ def launch_params(interpret: bool) -> dict:
     return {"compiler_params": plgpu.CompilerParams(approx_math=True)}
 
 
+def kernel_on_grid(kernel, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], scratch: list,
+                   interpret: bool):
+    """``pl.kernel`` over ``grid``, the scratch buffers allocated around the body as
+    ``plgpu.kernel`` does; unlike ``plgpu.kernel`` it takes a mutable ``jax.Ref`` operand, aliased
+    to its buffer (what writing into a wider array in place needs)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def body(*refs):
+        pl.run_scoped(functools.partial(kernel, *refs), *scratch)
+    return pl.kernel(body, out_type=out_type, mesh=plgpu.Mesh(grid=grid, grid_names=grid_names),
+                     **launch_params(interpret))
+
+
 class Ops:
     """Loads and iotas with the register layouts the compiled kernel needs; plain ones under the
     interpreter, which runs neither ``plgpu.load`` nor layout casts."""
