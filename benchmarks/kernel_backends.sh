@@ -2,9 +2,10 @@
 # The Mamba-2 kernels on each Pallas backend (one GPU): the
 # GPU tests of the Mosaic GPU kernels, the SSD alone at mamba2-1p3b's shapes (Triton kernels /
 # Mosaic forward / Mosaic forward and backward: benchmarks/ssd_layer.py), the convolution's
-# kernels on Triton and Mosaic GPU (benchmarks/conv_layer.py), and whole mamba2-1p3b steps with
+# kernels and the gated norm's on Triton and Mosaic GPU (benchmarks/conv_layer.py,
+# benchmarks/norm_layer.py), and whole mamba2-1p3b steps with
 # model.mamba.kernel_backend triton / auto / mosaic in BF16 and FP8 (benchmarks/train_throughput.py).
-# Writes tests.txt, ssd_layer.txt, conv_layer.txt and steps_PRECISIONS.txt to OUT_DIR.
+# Writes tests.txt, ssd_layer.txt, conv_layer.txt, norm_layer.txt and steps_PRECISIONS.txt to OUT_DIR.
 #   bash benchmarks/kernel_backends.sh [OUT_DIR]
 # All of it runs past one call's 10 minutes: PARTS picks (default "kernels steps"), PRECISIONS the
 # steps' presets (default "bf16 fp8"), e.g. PARTS="kernels steps" PRECISIONS=bf16, then
@@ -25,6 +26,8 @@ if [[ " $PARTS " == *" kernels "* ]]; then
   cat "$OUT_DIR/ssd_layer.txt"
   timeout 100 python3 benchmarks/conv_layer.py --kernels --json "$OUT_DIR/conv_layer.json" > "$OUT_DIR/conv_layer.txt" 2>&1
   cat "$OUT_DIR/conv_layer.txt"
+  timeout 100 python3 benchmarks/norm_layer.py --kernels --json "$OUT_DIR/norm_layer.json" > "$OUT_DIR/norm_layer.txt" 2>&1
+  cat "$OUT_DIR/norm_layer.txt"
 fi
 if [[ " $PARTS " == *" steps "* ]]; then
   runs=()

@@ -277,3 +277,39 @@ def test_mosaic_conv_forward_matches_the_triton_kernel_at_the_benchmark_shapes()
         assert np.abs(got - want).max() <= step * np.abs(want).max()
         if quantize:
             assert abs(float(out["mosaic"][3]) - float(out["triton"][3])) <= 2.0 ** -7 * float(out["triton"][3])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mosaic_gated_norm_matches_the_triton_kernels_at_the_benchmark_shapes(fp8):
+    """mamba2-1p3b's gated norm a layer (2 of its 8 rows; E = 4,096 in one group, in_proj 8,512
+    wide), compiled: the Mosaic GPU kernels against the Triton ones, forward (BF16 or E4M3 store)
+    and backward (du, dz in BF16 or E5M2 with its max, the scale's gradient). The row sums run
+    in another order and exp is ex2.approx: an output may differ by one step of its format."""
+    from maxfp4.kernels import gated_norm as triton_norm
+    from maxfp4.kernels import gated_norm_mosaic as mosaic_norm
+    b, t, e, width = 2, 2048, 4096, 8512
+    rng = np.random.default_rng(7)
+    u = jnp.asarray(rng.standard_normal((b, t, e)), jnp.bfloat16)
+    zx = jnp.asarray(rng.standard_normal((b, t, width)), jnp.bfloat16)
+    scale = jnp.asarray(1 + 0.1 * rng.standard_normal(e), jnp.float32)
+    dout = jnp.asarray(rng.standard_normal((b, t, e)), jnp.bfloat16)
+    forward_q = Quantize(jnp.float32(8.0), jnp.float8_e4m3fn) if fp8 else None
+    backward_q = Quantize(jnp.float32(8.0), jnp.float8_e5m2) if fp8 else None
+
+    def run(module):
+        fwd = jax.jit(lambda u, zx, s: module.gated_norm_forward(u, zx, s, 1, 1e-5, jnp.bfloat16, False, forward_q)[0])
+        bwd = jax.jit(lambda u, zx, s, d: module.gated_norm_backward((u, zx, s), d, 1, 1e-5, False, backward_q))
+        return fwd(u, zx, scale), bwd(u, zx, scale, dout)
+    got, want = run(mosaic_norm), run(triton_norm)
+    step = (2.0 ** -3, 2.0 ** -2) if fp8 else (2.0 ** -7, 2.0 ** -7)  # E4M3 / E5M2 or BF16
+    pairs = [("out", got[0][0] if fp8 else got[0], want[0][0] if fp8 else want[0], step[0]),
+             ("du", got[1][0], want[1][0], 2.0 ** -7), ("dz", got[1][1][..., :e], want[1][1][..., :e], step[1])]
+    for name, a, w, bound in pairs:
+        a, w = np.asarray(a, np.float32), np.asarray(w, np.float32)
+        assert np.mean(a == w) >= 0.999, name
+        assert np.abs(a - w).max() <= bound * np.abs(w).max(), name
+    dscale, want_dscale = np.asarray(got[1][2], np.float64), np.asarray(want[1][2], np.float64)
+    assert np.abs(dscale - want_dscale).max() <= 1e-5 * np.abs(want_dscale).max()
+    if fp8:
+        for a, w in ((got[0][1], want[0][1]), (got[1][3], want[1][3])):
+            assert abs(float(a) - float(w)) <= 2.0 ** -7 * float(w)

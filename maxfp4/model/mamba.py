@@ -35,7 +35,7 @@ from maxfp4.parallel.context import context_ranks, from_previous_chunk, gather_c
 from maxfp4.model_spec import mamba_dims as dims, mamba_splits_over_tensor as splits_over_tensor, mixer_linears
 from maxfp4.kernels import conv as conv_kernel
 from maxfp4.kernels import gated_norm as gated_norm_kernel
-from maxfp4.kernels import conv_mosaic, ssd_mosaic
+from maxfp4.kernels import conv_mosaic, gated_norm_mosaic, ssd_mosaic
 from maxfp4.kernels.conv import causal_conv_silu, conv_kernel_supported
 from maxfp4.kernels.gated_norm import gated_norm_fused, gated_norm_supported
 from maxfp4.kernels.ssd import kernel_supported, ssd_fused
@@ -277,6 +277,21 @@ def _conv_kernels(cfg: ModelConfig, x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.
     return "mosaic" if take else "triton"
 
 
+def _norm_kernels(cfg: ModelConfig, u_BTE: jax.Array, zxbcdt_BTI: jax.Array, scale_E: jax.Array):
+    """The gated norm's kernel module for its operands: Mosaic GPU's
+    (``maxfp4.kernels.gated_norm_mosaic``, not yet measured) only under
+    ``model.mamba.kernel_backend=mosaic``, where it tiles, on Hopper where this jax lowers it
+    (off a GPU under Mosaic GPU's interpreter); else Triton's (``maxfp4.kernels.gated_norm``)."""
+    (b, t, e), groups, in_columns = u_BTE.shape, dims(cfg)["G"], zxbcdt_BTI.shape[-1]
+    if not (cfg.mamba.kernel_backend == "mosaic" and gated_norm_mosaic.supported(t, e, groups, in_columns)):
+        return gated_norm_kernel
+    if not on_gpu():
+        return gated_norm_mosaic
+    take = ssd_mosaic.available() and gated_norm_mosaic.lowers_at(b, t, e, groups, in_columns, u_BTE.dtype,
+                                                                  scale_E.dtype)
+    return gated_norm_mosaic if take else gated_norm_kernel
+
+
 def _mixer_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, *, cfg: ModelConfig) -> jax.Array:
     """conv -> SiLU -> SSD -> D skip -> gated norm, from the in_proj output to out_proj's input;
     each batch row on its own."""
@@ -412,8 +427,9 @@ def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg, quantize: Quantize | No
     u_BTE, ssd_pull = jax.vjp(
         lambda xbc, dt, A_log, D: _ssd_with_skip(xbc, dt, A_log, D, segment_ids_BT, cfg),
         xbc_BTC, dt_BTH, p["A_log"], p["D_skip"])
-    out_BTE, norm_res = gated_norm_kernel.gated_norm_forward(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps,
-                                                             ACT_DTYPE, interpret, quantize)
+    norm = _norm_kernels(cfg, u_BTE, zxbcdt_BTI, p["norm"])
+    out_BTE, norm_res = norm.gated_norm_forward(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps, ACT_DTYPE,
+                                                interpret, quantize)
     return out_BTE, (dt_pull, conv_res, ssd_pull, norm_res)
 
 
@@ -430,7 +446,7 @@ def _core_backward(cfg, residuals, dout_BTE, quantize: Quantize | None = None):
     d = dims(cfg)
     e, c = d["E"], d["conv"]
     interpret = not on_gpu()
-    du_BTE, dzxbcdt_BTI, dnorm, *amax_z = gated_norm_kernel.gated_norm_backward(
+    du_BTE, dzxbcdt_BTI, dnorm, *amax_z = _norm_kernels(cfg, *norm_res).gated_norm_backward(
         norm_res, dout_BTE, d["G"], cfg.norm_eps, interpret, quantize=quantize)
     dxbc_BTC, ddt_BTH, dA_log, dD = ssd_pull(du_BTE)
     ddt_raw_BTH, ddt_bias = dt_pull(ddt_BTH)
