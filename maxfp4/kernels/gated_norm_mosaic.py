@@ -225,19 +225,21 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
         fetch(0)
         fetch(1)
         plgpu.barrier_wait(once)
-        scale = rows.load(s_s)
-        dscale, amax = None, None
+        amax = None
         for i in range(n):
             slot = i % 2
             plgpu.barrier_wait(loaded.at[slot])
             u, z, sz, g = _gated(rows, u_s.at[slot], z_s.at[slot])
             dout = rows.load(dout_s.at[slot]).astype(f32)
+            # The scale and the scale's running gradient stay in shared memory, each thread
+            # reading and writing its own values: a row is Eg / 128 registers an array a
+            # thread (32 at Eg = 4,096), and u, z, sigmoid(z), g and dout already take five.
             r = lax.rsqrt(jnp.mean(g * g) + eps)
-            dg = r * scale * dout - g * (r * r * r * jnp.mean(g * scale * dout))
+            dg = r * rows.load(s_s) * dout - g * (r * r * r * jnp.mean(g * rows.load(s_s) * dout))
+            term = dout * g * r
+            dscale_s[...] = term if i == 0 else rows.load(dscale_s) + term
             du = dg * z * sz
             dz = dg * u * sz * (1.0 + z * (1.0 - sz))
-            term = dout * g * r
-            dscale = term if dscale is None else dscale + term
             if i >= 2:  # the stores from this slot two rows back have read it
                 plgpu.wait_smem_to_gmem(2, wait_read_only=True)
             du_s[slot] = du.astype(du_s.dtype)
@@ -254,7 +256,6 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
             plgpu.copy_smem_to_gmem(dz_s.at[slot], dz_g.at[bi, row, cols])
             if i + 2 < n:
                 fetch(i + 2)
-        dscale_s[...] = dscale
         if fp8:
             amax_s[0] = amax
         plgpu.commit_smem()
