@@ -5,6 +5,8 @@ interpreter's sigmoid is the exact one), with packed documents that cross the 32
 spans that no document starts in, whose programs skip the masks). And
 that they lower for CUDA at mamba2-1p3b's shapes (register layouts, TMA strides)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,15 +32,27 @@ def _operands(width, seed=0, b=2, t=128, c=256):
 def test_interpreted_mosaic_forward_gives_the_triton_kernels_bits(width):
     x, w, bias, ids = _operands(width)
     want, residuals = conv_forward(x, w, bias, ids, True)
-    got, same_residuals = conv_forward(x, w, bias, ids, True, kernel="mosaic")
+    got, mosaic_residuals = conv_forward(x, w, bias, ids, True, kernel="mosaic")
     assert np.abs(np.asarray(want, np.float32)).max() > 1
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    for a, e in zip(jax.tree.leaves(same_residuals), jax.tree.leaves(residuals)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
-    # And what the backward reads from them is the same: dx, dw, db of one cotangent.
+    # The Mosaic kernels keep x itself (read in place), where the Triton ones keep a padded copy.
+    assert mosaic_residuals[0] is x and residuals[0].shape == (x.shape[0], x.shape[1] + width - 1, x.shape[2])
+    # Read from the columns of a wider array (the in_proj output) at an offset: the same bits.
+    wide = jnp.concatenate([jnp.full((*x.shape[:2], 64), 9.0, x.dtype), x, jnp.zeros((*x.shape[:2], 8), x.dtype)],
+                           axis=2)
+    in_place, wide_residuals = conv_forward(x, w, bias, ids, True, kernel="mosaic", source_BTI=wide,
+                                            source_offset=64)
+    np.testing.assert_array_equal(np.asarray(in_place, np.float32), np.asarray(want, np.float32))
+    assert wide_residuals[0] is wide
     dout = jnp.asarray(np.random.default_rng(1).standard_normal(x.shape), jnp.bfloat16)
-    for a, e in zip(conv_backward(same_residuals, dout, True), conv_backward(residuals, dout, True)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
+    # and the backward reads it there too: dx the same bits, dw and db to FP32 rounding (XLA may
+    # contract the interpreted sums of the two layouts into FMAs differently)
+    got = conv_backward(wide_residuals, dout, True, kernel="mosaic", source_offset=64)
+    want = conv_backward(mosaic_residuals, dout, True, kernel="mosaic")
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    for a, e in zip(got[1:], want[1:]):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert np.abs(a - e).max() <= 1e-5 * np.abs(e).max()
 
 
 @pytest.mark.parametrize("width", [4, 2])
@@ -49,9 +63,10 @@ def test_interpreted_mosaic_backward_gives_the_triton_kernels_values(width):
     (as tests/test_conv_kernel.py bounds orders of summation)."""
     x, w, bias, ids = _operands(width, seed=3)
     _, residuals = conv_forward(x, w, bias, ids, True)
+    _, mosaic_residuals = conv_forward(x, w, bias, ids, True, kernel="mosaic")
     dout = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape), jnp.bfloat16)
     want = conv_backward(residuals, dout, True)
-    got = conv_backward(residuals, dout, True, kernel="mosaic")
+    got = conv_backward(mosaic_residuals, dout, True, kernel="mosaic")
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
     for name, a, e in zip(("dw", "db"), got[1:], want[1:]):
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
@@ -66,11 +81,13 @@ def test_interpreted_mosaic_input_gradient_into_a_wider_array(fp8):
     bits, and the other columns the wider array's own."""
     x, w, bias, ids = _operands(4, seed=5)
     _, residuals = conv_forward(x, w, bias, ids, True)
+    _, mosaic_residuals = conv_forward(x, w, bias, ids, True, kernel="mosaic")
     dout = jnp.asarray(np.random.default_rng(6).standard_normal(x.shape), jnp.bfloat16)
     into = jnp.full((2, 128, 512), 3.0, jnp.float8_e5m2 if fp8 else jnp.bfloat16)
     quantize = Quantize(jnp.float32(4.0), jnp.float8_e5m2) if fp8 else None
     want = conv_backward(residuals, dout, True, into_BTI=into, column_offset=128, quantize=quantize)
-    got = conv_backward(residuals, dout, True, into_BTI=into, column_offset=128, quantize=quantize, kernel="mosaic")
+    got = conv_backward(mosaic_residuals, dout, True, into_BTI=into, column_offset=128, quantize=quantize,
+                        kernel="mosaic")
     assert np.abs(np.asarray(want[0][..., 128:384], np.float32)).max() > 1
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
     assert (np.asarray(got[0][..., :128], np.float32) == 3.0).all()
@@ -97,12 +114,10 @@ def test_window_masks_and_the_programs_that_skip_them():
 def test_an_earlier_document_never_reaches_a_later_one():
     """Changing the previous document's tokens leaves a document's outputs as they were."""
     x, w, bias, ids = _operands(4, seed=2)
-    x_pad = jnp.pad(x, ((0, 0), (3, 0), (0, 0)))
     ids_pad = _padded_ids(ids, 3, 0)
-    out = np.asarray(conv_mosaic.conv_silu_forward(x_pad, ids_pad, w, bias, interpret=True), np.float32)
+    out = np.asarray(conv_mosaic.conv_silu_forward(x, ids_pad, w, bias, interpret=True), np.float32)
     changed = x.at[0, :63].set(100.0)  # documents 1 and 2 of row 0
-    out2 = np.asarray(conv_mosaic.conv_silu_forward(jnp.pad(changed, ((0, 0), (3, 0), (0, 0))), ids_pad, w, bias,
-                                                    interpret=True), np.float32)
+    out2 = np.asarray(conv_mosaic.conv_silu_forward(changed, ids_pad, w, bias, interpret=True), np.float32)
     np.testing.assert_array_equal(out2[0, 63:], out[0, 63:])
     np.testing.assert_array_equal(out2[1], out[1])
     assert not np.array_equal(out2[0, :63], out[0, :63])
@@ -110,12 +125,15 @@ def test_an_earlier_document_never_reaches_a_later_one():
 
 def test_lowers_for_cuda_at_mamba2_1p3b_shapes():
     b, t, c, width = 8, 2048, 4352, 4
-    args = [jax.ShapeDtypeStruct((b, t + width - 1, c), jnp.bfloat16), jax.ShapeDtypeStruct((b, t + width - 1), jnp.int32),
+    # x read in place from in_proj's [B, T, 8512] output at column 4096
+    args = [jax.ShapeDtypeStruct((b, t, 8512), jnp.bfloat16), jax.ShapeDtypeStruct((b, t + width - 1), jnp.int32),
             jax.ShapeDtypeStruct((width, c), jnp.float32), jax.ShapeDtypeStruct((c,), jnp.float32)]
-    lowered = jax.jit(conv_mosaic.conv_silu_forward).trace(*args).lower(lowering_platforms=("cuda",))
+    forward = functools.partial(conv_mosaic.conv_silu_forward, column_offset=4096)
+    lowered = jax.jit(forward).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     dout = jax.ShapeDtypeStruct((b, t, c), jnp.bfloat16)
-    lowered = jax.jit(conv_mosaic.preactivation_gradients).trace(*args, dout).lower(lowering_platforms=("cuda",))
+    backward = functools.partial(conv_mosaic.preactivation_gradients, column_offset=4096)
+    lowered = jax.jit(backward).trace(*args, dout).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
     # The input gradient: alone, into in_proj's [B, T, I] gradient at column E (in place: the
     # launch aliases the wider array's buffer), and stored as E5M2 there.
@@ -150,11 +168,14 @@ def test_shapes_it_takes_and_bad_choices():
     assert not conv_mosaic.supported(2000, 4352)
     x, w, bias, ids = _operands(4)
     with pytest.raises(ValueError, match="multiples of 32 and 128"):
-        conv_mosaic.conv_silu_forward(jnp.zeros((1, 51, 128), jnp.bfloat16), jnp.zeros((1, 51), jnp.int32), w[:, :128],
+        conv_mosaic.conv_silu_forward(jnp.zeros((1, 48, 128), jnp.bfloat16), jnp.zeros((1, 51), jnp.int32), w[:, :128],
                                       bias[:128], interpret=True)
     with pytest.raises(ValueError, match="8-tap kernel has more windows than the int8 masks hold"):
-        conv_mosaic.conv_silu_forward(jnp.zeros((1, 71, 128), jnp.bfloat16), jnp.zeros((1, 71), jnp.int32),
+        conv_mosaic.conv_silu_forward(jnp.zeros((1, 64, 128), jnp.bfloat16), jnp.zeros((1, 71), jnp.int32),
                                       jnp.zeros((8, 128)), bias[:128], interpret=True)
+    with pytest.raises(ValueError, match=r"columns \[4, 132\) of a 256-wide x \(the offset a multiple of 8"):
+        conv_mosaic.conv_silu_forward(jnp.zeros((1, 64, 256), jnp.bfloat16), jnp.zeros((1, 67), jnp.int32),
+                                      w[:, :128], bias[:128], interpret=True, column_offset=4)
     with pytest.raises(ValueError, match="kernel must be triton or mosaic, got 'cuda'"):
         conv_forward(x, w, bias, ids, True, kernel="cuda")
     with pytest.raises(ValueError, match="kernel must be triton or mosaic, got 'cuda'"):

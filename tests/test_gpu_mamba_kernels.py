@@ -254,10 +254,16 @@ def test_mosaic_conv_forward_matches_the_triton_kernel_at_the_benchmark_shapes()
     assert np.abs(y["triton"]).max() > 1
     assert np.abs(y["mosaic"] - y["triton"]).max() <= 2.0 ** -7 * np.abs(y["triton"]).max()
     assert np.mean(y["mosaic"] == y["triton"]) >= 0.99
+    # x read in place from in_proj's [B, T, 8512] output at column 4096: the same outputs.
+    zx = jnp.zeros((b, t, 8512), jnp.bfloat16).at[..., 4096:4096 + c].set(x)
+    in_place = jax.jit(lambda *a: conv_forward(zx[..., 4096:4096 + c], *a, ids, False, kernel="mosaic",
+                                               source_BTI=zx, source_offset=4096)[0])(w, bias)
+    np.testing.assert_array_equal(np.asarray(in_place, np.float32), y["mosaic"])
     # The backward's first kernel: dx within one BF16 step, dw and db to FP32 summation order.
-    _, residuals = jax.jit(lambda *a: conv_forward(*a, ids, False))(x, w, bias)
+    residuals = {k: jax.jit(lambda *a, k=k: conv_forward(*a, ids, False, kernel=k)[1])(x, w, bias)
+                 for k in ("triton", "mosaic")}
     dout = jnp.asarray(rng.standard_normal((b, t, c)), jnp.bfloat16)
-    grads = {k: jax.jit(lambda res, d, k=k: conv_backward(res, d, False, kernel=k))(residuals, dout)
+    grads = {k: jax.jit(lambda res, d, k=k: conv_backward(res, d, False, kernel=k))(residuals[k], dout)
              for k in ("triton", "mosaic")}
     for name, got, want in zip(("dx", "dw", "db"), grads["mosaic"], grads["triton"]):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -269,7 +275,8 @@ def test_mosaic_conv_forward_matches_the_triton_kernel_at_the_benchmark_shapes()
         into = jnp.full((b, t, 8512), 3.0, dtype)
         quantize = Quantize(jnp.float32(2.0), dtype) if dtype == jnp.float8_e5m2 else None
         out = {k: jax.jit(lambda res, d, into, k=k: conv_backward(res, d, False, into_BTI=into, column_offset=4096,
-                                                                   quantize=quantize, kernel=k))(residuals, dout, into)
+                                                                   quantize=quantize, kernel=k))(residuals[k], dout,
+                                                                                                 into)
                for k in ("triton", "mosaic")}
         got, want = np.asarray(out["mosaic"][0], np.float32), np.asarray(out["triton"][0], np.float32)
         assert (got[..., :4096] == 3.0).all() and (got[..., 4096 + c:] == 3.0).all()

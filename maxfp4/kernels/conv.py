@@ -182,19 +182,23 @@ def causal_conv_silu(x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array, segment_
 
 
 def conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret, tiling: ConvTiling | None = None,
-                 kernel: str = "triton"):
+                 kernel: str = "triton", source_BTI: jax.Array | None = None, source_offset: int = 0):
     """(``causal_conv_silu``'s value, the residuals ``conv_backward`` takes). ``tiling``: the
     launch (default ``default_conv_tiling``). ``kernel``: "triton" (here) or "mosaic"
     (``maxfp4.kernels.conv_mosaic``, the same values; slower on an H200, so only
-    ``model.mamba.kernel_backend=mosaic`` selects it)."""
+    ``model.mamba.kernel_backend=mosaic`` selects it). The Mosaic kernels read x in place:
+    ``source_BTI`` is the wider array whose columns [source_offset, source_offset + C) x_BTC is
+    (the in_proj output), which is then their residual instead of a padded copy of x."""
     width = w_WC.shape[0]
+    ids_front = _padded_ids(segment_ids_BT, width - 1, 0)
+    if kernel == "mosaic":
+        source, offset = (x_BTC, 0) if source_BTI is None else (source_BTI, source_offset)
+        out = conv_mosaic.conv_silu_forward(source, ids_front, w_WC, b_C, interpret, column_offset=offset)
+        return out, (source, w_WC, b_C, segment_ids_BT)
     tiling = tiling or default_conv_tiling(*x_BTC.shape[1:])
     # The padded copy is the backward pass's residual too, so it is made once.
     x_pad = jnp.pad(x_BTC, ((0, 0), (width - 1, 0), (0, 0)))
-    ids_front = _padded_ids(segment_ids_BT, width - 1, 0)
-    if kernel == "mosaic":
-        out = conv_mosaic.conv_silu_forward(x_pad, ids_front, w_WC, b_C, interpret)
-    elif kernel == "triton":
+    if kernel == "triton":
         out = _launch(_forward_kernel, x_BTC.shape, _tile_spec, jax.ShapeDtypeStruct(x_BTC.shape, x_BTC.dtype),
                       4, interpret, x_pad, ids_front, w_WC, b_C, tiling=tiling, num_warps=tiling.forward_warps)
     else:
@@ -215,7 +219,7 @@ def into_columns_supported(channels: int, column_offset: int) -> bool:
 
 def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax.Array | None = None,
                   column_offset: int = 0, tiling: ConvTiling | None = None, quantize: Quantize | None = None,
-                  kernel: str = "triton"):
+                  kernel: str = "triton", source_offset: int = 0):
     """(dx, dw, db) of ``causal_conv_silu`` from its forward residuals (``conv_forward``).
 
     With ``into_BTI``, a wider [B, T, I] array, dx is written into its columns
@@ -226,12 +230,14 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     ``fp8_epilogue.Quantize`` says, and a fourth value comes back, ``max |dx|`` in FP32.
     ``tiling``: the launch (default ``default_conv_tiling``). ``kernel``: "triton", or "mosaic"
     (``conv_mosaic.preactivation_gradients`` and ``conv_mosaic.input_gradient``, every variant;
-    slower on an H200, so only ``model.mamba.kernel_backend=mosaic`` selects them)."""
+    slower on an H200, so only ``model.mamba.kernel_backend=mosaic`` selects them), whose
+    residual is x's source, read at ``source_offset`` as ``conv_forward`` was told."""
     if kernel not in ("triton", "mosaic"):
         raise ValueError(f"conv_backward: kernel must be triton or mosaic, got {kernel!r}")
-    x_pad, w_WC, b_C, segment_ids_BT = residuals
+    x_pad, w_WC, b_C, segment_ids_BT = residuals  # (with "mosaic", x's source: not padded)
     width = w_WC.shape[0]
-    b, t, c = x_pad.shape[0], x_pad.shape[1] - (width - 1), x_pad.shape[2]
+    b, c = x_pad.shape[0], w_WC.shape[1]
+    t = x_pad.shape[1] - (0 if kernel == "mosaic" else width - 1)
     tiling = tiling or default_conv_tiling(t, c)
     tb = tiling.rows
     launch = functools.partial(_launch, tiling=tiling, num_warps=tiling.backward_warps)
@@ -252,7 +258,7 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     ids_front = _padded_ids(segment_ids_BT, width - 1, 0)
     if kernel == "mosaic":
         dpre_pad, db_parts, dw_parts = conv_mosaic.preactivation_gradients(x_pad, ids_front, w_WC, b_C, dout_BTC,
-                                                                           interpret)
+                                                                           interpret, column_offset=source_offset)
     else:
         dpre_pad, db_parts, *dw_parts = launch(_preactivation_grad_kernel, (b, t, c), grad_specs, shapes, 4, interpret,
                                                x_pad, ids_front, w_WC, b_C, dout_BTC)

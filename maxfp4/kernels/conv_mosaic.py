@@ -1,11 +1,12 @@
 """Mamba-2's causal depthwise convolution + SiLU as Mosaic GPU kernels: the forward and the
 backward's two (the pre-activation's gradient with the weights' and bias's partial sums; the
 input gradient, alone, into a wider array or stored as FP8), the values of the Triton kernels
-of ``maxfp4.kernels.conv`` (read its module docstring first) from the same operands (x padded
-with W - 1 rows in front, its segment ids with -1).
+of ``maxfp4.kernels.conv`` (read its module docstring first), with the same segment ids (-1 in
+front), but x read in place: the columns of the in_proj output it is, with no padded copy (a
+copy XLA took 86 us a layer to make on an H200, and 6 GiB of residuals in mamba2-1p3b).
 
-One program per (batch row, 32 rows of T, 128 channels). Its rows and the W - 1 before them
-arrive by one TMA copy into untiled shared memory; the work goes 8 rows at a time in Mosaic
+One program per (batch row, 32 rows of T, 128 channels). Its rows and the 8 before them arrive
+by two TMA copies into untiled shared memory (the first program's 8 set to zero instead); the work goes 8 rows at a time in Mosaic
 GPU's strided register layout, where an [8, 128] block is one 16-byte vector a thread: every
 window (the block's rows ``lag`` positions back) is a vector load at a row offset, with no
 shared-memory bank conflicts. The layout has no broadcasts, so what is per column (weights,
@@ -54,6 +55,17 @@ _GRID = ("b", "t", "c")  # a program: batch row, SPAN rows, 128 channels
 
 def supported(t: int, channels: int) -> bool:
     return t % SPAN == 0 and channels % COLUMNS == 0
+
+
+def _checked_source(name: str, x_src, ids_pad, width: int, c: int, column_offset: int) -> int:
+    """T of a source x [B, T, >= column_offset + C] read in place, if the kernels tile it."""
+    t = x_src.shape[1]
+    if ids_pad.shape[1] != t + width - 1:
+        raise ValueError(f"{name}: segment ids of {ids_pad.shape[1]} positions for T {t} (want T + {width - 1})")
+    if column_offset % 8 or column_offset + c > x_src.shape[2]:
+        raise ValueError(f"{name}: columns [{column_offset}, {column_offset + c}) of a {x_src.shape[2]}-wide x "
+                         "(the offset a multiple of 8, for TMA's 16-byte starts)")
+    return _checked_length(name, t + width - 1, width, c)
 
 
 def _checked_length(name: str, t_pad: int, width: int, c: int) -> int:
@@ -112,18 +124,38 @@ def _program():
     return bi, ti, ti * SPAN, pl.ds(ci * COLUMNS, COLUMNS)
 
 
-# What each kernel's TMA copies arrive at ``loaded``: the window source, masks, flag, weights.
-_FETCHED = 4
+_BEHIND = 8  # rows fetched before a program's own for the windows back (W - 1 of them used)
 
 
-def _fetch(plgpu, src_g, masks_g, flags_g, w_g, program, src_s, masks_s, flag_s, w_s, loaded, width: int) -> None:
-    """The program's rows of ``src`` with the W - 1 after them (the windows), their masks and
-    flag (``_window_masks``), and the weights' rows repeated [W, 8, 128], by TMA."""
+def _fetch_masks_and_weights(plgpu, masks_g, flags_g, w_g, program, masks_s, flag_s, w_s, loaded) -> None:
+    """The program's window masks and flag (``_window_masks``) and the weights' rows repeated
+    [W, 8, 128], by TMA: three copies."""
     bi, ti, t0, cols = program
-    plgpu.copy_gmem_to_smem(src_g.at[bi, pl.ds(t0, SPAN + width - 1), cols], src_s, loaded)
     plgpu.copy_gmem_to_smem(masks_g.at[bi, pl.ds(t0, SPAN)], masks_s, loaded)
     plgpu.copy_gmem_to_smem(flags_g.at[bi, ti], flag_s, loaded)
     plgpu.copy_gmem_to_smem(w_g.at[:, :, cols], w_s, loaded)
+
+
+def _fetch_behind(plgpu, x_g, program, x_cols, x_s, loaded) -> None:
+    """x's rows t0 - 8 .. t0 + 31 (its columns ``x_cols``) into rows 0 .. 39 of ``x_s``, read in
+    place from x (the in_proj output; no padded copy): two copies. The first program of a batch
+    row fetches rows 0 .. 7 there, which ``_zero_front`` then overwrites with the zeros before the
+    sequence."""
+    bi, ti, t0, _ = program
+    plgpu.copy_gmem_to_smem(x_g.at[bi, pl.ds(jnp.maximum(t0 - _BEHIND, 0), _BEHIND), x_cols],
+                            x_s.at[pl.ds(0, _BEHIND)], loaded)
+    plgpu.copy_gmem_to_smem(x_g.at[bi, pl.ds(t0, SPAN), x_cols], x_s.at[pl.ds(_BEHIND, SPAN)], loaded)
+
+
+def _zero_front(x_s, ti) -> None:
+    """The rows before the sequence are zeros (the first program of each batch row): stored,
+    then a warpgroup barrier (``commit_smem``) before any thread reads them."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @pl.when(ti == 0)
+    def _():
+        x_s[pl.ds(0, _BEHIND)] = jnp.zeros((_BEHIND, COLUMNS), x_s.dtype)
+        plgpu.commit_smem()
 
 
 def _masked_or_not(flag_s, compute) -> None:
@@ -140,10 +172,10 @@ def _masked_or_not(flag_s, compute) -> None:
         compute(False)
 
 
-def _masked_window(blocks: _Blocks, src_s, r: int, k: int, masks: jax.Array | None) -> jax.Array:
-    """Window k of the block at row r in FP32 (its rows r + k ..), zero in rows of another
+def _masked_window(blocks: _Blocks, src_s, row: int, k: int, masks: jax.Array | None) -> jax.Array:
+    """Window k of a block (``src_s``'s rows ``row`` ..) in FP32, zero in rows of another
     document (``masks`` None: every row is in its own)."""
-    v = blocks.load(src_s.at[pl.ds(r + k, SUB)]).astype(jnp.float32)
+    v = blocks.load(src_s.at[pl.ds(row, SUB)]).astype(jnp.float32)
     return v if masks is None else jnp.where((masks & (1 << k)) != 0, v, 0.0)
 
 
@@ -155,35 +187,40 @@ def _pre_activation(blocks: _Blocks, x_s, masks_s, r: int, w: list, bias: jax.Ar
     """(conv + b of the block at row r in FP32, bias first then lags 0 .. W-1 as the Triton kernel
     sums, and the masked windows by k)."""
     masks = _block_masks(blocks, masks_s, r, masked)
-    windows = [_masked_window(blocks, x_s, r, k, masks) for k in range(width)]
+    # window k: the rows W - 1 - k before the block's, in x_s (``_fetch_behind``)
+    windows = [_masked_window(blocks, x_s, _BEHIND - (width - 1) + r + k, k, masks) for k in range(width)]
     pre = bias
     for lag in range(width):
         pre = pre + windows[width - 1 - lag] * w[width - 1 - lag]
     return pre, windows
 
 
-def _scratch(plgpu, width: int, x_dtype) -> list:
+def _scratch(plgpu, source_rows: int, x_dtype, width: int) -> list:
     """Buffers of the windows' source, its masks and flag, and the weights' rows."""
-    return [plgpu.SMEM((SPAN + width - 1, COLUMNS), x_dtype), plgpu.SMEM((SPAN, COLUMNS), jnp.int8),
+    return [plgpu.SMEM((source_rows, COLUMNS), x_dtype), plgpu.SMEM((SPAN, COLUMNS), jnp.int8),
             plgpu.SMEM((32,), jnp.int32), plgpu.SMEM((width, SUB, COLUMNS), jnp.float32)]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def conv_silu_forward(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C: jax.Array,
-                      interpret: bool = False) -> jax.Array:
-    """silu(causal conv + b) [B, T, C] in x's dtype from x_pad [B, T + W - 1, C] (W - 1 zero rows in
-    front), ids_pad [B, T + W - 1] (-1 in front), the weights [W, C] and bias [C]."""
+@functools.partial(jax.jit, static_argnames=("interpret", "column_offset"))
+def conv_silu_forward(x_src: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C: jax.Array,
+                      interpret: bool = False, column_offset: int = 0) -> jax.Array:
+    """silu(causal conv + b) [B, T, C] in x's dtype, x being columns [column_offset,
+    column_offset + C) of ``x_src`` [B, T, I] (read in place: the in_proj output), from ids_pad
+    [B, T + W - 1] (-1 in front), the weights [W, C] and bias [C]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    b, t_pad, c = x_pad.shape
+    b, c = x_src.shape[0], w_WC.shape[1]
     width = w_WC.shape[0]
-    t = _checked_length("conv_silu_forward", t_pad, width, c)
+    t = _checked_source("conv_silu_forward", x_src, ids_pad, width, c, column_offset)
     blocks = _Blocks(interpret)
 
     def kernel(x_g, masks_g, flags_g, w_g, b_g, out_g, x_s, masks_s, flag_s, w_s, bias_s, out_s, loaded):
-        program = bi, _, t0, cols = _program()
-        _fetch(plgpu, x_g, masks_g, flags_g, w_g, program, x_s, masks_s, flag_s, w_s, loaded, width)
+        program = bi, ti, t0, cols = _program()
+        _fetch_behind(plgpu, x_g, program, pl.ds(column_offset + lax.axis_index("c") * COLUMNS, COLUMNS), x_s,
+                      loaded)
+        _fetch_masks_and_weights(plgpu, masks_g, flags_g, w_g, program, masks_s, flag_s, w_s, loaded)
         plgpu.copy_gmem_to_smem(b_g.at[:, cols], bias_s, loaded)
         plgpu.barrier_wait(loaded)
+        _zero_front(x_s, ti)
         w = [blocks.load(w_s.at[k]) for k in range(width)]
         bias = blocks.load(bias_s)
 
@@ -196,35 +233,39 @@ def conv_silu_forward(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
         plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, SPAN), cols])
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [*_scratch(plgpu, width, x_pad.dtype), plgpu.SMEM((SUB, COLUMNS), jnp.float32),
-               plgpu.SMEM((SPAN, COLUMNS), x_pad.dtype), plgpu.Barrier(num_arrivals=_FETCHED + 1)]
-    return kernel_on_grid(kernel, jax.ShapeDtypeStruct((b, t, c), x_pad.dtype), (b, t // SPAN, c // COLUMNS), _GRID,
-                          scratch, interpret)(x_pad, *_window_masks(ids_pad, width, width - 1), _rows_of(w_WC),
+    scratch = [*_scratch(plgpu, _BEHIND + SPAN, x_src.dtype, width), plgpu.SMEM((SUB, COLUMNS), jnp.float32),
+               plgpu.SMEM((SPAN, COLUMNS), x_src.dtype), plgpu.Barrier(num_arrivals=6)]
+    return kernel_on_grid(kernel, jax.ShapeDtypeStruct((b, t, c), x_src.dtype), (b, t // SPAN, c // COLUMNS), _GRID,
+                          scratch, interpret)(x_src, *_window_masks(ids_pad, width, width - 1), _rows_of(w_WC),
                                               _rows_of(b_C))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C: jax.Array,
-                            dout_BTC: jax.Array, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("interpret", "column_offset"))
+def preactivation_gradients(x_src: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C: jax.Array,
+                            dout_BTC: jax.Array, interpret: bool = False, column_offset: int = 0):
     """The backward's first kernel (``conv._preactivation_grad_kernel``): the pre-activation's
     gradient in x's dtype, as rows 0..T-1 of a [B, T + 8, C] buffer (the input gradient's kernel
     reads W - 1 rows past T there, masked), and the FP32 partial sums of the bias's gradient
     [B, T/32, C] and of each weight row's (W of them), one row a program: its rows summed 8
-    apart in registers, then those 8 sums by column through shared memory."""
+    apart in registers, then those 8 sums by column through shared memory. x as
+    ``conv_silu_forward`` reads it."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    b, t_pad, c = x_pad.shape
+    b, c = x_src.shape[0], w_WC.shape[1]
     width = w_WC.shape[0]
-    t = _checked_length("preactivation_gradients", t_pad, width, c)
+    t = _checked_source("preactivation_gradients", x_src, ids_pad, width, c, column_offset)
     blocks = _Blocks(interpret)
     f32 = jnp.float32
 
     def kernel(x_g, masks_g, flags_g, w_g, b_g, dout_g, dpre_g, sums_g, x_s, masks_s, flag_s, w_s, bias_s, dout_s,
                dpre_s, sums_s, totals_s, loaded):
         program = bi, ti, t0, cols = _program()
-        _fetch(plgpu, x_g, masks_g, flags_g, w_g, program, x_s, masks_s, flag_s, w_s, loaded, width)
+        _fetch_behind(plgpu, x_g, program, pl.ds(column_offset + lax.axis_index("c") * COLUMNS, COLUMNS), x_s,
+                      loaded)
+        _fetch_masks_and_weights(plgpu, masks_g, flags_g, w_g, program, masks_s, flag_s, w_s, loaded)
         plgpu.copy_gmem_to_smem(b_g.at[:, cols], bias_s, loaded)
         plgpu.copy_gmem_to_smem(dout_g.at[bi, pl.ds(t0, SPAN), cols], dout_s, loaded)
         plgpu.barrier_wait(loaded)
+        _zero_front(x_s, ti)
         w = [blocks.load(w_s.at[k]) for k in range(width)]
         bias = blocks.load(bias_s)
 
@@ -252,14 +293,14 @@ def preactivation_gradients(x_pad: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
             plgpu.copy_smem_to_gmem(totals_s.at[i], sums_g.at[i, bi, ti, cols])
         plgpu.wait_smem_to_gmem(0)
 
-    dtype = x_pad.dtype
-    scratch = [*_scratch(plgpu, width, dtype), plgpu.SMEM((SUB, COLUMNS), f32),
+    dtype = x_src.dtype
+    scratch = [*_scratch(plgpu, _BEHIND + SPAN, dtype, width), plgpu.SMEM((SUB, COLUMNS), f32),
                plgpu.SMEM((SPAN, COLUMNS), dout_BTC.dtype), plgpu.SMEM((SPAN, COLUMNS), dtype),
                plgpu.SMEM((1 + width, SUB, COLUMNS), f32), plgpu.SMEM((1 + width, COLUMNS), f32),
-               plgpu.Barrier(num_arrivals=_FETCHED + 2)]
+               plgpu.Barrier(num_arrivals=7)]
     out_type = [jax.ShapeDtypeStruct((b, t + 8, c), dtype), jax.ShapeDtypeStruct((1 + width, b, t // SPAN, c), f32)]
     dpre, sums = kernel_on_grid(kernel, out_type, (b, t // SPAN, c // COLUMNS), _GRID, scratch, interpret)(
-        x_pad, *_window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C), dout_BTC)
+        x_src, *_window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C), dout_BTC)
     return dpre, sums[0], list(sums[1:])
 
 
@@ -310,7 +351,8 @@ def _input_gradient(dpre_pad, ids_back, w_WC, into_BTI, scale, *, interpret: boo
         loaded, = refs
         program = bi, ti, t0, cols = _program()
         # window lag: the rows lag ahead
-        _fetch(plgpu, d_g, masks_g, flags_g, w_g, program, d_s, masks_s, flag_s, w_s, loaded, width)
+        plgpu.copy_gmem_to_smem(d_g.at[bi, pl.ds(t0, SPAN + width - 1), cols], d_s, loaded)
+        _fetch_masks_and_weights(plgpu, masks_g, flags_g, w_g, program, masks_s, flag_s, w_s, loaded)
         if scale_g is not None:
             plgpu.copy_gmem_to_smem(scale_g, scale_s, loaded)
         plgpu.barrier_wait(loaded)
@@ -322,7 +364,7 @@ def _input_gradient(dpre_pad, ids_back, w_WC, into_BTI, scale, *, interpret: boo
                 masks = _block_masks(blocks, masks_s, r, masked)
                 dx = None
                 for lag in range(width):
-                    term = _masked_window(blocks, d_s, r, lag, masks) * w[width - 1 - lag]
+                    term = _masked_window(blocks, d_s, r + lag, lag, masks) * w[width - 1 - lag]
                     dx = term + 0.0 if dx is None else dx + term  # + 0.0: the Triton kernel's sum starts at +0
                 if quantized is None:
                     out_s[pl.ds(r, SUB)] = dx.astype(out_s.dtype)
@@ -341,7 +383,7 @@ def _input_gradient(dpre_pad, ids_back, w_WC, into_BTI, scale, *, interpret: boo
         plgpu.wait_smem_to_gmem(0)
 
     operands = [dpre_pad, *_window_masks(ids_back, width, 0), _rows_of(w_WC)]
-    scratch = _scratch(plgpu, width, dpre_pad.dtype)
+    scratch = _scratch(plgpu, SPAN + width - 1, dpre_pad.dtype, width)
     out_type = []
     if quantize is not None:
         # A copy moves a multiple of 128 bytes (one per thread of the warpgroup): the scale padded.
@@ -360,7 +402,7 @@ def _input_gradient(dpre_pad, ids_back, w_WC, into_BTI, scale, *, interpret: boo
     scratch.append(plgpu.SMEM((SPAN, COLUMNS), out_dtype))
     if quantize is not None:
         scratch.append(plgpu.SMEM((SUB, COLUMNS), f32))
-    scratch.append(plgpu.Barrier(num_arrivals=_FETCHED + (quantize is not None)))
+    scratch.append(plgpu.Barrier(num_arrivals=4 + (quantize is not None)))
     results = kernel_on_grid(kernel, out_type, (b, t // SPAN, c // COLUMNS), _GRID, scratch, interpret)(*operands)
     if in_place:
         dx = into_ref[...]
@@ -381,16 +423,17 @@ def _gradient_into(dpre_pad, ids_back, w_WC, into_BTI, scale, column_offset: int
 
 def lowers_at(b: int, t: int, c: int, width: int, x_dtype, w_dtype, b_dtype, into_columns: int,
               column_offset: int) -> bool:
-    """Whether this jax lowers the kernels for CUDA as the mixer runs them at these shapes (dx into
-    in_proj's [B, T, into_columns] gradient at ``column_offset``, in x's dtype and in E5M2 for FP8
-    delayed scaling) (``ssd_mosaic.lowers``: one warning and False where it does not, so the
-    caller keeps the Triton kernels)."""
+    """Whether this jax lowers the kernels for CUDA as the mixer runs them at these shapes (x read
+    from in_proj's [B, T, into_columns] output at ``column_offset``, dx written into its gradient
+    there, in x's dtype and in E5M2 for FP8 delayed scaling) (``ssd_mosaic.lowers``: one warning
+    and False where it does not, so the caller keeps the Triton kernels)."""
     sds = jax.ShapeDtypeStruct
-    x_pad, ids = sds((b, t + width - 1, c), x_dtype), sds((b, t + width - 1), jnp.int32)
+    x_src, ids = sds((b, t, into_columns), x_dtype), sds((b, t + width - 1), jnp.int32)
     w, bias = sds((width, c), w_dtype), sds((c,), b_dtype)
     dpre, scale = sds((b, t + 8, c), x_dtype), sds((), jnp.float32)
-    return (lowers(conv_silu_forward, x_pad, ids, w, bias)
-            and lowers(preactivation_gradients, x_pad, ids, w, bias, sds((b, t, c), x_dtype))
+    return (lowers(conv_silu_forward, x_src, ids, w, bias, column_offset=column_offset)
+            and lowers(preactivation_gradients, x_src, ids, w, bias, sds((b, t, c), x_dtype),
+                       column_offset=column_offset)
             and all(lowers(_gradient_into, dpre, ids, w, sds((b, t, into_columns), dtype), scale,
                            column_offset=column_offset, fp8=fp8)
                     for dtype, fp8 in ((x_dtype, False), (jnp.float8_e5m2, True))))

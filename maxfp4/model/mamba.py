@@ -423,7 +423,8 @@ def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg, quantize: Quantize | No
     dt_BTH, dt_pull = jax.vjp(_dt, zxbcdt_BTI[..., e + c:], p["dt_bias"])
     xbc_in_BTC = zxbcdt_BTI[..., e:e + c]
     xbc_BTC, conv_res = conv_kernel.conv_forward(xbc_in_BTC, p["conv_w"], p["conv_b"], segment_ids_BT, interpret,
-                                                 kernel=_conv_kernels(cfg, xbc_in_BTC, p["conv_w"], p["conv_b"]))
+                                                 kernel=_conv_kernels(cfg, xbc_in_BTC, p["conv_w"], p["conv_b"]),
+                                                 source_BTI=zxbcdt_BTI, source_offset=e)
     u_BTE, ssd_pull = jax.vjp(
         lambda xbc, dt, A_log, D: _ssd_with_skip(xbc, dt, A_log, D, segment_ids_BT, cfg),
         xbc_BTC, dt_BTH, p["A_log"], p["D_skip"])
@@ -458,7 +459,7 @@ def _core_backward(cfg, residuals, dout_BTE, quantize: Quantize | None = None):
         dzxbcdt_BTI, amax_dt = dzxbcdt_BTI.at[..., e + c:].set(q_dt), [amax_dt]
     dzxbcdt_BTI, dconv_w, dconv_b, *amax_xbc = conv_kernel.conv_backward(
         conv_res, dxbc_BTC, interpret, into_BTI=dzxbcdt_BTI, column_offset=e, quantize=quantize,
-        kernel=_conv_kernels(cfg, dxbc_BTC, conv_res[1], conv_res[2]))
+        kernel=_conv_kernels(cfg, dxbc_BTC, conv_res[1], conv_res[2]), source_offset=e)
     grads = {"conv_w": dconv_w, "conv_b": dconv_b, "A_log": dA_log, "D_skip": dD, "dt_bias": ddt_bias,
              "norm": dnorm}
     if quantize is None:
