@@ -13,30 +13,19 @@ of each.
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from layer_report import layer_arguments, report
 from maxfp4.config import load_config
 from maxfp4.kernels.conv import conv_backward, conv_forward
 from maxfp4.model.mamba import causal_conv
 from maxfp4.model_spec import mamba_dims as dims
-from profile_summary import traced_kernel_times
-from timing import median_ms
-
-HBM_BYTES_PER_S = 4.8e12  # H200
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/mamba2-1p3b.yaml")
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--json")
-    parser.add_argument("--kernels", action="store_true", help="each call's GPU kernels, from a trace")
-    args = parser.parse_args()
+    args = layer_arguments(__doc__)
     cfg = load_config(args.config, [])
     d = dims(cfg.model)
     b, t, c, width = cfg.data.global_batch, cfg.data.seq_len, d["conv"], cfg.model.mamba.conv_kernel
@@ -72,32 +61,13 @@ def main() -> None:
     diff = float(np.abs(y["mosaic"] - y["triton"]).max() / np.abs(y["triton"]).max())
     same = float(np.mean(y["mosaic"] == y["triton"]))
     tensor = b * t * c * 2
-    calls = {"forward, Triton": (forward["triton"], (zx, w, bias)),
-             "forward, Mosaic GPU": (forward["mosaic"], (zx, w, bias)),
-             "backward, Triton": (backward["triton"], (residuals["triton"], dout, into)),
-             "backward, Mosaic GPU": (backward["mosaic"], (residuals["mosaic"], dout, into)),
-             "forward, XLA": (xla[0], (x, w, bias)),
-             "forward + backward, XLA": (xla[1], (x, w, bias, dout))}
-    moved = {"forward": 2 * tensor, "backward": 5 * tensor, "forward + backward": 5 * tensor}
-    rows = [(name, median_ms(fn, *fn_args, iters=args.iters), moved[name.split(",")[0]])
-            for name, (fn, fn_args) in calls.items()]
-    print(f"causal conv + SiLU, {args.config}: B={b} T={t} C={c} W={width}, {jax.devices()[0].device_kind}, "
-          f"jax {jax.__version__}")
-    print(f"{'kernel':34} {'ms':>8} {'floor ms':>9}")
-    for name, ms, nbytes in rows:
-        print(f"{name:34} {ms:8.3f} {1e3 * nbytes / HBM_BYTES_PER_S:9.3f}")
-    print(f"Mosaic forward against Triton: {same:.4%} of outputs identical, largest difference {diff:.1e} "
-          "of the largest output")
-    if args.kernels:
-        for name, (fn, fn_args) in calls.items():
-            totals, counts = traced_kernel_times([lambda fn=fn, fn_args=fn_args: fn(*fn_args)], 10)
-            print(f"{name}: {sum(totals.values()) / 10:.1f} us of kernels a call")
-            for kernel, us in totals.most_common(5):
-                print(f"  {us / 10:8.1f} us  {counts[kernel] // 10} x {kernel[:90]}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "identical": same, "max_rel_diff": diff}, f)
-
+    calls = {"forward, Triton": (forward["triton"], (zx, w, bias), 2 * tensor),
+             "forward, Mosaic GPU": (forward["mosaic"], (zx, w, bias), 2 * tensor),
+             "backward, Triton": (backward["triton"], (residuals["triton"], dout, into), 5 * tensor),
+             "backward, Mosaic GPU": (backward["mosaic"], (residuals["mosaic"], dout, into), 5 * tensor),
+             "forward, XLA": (xla[0], (x, w, bias), 2 * tensor),
+             "forward + backward, XLA": (xla[1], (x, w, bias, dout), 5 * tensor)}
+    report(f"causal conv + SiLU, {args.config}: B={b} T={t} C={c} W={width}", calls, same, diff, args)
 
 if __name__ == "__main__":
     main()

@@ -10,30 +10,19 @@ each.
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from layer_report import layer_arguments, report
 from maxfp4.config import load_config
 from maxfp4.kernels import gated_norm as triton_norm
 from maxfp4.kernels import gated_norm_mosaic as mosaic_norm
 from maxfp4.model_spec import mamba_dims as dims
-from profile_summary import traced_kernel_times
-from timing import median_ms
-
-HBM_BYTES_PER_S = 4.8e12  # H200
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/mamba2-1p3b.yaml")
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--json")
-    parser.add_argument("--kernels", action="store_true", help="each call's GPU kernels, from a trace")
-    args = parser.parse_args()
+    args = layer_arguments(__doc__)
     cfg = load_config(args.config, [])
     d = dims(cfg.model)
     b, t, e, groups, width = cfg.data.global_batch, cfg.data.seq_len, d["E"], d["G"], d["in"]
@@ -56,24 +45,7 @@ def main() -> None:
     for k in modules:
         calls[f"forward, {k}"] = (forward[k], (u, zx, scale), 3 * tensor)  # u, z in; out
         calls[f"backward, {k}"] = (backward[k], (u, zx, scale, dout), 5 * tensor)  # u, z, dout in; du, dz
-    rows = [(name, median_ms(fn, *fn_args, iters=args.iters), moved) for name, (fn, fn_args, moved) in calls.items()]
-    print(f"gated norm, {args.config}: B={b} T={t} E={e} groups={groups} in_proj={width}, "
-          f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print(f"{'kernel':34} {'ms':>8} {'floor ms':>9}")
-    for name, ms, moved in rows:
-        print(f"{name:34} {ms:8.3f} {1e3 * moved / HBM_BYTES_PER_S:9.3f}")
-    print(f"Mosaic forward against Triton: {same:.4%} of outputs identical, largest difference {diff:.1e} "
-          "of the largest output")
-    if args.kernels:
-        for name, (fn, fn_args, _) in calls.items():
-            totals, counts = traced_kernel_times([lambda fn=fn, fn_args=fn_args: fn(*fn_args)], 10)
-            print(f"{name}: {sum(totals.values()) / 10:.1f} us of kernels a call")
-            for kernel, us in totals.most_common(5):
-                print(f"  {us / 10:8.1f} us  {counts[kernel] // 10} x {kernel[:90]}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "identical": same, "max_rel_diff": diff}, f)
-
+    report(f"gated norm, {args.config}: B={b} T={t} E={e} groups={groups} in_proj={width}", calls, same, diff, args)
 
 if __name__ == "__main__":
     main()

@@ -182,29 +182,39 @@ def test_shapes_it_takes_and_bad_choices():
         conv_backward(conv_forward(x, w, bias, ids, True)[1], x, True, kernel="cuda")
 
 
-def _mixer_core(backend):
-    """One Mamba-2 mixer core (maxfp4.model.mamba's ``_kernel_core``, the kernels interpreted) at
-    shapes the Mosaic convolution tiles (64 tokens, 256 convolution channels, E = 128), two
-    packed documents in a row: its output and gradients with model.mamba.kernel_backend."""
+def mixer_core_value_and_grads(overrides, t: int, documents: tuple[int, int]):
+    """One Mamba-2 mixer core (maxfp4.model.mamba's ``_kernel_core``, the kernels interpreted)
+    of the tiny hybrid with ``overrides``, two rows of ``t`` tokens (the first two packed
+    documents of those lengths): (its config, its parameters, (the value of a weighted sum of its
+    output, the gradients of the in_proj output and of the core's parameters))."""
     from maxfp4.config import load_config
     from maxfp4.model import mamba
     from tests.test_hybrid import TINY
 
-    cfg = load_config(TINY, ["model.mamba.kernels=pallas", "model.mamba.head_dim=16", "model.mamba.d_state=32",
-                             f"model.mamba.kernel_backend={backend}"]).model
+    cfg = load_config(TINY, ["model.mamba.kernels=pallas", *overrides]).model
     d = mamba.dims(cfg)
-    assert conv_mosaic.supported(64, d["conv"]) and d["E"] % conv_mosaic.COLUMNS == 0
     p = {k: v[0] for k, v in mamba.init_mamba(cfg, jax.random.key(2), 1).items()}
     core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
-    zxbcdt = jax.random.normal(jax.random.key(3), (2, 64, d["in"]), jnp.float32).astype(jnp.bfloat16)
-    seg = jnp.asarray(np.repeat(np.array([[1, 2], [3, 3]], np.int32), [23, 41], axis=1))
-    weights = jax.random.normal(jax.random.key(4), (2, 64, d["E"]), jnp.float32)
-    x = jnp.zeros((2, 64, d["conv"]), jnp.bfloat16)
-    assert mamba._conv_kernels(cfg, x, p["conv_w"], p["conv_b"]) == ("mosaic" if backend == "mosaic" else "triton")
+    zxbcdt = jax.random.normal(jax.random.key(3), (2, t, d["in"]), jnp.float32).astype(jnp.bfloat16)
+    seg = jnp.asarray(np.repeat(np.array([[1, 2], [3, 3]], np.int32), documents, axis=1))
+    weights = jax.random.normal(jax.random.key(4), (2, t, d["E"]), jnp.float32)
 
     def loss(zxbcdt, params):
         return jnp.sum(mamba._kernel_core(zxbcdt, seg, params, cfg).astype(jnp.float32) * weights)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(zxbcdt, core_params)
+    return cfg, p, jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(zxbcdt, core_params)
+
+
+def _mixer_core(backend):
+    """The mixer core at shapes the Mosaic convolution tiles (64 tokens, 256 convolution
+    channels, E = 128) with model.mamba.kernel_backend."""
+    from maxfp4.model import mamba
+    cfg, p, result = mixer_core_value_and_grads(
+        ["model.mamba.head_dim=16", "model.mamba.d_state=32", f"model.mamba.kernel_backend={backend}"], 64, (23, 41))
+    d = mamba.dims(cfg)
+    assert conv_mosaic.supported(64, d["conv"]) and d["E"] % conv_mosaic.COLUMNS == 0
+    x = jnp.zeros((2, 64, d["conv"]), jnp.bfloat16)
+    assert mamba._conv_kernels(cfg, x, p["conv_w"], p["conv_b"]) == ("mosaic" if backend == "mosaic" else "triton")
+    return result
 
 
 def test_the_mixer_core_with_kernel_backend_mosaic_runs_the_mosaic_convolution():

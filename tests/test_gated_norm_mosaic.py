@@ -107,28 +107,17 @@ def test_the_mixer_takes_them_only_under_kernel_backend_mosaic():
 
 
 def _mixer_core(backend):
-    """One Mamba-2 mixer core (``mamba._kernel_core``, the kernels interpreted) whose norm the
-    Mosaic kernels tile (E = 1,024 in one group, in_proj 2,176 wide), two packed documents in a
-    row: its value and gradients with model.mamba.kernel_backend."""
-    from maxfp4.config import load_config
+    """The mixer core (tests/test_conv_mosaic.py) whose norm the Mosaic kernels tile (E = 1,024
+    in one group, in_proj 2,176 wide), with model.mamba.kernel_backend."""
     from maxfp4.model import mamba
-    from tests.test_hybrid import TINY
-
-    cfg = load_config(TINY, ["model.mamba.kernels=pallas", "model.d_model=512", "model.mamba.n_groups=1",
-                             "model.mamba.head_dim=16", "model.mamba.d_state=32",
-                             f"model.mamba.kernel_backend={backend}"]).model
+    from tests.test_conv_mosaic import mixer_core_value_and_grads
+    cfg, p, result = mixer_core_value_and_grads(
+        ["model.d_model=512", "model.mamba.n_groups=1", "model.mamba.head_dim=16", "model.mamba.d_state=32",
+         f"model.mamba.kernel_backend={backend}"], 32, (13, 19))
     d = mamba.dims(cfg)
-    p = {k: v[0] for k, v in mamba.init_mamba(cfg, jax.random.key(2), 1).items()}
-    core_params = {k: p[k] for k in ("conv_w", "conv_b", "A_log", "D_skip", "dt_bias", "norm")}
-    zxbcdt = jax.random.normal(jax.random.key(3), (2, 32, d["in"]), jnp.float32).astype(jnp.bfloat16)
-    seg = jnp.asarray(np.repeat(np.array([[1, 2], [3, 3]], np.int32), [13, 19], axis=1))
-    weights = jax.random.normal(jax.random.key(4), (2, 32, d["E"]), jnp.float32)
-    u = jnp.zeros((2, 32, d["E"]), jnp.bfloat16)
-    assert (mamba._norm_kernels(cfg, u, zxbcdt, p["norm"]) is mosaic_norm) == (backend == "mosaic")
-
-    def loss(zxbcdt, params):
-        return jnp.sum(mamba._kernel_core(zxbcdt, seg, params, cfg).astype(jnp.float32) * weights)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(zxbcdt, core_params)
+    u, zx = jnp.zeros((2, 32, d["E"]), jnp.bfloat16), jnp.zeros((2, 32, d["in"]), jnp.bfloat16)
+    assert (mamba._norm_kernels(cfg, u, zx, p["norm"]) is mosaic_norm) == (backend == "mosaic")
+    return result
 
 
 def test_the_mixer_core_with_kernel_backend_mosaic_runs_the_mosaic_norm():

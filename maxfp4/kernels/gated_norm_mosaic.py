@@ -88,6 +88,19 @@ def _gated(rows: _Rows, u_s, z_s) -> tuple[jax.Array, jax.Array, jax.Array, jax.
     return u, z, sz, u * z * sz
 
 
+def _store_row(value: jax.Array, dst, quantized: Quantized | None, qscale_s, amax):
+    """Stores a row in ``dst``'s dtype, or with ``quantized`` as the FP8 recipes store it
+    (rounded to the activation dtype, scaled by ``qscale_s[0]``, cast); returns the running max
+    |value rounded| (None without ``quantized``)."""
+    if quantized is None:
+        dst[...] = value.astype(dst.dtype)
+        return None
+    value = quantized.round(value)
+    dst[...] = quantized.cast(value, qscale_s[0], dst.dtype)
+    row_max = jnp.max(jnp.abs(value))
+    return row_max if amax is None else jnp.maximum(amax, row_max)
+
+
 def _scale_operand(quantize: Quantize | None) -> list:
     """The FP8 scale as a copy moves it: a multiple of 128 bytes, so padded to 32 words."""
     if quantize is None:
@@ -142,14 +155,7 @@ def _forward(u_BTE, zxbcdt_BTI, scale_E, *qscale, groups, eps, out_dtype, store_
         for i in range(n):
             _, _, _, g = _gated(rows, u_s.at[i], z_s.at[i])
             r = lax.rsqrt(jnp.mean(g * g) + eps)
-            out = g * r * scale
-            if fp8:
-                out = quantized.round(out)
-                out_s[i] = quantized.cast(out, qscale_s[0], out_s.dtype)
-                row_max = jnp.max(jnp.abs(out))
-                amax = row_max if amax is None else jnp.maximum(amax, row_max)
-            else:
-                out_s[i] = out.astype(out_s.dtype)
+            amax = _store_row(g * r * scale, out_s.at[i], quantized, qscale_s, amax)
         if fp8:
             amax_s[0] = amax
         plgpu.commit_smem()
@@ -243,13 +249,7 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
             if i >= 2:  # the stores from this slot two rows back have read it
                 plgpu.wait_smem_to_gmem(2, wait_read_only=True)
             du_s[slot] = du.astype(du_s.dtype)
-            if fp8:
-                dz = quantized.round(dz)
-                dz_s[slot] = quantized.cast(dz, qscale_s[0], dz_s.dtype)
-                row_max = jnp.max(jnp.abs(dz))
-                amax = row_max if amax is None else jnp.maximum(amax, row_max)
-            else:
-                dz_s[slot] = dz.astype(dz_s.dtype)
+            amax = _store_row(dz, dz_s.at[slot], quantized, qscale_s, amax)
             plgpu.commit_smem()  # (a warpgroup barrier: every thread is done reading the slot's inputs)
             row = ti * n + i
             plgpu.copy_smem_to_gmem(du_s.at[slot], du_g.at[bi, row, cols])
