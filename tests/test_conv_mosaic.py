@@ -228,3 +228,23 @@ def test_the_mixer_core_with_kernel_backend_mosaic_runs_the_mosaic_convolution()
     for name in dparams_ref:
         got, want = np.asarray(dparams[name], np.float64), np.asarray(dparams_ref[name], np.float64)
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), name
+
+
+def test_the_compiled_kernels_sigmoid_formula():
+    """``ssd_mosaic.sigmoid``'s compiled formula, rsqrt(1 + exp(-x))^2, against float64's sigmoid
+    over FP32 inputs from -100 to 100 and past, evaluated here in FP32: within 8 FP32 ulp (exp's
+    error carried through, the root's rounding doubled by the square: 5.5 ulp at worst here; the
+    GPU's ex2.approx and rsqrt.approx add a few more, still ~2^-20 against BF16's 2^-8, and
+    tests/test_gpu_mamba_kernels.py holds the kernels to the Triton ones there), or at most FP32's
+    smallest normal where the value is below it (x below -87.3: subnormal or flushed to 0); 0 and
+    1 at the ends."""
+    from maxfp4.kernels.ssd_mosaic import sigmoid
+    x = np.concatenate([np.linspace(-100, 100, 200_001), [-1e30, 0.0, 1e30]]).astype(np.float32)
+    got = np.asarray(jax.jit(lambda v: sigmoid(v, interpret=False))(jnp.asarray(x)), np.float64)
+    with np.errstate(over="ignore"):
+        want = 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+    ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
+    normal = want >= np.finfo(np.float32).tiny
+    assert (np.abs(got - want) <= 8 * ulp)[normal].all()
+    assert (got[~normal] <= np.finfo(np.float32).tiny).all()
+    assert got[-3] == 0.0 and got[-1] == 1.0 and abs(got[-2] - 0.5) <= 2.0 ** -24

@@ -20,8 +20,8 @@ first kernel recomputes it, forms the pre-activation's gradient, and sums it (an
 windows times it, one sum per weight row) over the program's rows into one partial sum a
 column that XLA adds up; the second reads W windows of that gradient, forward in T, and writes dx
 straight into in_proj's gradient: the wider array goes in as a mutable ``jax.Ref``, which the
-launch aliases to its buffer. ``approx_math``: the sigmoid's ``exp`` is ``ex2.approx``, as in
-``maxfp4.kernels.ssd_mosaic``.
+launch aliases to its buffer. ``approx_math``: the sigmoid is ``ssd_mosaic.sigmoid``
+(``ex2.approx`` for its exp, an approximate ``rsqrt`` for its division).
 
 Shapes it takes (``supported``): T a multiple of 32 and the channels of 128. Off a GPU they run
 under Mosaic GPU's interpreter, where the tests hold them to the Triton kernels' values; on an
@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from maxfp4.kernels.epilogue import Quantized
-from maxfp4.kernels.ssd_mosaic import Ops, kernel_on_grid, lowers
+from maxfp4.kernels.ssd_mosaic import Ops, kernel_on_grid, lowers, sigmoid
 
 COLUMNS = 128  # channels a program: an [8, 128] block of BF16 is one 16-byte vector a thread
 SPAN = 32  # rows of T a program (measured on an H200: 112 us for the forward, 117 with 64 rows)
@@ -227,7 +227,7 @@ def conv_silu_forward(x_src: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
         def compute(masked: bool):
             for r in range(0, SPAN, SUB):
                 pre, _ = _pre_activation(blocks, x_s, masks_s, r, w, bias, width, masked)
-                out_s[pl.ds(r, SUB)] = (pre * jax.nn.sigmoid(pre)).astype(out_s.dtype)
+                out_s[pl.ds(r, SUB)] = (pre * sigmoid(pre, interpret)).astype(out_s.dtype)
         _masked_or_not(flag_s, compute)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, SPAN), cols])
@@ -273,7 +273,7 @@ def preactivation_gradients(x_src: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
             sums = None  # [dpre, then window k times dpre for each weight row k], summed over blocks
             for r in range(0, SPAN, SUB):
                 pre, windows = _pre_activation(blocks, x_s, masks_s, r, w, bias, width, masked)
-                sig = jax.nn.sigmoid(pre)
+                sig = sigmoid(pre, interpret)
                 dpre = blocks.load(dout_s.at[pl.ds(r, SUB)]).astype(f32) * sig * (1.0 + pre * (1.0 - sig))
                 dpre_s[pl.ds(r, SUB)] = dpre.astype(dpre_s.dtype)
                 terms = [dpre] + [window * dpre for window in windows]

@@ -14,9 +14,9 @@ The forward: a program takes 4 rows of one group (u, z in, the output out). The 
 program walks 16 rows, as the Triton kernel's do, so that its partial sums of the scale's
 gradient are as many; the next row's inputs load while a row computes (two slots), and each
 row's du and dz leave by TMA from two slots too. The FP8 variants keep each program's max
-|value| as one number. ``approx_math``: sigmoid's ``exp`` is ``ex2.approx``, as in the other
-Mosaic kernels. The row sums run in another order than Triton's: an output may differ by one
-BF16 step.
+|value| as one number. ``approx_math``: the sigmoid is ``ssd_mosaic.sigmoid`` (``ex2.approx``,
+an approximate ``rsqrt`` for its division), as in the other Mosaic kernels. The row sums run in
+another order than Triton's: an output may differ by one BF16 step.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from maxfp4.kernels.epilogue import Quantize, Quantized
-from maxfp4.kernels.ssd_mosaic import Ops, kernel_on_grid, lowers
+from maxfp4.kernels.ssd_mosaic import Ops, kernel_on_grid, lowers, sigmoid
 
 CHUNK = 64  # values a TMA box's last dimension holds (of at most 256)
 _VALUES_A_VECTOR = 8  # BF16 values in 16 bytes
@@ -73,6 +73,7 @@ class _Rows:
     def __init__(self, eg: int, interpret: bool):
         from jax.experimental.pallas import mosaic_gpu as plgpu
         self.ops = Ops(interpret)
+        self.interpret = interpret
         self.layout = None if interpret else plgpu.Layout.WG_STRIDED((eg // CHUNK, CHUNK),
                                                                       vec_size=_VALUES_A_VECTOR)
 
@@ -84,7 +85,7 @@ def _gated(rows: _Rows, u_s, z_s) -> tuple[jax.Array, jax.Array, jax.Array, jax.
     """(u, z, sigmoid(z), g = u z sigmoid(z)) of one row, in FP32."""
     u = rows.load(u_s).astype(jnp.float32)
     z = rows.load(z_s).astype(jnp.float32)
-    sz = jax.nn.sigmoid(z)
+    sz = sigmoid(z, rows.interpret)
     return u, z, sz, u * z * sz
 
 

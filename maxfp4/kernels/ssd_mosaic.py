@@ -99,6 +99,20 @@ def launch_params(interpret: bool) -> dict:
     return {"compiler_params": plgpu.CompilerParams(approx_math=True)}
 
 
+def sigmoid(x: jax.Array, interpret: bool) -> jax.Array:
+    """sigmoid(x) in a Mosaic GPU kernel. Compiled: rsqrt(1 + exp(-x))^2, ``rsqrt.approx`` under
+    ``approx_math`` (one instruction, 2^-22.9 relative), where Mosaic lowers
+    ``1 / (1 + exp(-x))``'s division exactly (``div.rn``, ~10 instructions; Triton's ``/`` is the
+    approximate ``div.full``): the elementwise kernels that use it are bound by instructions.
+    Squaring after the root keeps the small values (x down to -103) that squaring 1 + exp(-x)
+    first would overflow to 0. Under the interpreter, jax's own sigmoid, so the tests there
+    compare with the Triton kernels bit for bit."""
+    if interpret:
+        return jax.nn.sigmoid(x)
+    r = lax.rsqrt(1.0 + jnp.exp(-x))
+    return r * r
+
+
 def kernel_on_grid(kernel, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], scratch: list,
                    interpret: bool):
     """``pl.kernel`` over ``grid``, the scratch buffers allocated around the body as
