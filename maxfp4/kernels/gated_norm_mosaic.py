@@ -110,28 +110,29 @@ def _scale_operand(quantize: Quantize | None) -> list:
 
 
 def gated_norm_forward(u_BTE, zxbcdt_BTI, scale_E, groups: int, eps: float, out_dtype, interpret: bool,
-                       quantize: Quantize | None = None):
+                       quantize: Quantize | None = None, rows_per_program: int = _FORWARD_ROWS):
     """``gated_norm.gated_norm_forward`` on Mosaic GPU: (the value, the residuals), the value
-    ``(q, max |value|)`` with ``quantize``."""
+    ``(q, max |value|)`` with ``quantize``. ``rows_per_program`` (dividing 16): what
+    ``benchmarks/norm_layer.py`` sweeps."""
     b, t, e = u_BTE.shape
     _check(t, e, groups, zxbcdt_BTI.shape[-1])
     dtype = out_dtype if quantize is None else quantize.dtype
     out, amax = _forward(u_BTE, zxbcdt_BTI, scale_E, *_scale_operand(quantize), groups=groups, eps=eps,
                          out_dtype=jnp.dtype(out_dtype), store_dtype=jnp.dtype(dtype), fp8=quantize is not None,
-                         interpret=interpret)
+                         interpret=interpret, n=rows_per_program)
     residuals = (u_BTE, zxbcdt_BTI, scale_E)
     return (out if quantize is None else (out, amax)), residuals
 
 
-@functools.partial(jax.jit, static_argnames=("groups", "eps", "out_dtype", "store_dtype", "fp8", "interpret"))
-def _forward(u_BTE, zxbcdt_BTI, scale_E, *qscale, groups, eps, out_dtype, store_dtype, fp8, interpret):
+@functools.partial(jax.jit, static_argnames=("groups", "eps", "out_dtype", "store_dtype", "fp8", "interpret", "n"))
+def _forward(u_BTE, zxbcdt_BTI, scale_E, *qscale, groups, eps, out_dtype, store_dtype, fp8, interpret,
+             n=_FORWARD_ROWS):
     from jax.experimental.pallas import mosaic_gpu as plgpu
     b, t, e = u_BTE.shape
     eg = e // groups
     nc = eg // CHUNK
     rows = _Rows(eg, interpret)
     quantized = Quantized(out_dtype) if fp8 else None
-    n = _FORWARD_ROWS
 
     def kernel(u_g, z_g, s_g, *refs):
         refs = list(refs)
