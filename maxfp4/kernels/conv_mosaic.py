@@ -6,15 +6,15 @@ front), but x read in place: the columns of the in_proj output it is, with no pa
 copy XLA took 86 us a layer to make on an H200, and 6 GiB of residuals in mamba2-1p3b).
 
 One program per (batch row, 32 rows of T, 128 channels). Its rows and the 8 before them arrive
-by two TMA copies into untiled shared memory (the first program's 8 set to zero instead); the work goes 8 rows at a time in Mosaic
-GPU's strided register layout, where an [8, 128] block is one 16-byte vector a thread: every
-window (the block's rows ``lag`` positions back) is a vector load at a row offset, with no
-shared-memory bank conflicts. The layout has no broadcasts, so what is per column (weights,
-bias) comes as [8, C] rows repeated by XLA before the launch, and what is per row, whether
-window k's row is in the row's document, as one bit a window in an int8 [B, T, 128] array
-(``_window_masks``), both tiny beside x. The kernels are bound by instructions, not memory, so a
-program whose windows all lie in their rows' documents (a flag a program, made with the masks)
-runs a copy of its code without the masking. The pre-activation is summed in FP32 in the Triton
+by two TMA copies into untiled shared memory (zeros instead of the 8 before the sequence). The
+work goes 8 rows at a time in Mosaic GPU's strided register layout, where an [8, 128] block is
+one 16-byte vector a thread: every window (the block's rows ``lag`` positions back) is a vector
+load at a row offset, with no shared-memory bank conflicts. The layout has no broadcasts, so
+what is per column (weights, bias) comes as [8, C] rows repeated by XLA before the launch, and
+what is per row, whether window k's row is in the row's document, as one bit a window in an
+int8 [B, T, 128] array (``_window_masks``), both tiny beside x. The kernels are bound by
+instructions, not memory, so a program whose windows all lie in their rows' documents (a flag a
+program, made with the masks) runs a copy of its code without the masking. The pre-activation is summed in FP32 in the Triton
 kernel's order (bias, then lags 0 .. W-1), SiLU applied, and the block stored. The backward's
 first kernel recomputes it, forms the pre-activation's gradient, and sums it (and the masked
 windows times it, one sum per weight row) over the program's rows into one partial sum a
