@@ -216,6 +216,11 @@ def test_div_rn_is_ieee_division():
     assert abs(got[7]) < np.finfo(F32).tiny and got[8] == -np.inf
 
 
+# ---------------------------------------------------------------------------------------------
+# E2M1 / E4M3 casts in jnp
+# ---------------------------------------------------------------------------------------------
+
+
 def test_float4_cast_is_exact_for_representable_values():
     vals = np.concatenate([E2M1_GRID, -E2M1_GRID]).astype(F32)
     want = np.concatenate([np.arange(8), np.arange(8) | 8]).astype(np.uint8)

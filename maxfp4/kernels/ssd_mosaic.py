@@ -142,14 +142,13 @@ class Ops:
         load_index = inspect.signature(plgpu.load).parameters.get("idx")
         self.load_takes_index = load_index is not None and load_index.default is inspect.Parameter.empty
 
-    def load(self, ref, idx, layout, optimized: bool = True):
-        """``optimized=False`` accepts shared-memory bank conflicts (an untiled buffer)."""
+    def load(self, ref, idx, layout):
         if self.interpret:
             return ref[idx]
         ref = ref.at[idx] if idx else ref
         if self.load_takes_index:
-            return self.plgpu.load(ref, (), layout=layout, optimized=optimized)
-        return self.plgpu.load(ref, layout=layout, optimized=optimized)
+            return self.plgpu.load(ref, (), layout=layout)
+        return self.plgpu.load(ref, layout=layout)
 
     def matmul(self, a_RK: jax.Array, b_ref, staging_ref) -> jax.Array:
         """``a @ b`` in FP32 by a wgmma: ``a`` from registers; under the interpreter, whose wgmma
