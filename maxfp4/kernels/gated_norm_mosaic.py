@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from maxfp4.kernels.epilogue import Quantize, Quantized
-from maxfp4.kernels.ssd_mosaic import Ops, kernel_on_grid, lowers, sigmoid
+from maxfp4.kernels.ssd_mosaic import Ops, kernel_on_grid, lowers, scale_operand, sigmoid, store_maybe_quantized
 
 CHUNK = 64  # values a TMA box's last dimension holds (of at most 256)
 _VALUES_A_VECTOR = 8  # BF16 values in 16 bytes
@@ -90,23 +90,17 @@ def _gated(rows: _Rows, u_s, z_s) -> tuple[jax.Array, jax.Array, jax.Array, jax.
 
 
 def _store_row(value: jax.Array, dst, quantized: Quantized | None, qscale_s, amax):
-    """Stores a row in ``dst``'s dtype, or with ``quantized`` as the FP8 recipes store it
-    (rounded to the activation dtype, scaled by ``qscale_s[0]``, cast); returns the running max
-    |value rounded| (None without ``quantized``)."""
-    if quantized is None:
-        dst[...] = value.astype(dst.dtype)
+    """``store_maybe_quantized`` of a row; returns the running max |value rounded| (None without
+    ``quantized``)."""
+    rounded = store_maybe_quantized(value, dst, quantized, qscale_s)
+    if rounded is None:
         return None
-    value = quantized.round(value)
-    dst[...] = quantized.cast(value, qscale_s[0], dst.dtype)
-    row_max = jnp.max(jnp.abs(value))
+    row_max = jnp.max(jnp.abs(rounded))
     return row_max if amax is None else jnp.maximum(amax, row_max)
 
 
 def _scale_operand(quantize: Quantize | None) -> list:
-    """The FP8 scale as a copy moves it: a multiple of 128 bytes, so padded to 32 words."""
-    if quantize is None:
-        return []
-    return [jnp.pad(jnp.reshape(quantize.scale, (1,)).astype(jnp.float32), (0, 31))]
+    return [] if quantize is None else [scale_operand(quantize.scale)]
 
 
 def gated_norm_forward(u_BTE, zxbcdt_BTI, scale_E, groups: int, eps: float, out_dtype, interpret: bool,

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from maxfp4.kernels.epilogue import Quantized
 from maxfp4.kernels.launch import on_hopper
 
 ROWS = 64  # rows of one wgmma: the scores are built and multiplied 64 rows at a time
@@ -111,6 +112,24 @@ def sigmoid(x: jax.Array, interpret: bool) -> jax.Array:
         return jax.nn.sigmoid(x)
     r = lax.rsqrt(1.0 + jnp.exp(-x))
     return r * r
+
+
+def scale_operand(scale: jax.Array) -> jax.Array:
+    """An FP8 scale as a kernel's TMA copy moves it: a multiple of 128 bytes (one per thread of
+    the warpgroup), so padded to 32 words."""
+    return jnp.pad(jnp.reshape(scale, (1,)).astype(jnp.float32), (0, 31))
+
+
+def store_maybe_quantized(value: jax.Array, dst, quantized: Quantized | None, scale_s) -> jax.Array | None:
+    """Stores FP32 ``value`` in ``dst``'s dtype, or with ``quantized`` as the FP8 recipes store
+    it (rounded to the activation dtype, scaled by ``scale_s[0]``, cast). Returns the rounded
+    value, whose max |.| the recipes keep (None without ``quantized``)."""
+    if quantized is None:
+        dst[...] = value.astype(dst.dtype)
+        return None
+    value = quantized.round(value)
+    dst[...] = quantized.cast(value, scale_s[0], dst.dtype)
+    return value
 
 
 def kernel_on_grid(kernel, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], scratch: list,
