@@ -118,10 +118,15 @@ class _Blocks:
         return self.ops.load(ref, (), self.column)
 
 
+def _columns(offset: int = 0):
+    """This program's 128 channels, as columns of an array whose channels start at ``offset``."""
+    return pl.ds(offset + lax.axis_index("c") * COLUMNS, COLUMNS)
+
+
 def _program():
     """(batch row, first row, the channels' slice) of this program."""
-    bi, ti, ci = lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("c")
-    return bi, ti, ti * SPAN, pl.ds(ci * COLUMNS, COLUMNS)
+    bi, ti = lax.axis_index("b"), lax.axis_index("t")
+    return bi, ti, ti * SPAN, _columns()
 
 
 _BEHIND = 8  # rows fetched before a program's own for the windows back (W - 1 of them used)
@@ -145,6 +150,26 @@ def _fetch_behind(plgpu, x_g, program, x_cols, x_s, loaded) -> None:
     plgpu.copy_gmem_to_smem(x_g.at[bi, pl.ds(jnp.maximum(t0 - _BEHIND, 0), _BEHIND), x_cols],
                             x_s.at[pl.ds(0, _BEHIND)], loaded)
     plgpu.copy_gmem_to_smem(x_g.at[bi, pl.ds(t0, SPAN), x_cols], x_s.at[pl.ds(_BEHIND, SPAN)], loaded)
+
+
+def _fetch_pre_activation_operands(plgpu, blocks: _Blocks, program, refs_g, refs_s, loaded, width: int,
+                                   column_offset: int):
+    """What the pre-activation reads, by six TMA copies to ``loaded``, waited for: x's rows with
+    the 8 before them (zeros before the sequence), the masks and flag, the weights' and bias's
+    rows; returns the weights' blocks (by row k) and the bias's. ``refs_g`` and ``refs_s``: (x,
+    masks, flags, weights, bias) in global and shared memory. A kernel issues its own copies to
+    ``loaded`` before it."""
+    x_g, masks_g, flags_g, w_g, b_g = refs_g
+    x_s, masks_s, flag_s, w_s, bias_s = refs_s
+    _fetch_behind(plgpu, x_g, program, _columns(column_offset), x_s, loaded)
+    _fetch_masks_and_weights(plgpu, masks_g, flags_g, w_g, program, masks_s, flag_s, w_s, loaded)
+    plgpu.copy_gmem_to_smem(b_g.at[:, program[3]], bias_s, loaded)
+    plgpu.barrier_wait(loaded)
+    _zero_front(x_s, program[1])
+    return [blocks.load(w_s.at[k]) for k in range(width)], blocks.load(bias_s)
+
+
+_PRE_ACTIVATION_COPIES = 6  # _fetch_pre_activation_operands'
 
 
 def _zero_front(x_s, ti) -> None:
@@ -214,15 +239,9 @@ def conv_silu_forward(x_src: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
     blocks = _Blocks(interpret)
 
     def kernel(x_g, masks_g, flags_g, w_g, b_g, out_g, x_s, masks_s, flag_s, w_s, bias_s, out_s, loaded):
-        program = bi, ti, t0, cols = _program()
-        _fetch_behind(plgpu, x_g, program, pl.ds(column_offset + lax.axis_index("c") * COLUMNS, COLUMNS), x_s,
-                      loaded)
-        _fetch_masks_and_weights(plgpu, masks_g, flags_g, w_g, program, masks_s, flag_s, w_s, loaded)
-        plgpu.copy_gmem_to_smem(b_g.at[:, cols], bias_s, loaded)
-        plgpu.barrier_wait(loaded)
-        _zero_front(x_s, ti)
-        w = [blocks.load(w_s.at[k]) for k in range(width)]
-        bias = blocks.load(bias_s)
+        program = bi, _, t0, cols = _program()
+        w, bias = _fetch_pre_activation_operands(plgpu, blocks, program, (x_g, masks_g, flags_g, w_g, b_g),
+                                                 (x_s, masks_s, flag_s, w_s, bias_s), loaded, width, column_offset)
 
         def compute(masked: bool):
             for r in range(0, SPAN, SUB):
@@ -234,7 +253,7 @@ def conv_silu_forward(x_src: jax.Array, ids_pad: jax.Array, w_WC: jax.Array, b_C
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [*_scratch(plgpu, _BEHIND + SPAN, x_src.dtype, width), plgpu.SMEM((SUB, COLUMNS), jnp.float32),
-               plgpu.SMEM((SPAN, COLUMNS), x_src.dtype), plgpu.Barrier(num_arrivals=6)]
+               plgpu.SMEM((SPAN, COLUMNS), x_src.dtype), plgpu.Barrier(num_arrivals=_PRE_ACTIVATION_COPIES)]
     return kernel_on_grid(kernel, jax.ShapeDtypeStruct((b, t, c), x_src.dtype), (b, t // SPAN, c // COLUMNS), _GRID,
                           scratch, interpret)(x_src, *_window_masks(ids_pad, width, width - 1), _rows_of(w_WC),
                                               _rows_of(b_C))
@@ -259,15 +278,9 @@ def preactivation_gradients(x_src: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
     def kernel(x_g, masks_g, flags_g, w_g, b_g, dout_g, dpre_g, sums_g, x_s, masks_s, flag_s, w_s, bias_s, dout_s,
                dpre_s, sums_s, totals_s, loaded):
         program = bi, ti, t0, cols = _program()
-        _fetch_behind(plgpu, x_g, program, pl.ds(column_offset + lax.axis_index("c") * COLUMNS, COLUMNS), x_s,
-                      loaded)
-        _fetch_masks_and_weights(plgpu, masks_g, flags_g, w_g, program, masks_s, flag_s, w_s, loaded)
-        plgpu.copy_gmem_to_smem(b_g.at[:, cols], bias_s, loaded)
         plgpu.copy_gmem_to_smem(dout_g.at[bi, pl.ds(t0, SPAN), cols], dout_s, loaded)
-        plgpu.barrier_wait(loaded)
-        _zero_front(x_s, ti)
-        w = [blocks.load(w_s.at[k]) for k in range(width)]
-        bias = blocks.load(bias_s)
+        w, bias = _fetch_pre_activation_operands(plgpu, blocks, program, (x_g, masks_g, flags_g, w_g, b_g),
+                                                 (x_s, masks_s, flag_s, w_s, bias_s), loaded, width, column_offset)
 
         def compute(masked: bool):
             sums = None  # [dpre, then window k times dpre for each weight row k], summed over blocks
@@ -297,7 +310,7 @@ def preactivation_gradients(x_src: jax.Array, ids_pad: jax.Array, w_WC: jax.Arra
     scratch = [*_scratch(plgpu, _BEHIND + SPAN, dtype, width), plgpu.SMEM((SUB, COLUMNS), f32),
                plgpu.SMEM((SPAN, COLUMNS), dout_BTC.dtype), plgpu.SMEM((SPAN, COLUMNS), dtype),
                plgpu.SMEM((1 + width, SUB, COLUMNS), f32), plgpu.SMEM((1 + width, COLUMNS), f32),
-               plgpu.Barrier(num_arrivals=7)]
+               plgpu.Barrier(num_arrivals=_PRE_ACTIVATION_COPIES + 1)]
     out_type = [jax.ShapeDtypeStruct((b, t + 8, c), dtype), jax.ShapeDtypeStruct((1 + width, b, t // SPAN, c), f32)]
     dpre, sums = kernel_on_grid(kernel, out_type, (b, t // SPAN, c // COLUMNS), _GRID, scratch, interpret)(
         x_src, *_window_masks(ids_pad, width, width - 1), _rows_of(w_WC), _rows_of(b_C), dout_BTC)
@@ -373,8 +386,7 @@ def _input_gradient(dpre_pad, ids_back, w_WC, into_BTI, scale, *, interpret: boo
                 amax_s[0] = jnp.max(amax)  # one number a program
         _masked_or_not(flag_s, compute)
         plgpu.commit_smem()
-        out_cols = pl.ds((column_offset if in_place else 0) + lax.axis_index("c") * COLUMNS, COLUMNS)
-        plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, SPAN), out_cols])
+        plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, SPAN), _columns(column_offset if in_place else 0)])
         if amax_g is not None:
             plgpu.copy_smem_to_gmem(amax_s, amax_g.at[bi, ti, lax.axis_index("c")])
         plgpu.wait_smem_to_gmem(0)
