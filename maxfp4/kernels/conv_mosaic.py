@@ -14,8 +14,9 @@ what is per column (weights, bias) comes as [8, C] rows repeated by XLA before t
 what is per row, whether window k's row is in the row's document, as one bit a window in an
 int8 [B, T, 128] array (``_window_masks``), both tiny beside x. The kernels are bound by
 instructions, not memory, so a program whose windows all lie in their rows' documents (a flag a
-program, made with the masks) runs a copy of its code without the masking. The pre-activation is summed in FP32 in the Triton
-kernel's order (bias, then lags 0 .. W-1), SiLU applied, and the block stored. The backward's
+program, made with the masks) runs a copy of its code without the masking. The pre-activation
+is summed in FP32 in the Triton kernel's order (bias, then lags 0 .. W-1), SiLU applied, and the
+block stored. The backward's
 first kernel recomputes it, forms the pre-activation's gradient, and sums it (and the masked
 windows times it, one sum per weight row) over the program's rows into one partial sum a
 column that XLA adds up; the second reads W windows of that gradient, forward in T, and writes dx
