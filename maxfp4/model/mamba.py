@@ -259,36 +259,34 @@ def _ssd_kernels(cfg: ModelConfig) -> str:
     return "triton" if cfg.mamba.kernel_backend == "triton" else "auto"
 
 
+def _takes_mosaic(cfg: ModelConfig, tiles: bool, lowers) -> bool:
+    """Whether a kernel's Mosaic GPU form runs instead of its Triton one: only under
+    ``model.mamba.kernel_backend=mosaic`` (the convolution's and the gated norm's are not yet
+    measured faster), where it ``tiles`` the shapes; off a GPU under Mosaic GPU's interpreter,
+    as the other kernels run interpreted there; on a GPU where it is Hopper and ``lowers()``
+    (this jax lowers it there)."""
+    if not (cfg.mamba.kernel_backend == "mosaic" and tiles):
+        return False
+    return not on_gpu() or (ssd_mosaic.available() and lowers())
+
+
 def _conv_kernels(cfg: ModelConfig, x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array) -> str:
-    """The convolution's kernels for its input x [B, T, C]: Mosaic GPU's
-    (``maxfp4.kernels.conv_mosaic``, slower than Triton's on an H200) only under
-    ``model.mamba.kernel_backend=mosaic``, where they tile, on Hopper where this jax lowers them
-    (off a GPU under Mosaic GPU's interpreter, as the other kernels run interpreted there); else
-    Triton's."""
+    """The convolution's kernels for its input x [B, T, C]: "mosaic" (``maxfp4.kernels.conv_mosaic``)
+    where ``_takes_mosaic``, else "triton"."""
     d = dims(cfg)
     (b, t, c), width = x_BTC.shape, w_WC.shape[0]
-    if not (cfg.mamba.kernel_backend == "mosaic" and conv_mosaic.supported(t, c)
-            and d["E"] % conv_mosaic.COLUMNS == 0):
-        return "triton"
-    if not on_gpu():
-        return "mosaic"
-    take = ssd_mosaic.available() and conv_mosaic.lowers_at(b, t, c, width, x_BTC.dtype, w_WC.dtype, b_C.dtype,
-                                                            d["in"], d["E"])
+    tiles = conv_mosaic.supported(t, c) and d["E"] % conv_mosaic.COLUMNS == 0
+    take = _takes_mosaic(cfg, tiles, lambda: conv_mosaic.lowers_at(b, t, c, width, x_BTC.dtype, w_WC.dtype,
+                                                                  b_C.dtype, d["in"], d["E"]))
     return "mosaic" if take else "triton"
 
 
 def _norm_kernels(cfg: ModelConfig, u_BTE: jax.Array, zxbcdt_BTI: jax.Array, scale_E: jax.Array):
-    """The gated norm's kernel module for its operands: Mosaic GPU's
-    (``maxfp4.kernels.gated_norm_mosaic``, not yet measured) only under
-    ``model.mamba.kernel_backend=mosaic``, where it tiles, on Hopper where this jax lowers it
-    (off a GPU under Mosaic GPU's interpreter); else Triton's (``maxfp4.kernels.gated_norm``)."""
+    """The gated norm's kernel module for its operands: ``maxfp4.kernels.gated_norm_mosaic`` where
+    ``_takes_mosaic``, else ``maxfp4.kernels.gated_norm`` (Triton)."""
     (b, t, e), groups, in_columns = u_BTE.shape, dims(cfg)["G"], zxbcdt_BTI.shape[-1]
-    if not (cfg.mamba.kernel_backend == "mosaic" and gated_norm_mosaic.supported(t, e, groups, in_columns)):
-        return gated_norm_kernel
-    if not on_gpu():
-        return gated_norm_mosaic
-    take = ssd_mosaic.available() and gated_norm_mosaic.lowers_at(b, t, e, groups, in_columns, u_BTE.dtype,
-                                                                  scale_E.dtype)
+    take = _takes_mosaic(cfg, gated_norm_mosaic.supported(t, e, groups, in_columns),
+                         lambda: gated_norm_mosaic.lowers_at(b, t, e, groups, in_columns, u_BTE.dtype, scale_E.dtype))
     return gated_norm_mosaic if take else gated_norm_kernel
 
 
