@@ -18,7 +18,8 @@ a buffer W - 1 rows longer than T, whose last rows are never used: their segment
 
 The padded copy of x is kept on purpose: reading the in_proj output in place instead (masked or
 clamped rows, no copy) saved the copy's 4 ms and 6 GiB on an H200 mamba2-1p3b step but slowed
-these kernels by 13 ms (docs/PERFORMANCE.md, "Tried and not kept").
+these kernels by 13 ms. (The Mosaic GPU kernels, ``conv_mosaic``, do read it in place: their TMA
+copies fetch whole rows, with no masked loads.)
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def _kernel(y_ref, dh_ref, scales_ref, dy_ref, dy_t_ref, h_t_ref, amax_ref, *, b
     else:
         dy_ref[toks, cols] = bits[0]
     # The FP8 bytes are transposed, not the FP32 values: transposing those and casting again
-    # was no faster (docs/PERFORMANCE.md, "Tried and not kept").
+    # was no faster (H200).
     for gate, b in enumerate(bits):
         dy_t_ref[cols, gate, toks] = b.T
     h_t_ref[cols, toks] = h_bits.T

@@ -33,7 +33,7 @@ def walsh16(v: jax.Array, axis: int = -1) -> jax.Array:
     dense-1p3b's NVFP4 step on an H200: ~60 ms of 517). Still, the fused passes recompute
     multi-dimensional indices for each of an output's 16 inputs; all four stages on 16 slices
     with one stack at the end was 8% faster on one linear layer, but not measured on a whole
-    model, whose compile it may lengthen (docs/PERFORMANCE.md, "Tried and not kept").
+    model, whose compile it may lengthen.
     """
     axis = axis % v.ndim
     lead, trail = v.shape[:axis], v.shape[axis + 1:]
