@@ -2,8 +2,7 @@
 # One training config under several sets of XLA collective flags (XLA_FLAGS), one
 # train_throughput.py run each, on all visible GPUs; prints one table row per flag set.
 #   bash benchmarks/xla_flag_sweep.sh "configs/llama3-8b.yaml model.n_layers=8 train.remat=save_gemm train.microbatches=4"
-# STEPS / WARMUP (default 3 / 2) set the timed and warm-up steps. docs/PERFORMANCE.md, section
-# "Tried and not kept", has the results on two H100s.
+# STEPS / WARMUP (default 3 / 2) set the timed and warm-up steps.
 set -uo pipefail
 if [ $# -ne 1 ]; then
   echo "usage: bash benchmarks/xla_flag_sweep.sh \"CONFIG [PRECISION] [key=value ...]\"" >&2
