@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from maxfp4.kernels.epilogue import Quantize, Quantized
-from maxfp4.kernels.ssd_mosaic import Ops, kernel_on_grid, lowers, scale_operand, sigmoid, store_maybe_quantized
+from maxfp4.kernels.ssd_mosaic import (StridedLoads, kernel_on_grid, lowers, scale_operand, sigmoid,
+                                      store_maybe_quantized)
 
 CHUNK = 64  # values a TMA box's last dimension holds (of at most 256)
 _VALUES_A_VECTOR = 8  # BF16 values in 16 bytes
@@ -66,22 +67,12 @@ def _check(t: int, e: int, groups: int, in_columns: int) -> None:
                          f"{_BACKWARD_ROWS}; the width of {CHUNK})")
 
 
-class _Rows:
-    """Loads of one group's row, [Eg / 64, 64], in the strided layout (plain reads under the
-    interpreter)."""
-
-    def __init__(self, eg: int, interpret: bool):
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-        self.ops = Ops(interpret)
-        self.interpret = interpret
-        self.layout = None if interpret else plgpu.Layout.WG_STRIDED((eg // CHUNK, CHUNK),
-                                                                      vec_size=_VALUES_A_VECTOR)
-
-    def load(self, ref) -> jax.Array:
-        return self.ops.load(ref, (), self.layout)
+def _row_loads(eg: int, interpret: bool) -> StridedLoads:
+    """Loads of one group's row, [Eg / 64, 64]."""
+    return StridedLoads((eg // CHUNK, CHUNK), interpret, vec_size=_VALUES_A_VECTOR)
 
 
-def _gated(rows: _Rows, u_s, z_s) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _gated(rows: StridedLoads, u_s, z_s) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(u, z, sigmoid(z), g = u z sigmoid(z)) of one row, in FP32."""
     u = rows.load(u_s).astype(jnp.float32)
     z = rows.load(z_s).astype(jnp.float32)
@@ -125,7 +116,7 @@ def _forward(u_BTE, zxbcdt_BTI, scale_E, *qscale, groups, eps, out_dtype, store_
     b, t, e = u_BTE.shape
     eg = e // groups
     nc = eg // CHUNK
-    rows = _Rows(eg, interpret)
+    rows = _row_loads(eg, interpret)
     quantized = Quantized(out_dtype) if fp8 else None
 
     def kernel(u_g, z_g, s_g, *refs):
@@ -196,7 +187,7 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
     b, t, e = u_BTE.shape
     eg = e // groups
     nc = eg // CHUNK
-    rows = _Rows(eg, interpret)
+    rows = _row_loads(eg, interpret)
     quantized = Quantized(zxbcdt_BTI.dtype) if fp8 else None
     n = _BACKWARD_ROWS
     f32 = jnp.float32

@@ -114,6 +114,21 @@ def sigmoid(x: jax.Array, interpret: bool) -> jax.Array:
     return r * r
 
 
+class StridedLoads:
+    """Loads of ``shape`` from shared memory in Mosaic GPU's strided register layout, ``vec_size``
+    consecutive values a thread (plain reads under the interpreter): the layout of the kernels
+    whose work is elementwise, 16-byte vectors without bank conflicts."""
+
+    def __init__(self, shape: tuple[int, ...], interpret: bool, vec_size: int = 8):
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        self.ops = Ops(interpret)
+        self.interpret = interpret
+        self.layout = None if interpret else plgpu.Layout.WG_STRIDED(shape, vec_size=vec_size)
+
+    def load(self, ref) -> jax.Array:
+        return self.ops.load(ref, (), self.layout)
+
+
 def scale_operand(scale: jax.Array) -> jax.Array:
     """An FP8 scale as a kernel's TMA copy moves it: a multiple of 128 bytes (one per thread of
     the warpgroup), so padded to 32 words."""
