@@ -88,10 +88,11 @@ class MambaConfig:
     # kernels; interpreted off GPU, slowly).
     kernels: str = "auto"
     # Which Pallas backend the GPU kernels compile for: auto (Mosaic GPU, the backend jax supports,
-    # for each kernel whose Mosaic form is measured faster and takes the shapes, today the SSD's
-    # forward, backward and recurrence between chunks on Hopper; Triton for the rest), mosaic
-    # (also the Mosaic forms measured slower or not yet measured: the convolution's, the gated
-    # norm's) or triton (every kernel on Triton, as before the Mosaic forms).
+    # for each kernel whose Mosaic form is measured faster and takes the shapes, today on Hopper
+    # the SSD's forward, backward and recurrence between chunks, the convolution's three kernels
+    # and the gated norm's forward; Triton for the rest), mosaic (also the Mosaic forms measured
+    # slower: the gated norm's backward) or triton (every kernel on Triton, as before the Mosaic
+    # forms).
     kernel_backend: str = "auto"
     # With FP8 delayed scaling on in_proj and out_proj and the kernels on: the kernels that
     # write in_proj's output gradient and out_proj's input store them in FP8 themselves (same

@@ -320,3 +320,24 @@ def test_mosaic_gated_norm_matches_the_triton_kernels_at_the_benchmark_shapes(fp
     if fp8:
         for a, w in ((got[0][1], want[0][1]), (got[1][3], want[1][3])):
             assert abs(float(a) - float(w)) <= 2.0 ** -7 * float(w)
+
+
+def test_auto_takes_the_mosaic_kernels_measured_faster_on_hopper():
+    """``model.mamba.kernel_backend=auto`` on a Hopper GPU at mamba2-1p3b's shapes: the
+    convolution's Mosaic kernels and the gated norm's Mosaic forward; the norm's backward on
+    Triton (measured slower, docs/PERFORMANCE.md); ``triton`` takes none of them."""
+    from maxfp4.config import load_config
+    from maxfp4.kernels import gated_norm as triton_norm
+    from maxfp4.kernels import gated_norm_mosaic as mosaic_norm
+    from maxfp4.model import mamba
+    if not ssd_mosaic.available():
+        pytest.fail("this GPU is not Hopper: the Mosaic kernels do not run here")
+    for backend, want in (("auto", ("mosaic", mosaic_norm, triton_norm)), ("triton", ("triton", triton_norm, triton_norm))):
+        cfg = load_config("configs/mamba2-1p3b.yaml", [f"model.mamba.kernel_backend={backend}"]).model
+        d = mamba.dims(cfg)
+        x = jnp.zeros((8, 2048, d["conv"]), jnp.bfloat16)
+        u, zx = jnp.zeros((8, 2048, d["E"]), jnp.bfloat16), jnp.zeros((8, 2048, d["in"]), jnp.bfloat16)
+        w, bias, scale = jnp.zeros((4, d["conv"])), jnp.zeros((d["conv"],)), jnp.zeros((d["E"],))
+        got = (mamba._conv_kernels(cfg, x, w, bias), mamba._norm_kernels(cfg, u, zx, scale, "forward"),
+               mamba._norm_kernels(cfg, u, zx, scale, "backward"))
+        assert got == want, backend

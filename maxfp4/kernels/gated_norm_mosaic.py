@@ -2,21 +2,26 @@
 first for the math and why a kernel) as Mosaic GPU kernels, forward and backward, with the
 same operands, outputs and FP8 stores as the Triton kernels there.
 
-A row of one group (Eg values, 4,096 in mamba2-1p3b) is one array in Mosaic GPU's strided
-register layout, 16-byte vectors of 8 values, Eg / 1,024 a thread: the row's sums (of g^2, and
-of g scale dout in the backward) are whole-array reductions, and the scale's gradient sums over
-rows are elementwise, in registers. TMA moves at most 256 values along a dimension, so every
-[..., n] array is viewed as [..., n / 64, 64] (free in XLA): a program's rows of one group are
-then one copy. The in_proj output that z is read from, and whose gradient dz is written into,
-keeps its width I; I must be a multiple of 64.
+A row of one group (Eg values, 4,096 in mamba2-1p3b) is worked in pieces of 1,024 values, one
+16-byte vector a thread of the warpgroup, in Mosaic GPU's strided register layout: a row held
+whole is Eg / 128 registers an array a thread, and the backward's five such arrays spilled
+(1.02 ms against the Triton kernel's 0.26, which spreads a row over 16 warps). A pass over the
+pieces adds up the row's sums (of g^2, and of g scale dout in the backward) elementwise, then
+reduces once; a second pass makes the outputs. TMA moves at most 256 values along a dimension,
+so every [..., n] array is viewed as [..., n / 64, 64] (free in XLA): a program's rows of one
+group are then one copy. The in_proj output that z is read from, and whose gradient dz is
+written into, keeps its width I; I must be a multiple of 64.
 
-The forward: a program takes 4 rows of one group (u, z in, the output out). The backward: a
-program walks 16 rows, as the Triton kernel's do, so that its partial sums of the scale's
-gradient are as many; the next row's inputs load while a row computes (two slots), and each
-row's du and dz leave by TMA from two slots too. The FP8 variants keep each program's max
-|value| as one number. ``approx_math``: the sigmoid is ``ssd_mosaic.sigmoid`` (``ex2.approx``,
-an approximate ``rsqrt`` for its division), as in the other Mosaic kernels. The row sums run in
-another order than Triton's: an output may differ by one BF16 step.
+The forward: a program takes 2 rows of one group (u, z in, the output out), keeping g in
+registers between its passes. The backward: a program walks 16 rows, as the Triton kernel's do,
+so that its partial sums of the scale's gradient are as many (held in registers); the next row's
+inputs load while a row computes (two slots), and each row's du and dz overwrite its u and z
+(E5M2 dz has its own slot) and leave by TMA from there, which keeps shared memory to ~64 KB a
+program, three resident on an SM. The pass that makes the outputs computes g again rather than
+keeping it. The FP8 variants keep each program's max |value| as one number. ``approx_math``:
+the sigmoid is ``ssd_mosaic.sigmoid`` (``ex2.approx``, an approximate ``rsqrt`` for its
+division), as in the other Mosaic kernels. The row sums run in another order than Triton's: an
+output may differ by one BF16 step.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from maxfp4.kernels.ssd_mosaic import (StridedLoads, kernel_on_grid, lowers, sca
 CHUNK = 64  # values a TMA box's last dimension holds (of at most 256)
 _VALUES_A_VECTOR = 8  # BF16 values in 16 bytes
 _THREADS = 128  # a warpgroup
-_FORWARD_ROWS = 4  # rows a forward program: u, z and the output of 4 rows fill ~100 KB of shared memory
+PIECE = _VALUES_A_VECTOR * _THREADS  # values of a row one pass step holds: one vector a thread
+_FORWARD_ROWS = 2  # rows a forward program (measured on an H200: 94.6 us with 2, 152.6 with 4, 142.4 with 8)
 _BACKWARD_ROWS = 16  # rows a backward program walks: as the Triton kernel's, for as many partial sums
 _GRID = ("b", "t", "g")  # a program: batch row, rows of T, group
 
@@ -67,27 +73,38 @@ def _check(t: int, e: int, groups: int, in_columns: int) -> None:
                          f"{_BACKWARD_ROWS}; the width of {CHUNK})")
 
 
-def _row_loads(eg: int, interpret: bool) -> StridedLoads:
-    """Loads of one group's row, [Eg / 64, 64]."""
-    return StridedLoads((eg // CHUNK, CHUNK), interpret, vec_size=_VALUES_A_VECTOR)
+def _pieces(eg: int) -> list:
+    """A group's row [Eg / 64, 64] in pieces of 1,024 values ([16, 64]), one vector a thread: a
+    row held whole would be Eg / 128 registers an array a thread (32 at Eg = 4,096), and the
+    backward's five arrays of it spill."""
+    rows = PIECE // CHUNK
+    return [pl.ds(k * rows, rows) for k in range(eg // PIECE)]
 
 
-def _gated(rows: StridedLoads, u_s, z_s) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(u, z, sigmoid(z), g = u z sigmoid(z)) of one row, in FP32."""
-    u = rows.load(u_s).astype(jnp.float32)
-    z = rows.load(z_s).astype(jnp.float32)
-    sz = sigmoid(z, rows.interpret)
+def _piece_loads(interpret: bool) -> StridedLoads:
+    return StridedLoads((PIECE // CHUNK, CHUNK), interpret, vec_size=_VALUES_A_VECTOR)
+
+
+def _gated(loads: StridedLoads, u_s, z_s) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(u, z, sigmoid(z), g = u z sigmoid(z)) of one piece, in FP32."""
+    u = loads.load(u_s).astype(jnp.float32)
+    z = loads.load(z_s).astype(jnp.float32)
+    sz = sigmoid(z, loads.interpret)
     return u, z, sz, u * z * sz
 
 
-def _store_row(value: jax.Array, dst, quantized: Quantized | None, qscale_s, amax):
-    """``store_maybe_quantized`` of a row; returns the running max |value rounded| (None without
-    ``quantized``)."""
+def _summed(terms: list[jax.Array]) -> jax.Array:
+    """The sum of every value of the pieces' arrays: added elementwise first, one reduction."""
+    return jnp.sum(functools.reduce(jnp.add, terms))
+
+
+def _store_piece(value: jax.Array, dst, quantized: Quantized | None, qscale_s, amax):
+    """``store_maybe_quantized`` of a piece; returns the running elementwise max |value rounded|
+    (None without ``quantized``), reduced once at the program's end."""
     rounded = store_maybe_quantized(value, dst, quantized, qscale_s)
     if rounded is None:
         return None
-    row_max = jnp.max(jnp.abs(rounded))
-    return row_max if amax is None else jnp.maximum(amax, row_max)
+    return jnp.abs(rounded) if amax is None else jnp.maximum(amax, jnp.abs(rounded))
 
 
 def _scale_operand(quantize: Quantize | None) -> list:
@@ -116,7 +133,8 @@ def _forward(u_BTE, zxbcdt_BTI, scale_E, *qscale, groups, eps, out_dtype, store_
     b, t, e = u_BTE.shape
     eg = e // groups
     nc = eg // CHUNK
-    rows = _row_loads(eg, interpret)
+    loads = _piece_loads(interpret)
+    pieces = _pieces(eg)
     quantized = Quantized(out_dtype) if fp8 else None
 
     def kernel(u_g, z_g, s_g, *refs):
@@ -137,14 +155,15 @@ def _forward(u_BTE, zxbcdt_BTI, scale_E, *qscale, groups, eps, out_dtype, store_
         if fp8:
             plgpu.copy_gmem_to_smem(qscale_g, qscale_s, loaded)
         plgpu.barrier_wait(loaded)
-        scale = rows.load(s_s)
         amax = None
         for i in range(n):
-            _, _, _, g = _gated(rows, u_s.at[i], z_s.at[i])
-            r = lax.rsqrt(jnp.mean(g * g) + eps)
-            amax = _store_row(g * r * scale, out_s.at[i], quantized, qscale_s, amax)
+            # g stays in registers between the passes: Eg / 128 a thread
+            g = [_gated(loads, u_s.at[i, p], z_s.at[i, p])[3] for p in pieces]
+            r = lax.rsqrt(_summed([v * v for v in g]) / eg + eps)
+            for p, g_p in zip(pieces, g):
+                amax = _store_piece(g_p * r * loads.load(s_s.at[p]), out_s.at[i, p], quantized, qscale_s, amax)
         if fp8:
-            amax_s[0] = amax
+            amax_s[0] = jnp.max(amax)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_g.at[bi, pl.ds(t0, n), cols])
         if fp8:
@@ -187,8 +206,10 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
     b, t, e = u_BTE.shape
     eg = e // groups
     nc = eg // CHUNK
-    rows = _row_loads(eg, interpret)
+    loads = _piece_loads(interpret)
+    pieces = _pieces(eg)
     quantized = Quantized(zxbcdt_BTI.dtype) if fp8 else None
+    dz_in_place = not fp8  # dz in BF16 overwrites z's slot; as E5M2 it needs its own
     n = _BACKWARD_ROWS
     f32 = jnp.float32
 
@@ -200,8 +221,7 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
         amax_g = refs.pop(0) if fp8 else None
         u_s, z_s, dout_s, s_s, *refs = refs
         qscale_s = refs.pop(0) if fp8 else None
-        du_s, dz_s, dscale_s = refs[:3]
-        refs = refs[3:]
+        dz_s = z_s if dz_in_place else refs.pop(0)
         amax_s = refs.pop(0) if fp8 else None
         loaded, once = refs
         bi, ti, gi = lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("g")
@@ -216,37 +236,49 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
             plgpu.copy_gmem_to_smem(z_g.at[bi, row, cols], z_s.at[slot], loaded.at[slot])
             plgpu.copy_gmem_to_smem(dout_g.at[bi, row, cols], dout_s.at[slot], loaded.at[slot])
         fetch(0)
-        fetch(1)
         plgpu.barrier_wait(once)
+        dscale = [None] * len(pieces)  # the scale's gradient summed over the rows, in registers
         amax = None
         for i in range(n):
             slot = i % 2
+            if i + 1 < n:
+                # du and dz leave from their row's input slot: the next row's inputs go into the
+                # other slot once the stores of the row before have read it
+                if i >= 1:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                fetch(i + 1)
             plgpu.barrier_wait(loaded.at[slot])
-            u, z, sz, g = _gated(rows, u_s.at[slot], z_s.at[slot])
-            dout = rows.load(dout_s.at[slot]).astype(f32)
-            # The scale and the scale's running gradient stay in shared memory, each thread
-            # reading and writing its own values: a row is Eg / 128 registers an array a
-            # thread (32 at Eg = 4,096), and u, z, sigmoid(z), g and dout already take five.
-            r = lax.rsqrt(jnp.mean(g * g) + eps)
-            dg = r * rows.load(s_s) * dout - g * (r * r * r * jnp.mean(g * rows.load(s_s) * dout))
-            term = dout * g * r
-            dscale_s[...] = term if i == 0 else rows.load(dscale_s) + term
-            du = dg * z * sz
-            dz = dg * u * sz * (1.0 + z * (1.0 - sz))
-            if i >= 2:  # the stores from this slot two rows back have read it
-                plgpu.wait_smem_to_gmem(2, wait_read_only=True)
-            du_s[slot] = du.astype(du_s.dtype)
-            amax = _store_row(dz, dz_s.at[slot], quantized, qscale_s, amax)
-            plgpu.commit_smem()  # (a warpgroup barrier: every thread is done reading the slot's inputs)
+            u_s_i, z_s_i, dout_s_i = u_s.at[slot], z_s.at[slot], dout_s.at[slot]
+            # Pass 1: the row's two sums. Pass 2 computes g again rather than keeping it: the
+            # kernel is bound by instructions less than by what registers hold.
+            squares, products = [], []
+            for p in pieces:
+                g = _gated(loads, u_s_i.at[p], z_s_i.at[p])[3]
+                squares.append(g * g)
+                products.append(g * loads.load(s_s.at[p]) * loads.load(dout_s_i.at[p]).astype(f32))
+            r = lax.rsqrt(_summed(squares) / eg + eps)
+            c = r * r * r * (_summed(products) / eg)
+            for k, p in enumerate(pieces):
+                u, z, sz, g = _gated(loads, u_s_i.at[p], z_s_i.at[p])
+                dout = loads.load(dout_s_i.at[p]).astype(f32)
+                dg = r * loads.load(s_s.at[p]) * dout - g * c
+                term = dout * g * r
+                dscale[k] = term if i == 0 else dscale[k] + term
+                # each thread overwrites only the values it has just read
+                u_s_i.at[p][...] = (dg * z * sz).astype(u_s.dtype)
+                amax = _store_piece(dg * u * sz * (1.0 + z * (1.0 - sz)), dz_s.at[slot, p], quantized, qscale_s,
+                                    amax)
+            plgpu.commit_smem()  # (a warpgroup barrier too: every thread is done with the slot)
             row = ti * n + i
-            plgpu.copy_smem_to_gmem(du_s.at[slot], du_g.at[bi, row, cols])
+            plgpu.copy_smem_to_gmem(u_s_i, du_g.at[bi, row, cols])
             plgpu.copy_smem_to_gmem(dz_s.at[slot], dz_g.at[bi, row, cols])
-            if i + 2 < n:
-                fetch(i + 2)
+        # The scale is read no more: its buffer takes the scale's gradient (each thread its own values).
+        for p, v in zip(pieces, dscale):
+            s_s.at[p][...] = v
         if fp8:
-            amax_s[0] = amax
+            amax_s[0] = jnp.max(amax)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dscale_s, dscale_g.at[bi, ti, cols])
+        plgpu.copy_smem_to_gmem(s_s, dscale_g.at[bi, ti, cols])
         if fp8:
             plgpu.copy_smem_to_gmem(amax_s, amax_g.at[bi, ti, gi])
         plgpu.wait_smem_to_gmem(0)
@@ -259,11 +291,7 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
                plgpu.SMEM((2, nc, CHUNK), dout_BTE.dtype), plgpu.SMEM((nc, CHUNK), f32)]
     if fp8:
         out_type.append(jax.ShapeDtypeStruct((b, t // n, groups, 32), f32))
-        scratch.append(plgpu.SMEM((32,), f32))
-    scratch += [plgpu.SMEM((2, nc, CHUNK), u_BTE.dtype), plgpu.SMEM((2, nc, CHUNK), dz_dtype),
-                plgpu.SMEM((nc, CHUNK), f32)]
-    if fp8:
-        scratch.append(plgpu.SMEM((32,), f32))
+        scratch += [plgpu.SMEM((32,), f32), plgpu.SMEM((2, nc, CHUNK), dz_dtype), plgpu.SMEM((32,), f32)]
     scratch += [plgpu.Barrier(num_arrivals=3, num_barriers=2), plgpu.Barrier(num_arrivals=1 + fp8)]
     results = kernel_on_grid(kernel, out_type, (b, t // n, groups), _GRID, scratch, interpret)(
         _chunked(u_BTE), _chunked(zxbcdt_BTI), _chunked(scale_E.astype(f32)), _chunked(dout_BTE), *qscale)
