@@ -207,7 +207,11 @@ def test_div_rn_is_ieee_division():
     want = a / b
     for got in (F.div_rn(a, b), jax.jit(F.div_rn)(a, b)):
         np.testing.assert_array_equal(bits32(got), bits32(want))
-    big = np.finfo(F32).max
+    # operands at the ends of the normal range (exponent fields 1 and 254), normal quotients
+    tiny, big = np.finfo(F32).tiny, np.finfo(F32).max
+    edge_a = F32([tiny, -1.5 * tiny, big, -big, 2.0 ** 127, 1.5, 2.0 ** -100, 3.0, tiny * 3])
+    edge_b = F32([0.5, 0.75, 2.0, 3.0, big, tiny, 2.0 ** 26, -tiny * 1.25, -tiny * 7])
+    np.testing.assert_array_equal(bits32(jax.jit(F.div_rn)(edge_a, edge_b)), bits32(edge_a / edge_b))
     specials_a = F32([1.0, -1.0, 0.0, np.inf, np.nan, 1.0, big, 1e-30, 3.0])
     specials_b = F32([0.0, 0.0, 2.0, 2.0, 1.0, np.inf, 0.5, 1e10, -0.0])
     got = np.asarray(jax.jit(F.div_rn)(specials_a, specials_b))
