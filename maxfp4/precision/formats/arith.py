@@ -11,7 +11,7 @@ def _float64_of_normal(bits_u32: jax.Array) -> jax.Array:
     (see ``div_rn``): the exponent and significand fields shifted up together by 29 bits, the
     exponent rebiased from 127 to 1023 by one add (no carry leaves the 11-bit field), the sign
     to bit 63. Few operations: a dense-1p3b NVFP4 step's HLO holds ~51,000 instructions of these
-    divisions (``benchmarks/compile_cost.py``; 65,764 with the fields moved one by one)."""
+    divisions (``benchmarks/compile_cost.py``)."""
     bits = bits_u32.astype(jnp.uint64)
     magnitude = ((bits & 0x7FFFFFFF) << 29) + ((1023 - 127) << 52)
     return jax.lax.bitcast_convert_type(magnitude | ((bits >> 31) << 63), jnp.float64)
