@@ -49,6 +49,10 @@ def main() -> None:
         fn = jax.jit(lambda u, zx, s, rows=rows: mosaic_norm.gated_norm_forward(
             u, zx, s, groups, eps, jnp.bfloat16, False, rows_per_program=rows)[0])
         calls[f"forward, Mosaic GPU, {rows} rows"] = (fn, (u, zx, scale), 3 * tensor)
+    for rows in (4, 1):  # the Mosaic backward's rows a program (16 above)
+        fn = jax.jit(lambda u, zx, s, d, rows=rows: mosaic_norm.gated_norm_backward(
+            (u, zx, s), d, groups, eps, False, rows_per_program=rows))
+        calls[f"backward, Mosaic GPU, {rows} rows"] = (fn, (u, zx, scale, dout), 5 * tensor)
     report(f"gated norm, {args.config}: B={b} T={t} E={e} groups={groups} in_proj={width}", calls, same, diff, args)
 
 if __name__ == "__main__":

@@ -51,15 +51,16 @@ def test_forward_gives_the_triton_kernels_values_bf16_and_fp8():
     assert abs(float(got_max) - float(want_max)) <= BF16_STEP * float(want_max)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_backward_gives_the_triton_kernels_values(fp8):
+@pytest.mark.parametrize("fp8,rows", [(False, 16), (True, 16), (False, 2), (True, 1)])
+def test_backward_gives_the_triton_kernels_values(fp8, rows):
     """du and dz (the first E columns of the in_proj-wide array, BF16 or E5M2 with max |dz|) within
-    one step of the Triton kernels'; the scale's gradient, a sum over every row, within 1e-5."""
+    one step of the Triton kernels'; the scale's gradient, a sum over every row, within 1e-5;
+    with 16 rows a program (the default), 2 and 1."""
     u, zx, scale, dout = _operands(1)
     residuals = (u, zx, scale)
     quantize = Quantize(jnp.float32(8.0), jnp.float8_e5m2) if fp8 else None
     want = triton_norm.gated_norm_backward(residuals, dout, GROUPS, 1e-5, True, quantize)
-    got = mosaic_norm.gated_norm_backward(residuals, dout, GROUPS, 1e-5, True, quantize)
+    got = mosaic_norm.gated_norm_backward(residuals, dout, GROUPS, 1e-5, True, quantize, rows_per_program=rows)
     assert got[1].shape == (B, T, E + EXTRA) and got[1].dtype == want[1].dtype
     _close(got[0], want[0])
     if fp8:

@@ -189,21 +189,24 @@ def _forward(u_BTE, zxbcdt_BTI, scale_E, *qscale, groups, eps, out_dtype, store_
 
 
 def gated_norm_backward(residuals, dout_BTE, groups: int, eps: float, interpret: bool,
-                        quantize: Quantize | None = None):
+                        quantize: Quantize | None = None, rows_per_program: int = _BACKWARD_ROWS):
     """``gated_norm.gated_norm_backward`` on Mosaic GPU: (du, dz [B, T, I] with its first E columns
-    written, dscale), and ``max |dz|`` with ``quantize``."""
+    written, dscale), and ``max |dz|`` with ``quantize``. ``rows_per_program`` (dividing 16):
+    what ``benchmarks/norm_layer.py`` sweeps; fewer rows make more programs, and more partial
+    sums of the scale's gradient for XLA to add up."""
     u_BTE, zxbcdt_BTI, scale_E = residuals
     b, t, e = u_BTE.shape
     _check(t, e, groups, zxbcdt_BTI.shape[-1])
     dz_dtype = zxbcdt_BTI.dtype if quantize is None else quantize.dtype
     du, dz, dscale, amax = _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *_scale_operand(quantize), groups=groups,
                                      eps=eps, dz_dtype=jnp.dtype(dz_dtype), fp8=quantize is not None,
-                                     interpret=interpret)
+                                     interpret=interpret, n=rows_per_program)
     return (du, dz, dscale) if quantize is None else (du, dz, dscale, amax)
 
 
-@functools.partial(jax.jit, static_argnames=("groups", "eps", "dz_dtype", "fp8", "interpret"))
-def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dtype, fp8, interpret):
+@functools.partial(jax.jit, static_argnames=("groups", "eps", "dz_dtype", "fp8", "interpret", "n"))
+def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dtype, fp8, interpret,
+              n=_BACKWARD_ROWS):
     from jax.experimental.pallas import mosaic_gpu as plgpu
     b, t, e = u_BTE.shape
     eg = e // groups
@@ -212,7 +215,6 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
     pieces = _pieces(eg)
     quantized = Quantized(zxbcdt_BTI.dtype) if fp8 else None
     dz_in_place = not fp8  # dz in BF16 overwrites z's slot; as E5M2 it needs its own
-    n = _BACKWARD_ROWS
     f32 = jnp.float32
 
     def kernel(u_g, z_g, s_g, dout_g, *refs):
