@@ -11,7 +11,8 @@ Prints one table and writes JSON:
         [--steps 10 --warmup 3 --timeout 600 --json out.json] [--cold]
 
 Each row also gives the first step's time (``1st s``) and its compile split into jax's tracing
-and lowering and XLA's compile; ``--cold`` gives each run an empty compilation cache of its own.
+and lowering and XLA's compile; ``--cold`` gives each run empty compilation caches of its own
+(JAX's persistent cache, the CUDA driver's cache of JIT-compiled PTX, Triton's).
 
 A run is ``LABEL=ARGS``: ARGS are what ``python -m maxfp4.train`` takes (YAML files, then
 dotted overrides). All visible devices are used, with the config's mesh.
@@ -86,11 +87,21 @@ def measure_one(args: list[str], steps: int, warmup: int) -> dict:
     }
 
 
-def run_child(label: str, args: list[str], steps: int, warmup: int, timeout: float) -> dict:
+def cold_environment(cache_root: str) -> dict[str, str]:
+    """The environment of a run whose first step finds nothing compiled: besides its own empty
+    JAX cache (``run.compile_cache_dir``), its own empty CUDA driver cache of JIT-compiled PTX
+    and Triton cache, which kernels compiled by earlier processes on the machine would
+    otherwise warm."""
+    return {**os.environ, "CUDA_CACHE_PATH": os.path.join(cache_root, "cuda"),
+            "TRITON_CACHE_DIR": os.path.join(cache_root, "triton")}
+
+
+def run_child(label: str, args: list[str], steps: int, warmup: int, timeout: float,
+              env: dict[str, str] | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", "--steps", str(steps), "--warmup", str(warmup), "--", *args]
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"label": label, "args": args, "error": f"timed out after {timeout:.0f} s"}
     wall = time.perf_counter() - start
@@ -149,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--cold", action="store_true",
-                        help="each run with an empty compilation cache of its own (a cold first step)")
+                        help="each run with empty compilation caches of its own: JAX's, the CUDA driver's, Triton's "
+                             "(a cold first step)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
@@ -168,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="maxfp4-cold-") as caches:
         for i, (label, args) in enumerate(runs):
-            run_args = args + ([f"run.compile_cache_dir={caches}/{i}"] if ns.cold else [])
-            results.append(run_child(label, run_args, ns.steps, ns.warmup, ns.timeout))
+            run_args = args + ([f"run.compile_cache_dir={caches}/{i}/jax"] if ns.cold else [])
+            env = cold_environment(f"{caches}/{i}") if ns.cold else None
+            results.append(run_child(label, run_args, ns.steps, ns.warmup, ns.timeout, env))
             print(format_table(results[-1:]).splitlines()[-1], flush=True)
     print()
     print(format_table(results))
