@@ -260,7 +260,7 @@ def _ssd_kernels(cfg: ModelConfig) -> str:
 
 
 # The Mosaic GPU kernels ``model.mamba.kernel_backend=auto`` takes on a GPU: those measured faster
-# than their Triton forms on an H200 at mamba2-1p3b's shapes, alone and in whole steps
+# than their Triton forms on an H200 at mamba2-1p3b's shapes, alone and in a whole BF16 step
 # (docs/PERFORMANCE.md, "Kernels on Mosaic GPU"). The gated norm's backward is 2.7x slower.
 _AUTO_TAKES_MOSAIC = {"conv": True, "norm_forward": True, "norm_backward": False}
 
