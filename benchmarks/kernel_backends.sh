@@ -5,7 +5,11 @@
 # kernels and the gated norm's on Triton and Mosaic GPU (benchmarks/conv_layer.py,
 # benchmarks/norm_layer.py), and whole mamba2-1p3b steps with
 # model.mamba.kernel_backend triton / auto / mosaic in BF16 and FP8 (benchmarks/train_throughput.py).
-# Writes tests.txt, ssd_layer.txt, conv_layer.txt, norm_layer.txt and steps_PRECISIONS.txt to OUT_DIR.
+# PARTS=cold: the first step of mamba2-1p3b with kernel_backend auto and triton in each of
+# PRECISIONS, each run with every compilation cache empty (train_throughput.py --cold), before any
+# other part (one precision a call: ~2.5 min a run), e.g. PARTS=cold PRECISIONS=fp8.
+# Writes tests.txt, ssd_layer.txt, conv_layer.txt, norm_layer.txt, steps_PRECISIONS.txt and
+# cold_PRECISIONS.txt to OUT_DIR.
 #   bash benchmarks/kernel_backends.sh [OUT_DIR]
 # All of it runs past one call's 10 minutes: PARTS picks (default "kernels steps"), PRECISIONS the
 # steps' presets (default "bf16 fp8"), e.g. PARTS="kernels steps" PRECISIONS=bf16, then
@@ -16,6 +20,16 @@ PARTS=${PARTS:-kernels steps}
 PRECISIONS=${PRECISIONS:-bf16 fp8}
 mkdir -p "$OUT_DIR"
 . benchmarks/device_env.sh
+if [[ " $PARTS " == *" cold "* ]]; then
+  runs=()
+  for precision in $PRECISIONS; do
+    for backend in auto triton; do
+      runs+=(--run "$precision $backend=configs/mamba2-1p3b.yaml configs/precision/$precision.yaml model.mamba.kernel_backend=$backend")
+    done
+  done
+  timeout 560 python3 benchmarks/train_throughput.py --cold --steps 3 --warmup 1 "${runs[@]}" > "$OUT_DIR/cold_${PRECISIONS// /_}.txt" 2>&1
+  grep -v '^\s*$' "$OUT_DIR/cold_${PRECISIONS// /_}.txt" | tail -5
+fi
 if [[ " $PARTS " == *" kernels "* ]]; then
   # at most 560 s together, under one call's 600
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_mamba_kernels.py -k mosaic \
