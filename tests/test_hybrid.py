@@ -191,7 +191,8 @@ def test_mixer_core_under_one_vjp_equals_its_pieces():
         np.testing.assert_array_equal(dparams[name], dparams_ref[name], err_msg=name)
 
 
-def _fp8_mixer_value_and_grads(fp8_in_kernels: bool, out_proj_recipe: str = "fp8_delayed", trace_only=False):
+def _fp8_mixer_value_and_grads(fp8_in_kernels: bool, out_proj_recipe: str = "fp8_delayed", trace_only=False,
+                               overrides=()):
     """One Mamba-2 mixer (in_proj, kernel core, out_proj) with FP8 delayed scaling on in_proj
     and ``out_proj_recipe`` on out_proj, kernels on, two packed documents in a row: whether it
     runs as the fused ``_fused_mixer``, and (unless ``trace_only``) its output and the gradients
@@ -202,7 +203,7 @@ def _fp8_mixer_value_and_grads(fp8_in_kernels: bool, out_proj_recipe: str = "fp8
     cfg = load_config(TINY, ["model.mamba.kernels=pallas", "model.mamba.head_dim=16",
                              f"model.mamba.fp8_in_kernels={str(fp8_in_kernels).lower()}",
                              "precision.default=fp8_delayed",
-                             f"precision.rules=[{{classes: [mamba_out], recipe: {out_proj_recipe}}}]"])
+                             f"precision.rules=[{{classes: [mamba_out], recipe: {out_proj_recipe}}}]", *overrides])
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     p = {k: v[0] for k, v in mamba.init_mamba(cfg.model, jax.random.key(2), 1).items()}
     t = 32
@@ -244,3 +245,27 @@ def test_fp8_operands_stored_by_the_kernels_equal_the_recipes_casts():
     assert amax_dy * 4.1e6 > 57344, amax_dy  # the largest |dY| clips
     assert np.all(np.asarray(grads[1]["in_proj"]) != 0)
     assert float(grads[2]["mamba_out"][0]) > 0  # out_proj's input amax, from the norm kernel
+
+
+def test_fp8_operands_stored_by_the_mosaic_kernels_equal_the_recipes_casts():
+    """The same with ``model.mamba.kernel_backend=mosaic`` at shapes its convolution and gated norm
+    tile (E = 1,024 in one group, 1,152 convolution channels), interpreted: the Mosaic kernels'
+    E5M2 and E4M3 stores equal the recipes' casts of their BF16 outputs bit for bit."""
+    from maxfp4.model import mamba
+
+    mosaic = ["model.d_model=512", "model.mamba.n_groups=1", "model.mamba.d_state=64",
+              "model.mamba.kernel_backend=mosaic"]
+    cfg = load_config(TINY, ["model.mamba.head_dim=16", *mosaic]).model
+    d = mamba.dims(cfg)
+    x = jnp.zeros((2, 32, d["conv"]), jnp.bfloat16)
+    u, zx = jnp.zeros((2, 32, d["E"]), jnp.bfloat16), jnp.zeros((2, 32, d["in"]), jnp.bfloat16)
+    assert mamba._conv_kernels(cfg, x, jnp.zeros((4, d["conv"])), jnp.zeros((d["conv"],))) == "mosaic"
+    assert mamba._norm_kernels(cfg, u, zx, jnp.zeros((d["E"],)), "backward").__name__.endswith("gated_norm_mosaic")
+    used, (value, grads) = _fp8_mixer_value_and_grads(True, overrides=mosaic)
+    not_used, (value_ref, grads_ref) = _fp8_mixer_value_and_grads(False, overrides=mosaic)
+    assert used and not not_used
+    assert value == value_ref
+    for (path, a), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(grads_ref)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32),
+                                      err_msg=jax.tree_util.keystr(path))
+    assert float(grads[2]["mamba_in"][2]) * 4.1e6 > 57344  # the largest |dY| clips
