@@ -34,6 +34,21 @@ def _close(got, want, share=0.999):
     assert np.abs(got - want).max() <= BF16_STEP * np.abs(want).max()
 
 
+def _backward_close(got, want, e: int, fp8: bool):
+    """The Mosaic backward's (du, dz, dscale[, max |dz|]) against the Triton kernels': du and dz's
+    first ``e`` columns within one step of their format, the scale's gradient within 1e-5."""
+    _close(got[0], want[0])
+    if fp8:
+        dz, want_dz = np.asarray(got[1][..., :e], np.float32), np.asarray(want[1][..., :e], np.float32)
+        assert np.mean(dz == want_dz) >= 0.999 and np.abs(dz - want_dz).max() <= 2.0 ** -2 * np.abs(want_dz).max()
+        assert abs(float(got[3]) - float(want[3])) <= BF16_STEP * float(want[3])
+    else:
+        _close(got[1][..., :e], want[1][..., :e])
+    dscale, want_dscale = np.asarray(got[2], np.float64), np.asarray(want[2], np.float64)
+    assert np.abs(want_dscale).max() > 1
+    assert np.abs(dscale - want_dscale).max() <= 1e-5 * np.abs(want_dscale).max()
+
+
 def test_forward_gives_the_triton_kernels_values_bf16_and_fp8():
     u, zx, scale, _ = _operands()
     want, residuals = triton_norm.gated_norm_forward(u, zx, scale, GROUPS, 1e-5, jnp.bfloat16, True)
@@ -62,16 +77,7 @@ def test_backward_gives_the_triton_kernels_values(fp8, rows):
     want = triton_norm.gated_norm_backward(residuals, dout, GROUPS, 1e-5, True, quantize)
     got = mosaic_norm.gated_norm_backward(residuals, dout, GROUPS, 1e-5, True, quantize, rows_per_program=rows)
     assert got[1].shape == (B, T, E + EXTRA) and got[1].dtype == want[1].dtype
-    _close(got[0], want[0])
-    if fp8:
-        dz, want_dz = np.asarray(got[1][..., :E], np.float32), np.asarray(want[1][..., :E], np.float32)
-        assert np.mean(dz == want_dz) >= 0.999 and np.abs(dz - want_dz).max() <= 2.0 ** -2 * np.abs(want_dz).max()
-        assert abs(float(got[3]) - float(want[3])) <= BF16_STEP * float(want[3])
-    else:
-        _close(got[1][..., :E], want[1][..., :E])
-    dscale, want_dscale = np.asarray(got[2], np.float64), np.asarray(want[2], np.float64)
-    assert np.abs(want_dscale).max() > 1
-    assert np.abs(dscale - want_dscale).max() <= 1e-5 * np.abs(want_dscale).max()
+    _backward_close(got, want, E, fp8)
 
 
 def test_lowers_for_cuda_at_the_shipped_mamba_shapes():
@@ -149,12 +155,4 @@ def test_backward_over_several_warpgroups_gives_the_triton_kernels_values(e, fp8
     quantize = Quantize(jnp.float32(8.0), jnp.float8_e5m2) if fp8 else None
     want = triton_norm.gated_norm_backward((u, zx, scale), dout, 1, 1e-5, True, quantize)
     got = mosaic_norm.gated_norm_backward((u, zx, scale), dout, 1, 1e-5, True, quantize)
-    _close(got[0], want[0])
-    if fp8:
-        dz, want_dz = np.asarray(got[1][..., :e], np.float32), np.asarray(want[1][..., :e], np.float32)
-        assert np.mean(dz == want_dz) >= 0.999 and np.abs(dz - want_dz).max() <= 2.0 ** -2 * np.abs(want_dz).max()
-        assert abs(float(got[3]) - float(want[3])) <= BF16_STEP * float(want[3])
-    else:
-        _close(got[1][..., :e], want[1][..., :e])
-    dscale, want_dscale = np.asarray(got[2], np.float64), np.asarray(want[2], np.float64)
-    assert np.abs(dscale - want_dscale).max() <= 1e-5 * np.abs(want_dscale).max()
+    _backward_close(got, want, e, fp8)
