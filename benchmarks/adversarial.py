@@ -66,11 +66,14 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from maxfp4.compiler import xla_knows_cpu_fusion_emitters_flag
+
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 RUN = "run"  # run.name of every case
 XLA_FLAGS = ("--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
+             "--xla_llvm_disable_expensive_passes=true"
+             + (" --xla_cpu_use_fusion_emitters=false" if xla_knows_cpu_fusion_emitters_flag() else ""))
 TINY = ("model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
         "model.vocab_size=256", "data.source=synthetic", "data.seq_len=32", "data.global_batch=4",
         "train.log_every=1", "optim.warmup_steps=1", "optim.schedule_steps=100000", "mesh.data=1")

@@ -132,6 +132,17 @@ def fp8_gemms(hlo_text: str) -> list[dict[str, Any]]:
     return gemms
 
 
+def xla_knows_cpu_fusion_emitters_flag() -> bool:
+    """Whether this jaxlib's XLA takes ``--xla_cpu_use_fusion_emitters`` (the choice between its
+    CPU fusion emitters and the older loop emitters): jaxlib 0.10 does; 0.11's XLA has the
+    emitters only and aborts the process at the flag, as at any unknown flag. Read from the
+    package's metadata, so that nothing of JAX starts before XLA_FLAGS is set."""
+    from importlib.metadata import version
+
+    major, minor = (int(part) for part in version("jaxlib").split(".")[:2])
+    return (major, minor) < (0, 11)
+
+
 def use_compile_cache(directory: str) -> str | None:
     """Point JAX's persistent compilation cache at ``directory`` unless a cache directory is
     set already (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``), and return the one in use

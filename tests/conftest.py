@@ -10,6 +10,8 @@ import os
 import shutil
 import tempfile
 
+from maxfp4.compiler import xla_knows_cpu_fusion_emitters_flag
+
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     flags += " --xla_force_host_platform_device_count=8"
@@ -20,11 +22,11 @@ if "xla_backend_optimization_level" not in flags:
     # the processes the tests start inherit it.
     flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 _gpu_plugin = any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
-if "xla_cpu_use_fusion_emitters" not in flags and not _gpu_plugin:
+if "xla_cpu_use_fusion_emitters" not in flags and not _gpu_plugin and xla_knows_cpu_fusion_emitters_flag():
     # XLA's CPU fusions through its older loop emitters instead of the MLIR fusion emitters:
     # compiling a tiny hybrid's training run took 4.7 s instead of 7.4 (the same losses, bit for
-    # bit), and compiling is most of the suite's time. Only where JAX has no GPU plugin: a
-    # GPU machine's newer XLA need not know the flag, and its tests do not compile for speed.
+    # bit), and compiling is most of the suite's time. Only where JAX has no GPU plugin (a GPU
+    # machine's tests do not compile for speed) and where XLA knows the flag (jaxlib 0.10).
     flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = flags.strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

@@ -103,6 +103,25 @@ def test_compile_cache_is_written_where_configured_and_an_existing_one_wins(tiny
     assert jax.config.jax_compilation_cache_dir == session_cache and not elsewhere.exists()
 
 
+def test_the_cpu_emitter_flag_is_used_only_where_this_xla_takes_it():
+    """tests/conftest.py (and benchmarks/adversarial.py) pass ``--xla_cpu_use_fusion_emitters``
+    only where ``xla_knows_cpu_fusion_emitters_flag``: XLA aborts the process at a flag it does
+    not know (jaxlib 0.11), and the whole suite with it. A process with the flag runs exactly
+    when the function says so."""
+    import subprocess
+    import sys
+
+    from maxfp4.compiler import xla_knows_cpu_fusion_emitters_flag
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_use_fusion_emitters=false", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode == 0 and proc.stdout.strip() == "3.0") == xla_knows_cpu_fusion_emitters_flag(), \
+        proc.stderr[-500:]
+    if not xla_knows_cpu_fusion_emitters_flag():  # the suite's own processes run without it
+        assert "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]
+
+
 def test_two_step_run_measures_its_rate_without_the_compile_and_says_so(tiny_cfg, tmp_path):
     """Step 2 sleeps 0.5 s on the host before its dispatch (a slow host, injected), so its real
     step time is at least 0.5 s: the rate may not exceed tokens / 0.5 s (the old measure left the
