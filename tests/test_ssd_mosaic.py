@@ -202,23 +202,31 @@ def test_a_kernel_that_does_not_lower_leaves_auto_on_triton(caplog):
     assert "chunk_outputs_forward does not lower" in caplog.text and "the Triton kernel runs instead" in caplog.text
 
 
+def _same_bits_but_contractions(got, want):
+    """Equal bits, but where XLA fused a multiply and an add into one FMA in one interpreter and
+    not the other (jax 0.11's CPU compiler: 2 of 32,768 entries one BF16 step apart; jax 0.10:
+    none): at most 0.1% of the values, each within one step of its format's 8-bit mantissa."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.mean(got == want) >= 0.999
+    assert np.all(np.abs(got - want) <= 2.0 ** -7 * np.maximum(np.abs(want), np.abs(got)))
+
+
 def test_interpreted_recurrence_kernels_give_the_triton_kernels_and_the_same_gradients():
     """The recurrence runs the same operations in the same order in both (and the decays' row
-    sums are XLA's under both interpreters): equal bits, entries, their gradients and, through
-    ``chunk_entry_states``, the chunk states' gradients."""
+    sums are XLA's under both interpreters): equal bits up to XLA's contractions, entries, their
+    gradients and, through ``chunk_entry_states``, the chunk states' gradients."""
     rng = np.random.default_rng(0)
     b, kp, g, n, r, p = 1, 4, 1, 2, 64, 64  # one 64-head block
     states = jnp.asarray(rng.standard_normal((b, kp, g, n, r, p)), jnp.float32)
     decay = jnp.asarray(rng.uniform(0, 1, (b, kp, g, r)), jnp.float32)
     entry = state_passing.entry_states_forward(states, decay, jnp.bfloat16, True)
-    np.testing.assert_array_equal(
-        np.asarray(state_passing_mosaic.entry_states_forward(states, decay, jnp.bfloat16, interpret=True)),
-        np.asarray(entry))
+    _same_bits_but_contractions(
+        state_passing_mosaic.entry_states_forward(states, decay, jnp.bfloat16, interpret=True), entry)
     dentry = jnp.asarray(rng.standard_normal(states.shape), jnp.bfloat16)
     want = state_passing.entry_states_backward(decay, entry, dentry, jnp.bfloat16, True)
     got = state_passing_mosaic.entry_states_backward(decay, entry, dentry, jnp.bfloat16, interpret=True)
     for a, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+        _same_bits_but_contractions(a, w)
 
     q = 8
     Bm = jnp.asarray(rng.standard_normal((b, 3, q, g, n)), jnp.bfloat16)
@@ -230,5 +238,5 @@ def test_interpreted_recurrence_kernels_give_the_triton_kernels_and_the_same_gra
         return lambda *a: jnp.sum(chunk_entry_states(*a, True, kernel).astype(jnp.float32) * w_)
     for a, w in zip(jax.grad(loss("mosaic"), argnums=range(3))(Bm, wx, decay3),
                     jax.grad(loss("triton"), argnums=range(3))(Bm, wx, decay3)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+        _same_bits_but_contractions(a, w)
     assert state_passing_mosaic.supported(64, 64) and not state_passing_mosaic.supported(16, 64)

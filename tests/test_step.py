@@ -84,15 +84,20 @@ def _assert_same_gradients(ref, other):
 
 def _assert_same_update(ref, other):
     """Gradients as in ``_assert_same_gradients``. Adam's first update is close to lr*sign(g),
-    where elements with near-zero gradient may flip: updates agree to 5% in L2."""
+    where an element whose gradient is near zero may flip with the order of the sums (a norm
+    scale's, under jax 0.11's CPU compiler): over the elements whose gradient is at least 1% of
+    the leaf's largest, updates agree to 5% in L2."""
     _assert_same_gradients(ref, other)
-    before, s1, _, _ = ref
+    before, s1, _, g1 = ref
     _, s2, _, _ = other
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(before)]
-    for name, p0, p1, p2 in zip(names, jax.tree.leaves(before), jax.tree.leaves(jax.device_get(s1.params)),
-                                jax.tree.leaves(jax.device_get(s2.params))):
+    for name, p0, p1, p2, g in zip(names, jax.tree.leaves(before), jax.tree.leaves(jax.device_get(s1.params)),
+                                   jax.tree.leaves(jax.device_get(s2.params)), jax.tree.leaves(g1)):
         assert np.abs(p1 - p0).max() > 0, f"{name} was not updated"
-        assert _rel(p2 - p0, p1 - p0) <= 5e-2, f"update of {name} differs: {_rel(p2 - p0, p1 - p0)}"
+        g = np.asarray(g, np.float32)
+        clear = np.abs(g) >= 1e-2 * np.abs(g).max()
+        rel = _rel((p2 - p0)[clear], (p1 - p0)[clear])
+        assert rel <= 5e-2, f"update of {name} differs: {rel}"
 
 
 @pytest.fixture(scope="module")
