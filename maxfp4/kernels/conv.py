@@ -186,10 +186,10 @@ def conv_forward(x_BTC, w_WC, b_C, segment_ids_BT, interpret, tiling: ConvTiling
                  kernel: str = "triton", source_BTI: jax.Array | None = None, source_offset: int = 0):
     """(``causal_conv_silu``'s value, the residuals ``conv_backward`` takes). ``tiling``: the
     launch (default ``default_conv_tiling``). ``kernel``: "triton" (here) or "mosaic"
-    (``maxfp4.kernels.conv_mosaic``, the same values; slower on an H200, so only
-    ``model.mamba.kernel_backend=mosaic`` selects it). The Mosaic kernels read x in place:
-    ``source_BTI`` is the wider array whose columns [source_offset, source_offset + C) x_BTC is
-    (the in_proj output), which is then their residual instead of a padded copy of x."""
+    (``maxfp4.kernels.conv_mosaic``, the same values; ``mamba._conv_kernels`` chooses). The
+    Mosaic kernels read x in place: ``source_BTI`` is the wider array whose columns
+    [source_offset, source_offset + C) x_BTC is (the in_proj output), which is then their
+    residual instead of a padded copy of x."""
     width = w_WC.shape[0]
     ids_front = _padded_ids(segment_ids_BT, width - 1, 0)
     if kernel == "mosaic":
@@ -231,8 +231,8 @@ def conv_backward(residuals, dout_BTC: jax.Array, interpret: bool, into_BTI: jax
     ``fp8_epilogue.Quantize`` says, and a fourth value comes back, ``max |dx|`` in FP32.
     ``tiling``: the launch (default ``default_conv_tiling``). ``kernel``: "triton", or "mosaic"
     (``conv_mosaic.preactivation_gradients`` and ``conv_mosaic.input_gradient``, every variant;
-    slower on an H200, so only ``model.mamba.kernel_backend=mosaic`` selects them), whose
-    residual is x's source, read at ``source_offset`` as ``conv_forward`` was told."""
+    ``mamba._conv_kernels`` chooses), whose residual is x's source, read at ``source_offset`` as
+    ``conv_forward`` was told."""
     if kernel not in ("triton", "mosaic"):
         raise ValueError(f"conv_backward: kernel must be triton or mosaic, got {kernel!r}")
     x_pad, w_WC, b_C, segment_ids_BT = residuals  # (with "mosaic", x's source: not padded)

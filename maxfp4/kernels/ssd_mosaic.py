@@ -147,6 +147,15 @@ def store_maybe_quantized(value: jax.Array, dst, quantized: Quantized | None, sc
     return value
 
 
+def store_keeping_max(value: jax.Array, dst, quantized: Quantized | None, scale_s, amax):
+    """``store_maybe_quantized``, and the running elementwise max |value rounded| with ``amax``
+    (None without ``quantized``): a kernel reduces it to one number once, at its end."""
+    rounded = store_maybe_quantized(value, dst, quantized, scale_s)
+    if rounded is None:
+        return None
+    return jnp.abs(rounded) if amax is None else jnp.maximum(amax, jnp.abs(rounded))
+
+
 def kernel_on_grid(kernel, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], scratch: list,
                    interpret: bool, warpgroups: int | None = None):
     """``pl.kernel`` over ``grid``, the scratch buffers allocated around the body as
