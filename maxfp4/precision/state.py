@@ -82,7 +82,9 @@ def with_reciprocals(scales: dict[str, Any], policy: PrecisionPolicy) -> dict[st
     (``Recipe.with_reciprocals``: [L, 6] for fp8_delayed; the same values a layer would compute
     alone); the expert classes in their grouped GEMM's form (``Recipe.grouped_with_reciprocals``).
     Inside the differentiated loss, so the scales' cotangent keeps :func:`scales_of`'s layout.
-    The LM head's single scales and the routers' inputs go as they are."""
+    The LM head's single scales and the routers' inputs go as they are. Dividing once a class
+    keeps XLA from gathering each layer's own exact divisions into multi-output fusions of
+    thousands of instructions, which lengthened the compile."""
     recipe = state_recipe(policy)
     if recipe is None or "blocks" not in scales:
         return scales
