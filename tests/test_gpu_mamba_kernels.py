@@ -332,7 +332,8 @@ def test_auto_takes_the_mosaic_kernels_measured_faster_on_hopper():
     from maxfp4.model import mamba
     if not ssd_mosaic.available():
         pytest.fail("this GPU is not Hopper: the Mosaic kernels do not run here")
-    for backend, want in (("auto", ("mosaic", mosaic_norm, triton_norm)), ("triton", ("triton", triton_norm, triton_norm))):
+    wanted = {"auto": ("mosaic", mosaic_norm, triton_norm), "triton": ("triton", triton_norm, triton_norm)}
+    for backend, want in wanted.items():
         cfg = load_config("configs/mamba2-1p3b.yaml", [f"model.mamba.kernel_backend={backend}"]).model
         d = mamba.dims(cfg)
         x = jnp.zeros((8, 2048, d["conv"]), jnp.bfloat16)

@@ -298,7 +298,8 @@ def test_rerun_keeps_every_step_bit_identical_and_tells_a_transient_fault_from_a
     own (tests/conftest.py turns them off for the suite's compile time; with the loop emitters the
     two programs' FP32 sums differed in the last bit)."""
     env = cpu_env(8, PYTHONPATH=REPO)
-    emitters = ["--xla_cpu_use_fusion_emitters=true"] if xla_knows_cpu_fusion_emitters_flag() else []  # else the only ones
+    # (jaxlib 0.11 has the fusion emitters only, and no flag for them)
+    emitters = ["--xla_cpu_use_fusion_emitters=true"] if xla_knows_cpu_fusion_emitters_flag() else []
     env["XLA_FLAGS"] = " ".join([f for f in env["XLA_FLAGS"].split() if not f.startswith("--xla_cpu_use_fusion_emitters")]
                                 + emitters)
     code = "from tests.test_guard import _rerun_case; _rerun_case()"
