@@ -139,20 +139,3 @@ def test_the_mixer_core_with_kernel_backend_mosaic_runs_the_mosaic_norm():
     for name in dparams_ref:
         got, want = np.asarray(dparams[name], np.float64), np.asarray(dparams_ref[name], np.float64)
         assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max(), name
-
-
-@pytest.mark.parametrize("e,fp8", [(4096, False), (4096, True), (2048, False)])
-def test_backward_over_several_warpgroups_gives_the_triton_kernels_values(e, fp8):
-    """A group's row of 4,096 (2,048) values: a backward program splits it over 4 (2)
-    warpgroups, which add the row's sums of their parts in one order; the values as above."""
-    assert mosaic_norm.backward_warpgroups(e, True) == e // 1024
-    rng = np.random.default_rng(5)
-    b, t = 1, 16
-    u = jnp.asarray(rng.standard_normal((b, t, e)), jnp.bfloat16)
-    zx = jnp.asarray(rng.standard_normal((b, t, e + 512)), jnp.bfloat16)
-    scale = jnp.asarray(1 + 0.1 * rng.standard_normal(e), jnp.float32)
-    dout = jnp.asarray(rng.standard_normal((b, t, e)), jnp.bfloat16)
-    quantize = Quantize(jnp.float32(8.0), jnp.float8_e5m2) if fp8 else None
-    want = triton_norm.gated_norm_backward((u, zx, scale), dout, 1, 1e-5, True, quantize)
-    got = mosaic_norm.gated_norm_backward((u, zx, scale), dout, 1, 1e-5, True, quantize)
-    _backward_close(got, want, e, fp8)

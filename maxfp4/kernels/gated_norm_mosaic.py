@@ -3,7 +3,7 @@ first for the math and why a kernel) as Mosaic GPU kernels, forward and backward
 same operands, outputs and FP8 stores as the Triton kernels there.
 
 A row of one group (Eg values, 4,096 in mamba2-1p3b) is worked in pieces of 1,024 values, one
-16-byte vector a thread of a warpgroup, in Mosaic GPU's strided register layout (a row held
+16-byte vector a thread of the warpgroup, in Mosaic GPU's strided register layout (a row held
 whole would be Eg / 128 registers an array a thread). A pass over the pieces adds up the row's
 sums (of g^2, and of g scale dout in the backward) elementwise, then reduces once; a second
 pass makes the outputs. TMA moves at most 256 values along a dimension, so every [..., n]
@@ -11,21 +11,21 @@ array is viewed as [..., n / 64, 64] (free in XLA): a program's rows of one grou
 copy. The in_proj output that z is read from, and whose gradient dz is written into, keeps its
 width I; I must be a multiple of 64.
 
-The forward: a program takes 2 rows of one group (u, z in, the output out) on one warpgroup,
-keeping g in registers between its passes (measured on an H200: 95 us a mamba2-1p3b layer
-against the Triton kernel's 110). The backward: a program walks 16 rows, as the Triton kernel's
-do, so that its partial sums of the scale's gradient are as many (held in registers), and
-splits each row over up to 4 warpgroups (16 warps, as the Triton kernel's; on one warpgroup it
-took 0.72 ms a layer against Triton's 0.26), which exchange their parts of the row's two sums
-through shared memory and add them in one order. jax 0.10 lowers no whole reduction in a
-program of several warpgroups: there the backward runs on one (``backward_warpgroups``). The
-next row's inputs load while a row computes (two slots), and each row's du and dz overwrite its
-u and z (E5M2 dz has its own slot) and leave by TMA from there. The pass that makes the outputs
-computes g again rather than keeping it. The FP8 variants keep each program's max |value| (each
-warpgroup's, in the backward) as one number. ``approx_math``: the sigmoid is
-``ssd_mosaic.sigmoid`` (``ex2.approx``, an approximate ``rsqrt`` for its division), as in the
-other Mosaic kernels. The row sums run in another order than Triton's: an output may differ by
-one BF16 step.
+The forward: a program takes 2 rows of one group (u, z in, the output out), keeping g in
+registers between its passes (measured on an H200: 95 us a mamba2-1p3b layer against the Triton
+kernel's 110). The backward: a program walks 16 rows, as the Triton kernel's do, so that its
+partial sums of the scale's gradient are as many (held in registers), on one warpgroup: 0.72 ms
+a layer against Triton's 0.26, which spreads a row over 16 warps. A row split over 4
+warpgroups, exchanging their parts of the sums through shared memory, measured 0.28 ms and gave
+wrong sums: jax lowers a reduction over all axes of a strided array through one scratch buffer
+that the warpgroups of a program share (jax 0.11.2 documents the case as unsupported; 0.10
+refuses it). The next row's inputs load while a row computes (two slots), and each row's du and
+dz overwrite its u and z (E5M2 dz has its own slot) and leave by TMA from there, which keeps
+shared memory to ~64 KB a program. The pass that makes the outputs computes g again rather than
+keeping it. The FP8 variants keep each program's max |value| as one number. ``approx_math``: the
+sigmoid is ``ssd_mosaic.sigmoid`` (``ex2.approx``, an approximate ``rsqrt`` for its division), as
+in the other Mosaic kernels. The row sums run in another order than Triton's: an output may
+differ by one BF16 step.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 
 from maxfp4.kernels.epilogue import Quantize, Quantized
 from maxfp4.kernels.ssd_mosaic import (StridedLoads, kernel_on_grid, lowers, scale_operand, sigmoid,
-                                      store_keeping_max, whole_reductions_over_warpgroups)
+                                      store_keeping_max)
 
 CHUNK = 64  # values a TMA box's last dimension holds (of at most 256)
 _VALUES_A_VECTOR = 8  # BF16 values in 16 bytes
@@ -197,16 +197,6 @@ def gated_norm_backward(residuals, dout_BTE, groups: int, eps: float, interpret:
     return (du, dz, dscale) if quantize is None else (du, dz, dscale, amax)
 
 
-def backward_warpgroups(eg: int, interpret: bool) -> int:
-    """Warpgroups a backward program splits a group's row over, whole pieces each: up to 4 (16
-    warps, as the Triton kernel's), where this jax lowers the row's sums over several
-    (``ssd_mosaic.whole_reductions_over_warpgroups``; the interpreter runs them on any)."""
-    if not (interpret or whole_reductions_over_warpgroups()):
-        return 1
-    pieces = eg // PIECE
-    return next(w for w in (4, 2, 1) if pieces % w == 0)
-
-
 @functools.partial(jax.jit, static_argnames=("groups", "eps", "dz_dtype", "fp8", "interpret", "n"))
 def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dtype, fp8, interpret,
               n=_BACKWARD_ROWS):
@@ -214,10 +204,8 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
     b, t, e = u_BTE.shape
     eg = e // groups
     nc = eg // CHUNK
-    n_wg = backward_warpgroups(eg, interpret)
-    wc = nc // n_wg  # chunks of a row each warpgroup works
     loads = _piece_loads(interpret)
-    pieces = _pieces(wc * CHUNK)
+    pieces = _pieces(eg)
     quantized = Quantized(zxbcdt_BTI.dtype) if fp8 else None
     dz_in_place = not fp8  # dz in BF16 overwrites z's slot; as E5M2 it needs its own
     f32 = jnp.float32
@@ -228,41 +216,25 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
         du_g, dz_g, dscale_g = refs[:3]
         refs = refs[3:]
         amax_g = refs.pop(0) if fp8 else None
-        u_s, z_s, dout_s, s_s, sums_s, *refs = refs
+        u_s, z_s, dout_s, s_s, *refs = refs
         qscale_s = refs.pop(0) if fp8 else None
         dz_s = z_s if dz_in_place else refs.pop(0)
         amax_s = refs.pop(0) if fp8 else None
-        loaded, once, summed = refs
+        loaded, once = refs
         bi, ti, gi = lax.axis_index("b"), lax.axis_index("t"), lax.axis_index("g")
-        w = lax.axis_index("wg") if n_wg > 1 else 0
-        cols = pl.ds(gi * nc + w * wc, wc)  # this warpgroup's part of the group's row
-        u_w, z_w, dout_w, s_w, dz_w = u_s.at[w], z_s.at[w], dout_s.at[w], s_s.at[w], dz_s.at[w]
-        plgpu.copy_gmem_to_smem(s_g.at[cols], s_w, once.at[w])
+        cols = pl.ds(gi * nc, nc)
+        plgpu.copy_gmem_to_smem(s_g.at[cols], s_s, once)
         if fp8:
-            plgpu.copy_gmem_to_smem(qscale_g, qscale_s.at[w], once.at[w])
+            plgpu.copy_gmem_to_smem(qscale_g, qscale_s, once)
 
-        def fetch(i):  # this warpgroup's part of row i of the program into slot i % 2
+        def fetch(i):  # row i of the program into slot i % 2
             row, slot = ti * n + i, i % 2
-            barrier = loaded.at[w * 2 + slot]
-            plgpu.copy_gmem_to_smem(u_g.at[bi, row, cols], u_w.at[slot], barrier)
-            plgpu.copy_gmem_to_smem(z_g.at[bi, row, cols], z_w.at[slot], barrier)
-            plgpu.copy_gmem_to_smem(dout_g.at[bi, row, cols], dout_w.at[slot], barrier)
-
-        def row_sums(i, square, product):
-            """The row's two sums over the warpgroups' parts, added in one order in each."""
-            if n_wg == 1:
-                return square, product
-            at = (i % 2) * n_wg * 2  # two slots: a warpgroup may run a row ahead of another
-            sums_s[at + 2 * w] = square
-            sums_s[at + 2 * w + 1] = product
-            plgpu.barrier_arrive(summed.at[i % 2])
-            plgpu.barrier_wait(summed.at[i % 2])
-            squares = [sums_s[at + 2 * j] for j in range(n_wg)]
-            products = [sums_s[at + 2 * j + 1] for j in range(n_wg)]
-            return functools.reduce(jnp.add, squares), functools.reduce(jnp.add, products)
+            plgpu.copy_gmem_to_smem(u_g.at[bi, row, cols], u_s.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(z_g.at[bi, row, cols], z_s.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(dout_g.at[bi, row, cols], dout_s.at[slot], loaded.at[slot])
 
         fetch(0)
-        plgpu.barrier_wait(once.at[w])
+        plgpu.barrier_wait(once)
         dscale = [None] * len(pieces)  # the scale's gradient summed over the rows, in registers
         amax = None
         for i in range(n):
@@ -273,59 +245,54 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
                 if i >= 1:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 fetch(i + 1)
-            plgpu.barrier_wait(loaded.at[w * 2 + slot])
-            u_i, z_i, dout_i = u_w.at[slot], z_w.at[slot], dout_w.at[slot]
+            plgpu.barrier_wait(loaded.at[slot])
+            u_i, z_i, dout_i = u_s.at[slot], z_s.at[slot], dout_s.at[slot]
             # Pass 1: the row's two sums. Pass 2 computes g again rather than keeping it.
             squares, products = [], []
             for p in pieces:
                 g = _gated(loads, u_i.at[p], z_i.at[p])[3]
                 squares.append(g * g)
-                products.append(g * loads.load(s_w.at[p]) * loads.load(dout_i.at[p]).astype(f32))
-            square, product = row_sums(i, _summed(squares), _summed(products))
+                products.append(g * loads.load(s_s.at[p]) * loads.load(dout_i.at[p]).astype(f32))
+            square, product = _summed(squares), _summed(products)
             r = lax.rsqrt(square / eg + eps)
             c = r * r * r * (product / eg)
             for k, p in enumerate(pieces):
                 u, z, sz, g = _gated(loads, u_i.at[p], z_i.at[p])
                 dout = loads.load(dout_i.at[p]).astype(f32)
-                dg = r * loads.load(s_w.at[p]) * dout - g * c
+                dg = r * loads.load(s_s.at[p]) * dout - g * c
                 term = dout * g * r
                 dscale[k] = term if i == 0 else dscale[k] + term
                 # each thread overwrites only the values it has just read
                 u_i.at[p][...] = (dg * z * sz).astype(u_s.dtype)
-                amax = store_keeping_max(dg * u * sz * (1.0 + z * (1.0 - sz)), dz_w.at[slot, p], quantized,
-                                    qscale_s.at[w] if fp8 else None, amax)
+                amax = store_keeping_max(dg * u * sz * (1.0 + z * (1.0 - sz)), dz_s.at[slot, p], quantized,
+                                         qscale_s, amax)
             plgpu.commit_smem()  # (a warpgroup barrier too: every thread is done with the slot)
             row = ti * n + i
             plgpu.copy_smem_to_gmem(u_i, du_g.at[bi, row, cols])
-            plgpu.copy_smem_to_gmem(dz_w.at[slot], dz_g.at[bi, row, cols])
+            plgpu.copy_smem_to_gmem(dz_s.at[slot], dz_g.at[bi, row, cols])
         # The scale is read no more: its buffer takes the scale's gradient (each thread its own values).
         for p, v in zip(pieces, dscale):
-            s_w.at[p][...] = v
+            s_s.at[p][...] = v
         if fp8:
-            amax_s[w, 0] = jnp.max(amax)
+            amax_s[0] = jnp.max(amax)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s_w, dscale_g.at[bi, ti, cols])
+        plgpu.copy_smem_to_gmem(s_s, dscale_g.at[bi, ti, cols])
         if fp8:
-            plgpu.copy_smem_to_gmem(amax_s.at[w], amax_g.at[bi, ti, gi, w])
+            plgpu.copy_smem_to_gmem(amax_s, amax_g.at[bi, ti, gi])
         plgpu.wait_smem_to_gmem(0)
 
     in_cols = zxbcdt_BTI.shape[-1]
     out_type = [jax.ShapeDtypeStruct((b, t, e // CHUNK, CHUNK), u_BTE.dtype),
                 jax.ShapeDtypeStruct((b, t, in_cols // CHUNK, CHUNK), dz_dtype),
                 jax.ShapeDtypeStruct((b, t // n, e // CHUNK, CHUNK), f32)]
-    part = (n_wg, 2, wc, CHUNK)  # each warpgroup's two slots
-    scratch = [plgpu.SMEM(part, u_BTE.dtype), plgpu.SMEM(part, zxbcdt_BTI.dtype), plgpu.SMEM(part, dout_BTE.dtype),
-               plgpu.SMEM((n_wg, wc, CHUNK), f32), plgpu.SMEM((2 * n_wg * 2,), f32)]
+    slots = (2, nc, CHUNK)
+    scratch = [plgpu.SMEM(slots, u_BTE.dtype), plgpu.SMEM(slots, zxbcdt_BTI.dtype), plgpu.SMEM(slots, dout_BTE.dtype),
+               plgpu.SMEM((nc, CHUNK), f32)]
     if fp8:
-        out_type.append(jax.ShapeDtypeStruct((b, t // n, groups, n_wg, 32), f32))
-        scratch += [plgpu.SMEM((n_wg, 32), f32), plgpu.SMEM(part, dz_dtype), plgpu.SMEM((n_wg, 32), f32)]
-    scratch += [plgpu.Barrier(num_arrivals=3, num_barriers=2 * n_wg),
-                plgpu.Barrier(num_arrivals=1 + fp8, num_barriers=n_wg),
-                plgpu.Barrier(num_arrivals=n_wg, num_barriers=2)]
-    # One warpgroup: a plain program (jax 0.10 lowers no whole reduction in a program with a
-    # thread axis, even of one).
-    results = kernel_on_grid(kernel, out_type, (b, t // n, groups), _GRID, scratch, interpret,
-                             warpgroups=n_wg if n_wg > 1 else None)(
+        out_type.append(jax.ShapeDtypeStruct((b, t // n, groups, 32), f32))
+        scratch += [plgpu.SMEM((32,), f32), plgpu.SMEM(slots, dz_dtype), plgpu.SMEM((32,), f32)]
+    scratch += [plgpu.Barrier(num_arrivals=3, num_barriers=2), plgpu.Barrier(num_arrivals=1 + fp8)]
+    results = kernel_on_grid(kernel, out_type, (b, t // n, groups), _GRID, scratch, interpret)(
         _chunked(u_BTE), _chunked(zxbcdt_BTI), _chunked(scale_E.astype(f32)), _chunked(dout_BTE), *qscale)
     du, dz, dscale_parts = (_unchunked(a) for a in results[:3])
     dscale = jnp.sum(dscale_parts, axis=(0, 1)).astype(scale_E.dtype)

@@ -157,25 +157,16 @@ def store_keeping_max(value: jax.Array, dst, quantized: Quantized | None, scale_
 
 
 def kernel_on_grid(kernel, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], scratch: list,
-                   interpret: bool, warpgroups: int | None = None):
+                   interpret: bool):
     """``pl.kernel`` over ``grid``, the scratch buffers allocated around the body as
     ``plgpu.kernel`` does; unlike ``plgpu.kernel`` it takes a mutable ``jax.Ref`` operand, aliased
-    to its buffer (what writing into a wider array in place needs). ``warpgroups``: that many a
-    program, each ``lax.axis_index("wg")``, the scratch shared by them all."""
+    to its buffer (what writing into a wider array in place needs)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     def body(*refs):
-        shared = {} if warpgroups is None else {"collective_axes": "wg"}
-        pl.run_scoped(functools.partial(kernel, *refs), *scratch, **shared)
-    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=warpgroups,
-                      thread_name=None if warpgroups is None else "wg")
-    return pl.kernel(body, out_type=out_type, mesh=mesh, **launch_params(interpret))
-
-
-def whole_reductions_over_warpgroups() -> bool:
-    """Whether this jax lowers a reduction over all axes of an array in a program of several
-    warpgroups (jax 0.11 does; 0.10 raises NotImplementedError)."""
-    return jax.__version_info__ >= (0, 11)
+        pl.run_scoped(functools.partial(kernel, *refs), *scratch)
+    return pl.kernel(body, out_type=out_type, mesh=plgpu.Mesh(grid=grid, grid_names=grid_names),
+                     **launch_params(interpret))
 
 
 class Ops:
