@@ -235,16 +235,23 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
 
         fetch(0)
         plgpu.barrier_wait(once)
-        dscale = [None] * len(pieces)  # the scale's gradient summed over the rows, in registers
-        amax = None
-        for i in range(n):
+
+        def row_step(i, carry):
+            """Row i of the program; ``carry``: the scale's gradient summed over the rows so far
+            (a piece's worth a piece, in registers) and the running max |dz| (FP8). A loop, not
+            unrolled in Python: 16 rows unrolled took Mosaic's lowering ~45 s a kernel."""
+            dscale, amax = carry
             slot = i % 2
-            if i + 1 < n:
+
+            @pl.when(i + 1 < n)
+            def _():
                 # du and dz leave from their row's input slot: the next row's inputs go into the
                 # other slot once the stores of the row before have read it
-                if i >= 1:
+                @pl.when(i >= 1)
+                def _():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 fetch(i + 1)
+
             plgpu.barrier_wait(loaded.at[slot])
             u_i, z_i, dout_i = u_s.at[slot], z_s.at[slot], dout_s.at[slot]
             # Pass 1: the row's two sums. Pass 2 computes g again rather than keeping it.
@@ -256,12 +263,12 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
             square, product = _summed(squares), _summed(products)
             r = lax.rsqrt(square / eg + eps)
             c = r * r * r * (product / eg)
+            dscale = list(dscale)
             for k, p in enumerate(pieces):
                 u, z, sz, g = _gated(loads, u_i.at[p], z_i.at[p])
                 dout = loads.load(dout_i.at[p]).astype(f32)
                 dg = r * loads.load(s_s.at[p]) * dout - g * c
-                term = dout * g * r
-                dscale[k] = term if i == 0 else dscale[k] + term
+                dscale[k] = dscale[k] + dout * g * r
                 # each thread overwrites only the values it has just read
                 u_i.at[p][...] = (dg * z * sz).astype(u_s.dtype)
                 amax = store_keeping_max(dg * u * sz * (1.0 + z * (1.0 - sz)), dz_s.at[slot, p], quantized,
@@ -270,6 +277,10 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
             row = ti * n + i
             plgpu.copy_smem_to_gmem(u_i, du_g.at[bi, row, cols])
             plgpu.copy_smem_to_gmem(dz_s.at[slot], dz_g.at[bi, row, cols])
+            return tuple(dscale), amax
+
+        zeros = loads.zeros()  # (adding the first row's terms to zero changes no value)
+        dscale, amax = lax.fori_loop(0, n, row_step, (tuple(zeros for _ in pieces), zeros if fp8 else None))
         # The scale is read no more: its buffer takes the scale's gradient (each thread its own values).
         for p, v in zip(pieces, dscale):
             s_s.at[p][...] = v
@@ -299,17 +310,21 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
     return du, dz, dscale, (jnp.max(results[3][..., 0]) if fp8 else None)
 
 
-def lowers_at(b: int, t: int, e: int, groups: int, in_columns: int, act_dtype, scale_dtype) -> bool:
-    """Whether this jax lowers the four kernels for CUDA at these shapes, as the mixer runs them
-    (BF16 stores, and the FP8 recipes' E4M3 forward and E5M2 backward stores)
-    (``ssd_mosaic.lowers``: one warning and False where it does not)."""
+def lowers_at(b: int, t: int, e: int, groups: int, in_columns: int, act_dtype, scale_dtype,
+              direction: str = "forward") -> bool:
+    """Whether this jax lowers ``direction``'s kernels ("forward" or "backward") for CUDA at these
+    shapes, as the mixer runs them (BF16 stores, and the FP8 recipes' E4M3 forward or E5M2
+    backward store) (``ssd_mosaic.lowers``: one warning and False where it does not). One
+    direction at a time: lowering the backward takes its Python ~40 s (2 CPU cores), which a
+    run that keeps the Triton backward (``kernel_backend=auto``) should not spend."""
     sds = jax.ShapeDtypeStruct
     u, zx, s = sds((b, t, e), act_dtype), sds((b, t, in_columns), act_dtype), sds((e,), scale_dtype)
     q = [sds((32,), jnp.float32)]
     act = jnp.dtype(act_dtype)
-    return (all(lowers(_forward, u, zx, s, *([] if dtype == act else q), groups=groups, eps=1e-5, out_dtype=act,
-                       store_dtype=jnp.dtype(dtype), fp8=dtype != act, interpret=False)
-                for dtype in (act, jnp.float8_e4m3fn))
-            and all(lowers(_backward, u, zx, s, u, *([] if dtype == act else q), groups=groups, eps=1e-5,
-                           dz_dtype=jnp.dtype(dtype), fp8=dtype != act, interpret=False)
-                    for dtype in (act, jnp.float8_e5m2)))
+    if direction == "forward":
+        return all(lowers(_forward, u, zx, s, *([] if dtype == act else q), groups=groups, eps=1e-5, out_dtype=act,
+                          store_dtype=jnp.dtype(dtype), fp8=dtype != act, interpret=False)
+                   for dtype in (act, jnp.float8_e4m3fn))
+    return all(lowers(_backward, u, zx, s, u, *([] if dtype == act else q), groups=groups, eps=1e-5,
+                      dz_dtype=jnp.dtype(dtype), fp8=dtype != act, interpret=False)
+               for dtype in (act, jnp.float8_e5m2))

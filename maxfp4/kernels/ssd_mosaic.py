@@ -123,10 +123,17 @@ class StridedLoads:
         from jax.experimental.pallas import mosaic_gpu as plgpu
         self.ops = Ops(interpret)
         self.interpret = interpret
+        self.shape = shape
         self.layout = None if interpret else plgpu.Layout.WG_STRIDED(shape, vec_size=vec_size)
 
     def load(self, ref) -> jax.Array:
         return self.ops.load(ref, (), self.layout)
+
+    def zeros(self) -> jax.Array:
+        """FP32 zeros of ``shape`` in the loads' layout (what a loop carrying loaded values starts
+        from: Mosaic GPU's loops keep one layout a carry)."""
+        zeros = jnp.zeros(self.shape, jnp.float32)
+        return zeros if self.interpret else self.ops.plgpu.layout_cast(zeros, self.layout)
 
 
 def scale_operand(scale: jax.Array) -> jax.Array:

@@ -296,7 +296,8 @@ def _norm_kernels(cfg: ModelConfig, u_BTE: jax.Array, zxbcdt_BTI: jax.Array, sca
     ``_takes_mosaic``, else ``maxfp4.kernels.gated_norm`` (Triton)."""
     (b, t, e), groups, in_columns = u_BTE.shape, dims(cfg)["G"], zxbcdt_BTI.shape[-1]
     take = _takes_mosaic(cfg, f"norm_{direction}", gated_norm_mosaic.supported(t, e, groups, in_columns),
-                         lambda: gated_norm_mosaic.lowers_at(b, t, e, groups, in_columns, u_BTE.dtype, scale_E.dtype))
+                         lambda: gated_norm_mosaic.lowers_at(b, t, e, groups, in_columns, u_BTE.dtype, scale_E.dtype,
+                                                             direction))
     return gated_norm_mosaic if take else gated_norm_kernel
 
 
