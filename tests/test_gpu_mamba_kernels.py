@@ -324,15 +324,15 @@ def test_mosaic_gated_norm_matches_the_triton_kernels_at_the_benchmark_shapes(fp
 
 def test_auto_takes_the_mosaic_kernels_measured_faster_on_hopper():
     """``model.mamba.kernel_backend=auto`` on a Hopper GPU at mamba2-1p3b's shapes: the
-    convolution's Mosaic kernels and the gated norm's Mosaic forward; the norm's backward on
-    Triton (measured slower, docs/PERFORMANCE.md); ``triton`` takes none of them."""
+    convolution's and the gated norm's Mosaic kernels (measured faster, docs/PERFORMANCE.md);
+    ``triton`` takes none of them."""
     from maxfp4.config import load_config
     from maxfp4.kernels import gated_norm as triton_norm
     from maxfp4.kernels import gated_norm_mosaic as mosaic_norm
     from maxfp4.model import mamba
     if not ssd_mosaic.available():
         pytest.fail("this GPU is not Hopper: the Mosaic kernels do not run here")
-    wanted = {"auto": ("mosaic", mosaic_norm, triton_norm), "triton": ("triton", triton_norm, triton_norm)}
+    wanted = {"auto": ("mosaic", mosaic_norm, mosaic_norm), "triton": ("triton", triton_norm, triton_norm)}
     for backend, want in wanted.items():
         cfg = load_config("configs/mamba2-1p3b.yaml", [f"model.mamba.kernel_backend={backend}"]).model
         d = mamba.dims(cfg)

@@ -259,21 +259,16 @@ def _ssd_kernels(cfg: ModelConfig) -> str:
     return "triton" if cfg.mamba.kernel_backend == "triton" else "auto"
 
 
-# The Mosaic GPU kernels ``model.mamba.kernel_backend=auto`` takes on a GPU: those measured faster
-# than their Triton forms on an H200 at mamba2-1p3b's shapes, alone and in a whole BF16 step
-# (docs/PERFORMANCE.md, "Kernels on Mosaic GPU"). The gated norm's backward is 2.7x slower.
-_AUTO_TAKES_MOSAIC = {"conv": True, "norm_forward": True, "norm_backward": False}
-
-
-def _takes_mosaic(cfg: ModelConfig, kernel: str, tiles: bool, lowers) -> bool:
-    """Whether ``kernel``'s Mosaic GPU form runs instead of its Triton one, where it ``tiles`` the
+def _takes_mosaic(cfg: ModelConfig, tiles: bool, lowers) -> bool:
+    """Whether a kernel's Mosaic GPU form runs instead of its Triton one, where it ``tiles`` the
     shapes: under ``model.mamba.kernel_backend=mosaic``, off a GPU under Mosaic GPU's
     interpreter (as the other kernels run interpreted there) and on a GPU where it is Hopper and
-    ``lowers()`` (this jax lowers it there); under ``auto``, on such a GPU where
-    ``_AUTO_TAKES_MOSAIC`` says it is faster (off a GPU, as ``ssd_fused``'s auto, Triton's
-    interpreted)."""
+    ``lowers()`` (this jax lowers it there); under ``auto``, on such a GPU (off a GPU, as
+    ``ssd_fused``'s auto, Triton's interpreted). Every Mosaic form measured faster than its Triton
+    one on an H200 at mamba2-1p3b's shapes, alone and in whole steps (docs/PERFORMANCE.md,
+    "Kernels on Mosaic GPU")."""
     backend = cfg.mamba.kernel_backend
-    if not tiles or backend == "triton" or (backend == "auto" and not (_AUTO_TAKES_MOSAIC[kernel] and on_gpu())):
+    if not tiles or backend == "triton" or (backend == "auto" and not on_gpu()):
         return False
     return not on_gpu() or (ssd_mosaic.available() and lowers())
 
@@ -284,8 +279,8 @@ def _conv_kernels(cfg: ModelConfig, x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.
     d = dims(cfg)
     (b, t, c), width = x_BTC.shape, w_WC.shape[0]
     tiles = conv_mosaic.supported(t, c) and d["E"] % conv_mosaic.COLUMNS == 0
-    take = _takes_mosaic(cfg, "conv", tiles, lambda: conv_mosaic.lowers_at(b, t, c, width, x_BTC.dtype, w_WC.dtype,
-                                                                          b_C.dtype, d["in"], d["E"]))
+    take = _takes_mosaic(cfg, tiles, lambda: conv_mosaic.lowers_at(b, t, c, width, x_BTC.dtype, w_WC.dtype,
+                                                                   b_C.dtype, d["in"], d["E"]))
     return "mosaic" if take else "triton"
 
 
@@ -295,7 +290,7 @@ def _norm_kernels(cfg: ModelConfig, u_BTE: jax.Array, zxbcdt_BTI: jax.Array, sca
     "backward"; the two take the same residuals): ``maxfp4.kernels.gated_norm_mosaic`` where
     ``_takes_mosaic``, else ``maxfp4.kernels.gated_norm`` (Triton)."""
     (b, t, e), groups, in_columns = u_BTE.shape, dims(cfg)["G"], zxbcdt_BTI.shape[-1]
-    take = _takes_mosaic(cfg, f"norm_{direction}", gated_norm_mosaic.supported(t, e, groups, in_columns),
+    take = _takes_mosaic(cfg, gated_norm_mosaic.supported(t, e, groups, in_columns),
                          lambda: gated_norm_mosaic.lowers_at(b, t, e, groups, in_columns, u_BTE.dtype, scale_E.dtype,
                                                              direction))
     return gated_norm_mosaic if take else gated_norm_kernel
