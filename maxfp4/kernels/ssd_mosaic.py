@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from maxfp4.kernels import lowering_verdicts
 from maxfp4.kernels.epilogue import Quantized
 from maxfp4.kernels.launch import on_hopper
 
@@ -586,14 +587,21 @@ def lowers(kernel: Callable, *operands: jax.Array, **static: Any) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _lowers(kernel: Callable, key) -> bool:
-    _, operands, static = key
-    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in operands]
-    try:
-        jax.jit(functools.partial(kernel, **dict(static))).trace(*args).lower(lowering_platforms=("cuda",))
-    except Exception as exc:  # any lowering failure: the Triton kernel runs instead
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        logging.getLogger(__name__).warning("the Mosaic GPU kernel %s does not lower with jax %s (%s: %s); "
+    """The check itself, once a process (and once a cache directory: ``lowering_verdicts``)."""
+    name = lowering_verdicts.verdict_name(f"{kernel.__module__}.{kernel.__name__}", key)
+    verdict = lowering_verdicts.recalled(name)
+    if verdict is None:
+        _, operands, static = key
+        args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in operands]
+        try:
+            jax.jit(functools.partial(kernel, **dict(static))).trace(*args).lower(lowering_platforms=("cuda",))
+            verdict = {"lowers": True, "why": ""}
+        except Exception as exc:  # any lowering failure: the Triton kernel runs instead
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            verdict = {"lowers": False, "why": f"{type(exc).__name__}: {first[:200]}"}
+        lowering_verdicts.remember(name, verdict["lowers"], verdict["why"])
+    if not verdict["lowers"]:
+        logging.getLogger(__name__).warning("the Mosaic GPU kernel %s does not lower with jax %s (%s); "
                                             "the Triton kernel runs instead", kernel.__name__, jax.__version__,
-                                            type(exc).__name__, first[:200])
-        return False
-    return True
+                                            verdict["why"])
+    return verdict["lowers"]
