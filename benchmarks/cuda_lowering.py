@@ -1,0 +1,104 @@
+"""jax's tracing and lowering of a config's train step for CUDA, on any machine: the part of a GPU
+run's first step that runs in Python before XLA compiles (and that a warm persistent cache does
+not spare), with the kernels a Hopper GPU takes.
+
+Without a GPU, the functions that pick kernels by device (``maxfp4.kernels.launch.on_gpu``,
+``on_hopper``, ``kernels_on_gpu``, wherever a maxfp4 module imported them) are told the device is
+a Hopper GPU, and the step is lowered with ``lowering_platforms=("cuda",)``: Pallas's Mosaic GPU
+and Triton kernels lower as they would on the GPU, whose compilers are not needed for it. The
+mesh is this machine's (one device unless told otherwise). cuDNN's attention needs cuDNN's
+library to lower: configs with attention blocks take ``model.attention=xla`` here.
+
+    python benchmarks/cuda_lowering.py configs/mamba2-1p3b.yaml configs/precision/fp8.yaml \\
+        [key=value ...] [--cache-dir DIR] [--profile N]
+
+``--cache-dir``: JAX's compilation cache directory for the process (the trainer's
+``run.compile_cache_dir``), where the Mosaic kernels' lowering verdicts are kept
+(``maxfp4.kernels.lowering_verdicts``): run twice to see a restarted run's time. ``--profile N``:
+the N functions of maxfp4 and of Mosaic GPU's lowering with the most cumulative time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compile_cost import abstract  # noqa: E402  (benchmarks/ is not a package)
+
+from maxfp4.config import add_config_arguments, config_from_arguments  # noqa: E402
+from maxfp4.model_spec import model_spec  # noqa: E402
+
+_DEVICE_PROBES = ("on_gpu", "on_hopper", "kernels_on_gpu")
+
+
+def pretend_hopper() -> int:
+    """Point every maxfp4 module's device probes at a Hopper GPU; returns how many were set."""
+    import maxfp4.train  # noqa: F401  (imports the model, kernels and recipes that probe)
+    from maxfp4.kernels import launch
+    originals = {getattr(launch, name) for name in _DEVICE_PROBES}
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("maxfp4"):
+            continue
+        for probe in _DEVICE_PROBES:
+            if getattr(module, probe, None) in originals:
+                setattr(module, probe, lambda: True)
+                count += 1
+    return count
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_config_arguments(parser)
+    parser.add_argument("--cache-dir", help="JAX's compilation cache directory for this process")
+    parser.add_argument("--profile", type=int, default=0, help="functions listed by cumulative time")
+    ns = parser.parse_args(argv)
+    if ns.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", ns.cache_dir)
+    cfg = config_from_arguments(ns)
+    if cfg.model.attention != "xla" and model_spec(cfg.model).blocks_with("attention"):
+        parser.error(f"model.attention={cfg.model.attention}: cuDNN's attention does not lower without cuDNN; "
+                     "pass model.attention=xla")
+    probes = pretend_hopper()
+    from maxfp4.optim import make_optimizer, make_schedule
+    from maxfp4.parallel.mesh import batch_sharding, make_mesh
+    from maxfp4.precision import resolve_policy
+    from maxfp4.train import jit_train_step, state_maker
+    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+    mesh = make_mesh(cfg.mesh, None)
+    optimizer = make_optimizer(cfg)
+    make, state_sh = state_maker(cfg, mesh, optimizer, policy)
+    state = abstract(jax.eval_shape(make, jax.random.key(0)), state_sh)
+    b_sh = batch_sharding(mesh)
+    bt = (cfg.data.global_batch, cfg.data.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(bt, jnp.int32, sharding=b_sh)
+             for k in ("inputs", "targets", "positions", "segment_ids")}
+    batch["loss_mask"] = jax.ShapeDtypeStruct(bt, jnp.float32, sharding=b_sh)
+    jitted = jit_train_step(cfg, policy, optimizer, make_schedule(cfg), mesh, state_sh, {})
+    profiler = cProfile.Profile() if ns.profile else None
+    t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    traced = jitted.trace(state, batch)
+    t1 = time.perf_counter()
+    lowered = traced.lower(lowering_platforms=("cuda",))
+    t2 = time.perf_counter()
+    if profiler:
+        profiler.disable()
+    print(f"{' '.join([ns.config, *ns.overrides])} for CUDA (Hopper; {probes} device probes set), jax {jax.__version__}: trace {t1 - t0:.1f} s, "
+          f"lower {t2 - t1:.1f} s, {len(lowered.as_text()) / 1e6:.1f} MB of StableHLO")
+    if profiler:
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(r"maxfp4|mosaic/gpu", ns.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
