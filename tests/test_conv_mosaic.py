@@ -157,7 +157,8 @@ def test_lowering_check_at_mamba2_1p3b_shapes_and_where_it_fails(caplog):
     shapes; where the kernels cannot take them (a 64-tap kernel: more windows than the int8 masks
     hold), one warning and false."""
     import logging
-    assert conv_mosaic.lowers_at(8, 2048, 4352, 4, jnp.bfloat16, jnp.float32, jnp.float32, 8512, 4096)
+    for fp8 in (False, True):  # the input gradient's BF16 and E5M2 stores
+        assert conv_mosaic.lowers_at(8, 2048, 4352, 4, jnp.bfloat16, jnp.float32, jnp.float32, 8512, 4096, fp8)
     with caplog.at_level(logging.WARNING, logger="maxfp4.kernels.ssd_mosaic"):
         assert not conv_mosaic.lowers_at(1, 64, 128, 64, jnp.bfloat16, jnp.float32, jnp.float32, 256, 128)
     assert "does not lower" in caplog.text

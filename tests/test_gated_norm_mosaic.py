@@ -84,8 +84,9 @@ def test_lowers_for_cuda_at_the_shipped_mamba_shapes():
     """mamba2-1p3b (E 4,096 in one group, in_proj 8,512 wide) and nemotron-h-8b (8,192 in 8
     groups, 18,560): all four kernels, BF16 and FP8."""
     for direction in ("forward", "backward"):
-        assert mosaic_norm.lowers_at(8, 2048, 4096, 1, 8512, jnp.bfloat16, jnp.float32, direction)
-        assert mosaic_norm.lowers_at(2, 8192, 8192, 8, 18560, jnp.bfloat16, jnp.float32, direction)
+        for fp8 in (False, True):
+            assert mosaic_norm.lowers_at(8, 2048, 4096, 1, 8512, jnp.bfloat16, jnp.float32, direction, fp8)
+            assert mosaic_norm.lowers_at(2, 8192, 8192, 8, 18560, jnp.bfloat16, jnp.float32, direction, fp8)
 
 
 def test_shapes_it_takes():

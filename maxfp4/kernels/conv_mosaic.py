@@ -422,11 +422,12 @@ def _gradient_into(dpre_pad, ids_back, w_WC, into_BTI, scale, column_offset: int
 
 
 def lowers_at(b: int, t: int, c: int, width: int, x_dtype, w_dtype, b_dtype, into_columns: int,
-              column_offset: int) -> bool:
+              column_offset: int, fp8: bool = False) -> bool:
     """Whether this jax lowers the kernels for CUDA as the mixer runs them at these shapes (x read
     from in_proj's [B, T, into_columns] output at ``column_offset``, dx written into its gradient
-    there, in x's dtype and in E5M2 for FP8 delayed scaling) (``ssd_mosaic.lowers``: one warning
-    and False where it does not, so the caller keeps the Triton kernels)."""
+    there, in x's dtype, or with ``fp8`` in E5M2 for FP8 delayed scaling: only the store the
+    layer uses is lowered, ~1 s each) (``ssd_mosaic.lowers``: one warning and False where it
+    does not, so the caller keeps the Triton kernels)."""
     sds = jax.ShapeDtypeStruct
     x_src, ids = sds((b, t, into_columns), x_dtype), sds((b, t + width - 1), jnp.int32)
     w, bias = sds((width, c), w_dtype), sds((c,), b_dtype)
@@ -434,6 +435,5 @@ def lowers_at(b: int, t: int, c: int, width: int, x_dtype, w_dtype, b_dtype, int
     return (lowers(conv_silu_forward, x_src, ids, w, bias, column_offset=column_offset)
             and lowers(preactivation_gradients, x_src, ids, w, bias, sds((b, t, c), x_dtype),
                        column_offset=column_offset)
-            and all(lowers(_gradient_into, dpre, ids, w, sds((b, t, into_columns), dtype), scale,
-                           column_offset=column_offset, fp8=fp8)
-                    for dtype, fp8 in ((x_dtype, False), (jnp.float8_e5m2, True))))
+            and lowers(_gradient_into, dpre, ids, w, sds((b, t, into_columns), jnp.float8_e5m2 if fp8 else x_dtype),
+                       scale, column_offset=column_offset, fp8=fp8))

@@ -311,20 +311,18 @@ def _backward(u_BTE, zxbcdt_BTI, scale_E, dout_BTE, *qscale, groups, eps, dz_dty
 
 
 def lowers_at(b: int, t: int, e: int, groups: int, in_columns: int, act_dtype, scale_dtype,
-              direction: str = "forward") -> bool:
-    """Whether this jax lowers ``direction``'s kernels ("forward" or "backward") for CUDA at these
-    shapes, as the mixer runs them (BF16 stores, and the FP8 recipes' E4M3 forward or E5M2
-    backward store) (``ssd_mosaic.lowers``: one warning and False where it does not). One
-    direction at a time: lowering the backward takes its Python ~40 s (2 CPU cores), which a
-    run that keeps the Triton backward (``kernel_backend=auto``) should not spend."""
+              direction: str = "forward", fp8: bool = False) -> bool:
+    """Whether this jax lowers ``direction``'s kernel ("forward" or "backward") for CUDA at these
+    shapes, as the mixer runs it: its BF16 store, or with ``fp8`` the FP8 recipes' E4M3 forward
+    or E5M2 backward store (``ssd_mosaic.lowers``: one warning and False where it does not). Only
+    what the layer runs is lowered: Mosaic GPU's lowering takes ~1 s a kernel (2 CPU cores)."""
     sds = jax.ShapeDtypeStruct
     u, zx, s = sds((b, t, e), act_dtype), sds((b, t, in_columns), act_dtype), sds((e,), scale_dtype)
     q = [sds((32,), jnp.float32)]
     act = jnp.dtype(act_dtype)
     if direction == "forward":
-        return all(lowers(_forward, u, zx, s, *([] if dtype == act else q), groups=groups, eps=1e-5, out_dtype=act,
-                          store_dtype=jnp.dtype(dtype), fp8=dtype != act, interpret=False)
-                   for dtype in (act, jnp.float8_e4m3fn))
-    return all(lowers(_backward, u, zx, s, u, *([] if dtype == act else q), groups=groups, eps=1e-5,
-                      dz_dtype=jnp.dtype(dtype), fp8=dtype != act, interpret=False)
-               for dtype in (act, jnp.float8_e5m2))
+        store = jnp.dtype(jnp.float8_e4m3fn if fp8 else act)
+        return lowers(_forward, u, zx, s, *(q if fp8 else []), groups=groups, eps=1e-5, out_dtype=act,
+                      store_dtype=store, fp8=fp8, interpret=False)
+    return lowers(_backward, u, zx, s, u, *(q if fp8 else []), groups=groups, eps=1e-5,
+                  dz_dtype=jnp.dtype(jnp.float8_e5m2 if fp8 else act), fp8=fp8, interpret=False)

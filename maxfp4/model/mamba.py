@@ -273,26 +273,28 @@ def _takes_mosaic(cfg: ModelConfig, tiles: bool, lowers) -> bool:
     return not on_gpu() or (ssd_mosaic.available() and lowers())
 
 
-def _conv_kernels(cfg: ModelConfig, x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array) -> str:
+def _conv_kernels(cfg: ModelConfig, x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array, fp8: bool = False) -> str:
     """The convolution's kernels for its input x [B, T, C]: "mosaic" (``maxfp4.kernels.conv_mosaic``)
-    where ``_takes_mosaic``, else "triton"."""
+    where ``_takes_mosaic``, else "triton". ``fp8``: the layer's input gradient is stored in FP8
+    (the same for its forward and backward, which must take the same kernels)."""
     d = dims(cfg)
     (b, t, c), width = x_BTC.shape, w_WC.shape[0]
     tiles = conv_mosaic.supported(t, c) and d["E"] % conv_mosaic.COLUMNS == 0
     take = _takes_mosaic(cfg, tiles, lambda: conv_mosaic.lowers_at(b, t, c, width, x_BTC.dtype, w_WC.dtype,
-                                                                   b_C.dtype, d["in"], d["E"]))
+                                                                   b_C.dtype, d["in"], d["E"], fp8))
     return "mosaic" if take else "triton"
 
 
 def _norm_kernels(cfg: ModelConfig, u_BTE: jax.Array, zxbcdt_BTI: jax.Array, scale_E: jax.Array,
-                  direction: str = "forward"):
+                  direction: str = "forward", fp8: bool = False):
     """The gated norm's kernel module for its operands and ``direction`` ("forward" or
-    "backward"; the two take the same residuals): ``maxfp4.kernels.gated_norm_mosaic`` where
-    ``_takes_mosaic``, else ``maxfp4.kernels.gated_norm`` (Triton)."""
+    "backward"; the two take the same residuals), storing FP8 with ``fp8``:
+    ``maxfp4.kernels.gated_norm_mosaic`` where ``_takes_mosaic``, else
+    ``maxfp4.kernels.gated_norm`` (Triton)."""
     (b, t, e), groups, in_columns = u_BTE.shape, dims(cfg)["G"], zxbcdt_BTI.shape[-1]
     take = _takes_mosaic(cfg, gated_norm_mosaic.supported(t, e, groups, in_columns),
                          lambda: gated_norm_mosaic.lowers_at(b, t, e, groups, in_columns, u_BTE.dtype, scale_E.dtype,
-                                                             direction))
+                                                             direction, fp8))
     return gated_norm_mosaic if take else gated_norm_kernel
 
 
@@ -427,12 +429,13 @@ def _kernel_core_fwd(zxbcdt_BTI, segment_ids_BT, p, cfg, quantize: Quantize | No
     dt_BTH, dt_pull = jax.vjp(_dt, zxbcdt_BTI[..., e + c:], p["dt_bias"])
     xbc_in_BTC = zxbcdt_BTI[..., e:e + c]
     xbc_BTC, conv_res = conv_kernel.conv_forward(xbc_in_BTC, p["conv_w"], p["conv_b"], segment_ids_BT, interpret,
-                                                 kernel=_conv_kernels(cfg, xbc_in_BTC, p["conv_w"], p["conv_b"]),
+                                                 kernel=_conv_kernels(cfg, xbc_in_BTC, p["conv_w"], p["conv_b"],
+                                                                      quantize is not None),
                                                  source_BTI=zxbcdt_BTI, source_offset=e)
     u_BTE, ssd_pull = jax.vjp(
         lambda xbc, dt, A_log, D: _ssd_with_skip(xbc, dt, A_log, D, segment_ids_BT, cfg),
         xbc_BTC, dt_BTH, p["A_log"], p["D_skip"])
-    norm = _norm_kernels(cfg, u_BTE, zxbcdt_BTI, p["norm"])
+    norm = _norm_kernels(cfg, u_BTE, zxbcdt_BTI, p["norm"], "forward", quantize is not None)
     out_BTE, norm_res = norm.gated_norm_forward(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps, ACT_DTYPE,
                                                 interpret, quantize)
     return out_BTE, (dt_pull, conv_res, ssd_pull, norm_res)
@@ -451,7 +454,7 @@ def _core_backward(cfg, residuals, dout_BTE, quantize: Quantize | None = None):
     d = dims(cfg)
     e, c = d["E"], d["conv"]
     interpret = not on_gpu()
-    du_BTE, dzxbcdt_BTI, dnorm, *amax_z = _norm_kernels(cfg, *norm_res, "backward").gated_norm_backward(
+    du_BTE, dzxbcdt_BTI, dnorm, *amax_z = _norm_kernels(cfg, *norm_res, "backward", quantize is not None).gated_norm_backward(
         norm_res, dout_BTE, d["G"], cfg.norm_eps, interpret, quantize=quantize)
     dxbc_BTC, ddt_BTH, dA_log, dD = ssd_pull(du_BTE)
     ddt_raw_BTH, ddt_bias = dt_pull(ddt_BTH)
@@ -463,7 +466,7 @@ def _core_backward(cfg, residuals, dout_BTE, quantize: Quantize | None = None):
         dzxbcdt_BTI, amax_dt = dzxbcdt_BTI.at[..., e + c:].set(q_dt), [amax_dt]
     dzxbcdt_BTI, dconv_w, dconv_b, *amax_xbc = conv_kernel.conv_backward(
         conv_res, dxbc_BTC, interpret, into_BTI=dzxbcdt_BTI, column_offset=e, quantize=quantize,
-        kernel=_conv_kernels(cfg, dxbc_BTC, conv_res[1], conv_res[2]), source_offset=e)
+        kernel=_conv_kernels(cfg, dxbc_BTC, conv_res[1], conv_res[2], quantize is not None), source_offset=e)
     grads = {"conv_w": dconv_w, "conv_b": dconv_b, "A_log": dA_log, "D_skip": dD, "dt_bias": ddt_bias,
              "norm": dnorm}
     if quantize is None:
