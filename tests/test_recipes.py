@@ -162,6 +162,69 @@ def test_train_step_divides_fp8_scales_once_per_class_not_per_layer(tiny_cfg):
     assert four == two, (two, four)
 
 
+def _primitives_named(jaxpr, name: str) -> int:
+    """Equations of primitive ``name`` anywhere in ``jaxpr``, its sub-jaxprs included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _primitives_named(sub, name)
+    return count
+
+
+def test_layer_class_keys_are_the_fold_ins_they_replace():
+    """``class_keys`` derives every block's and class's stochastic-rounding key at once: the
+    keys ``fold_in(block key, class index)`` gives one at a time, bit for bit."""
+    from maxfp4.precision import LayerPrecision, class_keys
+    from maxfp4.precision.catalog import LAYER_CLASSES
+    block_keys = jax.random.split(jax.random.key(11), 6).reshape(2, 3)
+    keys = class_keys(block_keys)
+    assert keys.shape == (2, 3, len(LAYER_CLASSES))
+    policy = resolve_policy(load_config(None, []).precision, 1)
+    for i in range(2):
+        for j in range(3):
+            lp = LayerPrecision(policy, 0, None, block_keys[i, j], keys[i, j])
+            for c, layer_class in enumerate(LAYER_CLASSES):
+                want = jax.random.key_data(jax.random.fold_in(block_keys[i, j], c))
+                assert (jax.random.key_data(keys[i, j, c]) == want).all()
+                assert (jax.random.key_data(lp.class_key(layer_class)) == want).all()
+
+
+@pytest.mark.parametrize("pattern", [None, "M-*M-*"])
+def test_train_step_derives_class_keys_once_per_group_not_per_gemm(tiny_cfg, pattern):
+    """With unrolled blocks and NVFP4's stochastic rounding the step's key derivations do not
+    grow with depth (one group of blocks: the preset's BF16 ends are ruled out): one vectorized
+    fold_in per group of blocks (``class_keys``), not one per
+    GEMM (XLA merged those scalar derivations across blocks into fusions of thousands of
+    instructions)."""
+    from maxfp4.optim import make_optimizer, make_schedule
+    from maxfp4.parallel.mesh import make_mesh
+    from maxfp4.step import make_train_step
+    from maxfp4.train import init_state
+
+    def fold_ins(n_layers):
+        if pattern is None:
+            cfg = tiny_cfg(f"model.n_layers={n_layers}", "train.scan_layers=false", "precision.default=nvfp4")
+        else:  # (the tiny hybrid's widths block by 16, as NVFP4 needs)
+            cfg = load_config(["configs/hybrid-tiny.yaml", "configs/precision/nvfp4.yaml"],
+                              [f"model.pattern={pattern[:n_layers]}", f"model.n_layers={n_layers}",
+                               "train.scan_layers=false", "data.seq_len=32", "precision.rules=[]"])
+        mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+        optimizer = make_optimizer(cfg)
+        state, _ = init_state(cfg, mesh, optimizer)
+        step = make_train_step(cfg, resolve_policy(cfg.precision, n_layers), optimizer, make_schedule(cfg), mesh)
+        b, t = cfg.data.global_batch, cfg.data.seq_len
+        tokens = jnp.zeros((b, t), jnp.int32)
+        batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens + 1,
+                 "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                 "loss_mask": jnp.ones((b, t), jnp.float32)}
+        return _primitives_named(jax.make_jaxpr(step)(state, batch).jaxpr, "random_fold_in")
+
+    three, six = fold_ins(3), fold_ins(6)
+    assert three > 0
+    assert six == three, (three, six)
+
+
 def _pow2_floor_reference(v):
     """2**floor(log2(v)) in float64 from the float32 value (NumPy's frexp: v = m 2^e, m in [0.5, 1))."""
     _, e = np.frexp(np.asarray(v, np.float64))

@@ -26,7 +26,7 @@ from maxfp4.model.layers import norm_scale, stacked
 from maxfp4.model.layer_loop import run_layers, skippable
 from maxfp4.model.mlp import MLP
 from maxfp4.model.remat import remat_body
-from maxfp4.precision import LayerPrecision, PrecisionPolicy
+from maxfp4.precision import LayerPrecision, PrecisionPolicy, class_keys
 
 Params = dict[str, Any]
 
@@ -97,11 +97,12 @@ class DenseLM(lm.LanguageModel):
             if not whole:
                 group_scales = jax.tree.map(lambda a: a[start:end], group_scales)
             group_keys = jax.random.split(jax.random.fold_in(key, start), end - start)
-            xs = (group, group_scales, group_keys) + (() if active_L is None else (active_L[start:end],))
+            keys = (group_keys, class_keys(group_keys))
+            xs = (group, group_scales, keys) + (() if active_L is None else (active_L[start:end],))
 
             def body(x, xs, start=start):
-                p, s, k = xs[:3]
-                lp = LayerPrecision(policy, start, s, k)
+                p, s, (k, k_classes) = xs[:3]
+                lp = LayerPrecision(policy, start, s, k, k_classes)
 
                 def block(x):
                     y = nnx.merge(block_def, p)(x, positions_BT, segment_ids_BT, lp, attn_impl, runs_per_row)

@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from maxfp4.config import ModelConfig
@@ -32,7 +33,7 @@ from maxfp4.model.mamba import Mamba2Mixer
 from maxfp4.model.mlp import MLP
 from maxfp4.model.moe import MoE
 from maxfp4.model.remat import remat_body
-from maxfp4.precision import LayerPrecision, PrecisionPolicy
+from maxfp4.precision import LayerPrecision, PrecisionPolicy, class_keys
 
 Params = dict[str, Any]
 TYPES = PATTERN_CHARS  # model.pattern's characters -> block types
@@ -156,7 +157,10 @@ class HybridLM(lm.LanguageModel):
                 offsets[t] += reps * per_unit
             xs["scales"] = {c: s[start:start + reps * u].reshape(reps, u, *s.shape[1:])
                             for c, s in block_scales.items()}
-            xs["keys"] = jax.random.split(jax.random.fold_in(key, start), reps)
+            rep_keys = jax.random.split(jax.random.fold_in(key, start), reps)
+            block_keys = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)), in_axes=(0, None))(
+                rep_keys, jnp.arange(u, dtype=jnp.uint32))  # [reps, u]: fold_in(rep key, j)
+            xs["keys"] = (block_keys, class_keys(block_keys))
             if active_L is not None:
                 xs["active"] = active_L[start:start + reps * u].reshape(reps, u)
 
@@ -167,7 +171,7 @@ class HybridLM(lm.LanguageModel):
                     weights = jax.tree.map(lambda a: a[seen[t]], xs[t])
                     seen[t] += 1
                     lp = LayerPrecision(policy, start + j, {c: s[j] for c, s in xs["scales"].items()},
-                                        jax.random.fold_in(xs["keys"], j))
+                                        xs["keys"][0][j], xs["keys"][1][j])
 
                     def block(x, t=t, weights=weights, lp=lp):
                         y = nnx.merge(defs[t], weights)(x, positions_BT, segment_ids_BT, lp, attn_impl, runs_per_row)

@@ -101,7 +101,7 @@ def _on_device(x_ND, experts_Nk, weights_Nk, w_up, w_down, scales, key, *, lp, e
     g = w_up.shape[0]  # experts on this device
     x_total = g * ep
     # Only what crossed into shard_map: the block's other per-block inputs stay outside.
-    lp = dataclasses.replace(lp, scales=scales, key=key)
+    lp = dataclasses.replace(lp, scales=scales, key=key, class_keys=None)  # (derived from key in here)
     experts_A = experts_Nk.reshape(-1)
     rows_AD = jnp.repeat(x_ND, k, axis=0)
     if ep == 1:

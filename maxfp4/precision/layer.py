@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxfp4.errors import ConfigError
@@ -41,16 +42,38 @@ def grouped_recipes() -> tuple[str, ...]:
     return tuple(name for name, r in RECIPES.items() if r.grouped is not None)
 
 
+def class_keys(block_keys: jax.Array) -> jax.Array:
+    """[..., C]: each layer class's key for each block key of ``block_keys`` [...], ``fold_in``
+    of the class's index in ``LAYER_CLASSES``, as ``LayerPrecision.class_key`` derives one.
+    Derived for every block and class at once: one vectorized threefry, where a derivation per
+    GEMM wrote scalar threefry instructions into each block's program (1,166 of a 4-block
+    dense-1p3b NVFP4 step's 28,134 HLO instructions), which XLA merged across blocks into
+    fusions of thousands of scalar instructions that its fusion passes are slow on."""
+    fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+    for _ in range(block_keys.ndim):
+        fold = jax.vmap(fold, in_axes=(0, None))
+    return fold(block_keys, jnp.arange(len(LAYER_CLASSES), dtype=jnp.uint32))
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPrecision:
     """What a block needs to run its linear layers: the policy, its index (the first block of
     its scan group: recipes are identical inside a group), its delayed-scaling scales by class,
-    and a PRNG key from which each class derives its own."""
+    and a PRNG key from which each class derives its own; ``class_keys`` [C], where given, are
+    those derivations made beforehand (:func:`class_keys`, the same keys)."""
 
     policy: PrecisionPolicy
     layer_index: int | None
     scales: dict[str, jax.Array] | None = None
     key: jax.Array | None = None
+    class_keys: jax.Array | None = None
+
+    def class_key(self, layer_class: str) -> jax.Array | None:
+        """``layer_class``'s key: ``fold_in(key, its index in LAYER_CLASSES)``."""
+        index = LAYER_CLASSES.index(layer_class)
+        if self.class_keys is not None:
+            return self.class_keys[index]
+        return None if self.key is None else jax.random.fold_in(self.key, index)
 
     def fused(self, layer_class: str) -> FusedOperands | None:
         """The operand hooks of ``layer_class``'s recipe when it offers them and its scaling state
@@ -75,12 +98,12 @@ class LayerPrecision:
             raise ConfigError(f"precision: recipe {recipe} on {layer_class} has no grouped GEMM; expected one of "
                               f"{', '.join(grouped_recipes())} for the expert classes")
         scales = None if self.scales is None else self.scales.get(layer_class)
-        key = None if self.key is None else jax.random.fold_in(self.key, LAYER_CLASSES.index(layer_class))
+        key = self.class_key(layer_class)
         y = grouped(x_MK, w_GKN, sizes_G, call_options(self.policy, recipe, layer_class), scales, key, gemm=gemm)
         return checkpoint_name(y, GEMM_OUT)
 
     def dot(self, x: jax.Array, w: jax.Array, layer_class: str) -> jax.Array:
         scales = None if self.scales is None else self.scales.get(layer_class)
-        key = None if self.key is None else jax.random.fold_in(self.key, LAYER_CLASSES.index(layer_class))
+        key = self.class_key(layer_class)
         y = dot(x, w, layer_class, self.layer_index, self.policy, scales=scales, key=key)
         return checkpoint_name(y, GEMM_OUT)
