@@ -63,7 +63,9 @@ def abstract(shapes, shardings):
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def compile_cost(cfg: Config, top: int, hlo_out: str | None = None) -> dict:
+def abstract_step(cfg: Config):
+    """(the trainer's jitted step with its compiler options, abstract state, abstract batch, the
+    mesh) on this machine's devices: shapes, dtypes and shardings only, nothing allocated."""
     policy = resolve_policy(cfg.precision, cfg.model.n_layers)
     mesh = make_mesh(cfg.mesh, None)
     optimizer = make_optimizer(cfg)
@@ -74,9 +76,13 @@ def compile_cost(cfg: Config, top: int, hlo_out: str | None = None) -> dict:
     batch = {k: jax.ShapeDtypeStruct(bt, jnp.int32, sharding=b_sh)
              for k in ("inputs", "targets", "positions", "segment_ids")}
     batch["loss_mask"] = jax.ShapeDtypeStruct(bt, jnp.float32, sharding=b_sh)
+    options = compiler_options(mesh.devices.flat[0].platform, cfg.train.compiler_options)
+    return jit_train_step(cfg, policy, optimizer, make_schedule(cfg), mesh, state_sh, options), state, batch, mesh
+
+
+def compile_cost(cfg: Config, top: int, hlo_out: str | None = None) -> dict:
+    jitted, state, batch, mesh = abstract_step(cfg)
     platform = mesh.devices.flat[0].platform
-    jitted = jit_train_step(cfg, policy, optimizer, make_schedule(cfg), mesh, state_sh,
-                            compiler_options(platform, cfg.train.compiler_options))
     t0 = time.perf_counter()
     lowered = jitted.lower(state, batch)
     t1 = time.perf_counter()

@@ -28,10 +28,9 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compile_cost import abstract  # noqa: E402  (benchmarks/ is not a package)
+from compile_cost import abstract_step  # noqa: E402  (benchmarks/ is not a package)
 
 from maxfp4.config import add_config_arguments, config_from_arguments  # noqa: E402
 from maxfp4.model_spec import model_spec  # noqa: E402
@@ -68,21 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"model.attention={cfg.model.attention}: cuDNN's attention does not lower without cuDNN; "
                      "pass model.attention=xla")
     probes = pretend_hopper()
-    from maxfp4.optim import make_optimizer, make_schedule
-    from maxfp4.parallel.mesh import batch_sharding, make_mesh
-    from maxfp4.precision import resolve_policy
-    from maxfp4.train import jit_train_step, state_maker
-    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
-    mesh = make_mesh(cfg.mesh, None)
-    optimizer = make_optimizer(cfg)
-    make, state_sh = state_maker(cfg, mesh, optimizer, policy)
-    state = abstract(jax.eval_shape(make, jax.random.key(0)), state_sh)
-    b_sh = batch_sharding(mesh)
-    bt = (cfg.data.global_batch, cfg.data.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(bt, jnp.int32, sharding=b_sh)
-             for k in ("inputs", "targets", "positions", "segment_ids")}
-    batch["loss_mask"] = jax.ShapeDtypeStruct(bt, jnp.float32, sharding=b_sh)
-    jitted = jit_train_step(cfg, policy, optimizer, make_schedule(cfg), mesh, state_sh, {})
+    jitted, state, batch, _ = abstract_step(cfg)
     profiler = cProfile.Profile() if ns.profile else None
     t0 = time.perf_counter()
     if profiler:

@@ -130,28 +130,32 @@ def _calls_named(jaxpr, name: str) -> int:
     return count
 
 
-def test_train_step_divides_fp8_scales_once_per_class_not_per_layer(tiny_cfg):
-    """With unrolled blocks the step's exact divisions do not grow with depth: each class's
-    reciprocals are one division of its [L, 3] array (maxfp4.precision.state.with_reciprocals),
-    not one per layer (XLA gathered those into fusions of thousands of instructions)."""
+def _train_step_jaxpr(cfg):
+    """The jaxpr of ``cfg``'s train step on one device, for a batch of zeros."""
     from maxfp4.optim import make_optimizer, make_schedule
     from maxfp4.parallel.mesh import make_mesh
     from maxfp4.step import make_train_step
     from maxfp4.train import init_state
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    optimizer = make_optimizer(cfg)
+    state, _ = init_state(cfg, mesh, optimizer)
+    step = make_train_step(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), optimizer, make_schedule(cfg), mesh)
+    b, t = cfg.data.global_batch, cfg.data.seq_len
+    tokens = jnp.zeros((b, t), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens + 1,
+             "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+             "loss_mask": jnp.ones((b, t), jnp.float32)}
+    return jax.make_jaxpr(step)(state, batch).jaxpr
 
+
+def test_train_step_divides_fp8_scales_once_per_class_not_per_layer(tiny_cfg):
+    """With unrolled blocks the step's exact divisions do not grow with depth: each class's
+    reciprocals are one division of its [L, 3] array (maxfp4.precision.state.with_reciprocals),
+    not one per layer (XLA gathered those into fusions of thousands of instructions)."""
     def divisions(n_layers, *overrides):
         cfg = tiny_cfg(f"model.n_layers={n_layers}", "train.scan_layers=false", "precision.default=fp8_delayed",
                        *overrides)
-        mesh = make_mesh(cfg.mesh, jax.devices()[:1])
-        optimizer = make_optimizer(cfg)
-        state, _ = init_state(cfg, mesh, optimizer)
-        step = make_train_step(cfg, resolve_policy(cfg.precision, n_layers), optimizer, make_schedule(cfg), mesh)
-        b, t = cfg.data.global_batch, cfg.data.seq_len
-        tokens = jnp.zeros((b, t), jnp.int32)
-        batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens + 1,
-                 "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-                 "loss_mask": jnp.ones((b, t), jnp.float32)}
-        return _calls_named(jax.make_jaxpr(step)(state, batch).jaxpr, "div_rn")
+        return _calls_named(_train_step_jaxpr(cfg), "div_rn")
 
     two, four = divisions(2), divisions(4)
     assert two > 0
@@ -197,11 +201,6 @@ def test_train_step_derives_class_keys_once_per_group_not_per_gemm(tiny_cfg, pat
     fold_in per group of blocks (``class_keys``), not one per
     GEMM (XLA merged those scalar derivations across blocks into fusions of thousands of
     instructions)."""
-    from maxfp4.optim import make_optimizer, make_schedule
-    from maxfp4.parallel.mesh import make_mesh
-    from maxfp4.step import make_train_step
-    from maxfp4.train import init_state
-
     def fold_ins(n_layers):
         if pattern is None:
             cfg = tiny_cfg(f"model.n_layers={n_layers}", "train.scan_layers=false", "precision.default=nvfp4")
@@ -209,16 +208,7 @@ def test_train_step_derives_class_keys_once_per_group_not_per_gemm(tiny_cfg, pat
             cfg = load_config(["configs/hybrid-tiny.yaml", "configs/precision/nvfp4.yaml"],
                               [f"model.pattern={pattern[:n_layers]}", f"model.n_layers={n_layers}",
                                "train.scan_layers=false", "data.seq_len=32", "precision.rules=[]"])
-        mesh = make_mesh(cfg.mesh, jax.devices()[:1])
-        optimizer = make_optimizer(cfg)
-        state, _ = init_state(cfg, mesh, optimizer)
-        step = make_train_step(cfg, resolve_policy(cfg.precision, n_layers), optimizer, make_schedule(cfg), mesh)
-        b, t = cfg.data.global_batch, cfg.data.seq_len
-        tokens = jnp.zeros((b, t), jnp.int32)
-        batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens + 1,
-                 "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-                 "loss_mask": jnp.ones((b, t), jnp.float32)}
-        return _primitives_named(jax.make_jaxpr(step)(state, batch).jaxpr, "random_fold_in")
+        return _primitives_named(_train_step_jaxpr(cfg), "random_fold_in")
 
     three, six = fold_ins(3), fold_ins(6)
     assert three > 0
