@@ -14,8 +14,9 @@ width I; I must be a multiple of 64.
 The forward: a program takes 2 rows of one group (u, z in, the output out), keeping g in
 registers between its passes (measured on an H200: 95 us a mamba2-1p3b layer against the Triton
 kernel's 110). The backward: a program walks 16 rows, as the Triton kernel's do, so that its
-partial sums of the scale's gradient are as many (held in registers), on one warpgroup: 0.72 ms
-a layer against Triton's 0.26, which spreads a row over 16 warps. A row split over 4
+partial sums of the scale's gradient are as many (held in registers), on one warpgroup, its rows
+in a loop: 0.19 ms a layer against Triton's 0.26, which spreads a row over 16 warps (the rows
+unrolled in Python took 0.72 ms, and ~45 s to lower). A row split over 4
 warpgroups, exchanging their parts of the sums through shared memory, measured 0.28 ms and gave
 wrong sums: jax lowers a reduction over all axes of a strided array through one scratch buffer
 that the warpgroups of a program share (jax 0.11.2 documents the case as unsupported; 0.10

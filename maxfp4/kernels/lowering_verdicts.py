@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jax
 
-from maxfp4.files import write_text_atomic
+from maxfp4.files import atomic_file
 
 FOLDER = "maxfp4-mosaic-lowers"  # inside JAX's compilation cache directory
 
@@ -70,6 +70,8 @@ def remember(name: str, lowers: bool, why: str = "") -> None:
         return
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(str(folder / name), json.dumps({"lowers": lowers, "why": why}))
+        # unique: the processes of a job may store the same verdict at once (a shared cache)
+        with atomic_file(str(folder / name), unique=True) as fh:
+            fh.write(json.dumps({"lowers": lowers, "why": why}))
     except OSError:  # a cache: a read-only or full disk costs the next process the checks only
         pass
