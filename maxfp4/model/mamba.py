@@ -265,8 +265,8 @@ def _takes_mosaic(cfg: ModelConfig, tiles: bool, lowers) -> bool:
     interpreter (as the other kernels run interpreted there) and on a GPU where it is Hopper and
     ``lowers()`` (this jax lowers it there); under ``auto``, on such a GPU (off a GPU, as
     ``ssd_fused``'s auto, Triton's interpreted). Every Mosaic form measured faster than its Triton
-    one on an H200 at mamba2-1p3b's shapes, alone and in whole steps (docs/PERFORMANCE.md,
-    "Kernels on Mosaic GPU")."""
+    one on an H200 at mamba2-1p3b's shapes, each alone, and whole steps with them faster too, the
+    last (the norm's backward) by ~0.3% (docs/PERFORMANCE.md, "Kernels on Mosaic GPU")."""
     backend = cfg.mamba.kernel_backend
     if not tiles or backend == "triton" or (backend == "auto" and not on_gpu()):
         return False
