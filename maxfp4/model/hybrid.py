@@ -19,7 +19,6 @@ from functools import lru_cache
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from maxfp4.config import ModelConfig
@@ -33,7 +32,7 @@ from maxfp4.model.mamba import Mamba2Mixer
 from maxfp4.model.mlp import MLP
 from maxfp4.model.moe import MoE
 from maxfp4.model.remat import remat_body
-from maxfp4.precision import LayerPrecision, PrecisionPolicy, class_keys
+from maxfp4.precision import LayerPrecision, PrecisionPolicy, class_keys, fold_in_each
 
 Params = dict[str, Any]
 TYPES = PATTERN_CHARS  # model.pattern's characters -> block types
@@ -158,8 +157,7 @@ class HybridLM(lm.LanguageModel):
             xs["scales"] = {c: s[start:start + reps * u].reshape(reps, u, *s.shape[1:])
                             for c, s in block_scales.items()}
             rep_keys = jax.random.split(jax.random.fold_in(key, start), reps)
-            block_keys = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)), in_axes=(0, None))(
-                rep_keys, jnp.arange(u, dtype=jnp.uint32))  # [reps, u]: fold_in(rep key, j)
+            block_keys = fold_in_each(rep_keys, u)  # [reps, u]: fold_in(rep key, j)
             xs["keys"] = (block_keys, class_keys(block_keys))
             if active_L is not None:
                 xs["active"] = active_L[start:start + reps * u].reshape(reps, u)

@@ -11,7 +11,7 @@ import importlib
 
 _HOMES = {
     "dot": "maxfp4.precision.layer", "LayerPrecision": "maxfp4.precision.layer", "GEMM_OUT": "maxfp4.precision.layer",
-    "class_keys": "maxfp4.precision.layer",
+    "class_keys": "maxfp4.precision.layer", "fold_in_each": "maxfp4.precision.layer",
     # each recipe's operands, as its backward keeps them (remat policies name them)
     "GEMM_IN": "maxfp4.precision.recipes", "GEMM_WEIGHT": "maxfp4.precision.recipes",
     "FusedOperands": "maxfp4.precision.fused",

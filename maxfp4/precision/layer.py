@@ -42,6 +42,15 @@ def grouped_recipes() -> tuple[str, ...]:
     return tuple(name for name, r in RECIPES.items() if r.grouped is not None)
 
 
+def fold_in_each(keys: jax.Array, n: int) -> jax.Array:
+    """[..., n]: ``fold_in(key, i)`` for each key of ``keys`` [...] and each i < n, vectorized
+    (the same keys as one ``fold_in`` at a time)."""
+    fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+    for _ in range(keys.ndim):
+        fold = jax.vmap(fold, in_axes=(0, None))
+    return fold(keys, jnp.arange(n, dtype=jnp.uint32))
+
+
 def class_keys(block_keys: jax.Array) -> jax.Array:
     """[..., C]: each layer class's key for each block key of ``block_keys`` [...], ``fold_in``
     of the class's index in ``LAYER_CLASSES``, as ``LayerPrecision.class_key`` derives one.
@@ -49,10 +58,7 @@ def class_keys(block_keys: jax.Array) -> jax.Array:
     GEMM wrote scalar threefry instructions into each block's program (1,166 of a 4-block
     dense-1p3b NVFP4 step's 28,134 HLO instructions), which XLA merged across blocks into
     fusions of thousands of scalar instructions that its fusion passes are slow on."""
-    fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
-    for _ in range(block_keys.ndim):
-        fold = jax.vmap(fold, in_axes=(0, None))
-    return fold(block_keys, jnp.arange(len(LAYER_CLASSES), dtype=jnp.uint32))
+    return fold_in_each(block_keys, len(LAYER_CLASSES))
 
 
 @dataclasses.dataclass(frozen=True)
