@@ -44,12 +44,15 @@ def measure(cfg, recipe: str, gemm: str, tokens: int, iters: int) -> dict:
     lp = LayerPrecision(policy, 0, scales, jax.random.key(0))
     k = jax.random.split(jax.random.key(1), 4)
     x = jax.random.normal(k[0], (tokens * moe.top_k, d), jnp.bfloat16)
-    experts = jax.random.randint(k[1], (tokens * moe.top_k,), 0, moe.experts)
+    # Rows already sorted by expert (the exchange sorts them, maxfp4.parallel.expert): group sizes
+    # of a uniform random routing.
+    experts = jnp.sort(jax.random.randint(k[1], (tokens * moe.top_k,), 0, moe.experts))
+    sizes = jnp.bincount(experts, length=moe.experts).astype(jnp.int32)
     w_up = 0.02 * jax.random.normal(k[2], (moe.experts, d, moe.d_ff, gates))
     w_down = 0.02 * jax.random.normal(k[3], (moe.experts, moe.d_ff, d))
 
     def loss(x, w_up, w_down):
-        return jnp.sum(expert_ffn(x, experts, w_up, w_down, lp, cfg.model.mlp, gemm).astype(jnp.float32))
+        return jnp.sum(expert_ffn(x, sizes, w_up, w_down, lp, cfg.model.mlp, gemm).astype(jnp.float32))
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     seconds = _time(step, x, w_up, w_down, iters=iters)

@@ -342,39 +342,60 @@ def test_experts_split_over_4_devices_give_the_gradients_of_one_group():
 
 @pytest.mark.parametrize("skewed", [False, True], ids=["even", "all-to-device-0"])
 def test_the_exchange_moves_slack_sized_buffers_and_falls_back_without_dropping(skewed):
-    """The expert exchange on 4 devices (mesh.expert=4), 64 assignments a device, slack 1.5: its
-    buffers hold 24 rows a destination, [4, 24, D] (not [4, 64, D]). Each device sends 16
-    assignments to each destination: the small buffers serve. Every device sends all 64 to device
-    0: the worst-case buffers serve. Either way every assignment comes back with its own result
-    (computed on its destination as row x (its local expert + 1) + its destination), none lost."""
+    """The expert exchange on 4 devices (mesh.expert=4, 2 experts each), 32 tokens x top-2 = 64
+    assignments a device, slack 1.5: its buffers hold 24 rows a destination, [4, 24, D] (not
+    [4, 64, D]). Each device sends 16 assignments to each destination: the small buffers serve.
+    Every device sends all 64 to device 0: the worst-case buffers serve. Either way every
+    assignment comes back with its own result (computed on its destination as row x (its local
+    expert + 1) + its destination, the rows of each group checked to be that expert's), a
+    dropped one (expert id 8) with 0, none lost; and the gradient of the tokens is the sum of
+    their assignments' (rows moved by gathers both ways)."""
     import re
 
     from jax.sharding import PartitionSpec as P
 
     from maxfp4.parallel.expert import exchange, exchange_rows
 
-    ep, a, d, g = 4, 64, 8, 2
+    ep, n, k, d, g = 4, 32, 2, 8, 2
+    a = n * k
     assert exchange_rows(a, ep, 1.5) == 24 and exchange_rows(a, ep, 0.0) == a == exchange_rows(a, ep, 8.0)
     mesh = jax.make_mesh((ep,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:ep])
-    rows_AD = jax.random.normal(jax.random.key(0), (ep * a, d), jnp.float32)
-    dest_A = jnp.zeros((ep * a,), jnp.int32) if skewed else jnp.tile(jnp.arange(ep, dtype=jnp.int32), ep * a // ep)
-    local_A = jnp.arange(ep * a, dtype=jnp.int32) % g
+    x_ND = jax.random.normal(jax.random.key(0), (ep * n, d), jnp.float32)
+    assignment = jnp.arange(ep * a, dtype=jnp.int32)
+    experts_A = assignment % g if skewed else (assignment % (g * ep))
+    experts_A = jnp.where(assignment % 7 == 3, g * ep, experts_A)  # some dropped
 
-    def per_device(rows, dest, local):
+    def per_device(x, experts):
         me = jax.lax.axis_index("expert").astype(jnp.float32)
-        compute = lambda r, l: jnp.where((l < g)[:, None], r * (l[:, None] + 1) + me, 0.0)  # noqa: E731
-        out, overflowed = exchange(rows, dest, local, ep, g, compute, 1.5, ("expert",))
+
+        def compute(rows_MD, sizes_G):
+            group_M = jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(rows_MD.shape[0]), side="right")
+            return jnp.where((group_M < g)[:, None], rows_MD * (group_M[:, None] + 1) + me, 0.0)
+
+        out, overflowed = exchange(x, experts, k, g, ep, compute, 1.5, ("expert",))
         return out, overflowed[None]
 
-    run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("expert"),) * 3,
+    run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("expert"),) * 2,
                                 out_specs=(P("expert"), P("expert"))))
-    out, overflowed = run(rows_AD, dest_A, local_A)
-    want = rows_AD * (local_A[:, None] + 1) + dest_A[:, None].astype(jnp.float32)
+    out, overflowed = run(x_ND, experts_A)
+    rows_AD = jnp.repeat(x_ND, k, axis=0)
+    kept = (experts_A < g * ep)[:, None]
+    want = jnp.where(kept, rows_AD * (experts_A[:, None] % g + 1) + (experts_A[:, None] // g).astype(jnp.float32), 0.0)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
     assert np.asarray(overflowed).tolist() == [skewed] * ep
-    hlo = run.lower(rows_AD, dest_A, local_A).as_text()
+    hlo = run.lower(x_ND, experts_A).as_text()
     shapes = set(re.findall(r'"stablehlo.all_to_all"\(%\S+\) .*?: \(tensor<([\dx]+)xf32>', hlo))
     assert {f"{ep}x24x{d}", f"{ep}x{a}x{d}"} <= shapes, shapes
+    weights_A = jax.random.normal(jax.random.key(1), (ep * a,), jnp.float32)
+    grad = jax.grad(lambda x: jnp.sum(run(x, experts_A)[0] * weights_A[:, None]))(x_ND)
+    want_grad = jnp.sum((jnp.where(kept, (experts_A[:, None] % g + 1), 0) * weights_A[:, None]).reshape(-1, k, 1)
+                        * jnp.ones((1, 1, d)), axis=1)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6)
+    # The rows move by gathers in both directions: no scatter of [*, D] rows (only the integer
+    # inverse permutations are scattered).
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(run(x, experts_A)[0])))(x_ND))
+    scattered = re.findall(r"(\w+\[[\d,]+\]) = scatter", jaxpr)
+    assert scattered and all(t.startswith("i32[") and "," not in t for t in scattered), scattered
 
 
 def test_a_tensor_group_splits_its_tokens_over_the_experts_and_trains_as_one_device():

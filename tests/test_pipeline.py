@@ -286,6 +286,7 @@ def test_the_slots_of_unequal_stages_hold_every_block_once_in_order(config, stag
     slot_types = [t for t, _ in program.slots]
     stage = program.stage_policy(policy)
     assert program.stage_model(cfg.model).n_layers == len(program.slots) == stage.n_layers
+    assert program.stage_model(cfg.model).attention == "xla"  # no cuDNN kernel inside a slot's conditional
     assert stage.recipe_rows == tuple(r for _, r in program.slots)
     groups = {b.type: b.group for b in model_spec(cfg.model).blocks}
     for group in dict.fromkeys(groups.values()):

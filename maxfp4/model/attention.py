@@ -180,7 +180,9 @@ def stage_implementation(implementation: str, runs_per_row: int | None) -> str:
     segfaults compiling cuDNN's packed or masked kernel inside the stages' ``shard_map`` (Shardy's
     ManualComputationUnusedInputsPattern; two H200s, dense and hybrid alike), while cuDNN's causal
     kernel compiles and runs there: a stage keeps cuDNN for rows known to hold one document
-    (``runs_per_row`` 1, as synthetic data's) and runs XLA's attention for any other rows."""
+    (``runs_per_row`` 1, as synthetic data's) and runs XLA's attention for any other rows.
+    Unequal stages' slots run XLA's attention whatever the rows
+    (maxfp4.parallel.pipeline_stages.StageProgram.stage_model)."""
     if not _in_pipeline_stage() or implementation not in ("cudnn", "cudnn_mask"):
         return implementation
     return "cudnn" if implementation == "cudnn" and runs_per_row == 1 else "xla"

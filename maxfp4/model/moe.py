@@ -135,22 +135,18 @@ def choose_experts(logits_NX: jax.Array, bias_X: jax.Array | None, top_k: int, s
     return Routing(experts_Nk, weights_Nk, stats_S, aux_loss)
 
 
-def expert_ffn(rows_MD: jax.Array, experts_M: jax.Array, w_up_GDFg: jax.Array, w_down_GFD: jax.Array,
+def expert_ffn(sorted_MD: jax.Array, sizes_G: jax.Array, w_up_GDFg: jax.Array, w_down_GFD: jax.Array,
                lp: LayerPrecision, kind: str, gemm: str = "xla") -> jax.Array:
-    """Each row through its expert's MLP (``experts_M``: the row's expert among the G here; G
-    marks a row to skip, whose output is 0): the rows sorted by expert, two grouped GEMMs with
-    the activation between, then put back in their order."""
+    """Rows sorted by expert (``sizes_G`` of them for each of the G experts here, in order; rows
+    past the groups are skipped, whatever their output) through their expert's MLP: two grouped
+    GEMMs with the activation between. maxfp4.parallel.expert sorts them and puts them back."""
     g, d = w_up_GDFg.shape[:2]
-    order_M = jnp.argsort(experts_M, stable=True)
-    sizes_G = jnp.bincount(experts_M, length=g + 1)[:g].astype(jnp.int32)
-    sorted_MD = rows_MD[order_M].astype(ACT_DTYPE)
-    h_MK = lp.grouped_dot(sorted_MD, w_up_GDFg.reshape(g, d, -1), sizes_G, "expert_up", gemm)
+    h_MK = lp.grouped_dot(sorted_MD.astype(ACT_DTYPE), w_up_GDFg.reshape(g, d, -1), sizes_G, "expert_up", gemm)
     if kind == "swiglu":
         a_MF = swiglu_product(h_MK.reshape(h_MK.shape[0], -1, 2))
     else:
         a_MF = relu2(h_MK)
-    y_MD = lp.grouped_dot(a_MF.astype(ACT_DTYPE), w_down_GFD, sizes_G, "expert_down", gemm)
-    return jnp.zeros_like(y_MD).at[order_M].set(y_MD, unique_indices=True)
+    return lp.grouped_dot(a_MF.astype(ACT_DTYPE), w_down_GFD, sizes_G, "expert_down", gemm)
 
 
 @jax.custom_vjp

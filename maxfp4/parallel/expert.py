@@ -7,19 +7,22 @@ this module then runs, under ``shard_map`` over every mesh axis:
 1. each device takes its tokens (the batch is split over data, fsdp and expert, each sequence
    over context, and a tensor group's tokens over tensor) and its
    X / mesh.expert experts (the weights' ``experts`` dim is split over ``expert``);
-2. with mesh.expert = E > 1, every token-expert assignment is written to the buffer of the
-   device that holds its expert (:func:`exchange`): [E, R, D] buffers of R =
-   ``model.moe.exchange_slack`` x the even share A / E rows, or, in a step where some device
-   sends one destination more than R, [E, A, D] ones (room for every assignment of a device to
-   go to one device): nothing is ever dropped for lack of room, and the common step moves and
-   computes slack / E of the worst case (``jax.lax.ragged_all_to_all`` would move only the
-   filled rows: it is not implemented on the CPU backend of jax 0.10.2);
-3. ``all_to_all`` over ``expert`` delivers the buffers, each device runs its experts' grouped
-   GEMMs over what it received (empty slots are skipped: their rows sort past every group),
-   and a second ``all_to_all`` sends the results back;
+2. each token-expert assignment gets a slot in a send buffer (:func:`exchange_plan`: the
+   assignments sorted by expert, which groups them by the device holding the expert), and the
+   tokens move straight into those slots (:func:`move_rows`, gathers both ways). With
+   mesh.expert = E > 1 the buffers are [E, R, D] of R = ``model.moe.exchange_slack`` x the even
+   share A / E rows, or, in a step where some device sends one destination more than R,
+   [E, A, D] ones (room for every assignment of a device to go to one device): nothing is ever
+   dropped for lack of room, and the common step moves and computes slack / E of the worst case
+   (``jax.lax.ragged_all_to_all`` would move only the filled rows: it is not implemented on the
+   CPU backend of jax);
+3. ``all_to_all`` over ``expert`` delivers the buffers, each device sorts what it received by its
+   local expert and runs the grouped GEMMs over it (empty slots sort past every group), and a
+   second ``all_to_all`` sends the results back; with E = 1 the send buffer is already in expert
+   order and goes straight to the grouped GEMMs;
 4. each token sums its top_k results with its combine weights.
 
-With E = 1 the same runs without the exchange. The expert weights' gradients are summed over the
+The expert weights' gradients are summed over the
 devices that share them by ``shard_map``'s transpose; the FP8 delayed-scaling amaxes of the expert
 GEMMs leave by max over devices (:func:`maxfp4.parallel.mesh.fan_out_max`), as every replica
 must use the same scale.
@@ -99,50 +102,113 @@ def run_experts(x_ND: jax.Array, experts_Nk: jax.Array, weights_Nk: jax.Array, w
 def _on_device(x_ND, experts_Nk, weights_Nk, w_up, w_down, scales, key, *, lp, expert_ffn, kind, ep, slack, axes):
     n, k = experts_Nk.shape
     g = w_up.shape[0]  # experts on this device
-    x_total = g * ep
     # Only what crossed into shard_map: the block's other per-block inputs stay outside.
     lp = dataclasses.replace(lp, scales=scales, key=key, class_keys=None)  # (derived from key in here)
-    experts_A = experts_Nk.reshape(-1)
-    rows_AD = jnp.repeat(x_ND, k, axis=0)
-    if ep == 1:
-        out_AD = expert_ffn(rows_AD, experts_A, w_up, w_down, lp, kind)
-    else:
-        valid_A = experts_A < x_total
-        compute = lambda recv_RD, local_R: expert_ffn(recv_RD, local_R, w_up, w_down, lp, kind)  # noqa: E731
-        out_AD, _ = exchange(rows_AD, jnp.where(valid_A, experts_A // g, ep), jnp.where(valid_A, experts_A % g, g),
-                             ep, g, compute, slack, axes)
+    compute = lambda sorted_MD, sizes_G: expert_ffn(sorted_MD, sizes_G, w_up, w_down, lp, kind)  # noqa: E731
+    out_AD, _ = exchange(x_ND, experts_Nk.reshape(-1), k, g, ep, compute, slack, axes)
     out_NkD = out_AD.reshape(n, k, -1).astype(jnp.float32)
     return jnp.sum(out_NkD * weights_Nk[..., None], axis=1)
 
 
-def exchange(rows_AD: jax.Array, dest_A: jax.Array, local_A: jax.Array, ep: int, empty: int, compute: Callable,
-             slack: float, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
-    """Under shard_map: each assignment's row to device ``dest_A`` (ep: dropped upstream, comes
-    back 0) over ``expert``, ``compute(rows_RD, local_R)`` there on what arrived (``local_R``: the
-    expert on that device, ``empty`` for an empty row), and its result back. Returns the results [A, D]
+@jax.custom_vjp
+def move_rows(x_ID: jax.Array, src_O: jax.Array, back_IK: jax.Array) -> jax.Array:
+    """Rows of ``x`` to new places: ``out[o] = x[src[o]]``, a zero row where ``src[o]`` = I.
+    ``back_IK`` lists each row's K places in ``out`` (O: none), so that the transpose is a gather
+    and a sum over K too: autodiff's transpose of a gather is a scatter-add, several times
+    slower on a GPU for rows of a few kilobytes (the expert exchange's buffers spent more time in
+    them than in the experts' GEMMs). The sum over K is in FP32."""
+    return _take_rows(x_ID, src_O)
+
+
+def _take_rows(x_ID, idx):
+    return jnp.take(x_ID, idx, axis=0, mode="fill", fill_value=0)
+
+
+def _move_rows_fwd(x_ID, src_O, back_IK):
+    return _take_rows(x_ID, src_O), (src_O, back_IK)
+
+
+def _move_rows_bwd(res, dout_OD):
+    src_O, back_IK = res
+    i, k = back_IK.shape
+    if k == 1:
+        dx_ID = _take_rows(dout_OD, back_IK[:, 0])
+    else:
+        picked = _take_rows(dout_OD, back_IK.reshape(-1)).reshape(i, k, -1)
+        dx_ID = jnp.sum(picked.astype(jnp.float32), axis=1).astype(dout_OD.dtype)
+    return dx_ID, None, None
+
+
+move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
+
+
+def exchange_plan(experts_A: jax.Array, g: int, ep: int, rows: int) -> tuple[jax.Array, jax.Array]:
+    """Where each assignment travels, as index arithmetic (no row moves): the assignments sorted
+    by expert (a device's experts are consecutive, so this groups them by destination device and,
+    within one, by its local expert) and laid out as ``ep`` buffers of ``rows`` slots. Returns each
+    assignment's slot ``slot_A`` (ep x rows for a dropped one, expert id = g x ep) and each slot's
+    assignment ``assignment_S`` (A for an empty slot). ``rows`` must hold what any destination
+    gets (:func:`exchange` checks)."""
+    a = experts_A.shape[0]
+    order_A = jnp.argsort(experts_A, stable=True)  # sorted position -> assignment
+    position_A = jnp.zeros((a,), jnp.int32).at[order_A].set(jnp.arange(a, dtype=jnp.int32), unique_indices=True)
+    dest_A = jnp.minimum(experts_A // g, ep)  # ep: dropped
+    sent_E = jnp.bincount(dest_A, length=ep + 1)[:ep].astype(jnp.int32)
+    start_E = jnp.cumsum(sent_E) - sent_E
+    kept_A = dest_A < ep
+    to_A = jnp.minimum(dest_A, ep - 1)
+    slot_A = jnp.where(kept_A, to_A * rows + position_A - start_E[to_A], ep * rows)
+    slot_R = jnp.arange(rows, dtype=jnp.int32)
+    filled_ER = slot_R[None, :] < sent_E[:, None]
+    assignment_ER = jnp.where(filled_ER, order_A[jnp.minimum(start_E[:, None] + slot_R[None, :], a - 1)], a)
+    return slot_A, assignment_ER.reshape(-1)
+
+
+def exchange(x_ND: jax.Array, experts_A: jax.Array, k: int, g: int, ep: int, compute: Callable, slack: float,
+             axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+    """Under shard_map: each token's k assignments (``experts_A``, token-major, global expert ids;
+    g x ep: dropped, comes back 0) to the device holding the expert over ``expert``,
+    ``compute(rows_MD, sizes_G)`` there on what arrived sorted by its G local experts (rows past
+    the groups are empty), and the results back, [A, D] in the assignments' order. Returns them
     and whether the worst-case buffers were taken (agreed over ``axes``).
 
-    Dropless either way: [E, R, D] buffers of :func:`exchange_rows` rows unless some device sends
-    one destination more than R; then every device takes [E, A, D] ones (the predicate is agreed
-    over ``axes``, so the collectives of the branch taken match)."""
-    a = rows_AD.shape[0]
-    valid_A = dest_A < ep
-    onehot_AE = jax.nn.one_hot(dest_A, ep, dtype=jnp.int32)
-    slot_A = jnp.sum((jnp.cumsum(onehot_AE, axis=0) - 1) * onehot_AE, axis=-1)
+    The rows move by :func:`move_rows` only: tokens straight into the send buffers, the received
+    rows into expert order and back, the results out of the buffers. With ep = 1 the send buffer is
+    already in expert order and nothing is exchanged. Dropless either way: [E, R, D] buffers of
+    :func:`exchange_rows` rows unless some device sends one destination more than R; then every
+    device takes [E, A, D] ones (the predicate is agreed over ``axes``, so the collectives of the
+    branch taken match)."""
+    n, a = x_ND.shape[0], experts_A.shape[0]
 
     def through(rows: int) -> jax.Array:
-        send_ERD = jnp.zeros((ep, rows, rows_AD.shape[1]), rows_AD.dtype).at[dest_A, slot_A].set(rows_AD, mode="drop")
-        send_ER = jnp.full((ep, rows), empty, jnp.int32).at[dest_A, slot_A].set(local_A, mode="drop")
-        recv_ERD = jax.lax.all_to_all(send_ERD, "expert", 0, 0)
-        recv_ER = jax.lax.all_to_all(send_ER, "expert", 0, 0)
-        done = compute(recv_ERD.reshape(ep * rows, -1), recv_ER.reshape(-1))
-        back_ERD = jax.lax.all_to_all(done.reshape(ep, rows, -1), "expert", 0, 0)
-        return jnp.where(valid_A[:, None], back_ERD[jnp.minimum(dest_A, ep - 1), slot_A], 0)
+        slot_A, assignment_S = exchange_plan(experts_A, g, ep, rows)
+        slots = ep * rows
+        filled_S = assignment_S < a
+        token_S = jnp.where(filled_S, assignment_S // k, n)
+        send_SD = move_rows(x_ND, token_S, slot_A.reshape(n, k))
+        local_S = jnp.where(filled_S, experts_A[jnp.minimum(assignment_S, a - 1)] % g, g)
+        if ep == 1:
+            done_SD = compute(send_SD, jnp.bincount(local_S, length=g + 1)[:g].astype(jnp.int32))
+        else:
+            recv_SD = jax.lax.all_to_all(send_SD.reshape(ep, rows, -1), "expert", 0, 0).reshape(slots, -1)
+            recv_S = jax.lax.all_to_all(local_S.reshape(ep, rows), "expert", 0, 0).reshape(-1)
+            # Each source's rows arrive in local-expert order; the grouped GEMMs want all of them.
+            order_S = jnp.argsort(recv_S, stable=True)
+            position_S = jnp.zeros((slots,), jnp.int32).at[order_S].set(jnp.arange(slots, dtype=jnp.int32),
+                                                                        unique_indices=True)
+            sizes_G = jnp.bincount(recv_S, length=g + 1)[:g].astype(jnp.int32)
+            out_SD = compute(move_rows(recv_SD, order_S, position_S[:, None]), sizes_G)
+            out_SD = move_rows(out_SD, position_S, order_S[:, None])
+            done_SD = jax.lax.all_to_all(out_SD.reshape(ep, rows, -1), "expert", 0, 0).reshape(slots, -1)
+        return move_rows(done_SD, slot_A, jnp.where(filled_S, assignment_S, a)[:, None])
 
+    if ep == 1:
+        return through(a), jnp.array(True)
     rows = exchange_rows(a, ep, slack)
     if rows == a:
         return through(a), jnp.array(True)
-    overflow = jnp.max(jnp.sum(onehot_AE, axis=0)) > rows
+    per_dest = jnp.bincount(jnp.minimum(experts_A // g, ep), length=ep + 1)[:ep]
+    overflow = jnp.max(per_dest) > rows
     if axes:
         overflow = jax.lax.pmax(overflow, axes)
     return jax.lax.cond(overflow, lambda: through(a), lambda: through(rows)), overflow
