@@ -88,10 +88,12 @@ class MambaConfig:
     # kernels; interpreted off GPU, slowly).
     kernels: str = "auto"
     # Which Pallas backend the GPU kernels compile for: auto (Mosaic GPU, the backend jax supports,
-    # on Hopper for every kernel whose Mosaic form takes the shapes: the SSD's forward, backward
-    # and recurrence between chunks, the convolution's three kernels and the gated norm's two,
-    # each measured faster than its Triton form; Triton elsewhere, interpreted off a GPU), mosaic
-    # (the same, and off a GPU Mosaic GPU's interpreter) or triton (every kernel on Triton).
+    # on Hopper for the kernels whose Mosaic form takes the shapes: the SSD's forward, backward
+    # and recurrence between chunks and the gated norm's two, each measured faster than its
+    # Triton form; the convolution on Triton, whose Mosaic form disagreed with it in a
+    # two-GPU hybrid, maxfp4.model.mamba._conv_kernels; Triton elsewhere, interpreted off a GPU),
+    # mosaic (every Mosaic form, the convolution's too, and off a GPU Mosaic GPU's interpreter)
+    # or triton (every kernel on Triton).
     kernel_backend: str = "auto"
     # With FP8 delayed scaling on in_proj and out_proj and the kernels on: the kernels that
     # write in_proj's output gradient and out_proj's input store them in FP8 themselves (same

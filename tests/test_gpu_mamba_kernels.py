@@ -320,6 +320,41 @@ def test_mosaic_conv_matches_the_triton_kernel_at_small_shapes(b, t, c, in_width
     assert (dx[..., :offset] == 3.0).all() and (dx[..., offset + c:] == 3.0).all()
 
 
+def test_mosaic_conv_matches_the_triton_kernel_inside_shard_map():
+    """The same comparison at the pipeline test's hybrid shapes, each kernel run on every local
+    GPU's rows under ``jax.shard_map`` (as the mixer's kernels run on a mesh,
+    maxfp4.parallel.mesh.per_batch_row): x read in place and dx written into in_proj's gradient
+    there, forward, dx, dw and db within the single-GPU test's bounds."""
+    from jax.sharding import PartitionSpec as P
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    b, t, c, in_width, offset = 2 * n, 256, 640, 1160, 512
+    rng = np.random.default_rng(5)
+    zx = jnp.asarray(rng.standard_normal((b, t, in_width)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4, c)) * 0.3, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(c) * 0.1, jnp.float32)
+    ids = jnp.zeros((b, t), jnp.int32)
+    dout = jnp.asarray(rng.standard_normal((b, t, c)), jnp.bfloat16)
+    into = jnp.full((b, t, in_width), 3.0, jnp.bfloat16)
+
+    def run(kernel):
+        def per_device(zx, ids, dout, into, w, bias):
+            y, res = conv_forward(zx[..., offset:offset + c], w, bias, ids, False, kernel=kernel, source_BTI=zx,
+                                  source_offset=offset)
+            dx, dw, db = conv_backward(res, dout, False, into_BTI=into, column_offset=offset, kernel=kernel,
+                                       source_offset=offset)[:3]
+            return y, dx, jax.lax.psum(dw, "data"), jax.lax.psum(db, "data")
+        rows = P("data")
+        return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(rows, rows, rows, rows, P(), P()),
+                                     out_specs=(rows, rows, P(), P()), check_vma=False))(zx, ids, dout, into, w, bias)
+    got = {k: [np.asarray(v, np.float32) for v in run(k)] for k in ("triton", "mosaic")}
+    for name, a, want, bound in zip(("y", "dx", "dw", "db"), got["mosaic"], got["triton"],
+                                    (2.0 ** -7, 2.0 ** -7, 1e-5, 1e-5)):
+        assert np.abs(a - want).max() <= bound * np.abs(want).max(), name
+    dx = got["mosaic"][1]
+    assert (dx[..., :offset] == 3.0).all() and (dx[..., offset + c:] == 3.0).all()
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_mosaic_gated_norm_matches_the_triton_kernels_at_the_benchmark_shapes(fp8):
     """mamba2-1p3b's gated norm a layer (2 of its 8 rows; E = 4,096 in one group, in_proj 8,512
@@ -357,16 +392,17 @@ def test_mosaic_gated_norm_matches_the_triton_kernels_at_the_benchmark_shapes(fp
 
 
 def test_auto_takes_the_mosaic_kernels_measured_faster_on_hopper():
-    """``model.mamba.kernel_backend=auto`` on a Hopper GPU at mamba2-1p3b's shapes: the
-    convolution's and the gated norm's Mosaic kernels (measured faster, docs/PERFORMANCE.md);
-    ``triton`` takes none of them."""
+    """``model.mamba.kernel_backend=auto`` on a Hopper GPU at mamba2-1p3b's shapes: the gated
+    norm's Mosaic kernels (measured faster, docs/PERFORMANCE.md) and Triton's convolution
+    (mamba._conv_kernels says why); ``mosaic`` takes the convolution's too, ``triton`` none."""
     from maxfp4.config import load_config
     from maxfp4.kernels import gated_norm as triton_norm
     from maxfp4.kernels import gated_norm_mosaic as mosaic_norm
     from maxfp4.model import mamba
     if not ssd_mosaic.available():
         pytest.fail("this GPU is not Hopper: the Mosaic kernels do not run here")
-    wanted = {"auto": ("mosaic", mosaic_norm, mosaic_norm), "triton": ("triton", triton_norm, triton_norm)}
+    wanted = {"auto": ("triton", mosaic_norm, mosaic_norm), "mosaic": ("mosaic", mosaic_norm, mosaic_norm),
+              "triton": ("triton", triton_norm, triton_norm)}
     for backend, want in wanted.items():
         cfg = load_config("configs/mamba2-1p3b.yaml", [f"model.mamba.kernel_backend={backend}"]).model
         d = mamba.dims(cfg)

@@ -264,9 +264,10 @@ def _takes_mosaic(cfg: ModelConfig, tiles: bool, lowers) -> bool:
     shapes: under ``model.mamba.kernel_backend=mosaic``, off a GPU under Mosaic GPU's
     interpreter (as the other kernels run interpreted there) and on a GPU where it is Hopper and
     ``lowers()`` (this jax lowers it there); under ``auto``, on such a GPU (off a GPU, as
-    ``ssd_fused``'s auto, Triton's interpreted). Every Mosaic form measured faster than its Triton
-    one on an H200 at mamba2-1p3b's shapes, each alone, and whole steps with them faster too, the
-    last (the norm's backward) by ~0.3% (docs/PERFORMANCE.md, "Kernels on Mosaic GPU")."""
+    ``ssd_fused``'s auto, Triton's interpreted), except the convolution (``_conv_kernels``).
+    Every Mosaic form measured faster than its Triton one on an H200 at mamba2-1p3b's shapes,
+    each alone, and whole steps with them faster too, the last (the norm's backward) by ~0.3%
+    (docs/PERFORMANCE.md, "Kernels on Mosaic GPU")."""
     backend = cfg.mamba.kernel_backend
     if not tiles or backend == "triton" or (backend == "auto" and not on_gpu()):
         return False
@@ -276,7 +277,16 @@ def _takes_mosaic(cfg: ModelConfig, tiles: bool, lowers) -> bool:
 def _conv_kernels(cfg: ModelConfig, x_BTC: jax.Array, w_WC: jax.Array, b_C: jax.Array, fp8: bool = False) -> str:
     """The convolution's kernels for its input x [B, T, C]: "mosaic" (``maxfp4.kernels.conv_mosaic``)
     where ``_takes_mosaic``, else "triton". ``fp8``: the layer's input gradient is stored in FP8
-    (the same for its forward and backward, which must take the same kernels)."""
+    (the same for its forward and backward, which must take the same kernels).
+
+    ``auto`` keeps the convolution on Triton on a GPU: in tests/test_gpu_pipeline.py's hybrid
+    (d_model 256, two H200s) the one run whose fsdp=2 side took Mosaic's convolution, by these
+    selection rules the only kernel it ran differently from the other runs, gave gradients ~10%
+    from the pipelined side, which matched fsdp=2 on Triton's to 3.4e-3. Mosaic's matches
+    Triton's at mamba2-1p3b's shapes on one GPU; tests/test_gpu_mamba_kernels.py compares the
+    two at that hybrid's shapes and under ``shard_map`` to find where they part."""
+    if cfg.mamba.kernel_backend == "auto" and on_gpu():
+        return "triton"
     d = dims(cfg)
     (b, t, c), width = x_BTC.shape, w_WC.shape[0]
     tiles = conv_mosaic.supported(t, c) and d["E"] % conv_mosaic.COLUMNS == 0
