@@ -38,6 +38,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# One device's computations run on the calling thread, not dispatched asynchronously: the
+# Mosaic GPU interpreter's callbacks build jax arrays eagerly while the kernel's computation
+# waits for them, and on two cores an eager backward pass dispatched beside them deadlocked
+# (tests/test_ssd_mosaic.py, every thread idle for 20 minutes). Read when the CPU client starts.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 from maxfp4.config import load_config  # noqa: E402
 
 TINY = [
