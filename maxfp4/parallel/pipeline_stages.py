@@ -266,11 +266,10 @@ class StageProgram:
         cuDNN attention kernel (even the causal one, which alike stages run) inside a skipped
         slot's conditional makes XLA's compiler segfault (jax 0.11.2, two H200s; Shardy's
         ManualComputationUnusedInputsPattern)."""
-        attention = "xla" if model.attention != "xla" else model.attention
         if model.kind == "hybrid":
             pattern = "".join(model.pattern[self.slot_block(l)] for l in range(len(self.slots)))
-            return dataclasses.replace(model, pattern=pattern, n_layers=len(pattern), attention=attention)
-        return dataclasses.replace(model, n_layers=len(self.slots), attention=attention)
+            return dataclasses.replace(model, pattern=pattern, n_layers=len(pattern), attention="xla")
+        return dataclasses.replace(model, n_layers=len(self.slots), attention="xla")
 
     def stage_policy(self, policy: PrecisionPolicy) -> PrecisionPolicy:
         """The slots' recipes, from a block that runs in each."""
