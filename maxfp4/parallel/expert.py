@@ -141,6 +141,21 @@ def _move_rows_bwd(res, dout_OD):
 move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
 
 
+def _counts(ids: jax.Array, n: int) -> jax.Array:
+    """int32 [n]: how many of ``ids`` are each of 0..n-1 (ids of n or more, dropped or empty, not
+    counted)."""
+    return jnp.bincount(jnp.minimum(ids, n), length=n + 1)[:n].astype(jnp.int32)
+
+
+def _sorted_by(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the stable sort's order: sorted position -> index, and its inverse: index -> sorted
+    position), int32."""
+    order = jnp.argsort(keys, stable=True)
+    size = keys.shape[0]
+    position = jnp.zeros((size,), jnp.int32).at[order].set(jnp.arange(size, dtype=jnp.int32), unique_indices=True)
+    return order, position
+
+
 def exchange_plan(experts_A: jax.Array, g: int, ep: int, rows: int) -> tuple[jax.Array, jax.Array]:
     """Where each assignment travels, as index arithmetic (no row moves): the assignments sorted
     by expert (a device's experts are consecutive, so this groups them by destination device and,
@@ -149,10 +164,9 @@ def exchange_plan(experts_A: jax.Array, g: int, ep: int, rows: int) -> tuple[jax
     assignment ``assignment_S`` (A for an empty slot). ``rows`` must hold what any destination
     gets (:func:`exchange` checks)."""
     a = experts_A.shape[0]
-    order_A = jnp.argsort(experts_A, stable=True)  # sorted position -> assignment
-    position_A = jnp.zeros((a,), jnp.int32).at[order_A].set(jnp.arange(a, dtype=jnp.int32), unique_indices=True)
+    order_A, position_A = _sorted_by(experts_A)
     dest_A = jnp.minimum(experts_A // g, ep)  # ep: dropped
-    sent_E = jnp.bincount(dest_A, length=ep + 1)[:ep].astype(jnp.int32)
+    sent_E = _counts(dest_A, ep)
     start_E = jnp.cumsum(sent_E) - sent_E
     kept_A = dest_A < ep
     to_A = jnp.minimum(dest_A, ep - 1)
@@ -187,27 +201,21 @@ def exchange(x_ND: jax.Array, experts_A: jax.Array, k: int, g: int, ep: int, com
         send_SD = move_rows(x_ND, token_S, slot_A.reshape(n, k))
         local_S = jnp.where(filled_S, experts_A[jnp.minimum(assignment_S, a - 1)] % g, g)
         if ep == 1:
-            done_SD = compute(send_SD, jnp.bincount(local_S, length=g + 1)[:g].astype(jnp.int32))
+            done_SD = compute(send_SD, _counts(local_S, g))
         else:
             recv_SD = jax.lax.all_to_all(send_SD.reshape(ep, rows, -1), "expert", 0, 0).reshape(slots, -1)
             recv_S = jax.lax.all_to_all(local_S.reshape(ep, rows), "expert", 0, 0).reshape(-1)
             # Each source's rows arrive in local-expert order; the grouped GEMMs want all of them.
-            order_S = jnp.argsort(recv_S, stable=True)
-            position_S = jnp.zeros((slots,), jnp.int32).at[order_S].set(jnp.arange(slots, dtype=jnp.int32),
-                                                                        unique_indices=True)
-            sizes_G = jnp.bincount(recv_S, length=g + 1)[:g].astype(jnp.int32)
-            out_SD = compute(move_rows(recv_SD, order_S, position_S[:, None]), sizes_G)
+            order_S, position_S = _sorted_by(recv_S)
+            out_SD = compute(move_rows(recv_SD, order_S, position_S[:, None]), _counts(recv_S, g))
             out_SD = move_rows(out_SD, position_S, order_S[:, None])
             done_SD = jax.lax.all_to_all(out_SD.reshape(ep, rows, -1), "expert", 0, 0).reshape(slots, -1)
         return move_rows(done_SD, slot_A, jnp.where(filled_S, assignment_S, a)[:, None])
 
-    if ep == 1:
-        return through(a), jnp.array(True)
-    rows = exchange_rows(a, ep, slack)
+    rows = exchange_rows(a, ep, slack)  # every assignment with ep = 1
     if rows == a:
         return through(a), jnp.array(True)
-    per_dest = jnp.bincount(jnp.minimum(experts_A // g, ep), length=ep + 1)[:ep]
-    overflow = jnp.max(per_dest) > rows
+    overflow = jnp.max(_counts(experts_A // g, ep)) > rows
     if axes:
         overflow = jax.lax.pmax(overflow, axes)
     return jax.lax.cond(overflow, lambda: through(a), lambda: through(rows)), overflow
