@@ -37,7 +37,7 @@ def _rel(got, expected):
     return float(np.max(np.abs(np.asarray(got) - expected)) / np.max(np.abs(expected)))
 
 
-@pytest.mark.parametrize("k", [1, 5, 8])  # 5: padded to 8 inside
+@pytest.mark.parametrize("k", [1, 5, 8, 40])  # 5: padded to 8 inside; 40: to 64, 8 turns of the loop
 def test_entry_states_match_numpy_loop(x64, k):
     b, g, n, r, p = 2, 2, 3, 4, 8
     rng = np.random.default_rng(k)
@@ -77,3 +77,36 @@ def test_zero_decay_blocks_the_state():
 def test_supported_shapes():
     assert state_passing_supported(64, 64) and state_passing_supported(1, 16)
     assert not state_passing_supported(3, 64) and not state_passing_supported(4, 24)
+
+
+def _lowered_for_cuda(fn, *shapes) -> str:
+    """``fn`` lowered for CUDA on this machine (Triton's lowering needs no GPU). Where jax asks
+    the device for its compute capability first (0.11), an H100's is given."""
+    try:
+        from jax._src.pallas.triton import gpu_info, pallas_call_registration
+        hopper = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+        registry = pallas_call_registration.gpu_info_lib
+    except (ImportError, AttributeError):  # jax 0.10: the lowering does not ask
+        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    original, registry.get_gpu_info = registry.get_gpu_info, lambda: hopper
+    try:
+        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        registry.get_gpu_info = original
+
+
+def test_the_triton_kernels_do_not_grow_with_the_chunk_count():
+    """The kernels loop over the chunks: their program (and Triton's compile time) is the same at
+    64 chunks (8k tokens a device at chunk 128) as at 256 (32k). Unrolled over K, it grew 4.4x."""
+    from maxfp4.kernels.state_passing import entry_states_backward, entry_states_forward
+    sizes = []
+    for k in (64, 256):
+        states = jax.ShapeDtypeStruct((1, k, 8, 128, 16, 64), jnp.float32)  # nemotron-h-8b's groups
+        decay = jax.ShapeDtypeStruct((1, k, 8, 16), jnp.float32)
+        entry = jax.ShapeDtypeStruct(states.shape, jnp.bfloat16)
+        forward = _lowered_for_cuda(lambda s, d: entry_states_forward(s, d, jnp.bfloat16, False), states, decay)
+        backward = _lowered_for_cuda(lambda d, e, g: entry_states_backward(d, e, g, jnp.bfloat16, False),
+                                     decay, entry, entry)
+        sizes.append((len(forward), len(backward)))
+    (f64, b64), (f256, b256) = sizes
+    assert abs(f256 - f64) < 0.01 * f64 and abs(b256 - b64) < 0.01 * b64, sizes

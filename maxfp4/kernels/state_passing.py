@@ -11,9 +11,9 @@ States are [B, K, G, N, R, P] (the order the chunk-state matmul writes), decays 
 entry[z] into its consumers and recomputed the chain up to z inside each, with state-sized
 masks: K^2 / 2 passes over a state instead of one (about a tenth of a mamba2-1p3b step on an
 H100). As ``lax.scan`` it would be K dependent launches a layer. Here one program per
-(b, g, n, head block) walks the K chunks in order with its [R_t, P] slice of the state in
-registers: one read of the states and one write of the entries, forward; the backward walks
-back:
+(b, g, n, head block) walks the K chunks in order (a loop of ``_UNROLL`` chunks an iteration)
+with its [R_t, P] slice of the state in registers: one read of the states and one write of the
+entries, forward; the backward walks back:
 
     d_end[K-1] = 0;  d_end[z-1] = d_entry[z] + decay[z] * d_end[z]
     d_states[z] = d_end[z];  d_decay[z] = sum over (n, p) of d_end[z] * entry[z]
@@ -46,24 +46,48 @@ def state_passing_supported(heads_per_group: int, head_dim: int) -> bool:
     return _power_of_two(heads_per_group) and _power_of_two(head_dim)
 
 
+# Chunks a loop iteration walks. The chain is serial, but the loads of states[z], decay[z] (and
+# dentry[z]) do not depend on it: a few chunks unrolled let Triton issue them ahead. Unrolled
+# over all K, the kernel's size and Triton's compile time grew with the sequence (K = 256 chunks,
+# 32k tokens a device, took minutes to compile).
+_UNROLL = 8
+
+
+def _unroll(k: int) -> int:
+    return min(_UNROLL, k)  # K is a power of two (pad_chunks), so either divides it
+
+
 # The recurrence runs in the states' dtype (FP32); entries may be stored narrower (see
 # ``entry_states``), so every load is widened and every store rounded once.
 
 def _forward_kernel(states_ref, decay_ref, entry_ref):
     k = states_ref.shape[0]
-    end_RP = jnp.zeros(states_ref.shape[1:], states_ref.dtype)
-    for z in range(k):
-        entry_ref[z] = end_RP.astype(entry_ref.dtype)
-        end_RP = states_ref[z] + decay_ref[z][:, None] * end_RP
+    u = _unroll(k)
+
+    def chunks(i, end_RP):  # chunks i*u .. i*u + u - 1
+        for j in range(u):
+            z = i * u + j
+            entry_ref[z] = end_RP.astype(entry_ref.dtype)
+            end_RP = states_ref[z] + decay_ref[z][:, None] * end_RP
+        return end_RP
+
+    jax.lax.fori_loop(0, k // u, chunks, jnp.zeros(states_ref.shape[1:], states_ref.dtype))
 
 
 def _backward_kernel(decay_ref, entry_ref, dentry_ref, dstates_ref, ddecay_ref):
     k = entry_ref.shape[0]
-    dend_RP = jnp.zeros(entry_ref.shape[1:], ddecay_ref.dtype)  # d end[K-1]: the last end is unused
-    for z in reversed(range(k)):
-        dstates_ref[z] = dend_RP.astype(dstates_ref.dtype)
-        ddecay_ref[z] = jnp.sum(dend_RP * entry_ref[z].astype(dend_RP.dtype), axis=1)
-        dend_RP = dentry_ref[z].astype(dend_RP.dtype) + decay_ref[z][:, None] * dend_RP
+    u = _unroll(k)
+
+    def chunks(i, dend_RP):  # chunks k-1 - i*u down to k - u - i*u
+        for j in range(u):
+            z = k - 1 - (i * u + j)
+            dstates_ref[z] = dend_RP.astype(dstates_ref.dtype)
+            ddecay_ref[z] = jnp.sum(dend_RP * entry_ref[z].astype(dend_RP.dtype), axis=1)
+            dend_RP = dentry_ref[z].astype(dend_RP.dtype) + decay_ref[z][:, None] * dend_RP
+        return dend_RP
+
+    # d end[K-1] = 0: the last end is unused
+    jax.lax.fori_loop(0, k // u, chunks, jnp.zeros(entry_ref.shape[1:], ddecay_ref.dtype))
 
 
 def _launch(kernel, states_shape, interpret, in_kinds, out_kinds, out_shape, *args):
