@@ -8,8 +8,9 @@ scan over the ticks of :func:`~maxfp4.parallel.pipeline_schedule.schedule_table`
 device reads which microbatch and which of its V stages to run, runs it and hands the output to
 the next device round the ring (``ppermute``; with ``mesh.pipeline_overlap``, during the next
 tick, beside its compute); device 0's first stage reads the embedded
-microbatch, the last stage applies the final norm, the LM head and the loss. Autodiff runs the
-ticks backwards, so the backward pass is pipelined the same way. Bubble fraction:
+microbatch; the last device keeps its last stage's output of each microbatch and, once the ticks
+are done, applies the final norm, the LM head and the loss to them. Autodiff runs the ticks
+backwards, so the backward pass is pipelined the same way. Bubble fraction:
 (P - 1) / (V x M + P - 1) for M = ``train.microbatches`` (a multiple of P when V > 1); with
 overlapped hand-overs 2 (P - 1) / (V x M + 2 (P - 1)) (a multiple of 2 P when V > 1).
 
@@ -138,6 +139,29 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         return chunked_loss_sum(params, y_BTD, targets_BT, mask_BT, chunks, cfg=cfg.model, policy=policy,
                                 scales=scales, key=key)
 
+    # The last stage's head runs once the ticks are done, on the M outputs it kept, rather than
+    # inside the ticks' loop: there it ran under a conditional whose residuals every stage keeps
+    # for every tick, bubble included (the [B, T, V] logits and the FP32 LM head weight, M + P - 1
+    # copies: ~90 GB a device for Llama-3-8B at pipeline=4 with 8 microbatches). The ticks are
+    # lock-step, so the time the other stages wait for the head is the same either way. Each
+    # microbatch's logits are recomputed in the backward pass (a third more LM-head FLOPs, ~2%
+    # of Llama-3-8B's step), so one microbatch's live at a time, as in ``chunked_loss_sum``.
+    head_loss = jax.checkpoint(head_loss, prevent_cse=False)  # inside a scan: no barrier needed
+    # The tick at which the last device finishes each microbatch's last stage, in microbatch order.
+    done_MP = np.argwhere((table_NP2[:, stages - 1, 0] >= 0) & (table_NP2[:, stages - 1, 1] == repeats - 1))[:, 0]
+    done_M = done_MP[np.argsort(table_NP2[done_MP, stages - 1, 0])]
+
+    def head_losses(others, y_MBTD, micro, head_scales, key):
+        """The loss summed over the M microbatches, each with its copy of the head's scales (its
+        amax counted, combined by max as the unpipelined step's microbatches are)."""
+        def one(total, xs):
+            i, y_BTD, targets_BT, mask_BT, scales = xs
+            return total + head_loss(others, y_BTD, targets_BT, mask_BT, scales, jax.random.fold_in(key, i)), None
+
+        scales_M = fan_out_max(head_scales, jnp.ones((m,), bool))
+        xs = (jnp.arange(m), y_MBTD, micro["targets"], micro["loss_mask"], scales_M)
+        return jax.lax.scan(one, jnp.zeros((), jnp.float32), xs)[0]
+
     def stage_inputs(blocks, block_scales, p):
         """This device's V stages' weights [V, ...] and per-block inputs [V, ...], and which of
         their slots run (None: alike stages run every block)."""
@@ -160,10 +184,10 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         blocks_V, block_scales_V, active_VL = stage_inputs(blocks, block_scales, p)
         microbatch_N, repeat_N = (jnp.asarray(table_NP2[..., j])[:, p] for j in (0, 1))
         valid_N = microbatch_N >= 0  # this device's ticks that run a real microbatch
-        scales_N = {"blocks": _fan_out(block_scales_V, valid_N), "head": fan_out_max(head_scales, valid_N)}
+        scales_N = {"blocks": _fan_out(block_scales_V, valid_N)}
 
         def tick(carry, xs):
-            received_BTD, in_flight, total = carry
+            received_BTD, in_flight = carry
             microbatch, repeat, scales = xs
             i, v = jnp.maximum(microbatch, 0), jnp.maximum(repeat, 0)
             # Stage 0 embeds here, so what crosses the stage boundary backwards is the FP32
@@ -179,10 +203,7 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
             y_BTD = stage_forward({**others, **stage_blocks}, x_BTD, micro["positions"][i],
                                   micro["segment_ids"][i], scales={"blocks": stage_scales},
                                   key=jax.random.fold_in(mb_key, v * stages + p), **active)
-            last = (p == stages - 1) & (v == repeats - 1) & (microbatch >= 0)
-            loss = jax.lax.cond(last, lambda: head_loss(others, y_BTD, micro["targets"][i], micro["loss_mask"][i],
-                                                        scales["head"], mb_key),
-                                lambda: jnp.zeros((), jnp.float32))
+            stage_output_BTD = y_BTD  # whole over tensor: the head reads the last stage's
             if split_handover:  # 1/tensor of it crosses stages; the receiver gathers it over tensor
                 y_BTD = constrain(y_BTD, ("batch", "seq", "handover"))
             # Lag 1 sends this tick's output; lag 2 the previous tick's, which this tick's
@@ -193,12 +214,15 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
                 # Gathered over tensor now, beside the compute, not when read; split first, so
                 # that the gradient sent back (the transposes, in reverse order) is split too.
                 handed = constrain(constrain(handed, ("batch", "seq", "handover")), ("batch", "seq", None))
-            return (handed, tuple(sending[1:]), total + loss), None
+            return (handed, tuple(sending[1:])), stage_output_BTD
 
         b, t = micro["inputs"].shape[1:]
         zeros_BTD = jnp.zeros((b, t, cfg.model.d_model), ACT_DTYPE)
-        init = (zeros_BTD, (zeros_BTD,) * (lag - 1), jnp.zeros((), jnp.float32))
-        (_, _, total), _ = jax.lax.scan(tick, init, (microbatch_N, repeat_N, scales_N))
+        init = (zeros_BTD, (zeros_BTD,) * (lag - 1))
+        _, y_NBTD = jax.lax.scan(tick, init, (microbatch_N, repeat_N, scales_N))
+        y_MBTD = jnp.take(y_NBTD, jnp.asarray(done_M), axis=0)  # what the last device's ticks output
+        total = jax.lax.cond(p == stages - 1, lambda: head_losses(others, y_MBTD, micro, head_scales, key),
+                             lambda: jnp.zeros((), jnp.float32))
         return jax.lax.psum(total, AXIS)
 
     def loss_fn(params, scales, batch, key, denom):
