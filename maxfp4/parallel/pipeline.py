@@ -142,10 +142,10 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
     # The last stage's head runs once the ticks are done, on the M outputs it kept, rather than
     # inside the ticks' loop: there it ran under a conditional whose residuals every stage keeps
     # for every tick, bubble included (the [B, T, V] logits and the FP32 LM head weight, M + P - 1
-    # copies: ~90 GB a device for Llama-3-8B at pipeline=4 with 8 microbatches). The ticks are
-    # lock-step, so the time the other stages wait for the head is the same either way. Each
-    # microbatch's logits are recomputed in the backward pass (a third more LM-head FLOPs, ~2%
-    # of Llama-3-8B's step), so one microbatch's live at a time, as in ``chunked_loss_sum``.
+    # copies: by their sizes ~90 GB a device for Llama-3-8B at pipeline=4, 8 microbatches). The
+    # ticks are lock-step, so the time the other stages wait for the head is the same either way.
+    # Each microbatch's logits are recomputed in the backward pass (a third more LM-head FLOPs,
+    # ~2% of Llama-3-8B's step), so one microbatch's live at a time, as in ``chunked_loss_sum``.
     head_loss = jax.checkpoint(head_loss, prevent_cse=False)  # inside a scan: no barrier needed
     # The tick at which the last device finishes each microbatch's last stage, in microbatch order.
     done_MP = np.argwhere((table_NP2[:, stages - 1, 0] >= 0) & (table_NP2[:, stages - 1, 1] == repeats - 1))[:, 0]
