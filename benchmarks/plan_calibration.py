@@ -29,6 +29,9 @@ NO_PREFLIGHT = ["resilience.preflight=false"]
 # docs/PERFORMANCE.md, "Pipeline stages": dense-1p3b at pipeline=2 and at fsdp=2 on two H200s
 STAGES = ["train.remat=full", "mesh.data=1", "data.global_batch=16"]
 XLA_PAIR = ["model.attention=xla", "data.seq_len=1024", *STAGES]
+NEMOTRON = "configs/nemotron-h-8b.yaml"
+PIPE_P2F2 = ["mesh.data=1", "data.global_batch=8", "mesh.pipeline=2", "mesh.fsdp=2", "train.microbatches=4"]
+PIPE_P4 = ["mesh.data=1", "data.global_batch=8", "mesh.pipeline=4", "mesh.fsdp=1", "train.microbatches=8"]
 # (label, config, overrides, GPUs, GPU, precision recipe, measured step ms, measured peak GiB or None, stale)
 MEASURED = [
     # One H200, configs as committed (unrolled, no remat, 8 x 2048)
@@ -114,6 +117,21 @@ MEASURED = [
     ("dense-1p3b pipeline=2 repeats=2 x8 B=16 T=2048 full bf16", "configs/dense-1p3b.yaml",
      STAGES + ["data.seq_len=2048", "mesh.pipeline=2", "mesh.pipeline_repeats=2", "train.microbatches=8"],
      2, "h200", "bf16", 551.7, None, False),
+    # Pipeline stages of the 8B models on four H200s, one process a GPU, 2026-11-29: 8 x 8,192
+    # tokens; the save_gemm rows ran at the memory limit with the head inside the ticks (since
+    # moved after them; docs/PERFORMANCE.md), so they are stale
+    ("llama3-8b pipeline=2 fsdp=2 x4 B=8 save_gemm bf16 (head in the ticks)", LLAMA, PIPE_P2F2 + ["train.remat=save_gemm"],
+     4, "h200", "bf16", 2979.5, None, True),
+    ("llama3-8b pipeline=2 fsdp=2 x4 B=8 save_gemm fp8 (head in the ticks)", LLAMA, PIPE_P2F2 + ["train.remat=save_gemm"],
+     4, "h200", "fp8", 2080.2, None, True),
+    ("llama3-8b pipeline=4 x8 B=8 full bf16", LLAMA, PIPE_P4 + ["train.remat=full"], 4, "h200", "bf16", 2936.0, None, False),
+    ("llama3-8b pipeline=4 x8 B=8 full fp8", LLAMA, PIPE_P4 + ["train.remat=full"], 4, "h200", "fp8", 2179.2, None, False),
+    ("nemotron-h-8b pipeline=2 fsdp=2 x4 B=8 full bf16", NEMOTRON, PIPE_P2F2 + ["train.remat=full"], 4, "h200", "bf16",
+     2488.0, None, False),
+    ("nemotron-h-8b pipeline=2 fsdp=2 x4 B=8 full fp8", NEMOTRON, PIPE_P2F2 + ["train.remat=full"], 4, "h200", "fp8",
+     1774.2, None, False),
+    ("nemotron-h-8b pipeline=4 x8 B=8 full bf16", NEMOTRON, PIPE_P4 + ["train.remat=full"], 4, "h200", "bf16", 2619.9, None, False),
+    ("nemotron-h-8b pipeline=4 x8 B=8 full fp8", NEMOTRON, PIPE_P4 + ["train.remat=full"], 4, "h200", "fp8", 1995.8, None, False),
 ]
 # (label, config, overrides, GPUs, GPU, precision, measured step ms): context parallelism, priced
 # by maxfp4.plan.context (the proxy of T/C tokens on gpus/C GPUs, plus the split's attention and
@@ -124,6 +142,15 @@ MEASURED_CONTEXT = [
      STAGES[:-1] + ["data.seq_len=16384", "data.global_batch=2", "mesh.context=2"], 2, "h200", "bf16", 700.3, True),
     ("dense-1p3b context=2 B=1 T=32768 full bf16", "configs/dense-1p3b.yaml",
      STAGES[:-1] + ["data.seq_len=32768", "data.global_batch=1", "mesh.context=2"], 2, "h200", "bf16", 1076.2, True),
+    # The 8B models' long-sequence configs, one process a GPU, 2026-11-29 (one sequence, full remat)
+    ("llama3-8b context=2 T=32768 full bf16", "configs/llama3-8b-64k.yaml", ["data.seq_len=32768", "mesh.context=2"],
+     2, "h200", "bf16", 3241.6, True),
+    ("llama3-8b context=4 T=65536 full bf16", "configs/llama3-8b-64k.yaml", [], 4, "h200", "bf16", 4555.7, True),
+    ("llama3-8b context=4 T=65536 full fp8", "configs/llama3-8b-64k.yaml", [], 4, "h200", "fp8", 3990.1, True),
+    ("nemotron-h-8b context=2 T=32768 full bf16", "configs/nemotron-h-8b-64k.yaml", ["data.seq_len=32768", "mesh.context=2"],
+     2, "h200", "bf16", 2309.6, True),
+    ("nemotron-h-8b context=4 T=65536 full bf16", "configs/nemotron-h-8b-64k.yaml", [], 4, "h200", "bf16", 2478.3, True),
+    ("nemotron-h-8b context=4 T=65536 full fp8", "configs/nemotron-h-8b-64k.yaml", [], 4, "h200", "fp8", 1938.6, True),
 ]
 GIB = 2**30
 # The goal for the planner's memory (= the preflight's estimate) against every measured peak.
@@ -145,6 +172,15 @@ MEMORY_UNEXPLAINED = {
     ("nemotron-h-8b 7 blocks 2 x 8192 full bf16", "h200"): FULL_REMAT_UNDER,
 }
 MEMORY_BOUND_UNEXPLAINED = 0.20
+# Current step rows the model misses by more than GOAL, and why; tests/test_plan_pipeline.py keeps
+# them within STEP_BOUND_UNEXPLAINED.
+HYBRID_LONG_UNDER = ("the hybrid at 16,384-32,768 tokens a rank: ~300 ms a step more than its 8,192-token "
+                     "proxy and the split's collectives are charged (not yet split by a profile)")
+STEP_UNEXPLAINED = {
+    "nemotron-h-8b context=2 T=32768 full bf16": HYBRID_LONG_UNDER,
+    "nemotron-h-8b context=4 T=65536 full fp8": HYBRID_LONG_UNDER,
+}
+STEP_BOUND_UNEXPLAINED = 0.20
 
 LLAMA70 = "configs/llama3-70b.yaml"
 # Llama 3 405B: the 70B config with the 405B's widths (Meta 2024, table 3).

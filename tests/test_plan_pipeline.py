@@ -109,13 +109,22 @@ def test_the_measured_pipeline_and_context_steps_are_within_15_percent():
         if mesh.pipeline > 1:
             staged.append((mesh, cfg.train.microbatches))
     assert staged == [(PlanMesh(1, 1, 1, 2), 8), (PlanMesh(1, 1, 1, 2), 8), (PlanMesh(1, 1, 1, 2, 2), 8)]
-    # The split's rate is fitted to the 32k row; the 16k row is under-predicted (rates.py says why).
+    # The 8B models' stages on four H200s (the current rows: full remat)
+    eight_b = [r for r in calibration.MEASURED if "8b pipeline=" in r[0] and not r[-1]]
+    assert len(eight_b) == 6
+    for label, path, overrides, gpus, gpu, precision, step_ms, _, _ in eight_b:
+        cfg = load_config(path, overrides)
+        mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), cfg.mesh.pipeline_repeats)
+        predicted = plan_model.project(cfg, mesh, gpu, precision)["step_time_s"] * 1e3
+        assert abs(predicted / step_ms - 1) <= calibration.GOAL, (label, predicted, step_ms)
+    # Each split's rate is fitted at its head dim (rates.py); the named misses within their bound.
     for (label, path, overrides, gpus, gpu, precision, step_ms, counted) in calibration.MEASURED_CONTEXT:
-        bound = calibration.GOAL if counted else 0.30
+        bound = calibration.STEP_BOUND_UNEXPLAINED if label in calibration.STEP_UNEXPLAINED else calibration.GOAL
+        bound = bound if counted else 0.30
         cfg = load_config(path, overrides)
         [row] = [r for r in context_plan.plan_rows(cfg, gpus, gpu, 1e9, None, None, 8, 0.9)
                  if r["precision"] == precision]
-        assert row["context"] == 2 and abs(row["step_time_s"] * 1e3 / step_ms - 1) <= bound, (label, row["step_time_s"])
+        assert row["context"] == gpus and abs(row["step_time_s"] * 1e3 / step_ms - 1) <= bound, (label, row["step_time_s"])
 
 
 def test_context_attention_is_charged_its_causal_work_at_the_split_rate():
@@ -129,7 +138,7 @@ def test_context_attention_is_charged_its_causal_work_at_the_split_rate():
         spec = model_spec(cfg.model)
         causal, proxy = spec.attention_flops_per_token(t), spec.attention_flops_per_token(t // c)
         proxy_rate = plan_model.attention_tflops("h100", xla=attention == "xla") * 1e12
-        split_rate = proxy_rate if attention == "xla" else rates.split_attention_tflops("h100") * 1e12
+        split_rate = proxy_rate if attention == "xla" else rates.split_attention_tflops("h100", 64) * 1e12
         want = causal / split_rate - proxy / proxy_rate
         got = context_plan.split_attention_seconds_per_token(cfg, c, "h100")
         assert got == pytest.approx(want * 4 / 3, rel=1e-12), attention

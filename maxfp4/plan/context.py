@@ -54,13 +54,13 @@ def split_attention_seconds_per_token(cfg: Config, c: int, gpu: str) -> float:
     """Seconds a token of a rank spends in the split's attention beyond what its proxy (T/C tokens,
     no split) was charged: the causal work of a token at T, balanced by the zigzag order
     (:func:`imbalance`), on cuDNN's kernels split per chunk (model.attention auto, cudnn,
-    cudnn_mask: rates.SPLIT_ATTENTION_H200_TFLOPS; the proxy ran cuDNN's causal kernel whole) or
+    cudnn_mask: rates.SPLIT_ATTENTION_H200_TFLOPS at the model's head dim; the proxy ran cuDNN's causal kernel whole) or
     XLA's (model.attention=xla), x 4/3 under full remat (the forward again)."""
     m, t = cfg.model, cfg.data.seq_len
     spec = model_spec(m)
     xla = cost.runs_xla_attention(cfg)
     proxy_rate = rates.attention_tflops(gpu, xla=xla) * 1e12
-    split_rate = proxy_rate if xla else rates.split_attention_tflops(gpu) * 1e12
+    split_rate = proxy_rate if xla else rates.split_attention_tflops(gpu, m.resolved_head_dim) * 1e12
     split = spec.attention_flops_per_token(t) * imbalance(c) / split_rate
     proxy = spec.attention_flops_per_token(t // c) / proxy_rate
     recompute = 4 / 3 if cfg.train.remat == "full" else 1.0

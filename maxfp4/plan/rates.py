@@ -23,10 +23,13 @@ FP4_EFFICIENCY = MEASURED_H200_TFLOPS["fp8"] / DEVICE_PEAKS_TFLOPS["H200"]["fp8"
 ATTENTION_H200_TFLOPS = 370.0
 # cuDNN's kernels on a context rank (maxfp4.parallel.context: each chunk's own keys, causal, with
 # an S x S segment bias, and its document's earlier keys as a padded prefix, merged by their
-# log-sum-exp), causal FLOPs per second on one H200: fitted to dense-1p3b at context=2,
-# 1 x 32,768 tokens, full remat on two H200s (1,076.2 ms, 2026-11-28); the same batch as
-# 2 x 16,384 tokens (700.3 ms) comes out within 1% with no constant changed.
-SPLIT_ATTENTION_H200_TFLOPS = 275.0
+# log-sum-exp), causal FLOPs per second on one H200, by head dim (a flash kernel does twice the
+# FLOPs per byte of a tile at 128 as at 64). 64: fitted to dense-1p3b at context=2, 1 x 32,768
+# tokens, full remat on two H200s (1,076.2 ms, 2026-11-28; the same batch as 2 x 16,384 tokens,
+# 700.3 ms, comes out within 1%). 128: fitted to Llama-3-8B at 32,768 tokens over two H200s and
+# 65,536 over four, BF16 and FP8 (3,241.6, 4,555.7 and 3,990.1 ms, 2026-11-29: -5%, +1%, +2%).
+# Other head dims: linear between the two, held at the ends.
+SPLIT_ATTENTION_H200_TFLOPS = {64: 275.0, 128: 385.0}
 # XLA's attention (model.attention=xla) materialises the scores; it is bound by their traffic.
 # Fitted to the one step measured with it alone, dense-1p3b fsdp=2 at 16 x 1024 with full remat
 # on two H200s (303.1 ms, 2026-11-28): the rest of that step as the model charges it leaves
@@ -63,9 +66,11 @@ def attention_tflops(gpu: str, xla: bool = False) -> float:
     return ATTENTION_H200_TFLOPS * _bf16_peak_ratio(gpu)
 
 
-def split_attention_tflops(gpu: str) -> float:
-    """cuDNN's kernels on a context rank (causal FLOPs), scaled by the BF16 peak."""
-    return SPLIT_ATTENTION_H200_TFLOPS * _bf16_peak_ratio(gpu)
+def split_attention_tflops(gpu: str, head_dim: int) -> float:
+    """cuDNN's kernels on a context rank (causal FLOPs) at ``head_dim``, scaled by the BF16 peak."""
+    (lo, rate_lo), (hi, rate_hi) = sorted(SPLIT_ATTENTION_H200_TFLOPS.items())
+    share = min(max((head_dim - lo) / (hi - lo), 0.0), 1.0)
+    return (rate_lo + share * (rate_hi - rate_lo)) * _bf16_peak_ratio(gpu)
 
 
 def ssd_tflops(gpu: str) -> float:
