@@ -38,9 +38,23 @@ from maxfp4.model_spec import model_spec  # noqa: E402
 _DEVICE_PROBES = ("on_gpu", "on_hopper", "kernels_on_gpu")
 
 
+def triton_targets_hopper() -> None:
+    """Pallas's Triton lowering asks the device for its compute capability first from jax 0.11
+    on (0.10 lowers without asking): answer with an H100's."""
+    try:
+        from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    except ImportError:
+        return
+    if hasattr(gpu_info, "get_gpu_info_from_version"):
+        hopper = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+        pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: hopper
+
+
 def pretend_hopper() -> int:
-    """Point every maxfp4 module's device probes at a Hopper GPU; returns how many were set."""
+    """Point every maxfp4 module's device probes at a Hopper GPU (and Triton's lowering, at an
+    H100's compute capability); returns how many probes were set."""
     import maxfp4.train  # noqa: F401  (imports the model, kernels and recipes that probe)
+    triton_targets_hopper()
     from maxfp4.kernels import launch
     originals = {getattr(launch, name) for name in _DEVICE_PROBES}
     count = 0

@@ -7,6 +7,8 @@ d end[z] = w[z + 1] + decay[z + 1] * d end[z + 1] (d end[K-1] = 0), d states[z] 
 d decay[z] = sum over (n, p) of d end[z] * end[z - 1].
 """
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,19 +82,13 @@ def test_supported_shapes():
 
 
 def _lowered_for_cuda(fn, *shapes) -> str:
-    """``fn`` lowered for CUDA on this machine (Triton's lowering needs no GPU). Where jax asks
-    the device for its compute capability first (0.11), an H100's is given."""
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration
-        hopper = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-        registry = pallas_call_registration.gpu_info_lib
-    except (ImportError, AttributeError):  # jax 0.10: the lowering does not ask
-        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    original, registry.get_gpu_info = registry.get_gpu_info, lambda: hopper
-    try:
-        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    finally:
-        registry.get_gpu_info = original
+    """``fn`` lowered for CUDA on this machine: Triton's lowering needs no GPU, only its compute
+    capability (benchmarks/cuda_lowering.py gives an H100's where jax asks for it)."""
+    spec = importlib.util.spec_from_file_location("cuda_lowering", "benchmarks/cuda_lowering.py")
+    cuda_lowering = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cuda_lowering)
+    cuda_lowering.triton_targets_hopper()
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_the_triton_kernels_do_not_grow_with_the_chunk_count():
