@@ -190,10 +190,8 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
             received_BTD, in_flight = carry
             microbatch, repeat, scales = xs
             i, v = jnp.maximum(microbatch, 0), jnp.maximum(repeat, 0)
-            # Stage 0 embeds here, so what crosses the stage boundary backwards is the FP32
-            # table's gradient (XLA's CPU compiler fails on a BF16 cotangent summed over stages).
             first = (p == 0) & (v == 0)
-            x_BTD = jnp.where(first, embed_tokens(others["embed"], micro["inputs"][i]), received_BTD)
+            x_BTD = jnp.where(first, embedded_MBTD[i], received_BTD)
             # GPipe's one stage a device is a static index: its program stays the one it was
             held = 0 if repeats == 1 else v
             stage_blocks = jax.tree.map(lambda a: a[held], blocks_V)
@@ -216,6 +214,12 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
                 handed = constrain(constrain(handed, ("batch", "seq", "handover")), ("batch", "seq", None))
             return (handed, tuple(sending[1:])), stage_output_BTD
 
+        # Every microbatch embedded once, before the ticks, inside the stages' program: what
+        # crosses the stage boundary backwards is then the FP32 table's gradient (XLA's CPU
+        # compiler fails on a BF16 cotangent summed over stages), and its scatter into the table
+        # runs once a step, not once a tick on every device (a [V, D] FP32 gradient a tick, bubble
+        # included, when each tick embedded). Device 0's first stage reads them.
+        embedded_MBTD = jnp.stack([embed_tokens(others["embed"], micro["inputs"][j]) for j in range(m)])
         b, t = micro["inputs"].shape[1:]
         zeros_BTD = jnp.zeros((b, t, cfg.model.d_model), ACT_DTYPE)
         init = (zeros_BTD, (zeros_BTD,) * (lag - 1))
