@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from maxfp4.config import ConfigError, load_config
-from maxfp4.parallel.mesh import batch_sharding, make_mesh, resolve_mesh_shape
+from maxfp4.parallel.mesh import batch_sharding, entry_axes, make_mesh, resolve_mesh_shape
 from maxfp4.model.router_state import combine_cotangents
 from maxfp4.model_spec import model_spec
 from maxfp4.optim import make_optimizer
@@ -396,15 +396,18 @@ def test_stage_layouts_that_cannot_run_are_one_line():
     assert bubble_fraction(2, 4, 2) == pytest.approx(1 / 9)
 
 
-def test_stacks_the_pipeline_does_not_divide_are_named_at_start_up():
-    """A stack that mesh.pipeline does not divide is kept whole on every stage: one start-up
-    line names it and the degrees that divide every stack; none when all divide."""
-    from maxfp4.parallel.pipeline_stages import whole_stacks_note
-    hybrid = load_config(None, BASE + HYBRID + ["model.pattern=M*-MM-"]).model  # 3 Mamba-2, 1 attention, 2 MLP blocks
-    note = whole_stacks_note(hybrid, 2)
-    assert note == ("note: mesh.pipeline=2 does not divide the stacks of 3 mamba blocks, 1 attention block: every "
-                    "stage keeps their whole state (master weights, moments, gradients); no pipeline degree "
-                    "divides every stack")
-    dense = load_config(None, BASE + ["model.n_layers=12"]).model
-    assert whole_stacks_note(dense, 2) is None and whole_stacks_note(dense, 1) is None
-    assert whole_stacks_note(dense, 5).endswith("mesh.pipeline=2, 3, 4, 6, 12 divides every stack")
+def test_a_stack_the_pipeline_does_not_divide_keeps_a_share_of_its_state_a_device():
+    """Five blocks over two stages: each of the stack's leaves is split over pipeline along a
+    weight dim instead of its blocks (as the major part of that dim, so that the stages read a
+    contiguous part of it), and a device keeps 1/pipeline of it (1/fsdp of that where the leaf is
+    split over fsdp too); the stages' results equal fsdp's
+    (test_stages_give_the_loss_gradients_and_amaxes_of_fsdp, its dense case)."""
+    cfg = load_config(None, BASE + PIPELINED + ["model.n_layers=5"])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:4])
+    state = init_state(cfg, mesh, make_optimizer(cfg), resolve_policy(cfg.precision, cfg.model.n_layers))[0]
+    for name, leaf in state.params["blocks"].items():
+        spec = [entry_axes(e) for e in leaf.sharding.spec]
+        dims = [i for i, axes in enumerate(spec) if "pipeline" in axes]
+        assert len(dims) == 1 and dims[0] > 0 and spec[dims[0]][0] == "pipeline", (name, spec)
+        ways = 2 * (2 if any("fsdp" in axes for axes in spec) else 1)
+        assert leaf.addressable_shards[0].data.size * ways == leaf.size, (name, spec)

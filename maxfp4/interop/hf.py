@@ -556,7 +556,8 @@ def read_params(model_cfg, path: str, shardings: Any, param_shapes: Any, *, repl
             host = read_slice(model_dir, leaf, None, shape.shape)
             array = jax.make_array_from_callback(shape.shape, sharding, lambda idx, h=host: h[idx])
         else:
-            # The layer axis is never sharded (mesh.LOGICAL_RULES["layers"] is empty).
+            # One layer at a time, laid out as the stack is without its layer axis (which only
+            # the pipeline axis splits), then written into its row of the stack.
             spec = tuple(sharding.spec) + (None,) * (len(shape.shape) - len(sharding.spec))
             layer_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[1:]))
             array = jax.jit(lambda: jnp.zeros(shape.shape, jnp.float32), out_shardings=sharding)()

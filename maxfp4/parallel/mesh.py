@@ -52,7 +52,8 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "ssm_groups": ("tensor",),  # Mamba-2's in_proj [D, G, P]: each tensor rank holds whole groups
     "vocab": ("tensor",),
     # Stacked blocks' leading dim: each pipeline stage keeps its own consecutive blocks
-    # (maxfp4.parallel.pipeline); with mesh.pipeline=1 every device holds every block.
+    # (maxfp4.parallel.pipeline); with mesh.pipeline=1 every device holds every block. A stack
+    # the axis does not divide is split over it along a weight dim (logical_to_spec).
     "layers": ("pipeline",),
     # A stage's output as it crosses to the next pipeline stage: its d_model split over tensor,
     # so each tensor rank sends 1/tensor of it (Megatron's scatter-gather of the hand-over) and
@@ -142,6 +143,12 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
             mesh_axes.pop()
         used.update(mesh_axes)
         spec.append(spec_entry(mesh_axes))
+    if "layers" in axes and "pipeline" not in used:
+        # A stack of blocks the pipeline axis does not divide (126 of Llama 3 405B's over 16
+        # stages): one weight dim split over it instead, as that dim's major part, so that each
+        # device keeps 1/pipeline of the stack's state and the stages' program reads a contiguous
+        # part of it (maxfp4.parallel.pipeline gathers each stage's rows from those parts).
+        return spread_over(PartitionSpec(*spec), shape, mesh, "pipeline", major=True)
     return PartitionSpec(*spec)
 
 
@@ -184,9 +191,11 @@ def lookup_specs(table_shape: Sequence[int], ids_shape: Sequence[int], mesh: Mes
     return specs
 
 
-def spread_over(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, axis: str) -> PartitionSpec:
-    """``spec`` with ``axis`` added to the largest dim it divides with the axes the dim has
-    (``spec`` unchanged where none does, or where ``axis`` is already used or of size 1)."""
+def spread_over(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, axis: str,
+                major: bool = False) -> PartitionSpec:
+    """``spec`` with ``axis`` added to the largest dim it divides with the axes the dim has, after
+    them (``major``: before them) (``spec`` unchanged where none does, or where ``axis`` is
+    already used or of size 1)."""
     size = mesh.shape.get(axis, 1)
     dims = list(spec) + [None] * (len(shape) - len(spec))
     held = [entry_axes(d) for d in dims]
@@ -194,7 +203,7 @@ def spread_over(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, axis: str
         return spec
     for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
         if shape[i] % (math.prod(mesh.shape[a] for a in held[i]) * size) == 0:
-            dims[i] = spec_entry(held[i] + (axis,))
+            dims[i] = spec_entry((axis, *held[i]) if major else (*held[i], axis))
             return PartitionSpec(*dims)
     return spec
 

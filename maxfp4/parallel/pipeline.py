@@ -50,11 +50,12 @@ from jax.sharding import PartitionSpec
 
 from maxfp4.config import Config
 from maxfp4.parallel.context import to_zigzag
-from maxfp4.parallel.mesh import constrain, fan_out_max, fan_out_sum, split_microbatches
+from maxfp4.parallel.mesh import (constrain, entry_axes, fan_out_max, fan_out_sum, logical_to_spec,
+                                  split_microbatches)
 from maxfp4.parallel.pipeline_schedule import (bubble_fraction, circular_chunks, exchange_tables, handover_lag,
                                                schedule_table)
 from maxfp4.parallel.pipeline_stages import alike_stages, check_stages, stage_model, stage_policy, stage_program
-from maxfp4.model import get_model
+from maxfp4.model import abstract_params, get_model
 from maxfp4.model.layers import ACT_DTYPE, embed_tokens, output_logits
 from maxfp4.model.loss import chunked_loss_sum, token_losses
 from maxfp4.model.router_state import PROBE
@@ -94,6 +95,23 @@ def _gather_rows(local: jax.Array, wanted_PR: np.ndarray, tables, p: jax.Array) 
     return jnp.take(in_PK.reshape(-1, *in_PK.shape[2:]), jnp.asarray(recv_PR)[p], axis=0)
 
 
+def _gather_split_rows(local: jax.Array, wanted_PR: np.ndarray, dim: int) -> jax.Array:
+    """[R, ...]: the rows ``wanted_PR[p]`` of a stack the pipeline axis splits along its weight
+    dim ``dim`` (as that dim's major part: device s holds its s-th part of every row) rather than
+    along its rows: each device sends every other the rows it wants, of its part of the dim, by
+    one all-to-all, and puts the parts it receives together in order. The transpose sends each
+    row's gradient back in parts."""
+    out_PR = jnp.take(local, jnp.asarray(np.maximum(wanted_PR, 0)), axis=0)  # [P(destination), R, ...]
+    in_PR = jax.lax.all_to_all(out_PR, AXIS, 0, 0)  # [P(source), R, ...]
+    parts = jnp.moveaxis(in_PR, 0, dim)  # [R, ..., P, dim / P, ...]
+    return parts.reshape(*parts.shape[:dim], -1, *parts.shape[dim + 2:])
+
+
+def _split_dim(spec: PartitionSpec) -> int | None:
+    """The dim a parameter's layout splits over the pipeline axis, or None."""
+    return next((i for i, entry in enumerate(spec) if AXIS in entry_axes(entry)), None)
+
+
 def _fan_out(block_scales: dict, valid_N: jax.Array) -> dict:
     """The per-block inputs repeated for each tick: the FP8 amaxes come back by max over the
     ticks that ran a microbatch, the routers' statistics (token counts) by sum."""
@@ -121,6 +139,13 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
     # the axis divides, as alike stages' always are) rather than whole on every stage.
     group_sizes = {g: sum(b.group == g for b in spec.blocks) for g in groups}
     split = {g: group_sizes[g] % stages == 0 for g in groups}
+    # Each leaf's dim the parameter layout splits over pipeline (0: its blocks; another: a stack
+    # the axis does not divide, split along a weight dim; -1: kept whole, no dim divides).
+    layouts = jax.tree.map(lambda axes, x: logical_to_spec(axes, x.shape, mesh),
+                           get_model(cfg.model).param_axes(cfg.model), abstract_params(cfg.model),
+                           is_leaf=lambda a: isinstance(a, tuple))
+    split_dims = {g: jax.tree.map(lambda s_: -1 if _split_dim(s_) is None else _split_dim(s_), layouts[g],
+                                  is_leaf=lambda a: isinstance(a, PartitionSpec)) for g in groups}
     if program is not None:
         group_rows = {g: program.group_rows(cfg.model, g) for g in groups}
         tables = {g: exchange_tables(group_sizes[g], stages, group_rows[g]) if split[g] else None for g in groups}
@@ -172,9 +197,13 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         for g in groups:
             rows = group_rows[g]
             per_stage_rows = rows.shape[1] // repeats
-            weights[g] = jax.tree.map(
-                lambda a: _gather_rows(a, rows, tables[g], p).reshape(repeats, per_stage_rows, *a.shape[1:]),
-                blocks[g])
+
+            def stage_rows(a, dim, rows=rows, g=g):
+                held = (_gather_split_rows(a, rows, dim) if dim > 0
+                        else _gather_rows(a, rows, tables[g], p))
+                return held.reshape(repeats, per_stage_rows, *held.shape[1:])
+
+            weights[g] = jax.tree.map(stage_rows, blocks[g], split_dims[g])
         at_VL = jnp.asarray(np.maximum(blocks_PVL, 0))[p]
         scales = jax.tree.map(lambda a: jnp.take(a, at_VL, axis=0), block_scales)
         return weights, scales, jnp.asarray(blocks_PVL >= 0)[p]
@@ -242,7 +271,8 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         # Alike stages read their blocks' contiguous parts; unequal ones a stack the pipeline
         # axis divides the same way, the others whole, and every block's per-block inputs whole
         # (the transpose sums their cotangents over the stages: each block's are nonzero on one).
-        block_specs = {g: jax.tree.map(lambda _: stacked if split[g] else whole, blocks[g]) for g in groups}
+        block_specs = {g: jax.tree.map(lambda dim: whole if dim < 0 else PartitionSpec(*[None] * dim, AXIS), split_dims[g])
+                       for g in groups}
         in_specs = (block_specs, jax.tree.map(lambda _: whole, others),
                     jax.tree.map(lambda _: stacked if alike else whole, block_scales),
                     jax.tree.map(lambda _: whole, head_scales), jax.tree.map(lambda _: whole, micro), whole)

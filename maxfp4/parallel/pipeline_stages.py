@@ -326,30 +326,16 @@ def _stage_program(model, policy, seq_len, stages, repeats):
 # ----------------------------------------------------------------------------- one stage's program
 
 
-def held_rows(model: ModelConfig, stages: int) -> dict[str, int]:
-    """Rows of each parameter group's stack a device keeps (master weights, moments, gradients):
-    its contiguous part over the pipeline axis, or the whole stack where the axis does not divide
-    it (maxfp4.parallel.mesh.logical_to_spec keeps such a dim whole)."""
+def held_rows(model: ModelConfig, stages: int) -> dict[str, float]:
+    """Rows of each parameter group's stack a device keeps state for (master weights, moments,
+    gradients): 1/``stages`` of them, its contiguous part over the pipeline axis, or, where the
+    axis does not divide the stack, 1/``stages`` of every row (maxfp4.parallel.mesh.logical_to_spec
+    splits a weight dim over it instead; a stack no weight dim of which it divides is not
+    modelled)."""
     counts: dict[str, int] = {}
     for b in model_spec(model).blocks:
         counts[b.group] = counts.get(b.group, 0) + 1
-    return {g: n // stages if n % stages == 0 else n for g, n in counts.items()}
-
-
-def whole_stacks_note(model: ModelConfig, stages: int) -> str | None:
-    """One start-up line naming the block stacks ``stages`` does not divide, whose state every
-    stage keeps whole (:func:`held_rows`), and the pipeline degrees that would divide them all;
-    None when it divides every stack."""
-    counts = held_rows(model, 1)
-    whole = {g: n for g, n in counts.items() if stages > 1 and n % stages}
-    if not whole:
-        return None
-    dividing = [p for p in range(2, max(counts.values()) + 1) if all(n % p == 0 for n in counts.values())]
-    stacks = ", ".join(f"{n} {'' if g == 'blocks' else g + ' '}block{'s' if n > 1 else ''}" for g, n in whole.items())
-    degrees = (f"mesh.pipeline={', '.join(map(str, dividing[:6]))}{' ...' if len(dividing) > 6 else ''} "
-               f"divides every stack" if dividing else "no pipeline degree divides every stack")
-    return (f"note: mesh.pipeline={stages} does not divide the stacks of {stacks}: every stage keeps their "
-            f"whole state (master weights, moments, gradients); {degrees}")
+    return {g: n / stages for g, n in counts.items()}
 
 
 def stage_model(model: ModelConfig, stages: int, repeats: int = 1) -> ModelConfig:

@@ -205,9 +205,9 @@ def gathered_stage_params(cfg: Config, mesh) -> float:
 def _held_block_params(m: ModelConfig, seq_len: int, stages: int, repeats: int, tensor: int,
                        experts: int) -> tuple[float, float]:
     """(matmul parameters, those kept whole on every tensor device) a device keeps state for: its
-    rows of each block type's stack (:func:`maxfp4.parallel.pipeline_stages.held_rows`: a stack
-    the pipeline degree does not divide is kept whole on every stage), of an E block every
-    expert of the 1/``experts`` it holds."""
+    1/``stages`` of each block type's stack (:func:`maxfp4.parallel.pipeline_stages.held_rows`:
+    its rows, or of every row where the pipeline degree does not divide the stack), of an E block
+    every expert of the 1/``experts`` it holds."""
     blocks = model_spec(m).blocks
     held = whole = 0
     for group, rows in held_rows(m, stages).items():
