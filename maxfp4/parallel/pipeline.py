@@ -107,9 +107,9 @@ def _gather_split_rows(local: jax.Array, wanted_PR: np.ndarray, dim: int) -> jax
     return parts.reshape(*parts.shape[:dim], -1, *parts.shape[dim + 2:])
 
 
-def _split_dim(spec: PartitionSpec) -> int | None:
-    """The dim a parameter's layout splits over the pipeline axis, or None."""
-    return next((i for i, entry in enumerate(spec) if AXIS in entry_axes(entry)), None)
+def _split_dim(spec: PartitionSpec) -> int:
+    """The dim a parameter's layout splits over the pipeline axis, or -1."""
+    return next((i for i, entry in enumerate(spec) if AXIS in entry_axes(entry)), -1)
 
 
 def _fan_out(block_scales: dict, valid_N: jax.Array) -> dict:
@@ -135,17 +135,17 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         scan_layers=cfg.train.scan_layers, logits=False, runs_per_row=runs_per_row)
     spec = model_spec(cfg.model)
     groups = tuple(dict.fromkeys(b.group for b in spec.blocks))
-    # Which block stacks reach shard_map split over pipeline (the ``layers`` rule splits a stack
-    # the axis divides, as alike stages' always are) rather than whole on every stage.
+    # Which block stacks the ``layers`` rule splits over pipeline by their blocks (those the axis
+    # divides, as alike stages' always are); and each leaf's dim the parameter layout splits over
+    # pipeline (0: its blocks; another: a weight dim, where the axis does not divide the stack;
+    # -1: none, the leaf whole on every stage).
     group_sizes = {g: sum(b.group == g for b in spec.blocks) for g in groups}
     split = {g: group_sizes[g] % stages == 0 for g in groups}
-    # Each leaf's dim the parameter layout splits over pipeline (0: its blocks; another: a stack
-    # the axis does not divide, split along a weight dim; -1: kept whole, no dim divides).
     layouts = jax.tree.map(lambda axes, x: logical_to_spec(axes, x.shape, mesh),
                            get_model(cfg.model).param_axes(cfg.model), abstract_params(cfg.model),
                            is_leaf=lambda a: isinstance(a, tuple))
-    split_dims = {g: jax.tree.map(lambda s_: -1 if _split_dim(s_) is None else _split_dim(s_), layouts[g],
-                                  is_leaf=lambda a: isinstance(a, PartitionSpec)) for g in groups}
+    split_dims = {g: jax.tree.map(_split_dim, layouts[g], is_leaf=lambda a: isinstance(a, PartitionSpec))
+                  for g in groups}
     if program is not None:
         group_rows = {g: program.group_rows(cfg.model, g) for g in groups}
         tables = {g: exchange_tables(group_sizes[g], stages, group_rows[g]) if split[g] else None for g in groups}
@@ -268,11 +268,11 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         block_scales = scales.get("blocks", {})
         head_scales = {"lm_head": scales["lm_head"]} if "lm_head" in scales else {}
         stacked, whole = PartitionSpec(AXIS), PartitionSpec()
-        # Alike stages read their blocks' contiguous parts; unequal ones a stack the pipeline
-        # axis divides the same way, the others whole, and every block's per-block inputs whole
-        # (the transpose sums their cotangents over the stages: each block's are nonzero on one).
-        block_specs = {g: jax.tree.map(lambda dim: whole if dim < 0 else PartitionSpec(*[None] * dim, AXIS), split_dims[g])
-                       for g in groups}
+        # Each leaf enters as its layout splits it over pipeline (by blocks, by a weight dim, or
+        # whole), and every block's per-block inputs whole (the transpose sums their cotangents
+        # over the stages: each block's are nonzero on one).
+        block_specs = {g: jax.tree.map(lambda dim: whole if dim < 0 else PartitionSpec(*[None] * dim, AXIS),
+                                       split_dims[g]) for g in groups}
         in_specs = (block_specs, jax.tree.map(lambda _: whole, others),
                     jax.tree.map(lambda _: stacked if alike else whole, block_scales),
                     jax.tree.map(lambda _: whole, head_scales), jax.tree.map(lambda _: whole, micro), whole)
