@@ -15,9 +15,10 @@ import sys
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 from maxfp4.config import ConfigError, load_config
-from maxfp4.parallel.mesh import batch_sharding, entry_axes, make_mesh, resolve_mesh_shape
+from maxfp4.parallel.mesh import batch_sharding, entry_axes, logical_to_spec, make_mesh, resolve_mesh_shape
 from maxfp4.model.router_state import combine_cotangents
 from maxfp4.model_spec import model_spec
 from maxfp4.optim import make_optimizer
@@ -411,3 +412,9 @@ def test_a_stack_the_pipeline_does_not_divide_keeps_a_share_of_its_state_a_devic
         assert len(dims) == 1 and dims[0] > 0 and spec[dims[0]][0] == "pipeline", (name, spec)
         ways = 2 * (2 if any("fsdp" in axes for axes in spec) else 1)
         assert leaf.addressable_shards[0].data.size * ways == leaf.size, (name, spec)
+    # Under tensor, pipeline goes to a dim tensor does not split: w_up [L, D, F, 2] splits F over
+    # tensor, so pipeline takes D, though F is the larger
+    tensor = make_mesh(load_config(None, BASE + ["mesh.pipeline=2", "mesh.tensor=2", "model.n_layers=5"]).mesh,
+                       jax.devices()[:4])
+    w_up = state.params["blocks"]["w_up"]
+    assert logical_to_spec(("layers", "embed", "mlp", None), w_up.shape, tensor) == PartitionSpec(None, "pipeline", "tensor", None)

@@ -148,7 +148,9 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
         # stages): one weight dim split over it instead, as that dim's major part, so that each
         # device keeps 1/pipeline of the stack's state and the stages' program reads a contiguous
         # part of it (maxfp4.parallel.pipeline gathers each stage's rows from those parts).
-        return spread_over(PartitionSpec(*spec), shape, mesh, "pipeline", major=True)
+        # A dim tensor splits is tried last: the stage's gathered parts would interleave with
+        # the tensor ranks' (each rank a strided share), which the GEMMs' layout must undo.
+        return spread_over(PartitionSpec(*spec), shape, mesh, "pipeline", major=True, last=("tensor",))
     return PartitionSpec(*spec)
 
 
@@ -192,16 +194,16 @@ def lookup_specs(table_shape: Sequence[int], ids_shape: Sequence[int], mesh: Mes
 
 
 def spread_over(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, axis: str,
-                major: bool = False) -> PartitionSpec:
+                major: bool = False, last: Sequence[str] = ()) -> PartitionSpec:
     """``spec`` with ``axis`` added to the largest dim it divides with the axes the dim has, after
-    them (``major``: before them) (``spec`` unchanged where none does, or where ``axis`` is
-    already used or of size 1)."""
+    them (``major``: before them), dims holding one of ``last`` tried after the others (``spec``
+    unchanged where none does, or where ``axis`` is already used or of size 1)."""
     size = mesh.shape.get(axis, 1)
     dims = list(spec) + [None] * (len(shape) - len(spec))
     held = [entry_axes(d) for d in dims]
     if size == 1 or any(axis in h for h in held):
         return spec
-    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+    for i in sorted(range(len(shape)), key=lambda i: (any(a in held[i] for a in last), -shape[i])):
         if shape[i] % (math.prod(mesh.shape[a] for a in held[i]) * size) == 0:
             dims[i] = spec_entry((axis, *held[i]) if major else (*held[i], axis))
             return PartitionSpec(*dims)
