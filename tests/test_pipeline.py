@@ -220,10 +220,8 @@ def _ppermute_operands(jaxpr, found):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "ppermute":
             found.append(all(v in jaxpr.invars for v in eqn.invars))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-                    _ppermute_operands(getattr(sub, "jaxpr", sub), found)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _ppermute_operands(sub, found)
     return found
 
 
@@ -244,18 +242,11 @@ def test_overlapped_hand_overs_send_what_the_tick_before_computed(overlap):
     assert all(from_carry) if overlap else not all(from_carry)
 
 
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-                yield getattr(sub, "jaxpr", sub)
-
-
 def _shapes_in(jaxpr, found):
     """Every shape ``jaxpr`` and the jaxprs inside it compute."""
     for eqn in jaxpr.eqns:
         found.extend(tuple(v.aval.shape) for v in eqn.outvars)
-        for sub in _sub_jaxprs(eqn):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             _shapes_in(sub, found)
     return found
 
@@ -265,7 +256,7 @@ def _loops_of_length(jaxpr, length, found):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan" and eqn.params["length"] == length:
             found.append(eqn.params["jaxpr"].jaxpr)
-        for sub in _sub_jaxprs(eqn):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             _loops_of_length(sub, length, found)
     return found
 
