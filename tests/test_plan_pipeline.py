@@ -92,8 +92,10 @@ def test_the_measured_pipeline_and_context_steps_are_within_15_percent():
     """dense-1p3b on two H200s, cuDNN's attention in the stages and on the context ranks
     (docs/PERFORMANCE.md, 2026-11-28): pipeline=2 with 8 microbatches at 1,024 and 2,048 tokens,
     with 2 repeats at 2,048, their fsdp=2 twin at 2,048 and the XLA-attention twin at 1,024;
-    context=2 at 16,384 tokens. The three stage layouts are planned as measured (the repeats
-    included) and none is charged XLA's attention."""
+    context=2 at 16,384 tokens; and every context row (the 8B models' on two and four H200s too,
+    2026-11-29), planned at its own degree. The three stage layouts are planned as measured (the
+    repeats included) and none is charged XLA's attention. (The 8B models' pipelined rows are
+    held to the goal with every other row by tests/test_plan.py's calibration test.)"""
     spec = importlib.util.spec_from_file_location("plan_calibration", "benchmarks/plan_calibration.py")
     calibration = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(calibration)
@@ -109,14 +111,6 @@ def test_the_measured_pipeline_and_context_steps_are_within_15_percent():
         if mesh.pipeline > 1:
             staged.append((mesh, cfg.train.microbatches))
     assert staged == [(PlanMesh(1, 1, 1, 2), 8), (PlanMesh(1, 1, 1, 2), 8), (PlanMesh(1, 1, 1, 2, 2), 8)]
-    # The 8B models' stages on four H200s (the current rows: full remat)
-    eight_b = [r for r in calibration.MEASURED if "8b pipeline=" in r[0] and not r[-1]]
-    assert len(eight_b) == 6
-    for label, path, overrides, gpus, gpu, precision, step_ms, _, _ in eight_b:
-        cfg = load_config(path, overrides)
-        mesh = PlanMesh(*resolve_mesh_shape(cfg.mesh, gpus), cfg.mesh.pipeline_repeats)
-        predicted = plan_model.project(cfg, mesh, gpu, precision)["step_time_s"] * 1e3
-        assert abs(predicted / step_ms - 1) <= calibration.GOAL, (label, predicted, step_ms)
     # Each split's rate is fitted at its head dim (rates.py); the named misses within their bound.
     for (label, path, overrides, gpus, gpu, precision, step_ms, counted) in calibration.MEASURED_CONTEXT:
         bound = calibration.STEP_BOUND_UNEXPLAINED if label in calibration.STEP_UNEXPLAINED else calibration.GOAL
