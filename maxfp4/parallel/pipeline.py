@@ -135,17 +135,16 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         scan_layers=cfg.train.scan_layers, logits=False, runs_per_row=runs_per_row)
     spec = model_spec(cfg.model)
     groups = tuple(dict.fromkeys(b.group for b in spec.blocks))
-    # Which block stacks the ``layers`` rule splits over pipeline by their blocks (those the axis
-    # divides, as alike stages' always are); and each leaf's dim the parameter layout splits over
-    # pipeline (0: its blocks; another: a weight dim, where the axis does not divide the stack;
-    # -1: none, the leaf whole on every stage).
-    group_sizes = {g: sum(b.group == g for b in spec.blocks) for g in groups}
-    split = {g: group_sizes[g] % stages == 0 for g in groups}
+    # Each leaf's dim the parameter layout splits over pipeline (0: its blocks, where the axis
+    # divides the stack, as alike stages' always are; another: a weight dim; -1: none, the leaf
+    # whole on every stage), and which stacks are split by their blocks.
     layouts = jax.tree.map(lambda axes, x: logical_to_spec(axes, x.shape, mesh),
                            get_model(cfg.model).param_axes(cfg.model), abstract_params(cfg.model),
                            is_leaf=lambda a: isinstance(a, tuple))
     split_dims = {g: jax.tree.map(_split_dim, layouts[g], is_leaf=lambda a: isinstance(a, PartitionSpec))
                   for g in groups}
+    split = {g: all(dim == 0 for dim in jax.tree.leaves(split_dims[g])) for g in groups}
+    group_sizes = {g: sum(b.group == g for b in spec.blocks) for g in groups}
     if program is not None:
         group_rows = {g: program.group_rows(cfg.model, g) for g in groups}
         tables = {g: exchange_tables(group_sizes[g], stages, group_rows[g]) if split[g] else None for g in groups}
