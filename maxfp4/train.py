@@ -243,9 +243,9 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
         if jax.process_index() == 0:
             print(f"warning: {line}", file=sys.stderr, flush=True)
     check_model_fits_mesh(cfg.model, mesh)
-    for note in (mamba_tensor_note(cfg.model, mesh.shape["tensor"]),):
-        if note and jax.process_index() == 0:
-            _say(note)
+    note = mamba_tensor_note(cfg.model, mesh.shape["tensor"])
+    if note and jax.process_index() == 0:
+        _say(note)
     _check_batch_fits_mesh(cfg, mesh)
     platform = mesh.devices.flat[0].platform
     xla_options = compiler_options(platform, cfg.train.compiler_options, cfg.run.deterministic)

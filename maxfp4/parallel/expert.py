@@ -23,8 +23,8 @@ this module then runs, under ``shard_map`` over every mesh axis:
 4. each token sums its top_k results with its combine weights.
 
 The expert weights' gradients are summed over the devices that share them by ``shard_map``'s
-transpose; the FP8 delayed-scaling amaxes of the expert GEMMs leave by max over devices (:func:`maxfp4.parallel.mesh.fan_out_max`), as every replica
-must use the same scale.
+transpose; the FP8 delayed-scaling amaxes of the expert GEMMs leave by max over devices
+(:func:`maxfp4.parallel.mesh.fan_out_max`), as every replica must use the same scale.
 
 Dimension letters: N tokens (of a device), k top_k, D d_model, A assignments (N x k), E devices
 on ``expert``, G experts per device, R rows a buffer holds for one destination, S = E x R slots.

@@ -54,8 +54,9 @@ def split_attention_seconds_per_token(cfg: Config, c: int, gpu: str) -> float:
     """Seconds a token of a rank spends in the split's attention beyond what its proxy (T/C tokens,
     no split) was charged: the causal work of a token at T, balanced by the zigzag order
     (:func:`imbalance`), on cuDNN's kernels split per chunk (model.attention auto, cudnn,
-    cudnn_mask: rates.SPLIT_ATTENTION_H200_TFLOPS at the model's head dim; the proxy ran cuDNN's causal kernel whole) or
-    XLA's (model.attention=xla), x 4/3 under full remat (the forward again)."""
+    cudnn_mask: rates.SPLIT_ATTENTION_H200_TFLOPS at the model's head dim; the proxy ran cuDNN's
+    causal kernel whole) or XLA's (model.attention=xla), x 4/3 under full remat (the forward
+    again)."""
     m, t = cfg.model, cfg.data.seq_len
     spec = model_spec(m)
     xla = cost.runs_xla_attention(cfg)
