@@ -2,6 +2,7 @@
 for a dense model and a Mamba-2 hybrid, with packed documents crossing the split; the causal
 work is the same on every rank; bad input fails in one line."""
 
+import functools
 import os
 
 import jax
@@ -202,6 +203,58 @@ def test_ssd_chunks_with_passed_states_equal_the_sequential_scan(x64):
 
     got = split(x, dt, a, bm, cm, seg)
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-10, atol=1e-10)
+
+
+def test_ssd_chunks_with_bf16_state_matmuls_stay_within_bf16_rounding():
+    """The same split with model.mamba.ssd_matmul's BF16 operands (FP32 accumulation) in the
+    chunks' state matmuls, as the one-device SSD takes them: within ssd_chunked's own BF16 bound
+    of the FP32 scan (2e-2 of max |y|, tests/test_ssd.py), and not bit-equal to the FP32 split."""
+    b, t, h, p, g, n, chunks = 2, 96, 4, 8, 2, 16, 4
+    s = t // chunks
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((b, t, h, p)).astype(np.float32)
+    dt = rng.uniform(0.01, 0.5, (b, t, h)).astype(np.float32)
+    a = -rng.uniform(0.5, 2.0, h).astype(np.float32)
+    bm, cm = (rng.standard_normal((b, t, g, n)).astype(np.float32) for _ in range(2))
+    seg = np.ones((b, t), np.int32)
+    seg[1, s + 5:] = 2
+    want = np.asarray(jax.jit(ssd_reference)(x, dt, a, bm, cm, seg))
+
+    def rows(v):
+        return jnp.moveaxis(v.reshape(b, chunks, s, *v.shape[2:]), 1, 0).reshape(chunks * b, s, *v.shape[2:])
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def split(matmul_dtype, x, dt, a, bm, cm, seg):
+        y = ssd_chunked(rows(x), rows(dt), a, rows(bm), rows(cm), rows(seg), chunk_size=8, matmul_dtype=matmul_dtype)
+        previous = jnp.concatenate([jnp.full((b, 1), -1), seg[:, :-1]], axis=1)
+        start = rows(seg != previous)
+        state, decay = chunk_exit(rows(x), rows(dt), a, rows(bm), start, matmul_dtype)
+        entry = pass_states(state.reshape(chunks, b, *state.shape[1:]), decay.reshape(chunks, b, *decay.shape[1:]))
+        y = y + entry_output(rows(cm), rows(dt), a, start, entry.reshape(chunks * b, *entry.shape[2:]), matmul_dtype)
+        return jnp.moveaxis(y.reshape(chunks, b, s, h, p), 0, 1).reshape(b, t, h, p)
+
+    low, full = (np.asarray(split(m, x, dt, a, bm, cm, seg)) for m in (jnp.bfloat16, None))
+    scale = np.max(np.abs(want))
+    assert np.max(np.abs(full - want)) / scale < 1e-5
+    assert 0 < np.max(np.abs(low - want)) / scale < 2e-2
+
+
+@pytest.mark.parametrize("tokens, block", [(96, 8), (96, 32), (100, 8), (8, 8)])
+def test_token_sums_in_blocks_are_the_cumulative_sums(x64, tokens, block):
+    """The context SSD's sums over a chunk's tokens (blocks of ``block`` where the chunk holds
+    several whole ones, one triangle otherwise) against NumPy's cumulative sum in float64 (sums
+    of <= 100 numbers of O(1): 1e-12), both directions; and at 8,192 tokens no matmul operand is
+    wider than the block (a [S, S] triangle was ~1 ms of FP32 GEMM a call on an H200)."""
+    from maxfp4.model.ssd import TOKEN_SUM_BLOCK, _sum_over_tokens
+    x = np.random.default_rng(4).standard_normal((3, tokens, 2, 5))
+    before = np.cumsum(x, axis=1)
+    after = np.sum(x, axis=1, keepdims=True) - before
+    np.testing.assert_allclose(_sum_over_tokens(jnp.asarray(x), True, block), before, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(_sum_over_tokens(jnp.asarray(x), False, block), after, rtol=1e-12, atol=1e-12)
+    jaxpr = jax.make_jaxpr(lambda v: _sum_over_tokens(v, True))(jnp.zeros((2, 8192, 4), jnp.float32))
+    widths = [max(var.aval.shape) for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"
+              for var in eqn.invars if var.aval.shape[0] != 2]
+    assert widths and max(widths) <= TOKEN_SUM_BLOCK
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_delayed"])

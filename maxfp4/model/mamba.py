@@ -375,19 +375,25 @@ def _context_core(zxbcdt_BTI: jax.Array, segment_ids_BT: jax.Array, p: Params, *
     x_RSHP = xbc_RSC[..., :e].reshape(b * 2, s, h, pd)
     B_RSGN = xbc_RSC[..., e:e + g * n].reshape(b * 2, s, g, n)
     C_RSGN = xbc_RSC[..., e + g * n:].reshape(b * 2, s, g, n)
-    state_RGRPN, decay_RGR = chunk_exit(x_RSHP, dt_RSH, A_H, B_RSGN, start_RS)
+    matmul_dtype = _ssd_matmul_dtype(cfg)
+    state_RGRPN, decay_RGR = chunk_exit(x_RSHP, dt_RSH, A_H, B_RSGN, start_RS, matmul_dtype)
 
     def per_rank_chunks(x):  # [2B, ...] -> [B, 2, ...]
         return x.reshape(b, 2, *x.shape[1:])
 
     entry_JBGRPN = pass_states(gather_chunks(per_rank_chunks(state_RGRPN)), gather_chunks(per_rank_chunks(decay_RGR)))
     entry_RGRPN = own_chunks(entry_JBGRPN).reshape(b * 2, *entry_JBGRPN.shape[2:])
-    y_entry_RSHP = entry_output(C_RSGN, dt_RSH, A_H, start_RS, entry_RGRPN)
+    y_entry_RSHP = entry_output(C_RSGN, dt_RSH, A_H, start_RS, entry_RGRPN, matmul_dtype)
     u_RSE = (u_RSE.astype(jnp.float32) + y_entry_RSHP.reshape(b * 2, s, e)).astype(u_RSE.dtype)
     u_BTE = u_RSE.reshape(b, t, e)
     if use_norm_kernel(cfg, t, e):
         return gated_norm_fused(u_BTE, zxbcdt_BTI, p["norm"], d["G"], cfg.norm_eps, ACT_DTYPE, not on_gpu())
     return gated_group_norm(u_BTE, zxbcdt_BTI[..., :e], p["norm"], d["G"], cfg.norm_eps)
+
+
+def _ssd_matmul_dtype(cfg: ModelConfig):
+    """The operand dtype of the SSD's token-length matmuls (model.mamba.ssd_matmul), None for FP32."""
+    return jnp.bfloat16 if cfg.mamba.ssd_matmul == "bf16" else None
 
 
 def _dt(dt_raw_BTH: jax.Array, dt_bias_H: jax.Array) -> jax.Array:
@@ -404,7 +410,7 @@ def _ssd_with_skip(xbc_BTC: jax.Array, dt_BTH: jax.Array, A_log_H: jax.Array, D_
     B_BTGN = xbc_BTC[..., e:e + g * n].reshape(b, t, g, n)
     C_BTGN = xbc_BTC[..., e + g * n:].reshape(b, t, g, n)
     A_H = -jnp.exp(A_log_H)
-    matmul_dtype = jnp.bfloat16 if cfg.mamba.ssd_matmul == "bf16" else None
+    matmul_dtype = _ssd_matmul_dtype(cfg)
     if use_ssd_kernel(cfg):
         # The kernel adds the D skip itself, where it holds x anyway, and reads x in place from
         # the convolution output (a sliced copy cost a [B, T, E] pass a layer).

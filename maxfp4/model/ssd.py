@@ -79,6 +79,14 @@ def _segsum(a_XQ: jax.Array) -> jax.Array:
     return jnp.cumsum(terms_XQQ, axis=-2)
 
 
+def _token_matmul(spec: str, lhs: jax.Array, rhs: jax.Array, matmul_dtype, cdt) -> jax.Array:
+    """A token-length matmul: HIGHEST in ``cdt``, or ``matmul_dtype`` operands accumulated in
+    ``cdt`` (model.mamba.ssd_matmul)."""
+    if matmul_dtype is None:
+        return _einsum(spec, lhs, rhs)
+    return lowp_einsum(spec, lhs.astype(matmul_dtype), rhs.astype(matmul_dtype), cdt)
+
+
 def ssd_chunked(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: jax.Array,
                 C_BTGN: jax.Array, segment_ids_BT: jax.Array, chunk_size: int,
                 matmul_dtype: jnp.dtype | None = None) -> jax.Array:
@@ -100,10 +108,7 @@ def ssd_chunked(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: ja
     cdt = compute_dtype(x_BTHP, dt_BTH, A_H, B_BTGN, C_BTGN)
 
     def mm(spec, lhs, rhs):
-        """A token-length matmul: HIGHEST in cdt, or matmul_dtype operands accumulated in cdt."""
-        if matmul_dtype is None:
-            return _einsum(spec, lhs, rhs)
-        return lowp_einsum(spec, lhs.astype(matmul_dtype), rhs.astype(matmul_dtype), cdt)
+        return _token_matmul(spec, lhs, rhs, matmul_dtype, cdt)
 
     def chunked(arr):
         # Padding goes after the last token, so it cannot affect any real output (causality);
@@ -176,21 +181,42 @@ def ssd_chunked(x_BTHP: jax.Array, dt_BTH: jax.Array, A_H: jax.Array, B_BTGN: ja
 # ``start_BS`` flags a segment start with the original sequence's previous token in view (at
 # position 0 too: a chunk can begin a document or continue one).
 
-def _sum_over_tokens(x_BS: jax.Array, before: bool) -> jax.Array:
+# Token sums over a chunk run in blocks of this many tokens: a triangular matmul inside each
+# block plus one over the blocks' totals. One [S, S] triangle was S^2 work a sum: at S = 8192
+# tokens it ran as an FP32 GEMM of ~1 ms, 42 of them a nemotron-h-8b step at context=2
+# (32,768 tokens, two H200s, 2026-11-29), where a [S, 128] one costs 1/64 of that.
+TOKEN_SUM_BLOCK = 128
+
+
+def _sum_over_tokens(x_BS: jax.Array, before: bool, block: int = TOKEN_SUM_BLOCK) -> jax.Array:
     """Along axis 1 (S tokens): at each token the sum of the tokens up to it (``before``, itself
-    included) or of those after it. A triangular matmul rather than ``cumsum``: XLA's CPU form of
-    a cumulative sum (an associative scan) compiled 4x slower than the rest of the mixer."""
+    included) or of those after it. Triangular matmuls rather than ``cumsum``: XLA's CPU form of
+    a cumulative sum (an associative scan) compiled 4x slower than the rest of the mixer. With S
+    a multiple of ``block`` (and more than one block), a block's own triangle plus the sum over
+    the whole blocks before (or after) it; the sums are exact in the FP32 (float64) of x."""
     s = x_BS.shape[1]
-    i_S, j_S = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
-    weights_SS = (j_S <= i_S) if before else (j_S > i_S)
-    return _einsum("ij,bj...->bi...", weights_SS.astype(x_BS.dtype), x_BS)
+
+    def triangle(n: int, strict: bool):  # [n, n] 0/1: row i sums columns j up to i (or after i)
+        i_N, j_N = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+        keep = ((j_N < i_N) if strict else (j_N <= i_N)) if before else (j_N > i_N)
+        return keep.astype(x_BS.dtype)
+
+    if s % block or s <= block:
+        return _einsum("ij,bj...->bi...", triangle(s, strict=False), x_BS)
+    k = s // block
+    x_BKL = x_BS.reshape(x_BS.shape[0], k, block, *x_BS.shape[2:])
+    within_BKL = _einsum("ij,bkj...->bki...", triangle(block, strict=False), x_BKL)
+    # The whole blocks strictly before (after) each block.
+    across_BK = _einsum("kl,bl...->bk...", triangle(k, strict=True), jnp.sum(x_BKL, axis=2))
+    return (within_BKL + across_BK[:, :, None]).reshape(x_BS.shape)
 
 
 def chunk_exit(x_BSHP: jax.Array, dt_BSH: jax.Array, A_H: jax.Array, B_BSGN: jax.Array,
-               start_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
+               start_BS: jax.Array, matmul_dtype=None) -> tuple[jax.Array, jax.Array]:
     """(state [B, G, R, P, N] at the chunk's end from its own tokens, the decay [B, G, R] its
     entry state is carried to the end by: exp(sum of a over the chunk), 0 if a segment starts
-    in it), in FP32."""
+    in it), in FP32. ``matmul_dtype`` as ``ssd_chunked``'s: the states' matmul of the weighted
+    x and B takes operands of that dtype (BF16: tensor cores), accumulated in FP32."""
     b, s, h, p = x_BSHP.shape
     g, n = B_BSGN.shape[2:]
     r = h // g
@@ -202,7 +228,7 @@ def chunk_exit(x_BSHP: jax.Array, dt_BSH: jax.Array, A_H: jax.Array, B_BSGN: jax
     starts_after_BS = _sum_over_tokens(start_BS.astype(cdt), before=False)
     to_end_BSGR = masked_exp(after_BSGR, (starts_after_BS == 0)[..., None, None])
     x_BSGRP = x_BSHP.astype(cdt).reshape(b, s, g, r, p) * (to_end_BSGR * dt_BSGR)[..., None]
-    state_BGRPN = _einsum("bsgrp,bsgn->bgrpn", x_BSGRP, B_BSGN.astype(cdt))
+    state_BGRPN = _token_matmul("bsgrp,bsgn->bgrpn", x_BSGRP, B_BSGN.astype(cdt), matmul_dtype, cdt)
     decay_BGR = masked_exp(jnp.sum(a_BSGR, axis=1), ~jnp.any(start_BS, axis=1)[:, None, None])
     return state_BGRPN, decay_BGR
 
@@ -220,14 +246,17 @@ def pass_states(state_JBGRPN: jax.Array, decay_JBGR: jax.Array) -> jax.Array:
 
 
 def entry_output(C_BSGN: jax.Array, dt_BSH: jax.Array, A_H: jax.Array, start_BS: jax.Array,
-                 entry_BGRPN: jax.Array) -> jax.Array:
+                 entry_BGRPN: jax.Array, matmul_dtype=None) -> jax.Array:
     """[B, S, H, P] (FP32) what the state entering the chunk adds to its outputs:
-    exp(a_0 + ... + a_i) * C_i . entry, up to the chunk's first segment start."""
+    exp(a_0 + ... + a_i) * C_i . entry, up to the chunk's first segment start. ``matmul_dtype``
+    as ``chunk_exit``'s: C and the entry state enter their matmul in it (``ssd_chunked`` rounds
+    the entry state the same way for its own chunks)."""
     b, s, h = dt_BSH.shape
     g, r = entry_BGRPN.shape[1:3]
     cdt = entry_BGRPN.dtype
     a_BSGR = dt_BSH.astype(cdt).reshape(b, s, g, r) * A_H.astype(cdt).reshape(g, r)
     sees_entry_BS = _sum_over_tokens(start_BS.astype(cdt), before=True) == 0
     from_entry_BSGR = masked_exp(_sum_over_tokens(a_BSGR, before=True), sees_entry_BS[..., None, None])
-    y_BSGRP = _einsum("bsgn,bgrpn->bsgrp", C_BSGN.astype(cdt), entry_BGRPN) * from_entry_BSGR[..., None]
+    y_BSGRP = (_token_matmul("bsgn,bgrpn->bsgrp", C_BSGN.astype(cdt), entry_BGRPN, matmul_dtype, cdt)
+               * from_entry_BSGR[..., None])
     return y_BSGRP.reshape(b, s, h, -1)
