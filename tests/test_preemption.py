@@ -237,3 +237,37 @@ def test_a_start_up_stop_swallowed_by_a_finaliser_is_raised_again_before_the_fir
     assert done.stdout.splitlines() == [
         "start-up went on",
         "raised again: 130 stopped by signal 2 (SIGINT) during start-up, before the first step; nothing was saved"]
+
+
+ABSL_HANDLER_IMPORT = """
+import os, signal, sys, time
+from maxfp4.reliability.signal_exit import stop_handlers_kept
+
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+if sys.argv[1] == "kept":
+    with stop_handlers_kept():
+        import jax._src.test_util  # installs absl's failure signal handler as it is imported
+else:
+    import jax._src.test_util
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(4.5)  # absl's alarm would abort 3 s after the signal
+print("handled", got, flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["kept", "taken"])
+def test_an_import_that_installs_abseils_handler_does_not_take_sigterm(mode):
+    # jax's Pallas GPU example kernels (the grouped GEMM's) import jax's test utilities, which
+    # install absl's failure signal handler; on SIGTERM it arms an alarm that aborts the process
+    # 3 s later, through any checkpoint a graceful stop is writing. Imported inside
+    # stop_handlers_kept, the process's own handler keeps SIGTERM; "taken" shows the abort.
+    done = subprocess.run([sys.executable, "-c", ABSL_HANDLER_IMPORT, mode], env=cpu_env(1), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    if mode == "kept":
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.splitlines() == ["handled [15]"]
+        assert "SIGTERM received" not in done.stderr
+    else:
+        assert done.returncode == -signal.SIGABRT and "SIGTERM received" in done.stderr, done.stderr[-3000:]
+        assert done.stdout == ""

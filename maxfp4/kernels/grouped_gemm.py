@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from maxfp4.kernels.launch import on_hopper
+from maxfp4.reliability.signal_exit import stop_handlers_kept
 from maxfp4.model_spec import mixer_linears
 
 
@@ -51,7 +52,9 @@ def available() -> bool:
     try:
         if not on_hopper():
             return False
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu  # noqa: F401
+        # The module imports jax's test utilities, which install absl's SIGTERM handler: keep ours.
+        with stop_handlers_kept():
+            from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu  # noqa: F401
     except Exception:  # any import or backend failure means: use XLA's ragged_dot
         return False
     return True

@@ -10,9 +10,12 @@ standard streams are flushed and the run lock released.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import sys
+from typing import Iterator
 
 # SIGHUP: an ssh session that started the run ended; treated as SIGTERM.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -62,3 +65,39 @@ def default_actions_after_main() -> None:
     for signum in STOP_SIGNALS:
         if signal.getsignal(signum) is _stop_while_importing:
             signal.signal(signum, signal.SIG_DFL)
+
+
+# Larger than any C library's struct sigaction (152 bytes with x86-64 glibc): the bytes are
+# copied back whole, never parsed, so no layout is assumed.
+_SIGACTION_BYTES = 512
+
+
+def _disposition(libc: ctypes.CDLL, signum: int) -> bytes | None:
+    """The signal's handler, mask and flags as sigaction(2) reports them (opaque bytes)."""
+    current = ctypes.create_string_buffer(_SIGACTION_BYTES)
+    return current.raw if libc.sigaction(signum, None, current) == 0 else None
+
+
+@contextlib.contextmanager
+def stop_handlers_kept() -> Iterator[None]:
+    """Native code run inside (an import) may not take the stop signals over: a stop signal
+    whose handler, as the C library reports it, changed is given its handler back afterwards.
+
+    Why: ``jax._src.test_util``, which jax's Pallas GPU example kernels import, installs absl's
+    failure signal handler as it is imported. On SIGTERM that handler prints a stack trace, calls
+    the handler it replaced and arms an alarm that aborts the process 3 s later (exit 134 / -6):
+    a graceful stop then loses whatever its checkpoint had not written by then (an MoE run on
+    an H200 was aborted while deleting its rotated-out checkpoint). Whoever owns a signal before
+    (this process's Python handlers, or JAX's preemption notifier with several processes)
+    still owns it after."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        saved = {signum: _disposition(libc, signum) for signum in STOP_SIGNALS}
+    except (OSError, AttributeError):  # no C library to ask (not a POSIX system): nothing to keep
+        libc, saved = None, {}
+    try:
+        yield
+    finally:
+        for signum, before in saved.items():
+            if before is not None and _disposition(libc, signum) != before:
+                libc.sigaction(signum, ctypes.create_string_buffer(before, _SIGACTION_BYTES), None)
