@@ -371,6 +371,9 @@ class MeshConfig:
     # splits a mixture-of-experts block's experts across devices
     expert: int = 1
     tensor: int = 1
+    # Megatron's sequence parallelism: the residual stream between blocks split over tensor along
+    # the sequence (maxfp4.parallel.mesh, "residual_seq"); no effect at mesh.tensor=1
+    sequence_parallel: bool = False
 
     def check(self) -> None:
         axes = {"data": self.data, "pipeline": self.pipeline, "fsdp": self.fsdp, "context": self.context,
@@ -381,6 +384,11 @@ class MeshConfig:
                  "a positive integer (1: each device one stage)")
         remaining = {name: v for name, v in axes.items() if v == -1}
         _require(len(remaining) <= 1, "mesh", remaining, "at most one axis of size -1")
+        _require(isinstance(self.sequence_parallel, bool), "mesh.sequence_parallel", self.sequence_parallel,
+                 "true or false")
+        _require(not (self.sequence_parallel and self.pipeline != 1), "mesh.sequence_parallel", True,
+                 f"false with mesh.pipeline={self.pipeline} (the stages hand over in their own layout), "
+                 f"or mesh.pipeline=1")
         # built in a later step: until then an axis that splits nothing would only waste devices
 
 
@@ -661,6 +669,7 @@ def _check_across_sections(cfg: Config) -> None:
     if "E" in cfg.model.pattern:
         _check_moe_mesh(cfg)
     _check_context(cfg)
+    _check_sequence_parallel(cfg)
     horizon = o.schedule_steps or t.steps
     _require(o.warmup_steps <= horizon, "optim.warmup_steps", o.warmup_steps,
              f"at most the schedule length {horizon}")
@@ -690,6 +699,18 @@ def _check_context(cfg: Config) -> None:
              f"a multiple of {unit} (2 x mesh.context={c}" + (f" x model.mamba.chunk_size={m.mamba.chunk_size}"
                                                                if unit != 2 * c else "")
              + f"), e.g. {max(unit, seq_len // unit * unit)}")
+
+
+def _check_sequence_parallel(cfg: Config) -> None:
+    """mesh.sequence_parallel splits each sequence over context x tensor between blocks: the
+    tokens must divide into that many equal parts (the zigzag's 2 x context chunks each)."""
+    mesh = cfg.mesh
+    if not mesh.sequence_parallel or mesh.tensor in (1, -1):
+        return
+    unit = mesh.tensor * (2 * mesh.context if mesh.context > 1 else 1)
+    _require(cfg.data.seq_len % unit == 0, "data.seq_len", cfg.data.seq_len,
+             f"a multiple of {unit} with mesh.sequence_parallel=true (mesh.tensor={mesh.tensor}"
+             + (f" x 2 x mesh.context={mesh.context}" if mesh.context > 1 else "") + ")")
 
 
 def validate(cfg: Config) -> None:

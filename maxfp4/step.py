@@ -68,7 +68,7 @@ def make_loss_fn(cfg: Config, policy: PrecisionPolicy, mesh: Mesh | None = None,
         out = forward(params, batch["inputs"], batch["positions"], batch["segment_ids"],
                       cfg=cfg.model, policy=policy, scales=scales, key=key, remat=cfg.train.remat,
                       scan_layers=cfg.train.scan_layers, logits=chunks == 1,
-                      runs_per_row=runs_per_row)
+                      runs_per_row=runs_per_row, sequence_parallel=cfg.mesh.sequence_parallel)
         mask_BT = batch["loss_mask"].astype(jnp.float32)
         if chunks == 1:
             return jnp.sum(token_losses(out, batch["targets"]) * mask_BT) / denom

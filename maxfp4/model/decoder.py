@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 
 from maxfp4.config import ModelConfig
-from maxfp4.parallel.mesh import constrain
+from maxfp4.parallel.mesh import constrain, residual_axes
 from maxfp4.model import lm
 from maxfp4.model.attention import Attention, resolve_implementation
 from maxfp4.model.layers import norm_scale, stacked
@@ -71,7 +71,7 @@ class DenseLM(lm.LanguageModel):
                       *, policy: PrecisionPolicy, scales: dict | None = None, key: jax.Array | None = None,
                       remat: str = "none", scan_layers: bool = True,
                       logits: bool = True, runs_per_row: int | None = None,
-                      active_L: jax.Array | None = None) -> jax.Array:
+                      active_L: jax.Array | None = None, sequence_parallel: bool = False) -> jax.Array:
         """The model after the embedding lookup. ``scales``: the delayed-scaling scales
         (:func:`maxfp4.precision.state.scales_of`); ``key`` seeds stochastic rounding;
         activations are pinned to their logical axes under the mesh the step is traced in
@@ -80,12 +80,13 @@ class DenseLM(lm.LanguageModel):
         (:func:`maxfp4.model.attention.attend`). ``logits=False`` returns the last block's
         output [B, T, D] instead of the logits [B, T, V]. ``active_L`` (bool [L], traced): the
         blocks to run, the others pass their input through (a pipeline stage's empty slots,
-        :mod:`maxfp4.parallel.pipeline_stages`)."""
+        :mod:`maxfp4.parallel.pipeline_stages`). ``sequence_parallel``: the residual stream
+        between blocks split over tensor along the sequence (mesh.sequence_parallel)."""
         cfg = self.cfg
         attn_impl = resolve_implementation(cfg.attention)
         scales = scales or {}
         key = jax.random.key(0) if key is None else key
-        x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
+        x_BTD = constrain(x_BTD, residual_axes(sequence_parallel))
         # The scan runs over the stack's arrays; each step merges its slice into one block.
         block_def, blocks = nnx.split(self.blocks)
         blocks = nnx.to_pure_dict(blocks)
@@ -106,7 +107,7 @@ class DenseLM(lm.LanguageModel):
 
                 def block(x):
                     y = nnx.merge(block_def, p)(x, positions_BT, segment_ids_BT, lp, attn_impl, runs_per_row)
-                    return constrain(y, ("batch", "seq", "embed"))
+                    return constrain(y, residual_axes(sequence_parallel))
 
                 return (block(x) if active_L is None else skippable(block, xs[3], x)), None
 

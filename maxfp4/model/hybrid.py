@@ -23,7 +23,7 @@ from flax import nnx
 
 from maxfp4.config import ModelConfig
 from maxfp4.model_spec import PATTERN_CHARS
-from maxfp4.parallel.mesh import constrain
+from maxfp4.parallel.mesh import constrain, residual_axes
 from maxfp4.model import lm
 from maxfp4.model.attention import Attention, resolve_implementation
 from maxfp4.model.layers import norm_scale, stacked
@@ -128,14 +128,14 @@ class HybridLM(lm.LanguageModel):
                       *, policy: PrecisionPolicy, scales: dict | None = None, key: jax.Array | None = None,
                       remat: str = "none", scan_layers: bool = True,
                       logits: bool = True, runs_per_row: int | None = None,
-                      active_L: jax.Array | None = None) -> jax.Array:
+                      active_L: jax.Array | None = None, sequence_parallel: bool = False) -> jax.Array:
         """As :meth:`maxfp4.model.decoder.DenseLM.from_embedded`."""
         cfg = self.cfg
         attn_impl = resolve_implementation(cfg.attention)
         scales = scales or {}
         block_scales = scales.get("blocks", {})
         key = jax.random.key(0) if key is None else key
-        x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
+        x_BTD = constrain(x_BTD, residual_axes(sequence_parallel))
         # Each scan runs over slices of the stacks' arrays; each block merges its slice into a module.
         defs, stacks = {}, {}
         for t in TYPES.values():
@@ -173,7 +173,7 @@ class HybridLM(lm.LanguageModel):
 
                     def block(x, t=t, weights=weights, lp=lp):
                         y = nnx.merge(defs[t], weights)(x, positions_BT, segment_ids_BT, lp, attn_impl, runs_per_row)
-                        return constrain(y, ("batch", "seq", "embed"))
+                        return constrain(y, residual_axes(sequence_parallel))
 
                     x = block(x) if active_L is None else skippable(block, xs["active"][j], x)
                 return x, None

@@ -35,6 +35,12 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     # Context parallelism splits each sequence (maxfp4.parallel.context: the batch is in its
     # zigzag order by then, so each rank's block of T/C tokens carries balanced causal work).
     "seq": ("context",),
+    # The residual stream's sequence dim between blocks under mesh.sequence_parallel (Megatron's
+    # sequence parallelism): split over tensor too, so norms, residual adds and dropout-free
+    # elementwise work run on 1/tensor of the tokens and the tensor axis moves the stream by an
+    # all-gather before each column-parallel GEMM and a reduce-scatter after each row-parallel
+    # one (the bytes of one all-reduce, in two collectives XLA can overlap with the GEMMs).
+    "residual_seq": ("context", "tensor"),
     # Parameters are sharded over context too (FSDP over the devices that split a sequence, as
     # MaxText does): context replicates no weight, so a long sequence does not cost the state's
     # memory C times. Activations never reach it: their seq dim takes context first.
@@ -257,6 +263,11 @@ def traced_mesh():
     """The abstract mesh the step is traced under (:func:`traced_in_mesh`), or None."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty else mesh
+
+
+def residual_axes(sequence_parallel: bool) -> tuple[str, str, str]:
+    """The logical axes of the [B, T, D] residual stream between blocks."""
+    return ("batch", "residual_seq" if sequence_parallel else "seq", "embed")
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
