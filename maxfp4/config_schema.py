@@ -386,9 +386,6 @@ class MeshConfig:
         _require(len(remaining) <= 1, "mesh", remaining, "at most one axis of size -1")
         _require(isinstance(self.sequence_parallel, bool), "mesh.sequence_parallel", self.sequence_parallel,
                  "true or false")
-        _require(not (self.sequence_parallel and self.pipeline != 1), "mesh.sequence_parallel", True,
-                 f"false with mesh.pipeline={self.pipeline} (the stages hand over in their own layout), "
-                 f"or mesh.pipeline=1")
         # built in a later step: until then an axis that splits nothing would only waste devices
 
 

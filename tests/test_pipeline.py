@@ -138,16 +138,18 @@ def test_stages_give_the_loss_gradients_and_amaxes_of_fsdp(model, recipe, pipeli
     assert max(diff["amaxes"], default=0.0) <= 1e-6, diff
 
 
-@pytest.mark.parametrize("overlap", ["false", "true"])
-def test_a_stage_hands_over_one_tensor_share_of_its_output(overlap):
+@pytest.mark.parametrize("overlap, sequence_parallel", [("false", "false"), ("true", "false"), ("true", "true")])
+def test_a_stage_hands_over_one_tensor_share_of_its_output(overlap, sequence_parallel):
     """pipeline=2 x tensor=2: each tensor rank sends the next stage 1/tensor of the microbatch's
     [B, T, D] activations, [B, T, D/2] (and its gradient back), not all of it, the hand-overs
-    waited for or overlapped; the loss and gradients are those of fsdp=2 x tensor=2 without
-    stages (bounds: BF16 values fused otherwise round otherwise, seen 8e-7 on the loss and 7e-3
-    on a gradient leaf)."""
-    overrides = BASE + ["precision.rules=[]", "mesh.tensor=2", f"mesh.pipeline_overlap={overlap}"]
+    waited for or overlapped; under mesh.sequence_parallel the blocks' own [B, T/2, D] split
+    crosses as it is. The loss and gradients are those of fsdp=2 x tensor=2 without stages or
+    sequence parallelism (bounds: BF16 values fused otherwise round otherwise, seen 8e-7 on the
+    loss and 7e-3 on a gradient leaf)."""
+    overrides = BASE + ["precision.rules=[]", "mesh.tensor=2", f"mesh.sequence_parallel={sequence_parallel}",
+                        f"mesh.pipeline_overlap={overlap}"]
     loss_p, grads_p, _ = _loss_grads_amaxes(overrides + ["mesh.pipeline=2"])
-    loss_f, grads_f, _ = _loss_grads_amaxes(overrides[:-1] + ["mesh.fsdp=2"])
+    loss_f, grads_f, _ = _loss_grads_amaxes(overrides[:-2] + ["mesh.fsdp=2"])
     assert abs(loss_p - loss_f) <= 1e-4 * abs(loss_f)
     for g_p, g_f in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_f)):
         assert np.linalg.norm(g_p - g_f) <= 3e-2 * np.linalg.norm(g_f)
@@ -160,7 +162,7 @@ def test_a_stage_hands_over_one_tensor_share_of_its_output(overlap):
     hlo = fn.lower(state.params, scales_of(state.precision), batch, jax.random.key(0), 512.0).compile().as_text()
     b, t, d = cfg.data.global_batch // cfg.train.microbatches, cfg.data.seq_len, cfg.model.d_model
     handed = set(re.findall(r"= \w+\[([\d,]+)\]\S* collective-permute", hlo))
-    assert handed == {f"{b},{t},{d // 2}"}, handed
+    assert handed == {f"{b},{t // 2},{d}" if sequence_parallel == "true" else f"{b},{t},{d // 2}"}, handed
 
 
 def _train(tmp_path, name, *extra):

@@ -51,7 +51,6 @@ def test_sequence_parallel_gives_the_tensor_splits_loss_and_gradients(tiny_cfg, 
 
 @pytest.mark.parametrize("overrides, key", [
     (["mesh.tensor=2", "mesh.sequence_parallel=true", "data.seq_len=33"], "data.seq_len=33"),
-    (["mesh.pipeline=2", "mesh.sequence_parallel=true"], "mesh.sequence_parallel=True"),
     (["mesh.sequence_parallel=2"], "mesh.sequence_parallel=2"),
 ])
 def test_bad_sequence_parallel_input_is_one_line(tiny_cfg, overrides, key):

@@ -132,7 +132,8 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
     s_policy = stage_policy(policy, stages * repeats) if alike else program.stage_policy(policy)
     stage_forward = functools.partial(
         get_model(model_cfg).forward_embedded, cfg=model_cfg, policy=s_policy, remat=cfg.train.remat,
-        scan_layers=cfg.train.scan_layers, logits=False, runs_per_row=runs_per_row)
+        scan_layers=cfg.train.scan_layers, logits=False, runs_per_row=runs_per_row,
+        sequence_parallel=cfg.mesh.sequence_parallel)
     spec = model_spec(cfg.model)
     groups = tuple(dict.fromkeys(b.group for b in spec.blocks))
     # Each leaf's dim the parameter layout splits over pipeline (0: its blocks, where the axis
@@ -150,7 +151,10 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
         tables = {g: exchange_tables(group_sizes[g], stages, group_rows[g]) if split[g] else None for g in groups}
         blocks_PVL = np.stack([program.device_blocks_VL(p) for p in range(stages)])
     chunks = cfg.train.loss_chunks
-    split_handover = mesh.shape.get("tensor", 1) > 1  # the "handover" rule keeps a d_model tensor does not divide
+    # Under sequence parallelism the stage's output is already split over tensor (along the
+    # sequence) and crosses as it is, the layout the next stage's blocks read; otherwise d_model
+    # is split for the crossing (the "handover" rule keeps a d_model tensor does not divide).
+    split_handover = mesh.shape.get("tensor", 1) > 1 and not cfg.mesh.sequence_parallel
     table_NP2 = schedule_table(stages, repeats, m, lag)  # the ticks this loss runs, and the bubble's count
     # GPipe hands the last stage's output to nobody; the circular schedule back to device 0
     ring = [(s, (s + 1) % stages) for s in range(stages if repeats > 1 else stages - 1)]
@@ -229,7 +233,7 @@ def make_pipelined_loss(cfg: Config, policy: PrecisionPolicy, runs_per_row: int 
             y_BTD = stage_forward({**others, **stage_blocks}, x_BTD, micro["positions"][i],
                                   micro["segment_ids"][i], scales={"blocks": stage_scales},
                                   key=jax.random.fold_in(mb_key, v * stages + p), **active)
-            stage_output_BTD = y_BTD  # whole over tensor: the head reads the last stage's
+            stage_output_BTD = y_BTD  # as the blocks leave it: the head reads the last stage's
             if split_handover:  # 1/tensor of it crosses stages; the receiver gathers it over tensor
                 y_BTD = constrain(y_BTD, ("batch", "seq", "handover"))
             # Lag 1 sends this tick's output; lag 2 the previous tick's, which this tick's
