@@ -140,11 +140,14 @@ def describe(mesh: PlanMesh) -> str:
 
 
 def overrides(mesh: PlanMesh) -> str:
-    """The mesh as the config keys that train with it."""
+    """The mesh as the config keys that train with it. With a tensor axis, sequence parallelism:
+    the memory model splits every block's activations over tensor (``memory_per_device``), which
+    holds for the residual stream between blocks only with it."""
     keys = f"mesh.data={mesh.data} mesh.pipeline={mesh.pipeline} mesh.fsdp={mesh.fsdp} mesh.tensor={mesh.tensor}"
     return (keys + (f" mesh.pipeline_repeats={mesh.repeats}" if mesh.repeats > 1 else "")
             + (" mesh.pipeline_overlap=true" if mesh.overlap else "")
-            + (" mesh.shard_optimizer_over_data=true" if mesh.shard_optimizer else ""))
+            + (" mesh.shard_optimizer_over_data=true" if mesh.shard_optimizer else "")
+            + (" mesh.sequence_parallel=true" if mesh.tensor > 1 else ""))
 
 
 def layout_for(cfg: Config, gpus: int, gpu: str, batch_tokens: float | None = None,
