@@ -58,7 +58,8 @@ def test_a_checkpoint_records_the_mesh_it_was_sharded_over(tiny_cfg, tmp_path):
     ck.close()
     saved, _ = saved_config(cfg.run_dir)
     assert saved["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 1,
-                             "pipeline_repeats": 1, "pipeline_overlap": False, "shard_optimizer_over_data": False}
+                             "pipeline_repeats": 1, "pipeline_overlap": False, "shard_optimizer_over_data": False,
+                             "sequence_parallel": False}
     assert elastic.saved_rows_per_device(saved) == 2
     assert ck.restore(1, state)[1] == {"next_index": 1, "global_batch": 8}  # integrity holds
 
