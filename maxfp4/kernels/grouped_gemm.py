@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from maxfp4.kernels.launch import on_hopper
-from maxfp4.reliability.signal_exit import stop_handlers_kept
 from maxfp4.model_spec import mixer_linears
+from maxfp4.reliability.signal_exit import stop_handlers_kept
 
 
 def _tiles(n: int, wgrad: bool) -> dict:

@@ -36,7 +36,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     # zigzag order by then, so each rank's block of T/C tokens carries balanced causal work).
     "seq": ("context",),
     # The residual stream's sequence dim between blocks under mesh.sequence_parallel (Megatron's
-    # sequence parallelism): split over tensor too, so norms, residual adds and dropout-free
+    # sequence parallelism): split over tensor too, so norms, residual adds and other
     # elementwise work run on 1/tensor of the tokens and the tensor axis moves the stream by an
     # all-gather before each column-parallel GEMM and a reduce-scatter after each row-parallel
     # one (the bytes of one all-reduce, in two collectives XLA can overlap with the GEMMs).
