@@ -53,6 +53,7 @@ from maxfp4.model.mamba import tensor_note as mamba_tensor_note
 from maxfp4.model_spec import model_spec
 from maxfp4.optim import make_optimizer, make_schedule
 from maxfp4.parallel.pipeline import check_stages
+from maxfp4.parallel.pipeline_stages import unequal_stages_note
 from maxfp4.precision import PrecisionPolicy, resolve_policy
 from maxfp4.precision.policy import check_block_divisibility, unmatched_rules
 from maxfp4.precision.state import init_precision_state
@@ -243,9 +244,10 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
         if jax.process_index() == 0:
             print(f"warning: {line}", file=sys.stderr, flush=True)
     check_model_fits_mesh(cfg.model, mesh)
-    note = mamba_tensor_note(cfg.model, mesh.shape["tensor"])
-    if note and jax.process_index() == 0:
-        _say(note)
+    for note in (mamba_tensor_note(cfg.model, mesh.shape["tensor"]),
+                 unequal_stages_note(cfg, policy, mesh.shape["tensor"])):
+        if note and jax.process_index() == 0:
+            _say(note)
     _check_batch_fits_mesh(cfg, mesh)
     platform = mesh.devices.flat[0].platform
     xla_options = compiler_options(platform, cfg.train.compiler_options, cfg.run.deterministic)

@@ -411,3 +411,57 @@ def test_a_stack_the_pipeline_does_not_divide_keeps_a_share_of_its_state_a_devic
                        jax.devices()[:4])
     w_up = state.params["blocks"]["w_up"]
     assert logical_to_spec(("layers", "embed", "mlp", None), w_up.shape, tensor) == PartitionSpec(None, "pipeline", "tensor", None)
+
+
+UNEQUAL_UNDER_TENSOR = """
+import collections, json, re, jax
+from tests.test_pipeline import BASE, _batch, _compare
+from maxfp4.config import load_config
+from maxfp4.optim import make_optimizer
+from maxfp4.parallel.mesh import batch_sharding, make_mesh
+from maxfp4.parallel.pipeline_stages import unequal_stages_note
+from maxfp4.precision import resolve_policy
+from maxfp4.precision.state import scales_of
+from maxfp4.step import make_loss_fn
+from maxfp4.train import init_state
+out = {}
+for sp in ("false", "true"):
+    overrides = BASE + ["model.n_layers=5", "precision.rules=[]", "mesh.tensor=2", f"mesh.sequence_parallel={sp}"]
+    diff = _compare(overrides, ["mesh.pipeline=2"], ["mesh.fsdp=2"])
+    cfg = load_config(None, overrides + ["mesh.pipeline=2"])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:4])
+    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+    state = init_state(cfg, mesh, make_optimizer(cfg), policy)[0]
+    batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in _batch(cfg).items()}
+    fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, policy, mesh), argnums=(0, 1)))
+    hlo = fn.lower(state.params, scales_of(state.precision), batch, jax.random.key(0), 512.0).compile().as_text()
+    tokens = cfg.data.global_batch // cfg.train.microbatches * cfg.data.seq_len
+    # all-gathers of a [tokens, features] activation, by the dim they gather
+    gathers = collections.Counter(m[1] for m in re.findall(
+        rf"= \\w+\\[{tokens},(\\d+)\\]\\S* all-gather\\([^\\n]*dimensions={{(\\d)}}", hlo))
+    out[sp] = {"loss": diff["loss"], "grads": max(diff["grads"].values()), "gathers": dict(gathers),
+               "note": unequal_stages_note(cfg, policy, 2)}
+print(json.dumps(out))
+"""
+
+
+def test_unequal_stages_keep_the_tensor_split_with_sequence_parallelism():
+    """Five blocks over two stages (3 + 2, run as slots a stage skips by a conditional) at
+    pipeline=2 x tensor=2. Without mesh.sequence_parallel XLA's partitioner gathers the tensor-
+    split activations inside the conditionals (an MLP's hidden units, d_model over tensor) and
+    computes those layers whole on each tensor rank: gradients 6.4e-3 from fsdp=2 x tensor=2's
+    (BF16 sums in another order), and start-up says so in one line. With it, the slots keep the
+    split: the only activations gathered are the stream's tokens (the sequence parallel gathers
+    before the column-parallel GEMMs), and the loss and gradients are fsdp=2 x tensor=2's (seen
+    8.6e-8 and 1.6e-7; bounds 1e-6 and 1e-5). Excess precision off, in a process of its own."""
+    env = cpu_env(4, PYTHONPATH=REPO)
+    env["XLA_FLAGS"] += " --xla_allow_excess_precision=false"
+    proc = subprocess.run([sys.executable, "-c", UNEQUAL_UNDER_TENSOR], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    plain, split = out["false"], out["true"]
+    assert plain["grads"] > 1e-3 and plain["gathers"].get("1", 0) > 0, plain  # features gathered
+    assert plain["note"] and "mesh.sequence_parallel=true" in plain["note"] and split["note"] is None
+    assert split["loss"] <= 1e-6 and split["grads"] <= 1e-5, split
+    assert split["gathers"].get("1", 0) == 0 and split["gathers"].get("0", 0) > 0, split

@@ -201,6 +201,21 @@ def check_stages(cfg: Config) -> None:
         raise ConfigError(problem)
 
 
+def unequal_stages_note(cfg: Config, policy: PrecisionPolicy, tensor: int) -> str | None:
+    """The start-up line for unequal stages under a tensor axis without sequence parallelism:
+    inside the conditionals that skip a stage's slots, XLA's partitioner gathers the activations
+    of the tensor-split GEMMs and computes them whole on every tensor rank (seen on the CPU's
+    compiled step: an MLP's hidden activations gathered over tensor). With the residual stream
+    split over tensor (``mesh.sequence_parallel``) the slots keep the split
+    (tests/test_pipeline.py)."""
+    stages = cfg.mesh.pipeline * cfg.mesh.pipeline_repeats
+    if (cfg.mesh.pipeline == 1 or tensor == 1 or cfg.mesh.sequence_parallel
+            or alike_stages(cfg.model, policy, stages)):
+        return None
+    return (f"note: unequal pipeline stages compute their slots' tensor-split layers whole on each of "
+            f"mesh.tensor={tensor} devices; mesh.sequence_parallel=true keeps them split")
+
+
 # ----------------------------------------------------------------------------- unequal stages
 
 
