@@ -79,6 +79,17 @@ def _loss_grads_amaxes(overrides, devices=4, documents=2):
     return float(loss), grads, jax.device_get(amaxes)
 
 
+def _compiled_gradient(overrides, devices=4):
+    """(config, HLO text of the compiled loss-and-gradient) of ``overrides`` on ``devices``."""
+    cfg = load_config(None, overrides)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:devices])
+    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
+    state = init_state(cfg, mesh, make_optimizer(cfg), policy)[0]
+    batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in _batch(cfg).items()}
+    fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, policy, mesh), argnums=(0, 1)))
+    return cfg, fn.lower(state.params, scales_of(state.precision), batch, jax.random.key(0), 512.0).compile().as_text()
+
+
 def _compare(overrides, pipelined=tuple(PIPELINED), flat=tuple(FLAT)) -> dict:
     """Pipelined against unpipelined: relative differences of the loss, of each gradient leaf
     (L2) and of the amaxes (largest)."""
@@ -153,13 +164,7 @@ def test_a_stage_hands_over_one_tensor_share_of_its_output(overlap, sequence_par
     assert abs(loss_p - loss_f) <= 1e-4 * abs(loss_f)
     for g_p, g_f in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_f)):
         assert np.linalg.norm(g_p - g_f) <= 3e-2 * np.linalg.norm(g_f)
-    cfg = load_config(None, overrides + ["mesh.pipeline=2"])
-    mesh = make_mesh(cfg.mesh, jax.devices()[:4])
-    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
-    state = init_state(cfg, mesh, make_optimizer(cfg), policy)[0]
-    batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in _batch(cfg).items()}
-    fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, policy, mesh), argnums=(0, 1)))
-    hlo = fn.lower(state.params, scales_of(state.precision), batch, jax.random.key(0), 512.0).compile().as_text()
+    cfg, hlo = _compiled_gradient(overrides + ["mesh.pipeline=2"])
     b, t, d = cfg.data.global_batch // cfg.train.microbatches, cfg.data.seq_len, cfg.model.d_model
     handed = set(re.findall(r"= \w+\[([\d,]+)\]\S* collective-permute", hlo))
     assert handed == {f"{b},{t // 2},{d}" if sequence_parallel == "true" else f"{b},{t},{d // 2}"}, handed
@@ -415,32 +420,20 @@ def test_a_stack_the_pipeline_does_not_divide_keeps_a_share_of_its_state_a_devic
 
 UNEQUAL_UNDER_TENSOR = """
 import collections, json, re, jax
-from tests.test_pipeline import BASE, _batch, _compare
-from maxfp4.config import load_config
-from maxfp4.optim import make_optimizer
-from maxfp4.parallel.mesh import batch_sharding, make_mesh
+from tests.test_pipeline import BASE, _compare, _compiled_gradient
 from maxfp4.parallel.pipeline_stages import unequal_stages_note
 from maxfp4.precision import resolve_policy
-from maxfp4.precision.state import scales_of
-from maxfp4.step import make_loss_fn
-from maxfp4.train import init_state
 out = {}
 for sp in ("false", "true"):
     overrides = BASE + ["model.n_layers=5", "precision.rules=[]", "mesh.tensor=2", f"mesh.sequence_parallel={sp}"]
     diff = _compare(overrides, ["mesh.pipeline=2"], ["mesh.fsdp=2"])
-    cfg = load_config(None, overrides + ["mesh.pipeline=2"])
-    mesh = make_mesh(cfg.mesh, jax.devices()[:4])
-    policy = resolve_policy(cfg.precision, cfg.model.n_layers)
-    state = init_state(cfg, mesh, make_optimizer(cfg), policy)[0]
-    batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in _batch(cfg).items()}
-    fn = jax.jit(jax.value_and_grad(make_loss_fn(cfg, policy, mesh), argnums=(0, 1)))
-    hlo = fn.lower(state.params, scales_of(state.precision), batch, jax.random.key(0), 512.0).compile().as_text()
+    cfg, hlo = _compiled_gradient(overrides + ["mesh.pipeline=2"])
     tokens = cfg.data.global_batch // cfg.train.microbatches * cfg.data.seq_len
     # all-gathers of a [tokens, features] activation, by the dim they gather
     gathers = collections.Counter(m[1] for m in re.findall(
         rf"= \\w+\\[{tokens},(\\d+)\\]\\S* all-gather\\([^\\n]*dimensions={{(\\d)}}", hlo))
     out[sp] = {"loss": diff["loss"], "grads": max(diff["grads"].values()), "gathers": dict(gathers),
-               "note": unequal_stages_note(cfg, policy, 2)}
+               "note": unequal_stages_note(cfg, resolve_policy(cfg.precision, cfg.model.n_layers), 2)}
 print(json.dumps(out))
 """
 
