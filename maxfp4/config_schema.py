@@ -148,9 +148,15 @@ class MoEConfig:
     # exchanges worst-case buffers instead (every assignment to one device), so nothing is
     # dropped either way (maxfp4.parallel.expert). 0: the worst-case buffers always.
     exchange_slack: float = 1.5
+    # With mesh.tensor > 1: each expert's hidden units split over tensor (Megatron's expert tensor
+    # parallelism, every tensor rank routing the group's tokens) rather than the tensor group's
+    # tokens split over its ranks with every expert whole (maxfp4.parallel.expert)
+    expert_tensor_parallel: bool = False
 
     def check(self) -> None:
         _positive(self, "model.moe", "experts", "top_k", "d_ff")
+        _require(isinstance(self.expert_tensor_parallel, bool), "model.moe.expert_tensor_parallel",
+                 self.expert_tensor_parallel, "true or false")
         _require(self.grouped_gemm in GROUPED_GEMMS, "model.moe.grouped_gemm", self.grouped_gemm,
                  f"one of {', '.join(GROUPED_GEMMS)}")
         _require(self.top_k <= self.experts, "model.moe.top_k", self.top_k,
@@ -674,6 +680,10 @@ def _check_across_sections(cfg: Config) -> None:
 
 def _check_moe_mesh(cfg: Config) -> None:
     experts, ep = cfg.model.moe.experts, cfg.mesh.expert
+    t, d_ff = cfg.mesh.tensor, cfg.model.moe.d_ff
+    if cfg.model.moe.expert_tensor_parallel and t > 1:
+        _require(d_ff % t == 0, "model.moe.d_ff", d_ff,
+                 f"a multiple of mesh.tensor={t} with model.moe.expert_tensor_parallel=true, such as {d_ff // t * t or t}")
     if ep > 1:
         fits = [d for d in range(ep, 0, -1) if experts % d == 0][0]
         _require(experts % ep == 0, "mesh.expert", ep, f"a divisor of model.moe.experts={experts}, such as {fits}")

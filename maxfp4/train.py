@@ -236,7 +236,7 @@ def start_up(cfg: Config, devices: Sequence[jax.Device] | None) -> StartUp:
     check_loss_chunks(cfg, policy)
     check_stages(cfg)
     check_mamba_kernels(cfg.model, cfg.data.seq_len)
-    check_grouped_gemm(cfg.model)
+    check_grouped_gemm(cfg.model, mesh.shape["tensor"])
     table = policy.format_table(spec.block_classes)
     # A rule that decides nothing here (a preset shared by dense and hybrid models, or a typo) is shown, not refused.
     for line in unmatched_rules(cfg.precision, cfg.model.n_layers, [set(b.classes) for b in spec.blocks]):

@@ -406,3 +406,45 @@ def test_a_tensor_group_splits_its_tokens_over_the_experts_and_trains_as_one_dev
     from tests.test_context import MOE, moe_split_against_one_device
     cfg = load_config(None, MOE)
     assert moe_split_against_one_device(["mesh.tensor=2"]) == cfg.data.global_batch * cfg.data.seq_len // 2
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_expert_tensor_parallelism_splits_each_experts_hidden_units_and_trains_as_one_device(ep):
+    """model.moe.expert_tensor_parallel at mesh.tensor=2 on an attention + MoE stack (and with
+    mesh.expert=2 and sequence parallelism on 4 devices): every tensor rank takes all of the
+    group's tokens and half of each expert's hidden units (w_up's and w_down's d_ff halved as
+    they enter the experts' shard_map, read from the step's program), and the outputs are summed
+    over tensor: the loss and every gradient equal one device's (tests/test_context.py's
+    bounds). Tokens split instead (the default) is the test above."""
+    from maxfp4.config import load_config
+    from tests.test_context import MOE, _shard_map_token_rows, split_against_one_device
+    overrides = MOE + ["model.moe.expert_tensor_parallel=true"]
+    cfg = load_config(None, overrides)
+    mesh = ["mesh.tensor=2"] + (["mesh.expert=2", "mesh.sequence_parallel=true"] if ep > 1 else [])
+    jaxpr = split_against_one_device(overrides, mesh, 2 * ep, gradient_bound=3e-2)
+    assert _shard_map_token_rows(jaxpr.jaxpr, cfg.model.d_model) == {cfg.data.global_batch * cfg.data.seq_len // ep}
+    x, f, d = cfg.model.moe.experts // ep, cfg.model.moe.d_ff, cfg.model.d_model
+    shapes = set()
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "shard_map":
+                shapes.update(v.aval.shape for v in eqn.params["jaxpr"].invars if v.aval.ndim >= 3)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+    walk(jaxpr.jaxpr)
+    assert (x, d, f // 2, 1) in shapes and (x, f // 2, d) in shapes, sorted(shapes)
+    assert (x, d, f, 1) not in shapes and (x, f, d) not in shapes, sorted(shapes)
+
+
+def test_expert_tensor_parallelism_needs_hidden_units_the_tensor_axis_divides():
+    with pytest.raises(ConfigError, match=r"^model\.moe\.d_ff=50: expected a multiple of mesh\.tensor=4") as err:
+        load_config("configs/tiny-moe.yaml", ["model.moe.expert_tensor_parallel=true", "model.moe.d_ff=50",
+                                              "mesh.tensor=4"])
+    assert "\n" not in str(err.value)
+    from maxfp4.kernels.support import check_grouped_gemm
+    forced = load_config("configs/tiny-moe.yaml", ["model.moe.grouped_gemm=mosaic", "model.d_model=128",
+                                                   "model.n_heads=2", "model.moe.d_ff=128",
+                                                   "model.moe.expert_tensor_parallel=true"]).model
+    with pytest.raises(ConfigError, match=r"model\.moe\.d_ff \(128 / mesh\.tensor=2\) are multiples of 128"):
+        check_grouped_gemm(forced, 2)

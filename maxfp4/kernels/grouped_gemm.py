@@ -66,9 +66,12 @@ def tiles_fit(k: int, n: int) -> bool:
     return k % 128 == 0 and n % 128 == 0
 
 
-def experts_tile(model) -> bool:
-    """Whether every expert layer of ``model`` (w_up, w_down: maxfp4.model_spec) tiles."""
-    return all(tiles_fit(lin.k, lin.n) for lin in mixer_linears(model, "moe") if lin.experts)
+def experts_tile(model, tensor: int = 1) -> bool:
+    """Whether every expert layer of ``model`` (w_up, w_down: maxfp4.model_spec) tiles, as each of
+    ``tensor`` devices holds it (with model.moe.expert_tensor_parallel, 1/tensor of the hidden units)."""
+    t = tensor if model.moe.expert_tensor_parallel else 1
+    return all(tiles_fit(lin.k // (t if lin.parallel == "row" else 1), lin.n // (t if lin.parallel == "column" else 1))
+               for lin in mixer_linears(model, "moe") if lin.experts)
 
 
 def _rows_of_groups(y_MN: jax.Array, sizes_G: jax.Array) -> jax.Array:

@@ -29,14 +29,16 @@ def check_mamba_kernels(model: ModelConfig, seq_len: int) -> None:
                           f"multiple of 8 and the convolution's {channels} channels a multiple of 16")
 
 
-def check_grouped_gemm(model: ModelConfig) -> None:
+def check_grouped_gemm(model: ModelConfig, tensor: int = 1) -> None:
     """``model.moe.grouped_gemm=mosaic`` forces the Mosaic GPU kernels: refuse a machine or expert
-    shapes they cannot run (``auto`` falls back to XLA by itself)."""
+    shapes they cannot run, as each of ``tensor`` devices holds them (``auto`` falls back to XLA
+    by itself)."""
     if not model_spec(model).blocks_with("moe") or model.moe.grouped_gemm != "mosaic":
         return
-    if not grouped_gemm.experts_tile(model):
+    if not grouped_gemm.experts_tile(model, tensor):
+        share = f" / mesh.tensor={tensor}" if model.moe.expert_tensor_parallel and tensor > 1 else ""
         raise ConfigError(f"model.moe.grouped_gemm=mosaic: expected auto or xla unless model.d_model "
-                          f"({model.d_model}) and model.moe.d_ff ({model.moe.d_ff}) are multiples of 128")
+                          f"({model.d_model}) and model.moe.d_ff ({model.moe.d_ff}{share}) are multiples of 128")
     if not grouped_gemm.available():
         raise ConfigError("model.moe.grouped_gemm=mosaic: expected auto or xla off a Hopper GPU (the Mosaic GPU "
                           "kernels run on sm_90)")

@@ -31,6 +31,7 @@ from maxfp4.model.layers import ACT_DTYPE, linear, mlp_block
 from maxfp4.model.router_state import AUX_WEIGHT, BIAS, PROBE
 from maxfp4.model_spec import mixer_linears
 from maxfp4.parallel.expert import run_experts
+from maxfp4.parallel.mesh import tensor_ranks
 from maxfp4.precision import LayerPrecision
 from maxfp4.precision.recipes import flat, unflat
 
@@ -75,7 +76,8 @@ def apply_moe(weights: dict[str, jax.Array], x_BTD: jax.Array, lp: LayerPrecisio
                                         lambda a: flat(a.reshape(b, t, -1))))
     gemm = grouped_gemm_kernels(cfg)
     y_ND = run_experts(x_ND, route.experts_Nk, route.weights_Nk, weights["w_up"], weights["w_down"], lp,
-                       partial(expert_ffn, gemm=gemm), cfg.mlp, slack=moe.exchange_slack)
+                       partial(expert_ffn, gemm=gemm), cfg.mlp, slack=moe.exchange_slack,
+                       expert_tensor=moe.expert_tensor_parallel)
     if moe.shared_experts:
         y_ND = y_ND + mlp_block(x_ND[None], weights["shared_up"], weights["shared_down"], lp, kind=cfg.mlp)[0]
     if PROBE in scales:
@@ -90,7 +92,7 @@ def grouped_gemm_kernels(cfg: ModelConfig) -> str:
     forced ``mosaic`` was checked at start-up (maxfp4.kernels.support.check_grouped_gemm)."""
     if cfg.moe.grouped_gemm != "auto":
         return cfg.moe.grouped_gemm
-    return "mosaic" if grouped_gemm.experts_tile(cfg) and grouped_gemm.available() else "xla"
+    return "mosaic" if grouped_gemm.experts_tile(cfg, tensor_ranks()) and grouped_gemm.available() else "xla"
 
 
 class Routing(NamedTuple):

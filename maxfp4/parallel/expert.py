@@ -6,7 +6,11 @@ this module then runs, under ``shard_map`` over every mesh axis:
 
 1. each device takes its tokens (the batch is split over data, fsdp and expert, each sequence
    over context, and a tensor group's tokens over tensor) and its
-   X / mesh.expert experts (the weights' ``experts`` dim is split over ``expert``);
+   X / mesh.expert experts (the weights' ``experts`` dim is split over ``expert``). With
+   ``model.moe.expert_tensor_parallel`` the tensor axis splits each expert's hidden units
+   instead: every rank of a tensor group takes the group's tokens and 1/tensor of each
+   expert's w_up and w_down, and the outputs are summed over tensor at the end (Megatron's
+   expert tensor parallelism; the default, tokens split, is its expert tensor size 1);
 2. each token-expert assignment gets a slot in a send buffer (:func:`exchange_plan`: the
    assignments sorted by expert, which groups them by the device holding the expert), and the
    tokens move straight into those slots (:func:`move_rows`, gathers both ways). With
@@ -54,10 +58,13 @@ def exchange_rows(assignments: int, ep: int, slack: float) -> int:
 
 
 def run_experts(x_ND: jax.Array, experts_Nk: jax.Array, weights_Nk: jax.Array, w_up: jax.Array,
-                w_down: jax.Array, lp, expert_ffn: Callable, kind: str, slack: float = 0.0) -> jax.Array:
+                w_down: jax.Array, lp, expert_ffn: Callable, kind: str, slack: float = 0.0,
+                expert_tensor: bool = False) -> jax.Array:
     """Sum over each token's top_k experts of weight x expert(token), FP32 [N, D]
     (``experts_Nk`` = X marks a dropped assignment). ``slack``: the exchange's buffers
-    (:func:`exchange_rows`; 0: the worst case)."""
+    (:func:`exchange_rows`; 0: the worst case). ``expert_tensor``: each expert's hidden units
+    split over ``tensor`` (w_up [X, D, F, gates] on F, w_down [X, F, D] on F), each tensor rank
+    running the group's tokens through its share and the outputs summed over tensor."""
     mesh = traced_mesh()
     scales = {c: lp.scales[c] for c in EXPERT_CLASSES if lp.scales and c in lp.scales}
     if mesh is None or mesh.size == 1:
@@ -74,11 +81,14 @@ def run_experts(x_ND: jax.Array, experts_Nk: jax.Array, weights_Nk: jax.Array, w
     # they take a share each here, with every expert whole (Megatron's expert tensor parallelism
     # of 1), rather than each running all of them through the same experts.
     tensor = mesh.shape.get("tensor", 1)
-    if tensor > 1 and "tensor" not in mesh.manual_axes and x_ND.shape[0] % (tensor * math.prod(
-            mesh.shape[a] for a in rows)) == 0:
+    split_experts = expert_tensor and tensor > 1 and "tensor" not in mesh.manual_axes
+    if (not split_experts and tensor > 1 and "tensor" not in mesh.manual_axes
+            and x_ND.shape[0] % (tensor * math.prod(mesh.shape[a] for a in rows)) == 0):
         rows = rows + ("tensor",)
     tokens = P(spec_entry(rows))
-    experts = P("expert") if ep > 1 else P()
+    by_expert = "expert" if ep > 1 else None
+    hidden = "tensor" if split_experts else None
+    up, down = P(by_expert, None, hidden, None), P(by_expert, hidden, None)
     # The axes this shard_map splits: an axis an enclosing one made manual (pipeline stages) is
     # split already, runs other blocks at the same time or skips this one
     # (maxfp4.parallel.pipeline_stages.StageProgram). The exchange's choice of buffers is agreed
@@ -90,10 +100,12 @@ def run_experts(x_ND: jax.Array, experts_Nk: jax.Array, weights_Nk: jax.Array, w
 
     def per_device(x, e, w, up, down, sc, k):
         sc = {c: s[0] for c, s in sc.items()}
-        return _on_device(x, e, w, up, down, sc, k, lp=lp, expert_ffn=expert_ffn, kind=kind, ep=ep, slack=slack,
-                          axes=agreed)
+        y = _on_device(x, e, w, up, down, sc, k, lp=lp, expert_ffn=expert_ffn, kind=kind, ep=ep, slack=slack,
+                       axes=agreed)
+        # Each tensor rank's share of the hidden units gave its part of every token's output.
+        return jax.lax.psum(y, "tensor") if split_experts else y
 
-    in_specs = (tokens, tokens, tokens, experts, experts, {c: everywhere for c in fanned}, P())
+    in_specs = (tokens, tokens, tokens, up, down, {c: everywhere for c in fanned}, P())
     return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=tokens, check_vma=False)(
         x_ND, experts_Nk, weights_Nk, w_up, w_down, fanned, key)
 

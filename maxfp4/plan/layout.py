@@ -282,9 +282,13 @@ def choose_layout(cfg: Config, gpus: int, gpu: str, batch_tokens: float, gpus_pe
                        + (", hand-overs overlapped with the next tick" if mesh.overlap else ""))
     if (c.train.microbatches > 1 and mesh.pipeline == 1) or c.train.remat != cfg.train.remat:
         reasons.append(f"  to fit: train.microbatches={c.train.microbatches}, train.remat={c.train.remat}")
+    # The cost model charges an E block under tensor as expert tensor parallelism (its w_down
+    # summed over tensor, each expert's weights 1/tensor a device): the layout to train with it.
+    etp = mesh.tensor > 1 and "E" in c.model.pattern and not c.model.moe.expert_tensor_parallel
     reasons.append(f"  to train with it: data.global_batch={rows} {overrides(mesh)} "
                    f"train.microbatches={c.train.microbatches}"
-                   + (f" train.remat={c.train.remat}" if c.train.remat != cfg.train.remat else ""))
+                   + (f" train.remat={c.train.remat}" if c.train.remat != cfg.train.remat else "")
+                   + (" model.moe.expert_tensor_parallel=true" if etp else ""))
     return Layout(c, mesh, True, tuple(reasons))
 
 
