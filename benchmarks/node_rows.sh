@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The several-GPU rows of docs/PERFORMANCE.md's "Pipeline stages", "Context parallelism" and
-# "Sequence parallelism" tables for the 8B models on one node, one process a GPU (benchmarks/per_gpu_processes.sh), each
+# "Sequence parallelism" tables for the 8B models, and of docs/MOE.md's two-GPU table, on one node, one process a GPU (benchmarks/per_gpu_processes.sh), each
 # run under its own time limit, then one line a run: step ms, tokens/s per GPU, MFU, and the
 # planner's step for the same arguments (python -m maxfp4.plan).
-# Usage: bash benchmarks/node_rows.sh [pipeline|context|tensor|all] [precision ...]   (default: all bf16 fp8)
+# Usage: bash benchmarks/node_rows.sh [pipeline|context|tensor|moe|all] [precision ...]   (default: all bf16 fp8)
 # tensor: Llama-3-8B at tensor=2 x fsdp=GPUS/2 without and with mesh.sequence_parallel, and with
 # it plus XLA's windowed einsum (the GEMMs overlapping the tensor axis's collectives).
+# moe: moe-1b-active on two GPUs at fsdp=2, expert=2, tensor=2 (the tokens split) and tensor=2
+# with expert tensor parallelism.
 # Environment: TIMEOUT (seconds a run, default 300), STEPS (6), GPUS (4; the context rows of two
 # GPUs run on the first two), GPU_KIND (the planner's GPU, h200).
 set -uo pipefail
@@ -30,6 +32,13 @@ for P in "${PRECISIONS[@]}"; do
     rows+=("llama3-8b $P tensor=2 x fsdp=$((GPUS / 2))|$GPUS|$P|$T")
     rows+=("llama3-8b $P tensor=2 x fsdp=$((GPUS / 2)), sequence parallel|$GPUS|$P|$T mesh.sequence_parallel=true")
     rows+=("llama3-8b $P tensor=2 x fsdp=$((GPUS / 2)), sequence parallel, windowed einsum|$GPUS|$P|$T mesh.sequence_parallel=true|$WINDOWED")
+  fi
+  if [ "$WHICH" = moe ] || [ "$WHICH" = all ]; then
+    E="configs/moe-1b-active.yaml $R mesh.data=1 data.global_batch=16 resilience.preflight=false"
+    rows+=("moe-1b-active $P fsdp=2|2|$P|$E mesh.fsdp=2")
+    rows+=("moe-1b-active $P expert=2|2|$P|$E mesh.expert=2")
+    rows+=("moe-1b-active $P tensor=2, tokens split|2|$P|$E mesh.tensor=2 mesh.sequence_parallel=true")
+    rows+=("moe-1b-active $P tensor=2, expert tensor parallel|2|$P|$E mesh.tensor=2 mesh.sequence_parallel=true model.moe.expert_tensor_parallel=true")
   fi
   if [ "$WHICH" = context ] || [ "$WHICH" = all ]; then
     for M in llama3-8b nemotron-h-8b; do
