@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The several-GPU rows of docs/PERFORMANCE.md's "Pipeline stages", "Context parallelism" and
-# "Sequence parallelism" tables for the 8B models, and of docs/MOE.md's two-GPU table, on one node, one process a GPU (benchmarks/per_gpu_processes.sh), each
-# run under its own time limit, then one line a run: step ms, tokens/s per GPU, MFU, and the
-# planner's step for the same arguments (python -m maxfp4.plan).
+# The several-GPU rows of one node for docs/PERFORMANCE.md (the 8B models' pipeline stages,
+# context splits and tensor layouts) and docs/MOE.md (moe-1b-active on two GPUs), one process a
+# GPU (benchmarks/per_gpu_processes.sh), each run under its own time limit, then one line a run:
+# step ms, tokens/s per GPU, MFU, and the planner's step for the same arguments (python -m maxfp4.plan).
 # Usage: bash benchmarks/node_rows.sh [pipeline|context|tensor|moe|all] [precision ...]   (default: all bf16 fp8)
 # tensor: Llama-3-8B at tensor=2 x fsdp=GPUS/2 without and with mesh.sequence_parallel, and with
 # it plus XLA's windowed einsum (the GEMMs overlapping the tensor axis's collectives).
