@@ -306,6 +306,18 @@ def _shard_map_token_rows(jaxpr, d: int) -> set[int]:
     return rows
 
 
+def shard_map_input_shapes(jaxpr, ndim: int) -> set[tuple[int, ...]]:
+    """The per-device shapes of every input of at least ``ndim`` dims of every shard_map in
+    ``jaxpr`` (nested ones too): what a kernel or the experts' exchange runs on."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            shapes.update(v.aval.shape for v in eqn.params["jaxpr"].invars if v.aval.ndim >= ndim)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            shapes |= shard_map_input_shapes(sub, ndim)
+    return shapes
+
+
 def split_against_one_device(overrides: list[str], mesh_overrides: list[str], devices: int,
                              gradient_bound: float = 2e-2):
     """The model of ``overrides`` on ``devices`` devices split by ``mesh_overrides`` against one
@@ -350,15 +362,7 @@ def test_a_context_split_mamba_mixer_is_split_over_tensor_too():
     jaxpr = split_against_one_device(HYBRID, ["mesh.context=2", "mesh.tensor=2"], 4)
     cfg = load_config(None, HYBRID)
     b, inner = cfg.data.global_batch, model_spec(cfg.model).blocks[0].linears[0].n
-    shapes = set()
-
-    def walk(j):
-        for eqn in j.eqns:
-            if eqn.primitive.name == "shard_map":
-                shapes.update(v.aval.shape for v in eqn.params["jaxpr"].invars if v.aval.ndim == 3)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-    walk(jaxpr.jaxpr)
+    shapes = {s for s in shard_map_input_shapes(jaxpr.jaxpr, 3) if len(s) == 3}
     assert (b, T // 2, inner // 2) in shapes and (b, T // 2, inner) not in shapes, sorted(shapes)
 
 

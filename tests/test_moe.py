@@ -417,22 +417,14 @@ def test_expert_tensor_parallelism_splits_each_experts_hidden_units_and_trains_a
     over tensor: the loss and every gradient equal one device's (tests/test_context.py's
     bounds). Tokens split instead (the default) is the test above."""
     from maxfp4.config import load_config
-    from tests.test_context import MOE, _shard_map_token_rows, split_against_one_device
+    from tests.test_context import MOE, _shard_map_token_rows, shard_map_input_shapes, split_against_one_device
     overrides = MOE + ["model.moe.expert_tensor_parallel=true"]
     cfg = load_config(None, overrides)
     mesh = ["mesh.tensor=2"] + (["mesh.expert=2", "mesh.sequence_parallel=true"] if ep > 1 else [])
     jaxpr = split_against_one_device(overrides, mesh, 2 * ep, gradient_bound=3e-2)
     assert _shard_map_token_rows(jaxpr.jaxpr, cfg.model.d_model) == {cfg.data.global_batch * cfg.data.seq_len // ep}
     x, f, d = cfg.model.moe.experts // ep, cfg.model.moe.d_ff, cfg.model.d_model
-    shapes = set()
-
-    def walk(j):
-        for eqn in j.eqns:
-            if eqn.primitive.name == "shard_map":
-                shapes.update(v.aval.shape for v in eqn.params["jaxpr"].invars if v.aval.ndim >= 3)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-    walk(jaxpr.jaxpr)
+    shapes = shard_map_input_shapes(jaxpr.jaxpr, 3)
     assert (x, d, f // 2, 1) in shapes and (x, f // 2, d) in shapes, sorted(shapes)
     assert (x, d, f, 1) not in shapes and (x, f, d) not in shapes, sorted(shapes)
 
