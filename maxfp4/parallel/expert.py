@@ -77,12 +77,14 @@ def run_experts(x_ND: jax.Array, experts_Nk: jax.Array, weights_Nk: jax.Array, w
     rows = entry_axes(logical_to_spec(("batch",), (x_ND.shape[0],), mesh)[0])
     if mesh.shape.get("context", 1) > 1 and "context" not in mesh.manual_axes:
         rows = ("context",) + rows
-    # The devices of a tensor group hold the same tokens (the activations are whole over tensor);
-    # they take a share each here, with every expert whole (Megatron's expert tensor parallelism
-    # of 1), rather than each running all of them through the same experts.
+    # The devices of a tensor group hold the same tokens; by default they take a share each here,
+    # with every expert whole (Megatron's expert tensor parallelism of 1), rather than each
+    # running all of them through the same experts. With ``expert_tensor`` each takes all of them
+    # and its share of every expert's hidden units.
     tensor = mesh.shape.get("tensor", 1)
-    split_experts = expert_tensor and tensor > 1 and "tensor" not in mesh.manual_axes
-    if (not split_experts and tensor > 1 and "tensor" not in mesh.manual_axes
+    splits_tensor = tensor > 1 and "tensor" not in mesh.manual_axes
+    split_experts = expert_tensor and splits_tensor  # else the tokens, where they divide
+    if (splits_tensor and not split_experts
             and x_ND.shape[0] % (tensor * math.prod(mesh.shape[a] for a in rows)) == 0):
         rows = rows + ("tensor",)
     tokens = P(spec_entry(rows))
